@@ -3,6 +3,10 @@
 FLOPs per token follow PaLM's 6N + 12·L·H·Q·T (training: forward + backward), where N excludes
 the input embedding table (a lookup, not a matmul) unless it is tied to the output head, and the
 attention term is counted for the full T×T score matrix — no halving for the causal mask.
+
+Mixture-of-experts models (`config.extra["moe"]`): each token passes through the router, its K
+routed experts and the shared experts only, so N in 6N is the *active* count — the total minus
+the (X - K) routed experts per layer that a token skips (`active_parameters`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ class ParameterBreakdown:
     """Final norm."""
     head: int
     """Output head (0 when tied to the embedding)."""
+    routed_experts: int = 0
+    """Routed-expert parameters of one MoE layer, all X experts (0 for a dense model)."""
+    active_routed_experts: int = 0
+    """Routed-expert parameters one token uses in one MoE layer: its K experts."""
 
     def total(self, num_layers: int) -> int:
         """Whole-model count for `num_layers` layers."""
@@ -46,13 +54,29 @@ def parameter_breakdown(config: ModelConfig) -> ParameterBreakdown:
     branches = 2 if config.gated else 1
     mlp_matrices = branches * e * f + f * e
     mlp_bias = (branches * f + e) if config.mlp_bias else 0
+    routed = active = router = 0
+    moe = config.extra.get("moe")
+    if moe is not None:
+        from models.moe import MoEConfig
+
+        moe_cfg = MoEConfig(**moe)
+        # Experts are SwiGLU without biases ([gate; up] and down); shared experts are one dense
+        # SwiGLU MLP of width F·num_shared_experts; the router is an [X, E] matrix.
+        per_expert = 3 * e * f
+        routed = moe_cfg.num_experts * per_expert
+        active = moe_cfg.top_k * per_expert
+        router = moe_cfg.num_experts * e
+        mlp_matrices = routed + moe_cfg.num_shared_experts * per_expert
+        mlp_bias = 0
     matrices = attn_matrices + mlp_matrices
-    per_layer = matrices + attn_bias + mlp_bias + 2 * norm_parameters(config)
+    per_layer = matrices + router + attn_bias + mlp_bias + 2 * norm_parameters(config)
     embedding = config.vocab_size * e
     if config.embedding_layernorm:
         embedding += norm_parameters(config)
     head = 0 if config.tie_word_embeddings else config.vocab_size * e
-    return ParameterBreakdown(embedding, per_layer, matrices, norm_parameters(config), head)
+    return ParameterBreakdown(
+        embedding, per_layer, matrices, norm_parameters(config), head, routed, active
+    )
 
 
 def count_parameters(config: ModelConfig) -> int:
@@ -60,11 +84,20 @@ def count_parameters(config: ModelConfig) -> int:
     return parameter_breakdown(config).total(config.num_layers)
 
 
+def active_parameters(config: ModelConfig) -> int:
+    """Parameters one token passes through: the total, less the routed experts it is not sent
+    to (X - K per MoE layer). Equals `count_parameters` for a dense model."""
+    parts = parameter_breakdown(config)
+    skipped = parts.routed_experts - parts.active_routed_experts
+    return parts.total(config.num_layers) - config.num_layers * skipped
+
+
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12·L·H·Q·T (N without the untied input embedding)."""
+    """Training FLOPs per token: 6N + 12·L·H·Q·T (N: active parameters, without the untied input
+    embedding)."""
     if seq_len <= 0:
         raise ValueError(f"flops_per_token: seq_len={seq_len} must be positive")
-    n = count_parameters(config)
+    n = active_parameters(config)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size
     attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len

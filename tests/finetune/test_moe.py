@@ -174,3 +174,29 @@ def test_trainer_builds_and_trains_the_moe_family(tmp_path):
         straight.model.named_parameters(), resumed.model.parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_parameter_and_flop_counts_of_moe_by_hand():
+    """tiny-mixtral: E 64, F 96, L 2, H 4 (D 16), 2 KV heads, V 256, X 4 experts, top-2."""
+    from models.accounting import active_parameters, count_parameters, flops_per_token
+
+    config = get_config("tiny-mixtral")
+    attention = 64 * (64 + 2 * 32) + 64 * 64  # [q; k; v] and o
+    expert = 3 * 64 * 96  # [gate; up] 2F×E and down E×F
+    router, norms = 4 * 64, 2 * 64
+    per_layer = attention + 4 * expert + router + norms
+    total = 256 * 64 + 2 * per_layer + 64 + 256 * 64  # embedding, layers, final norm, head
+    assert count_parameters(config) == total == 205_632
+    model = build_causal_lm(config)  # meta: nothing allocated
+    assert sum(p.numel() for p in model.parameters()) == total
+    active = total - 2 * (4 - 2) * expert  # a token skips 2 of the 4 experts in each layer
+    assert active_parameters(config) == active == 131_904
+    seq = 32
+    expected = 6 * (active - 256 * 64) + 12 * 2 * 4 * 16 * seq
+    assert flops_per_token(config, seq) == expected
+    dense = get_config("tiny-mixtral", extra={})
+    assert active_parameters(dense) == count_parameters(dense)
+    shared = get_config("tiny-mixtral", extra={"moe": {"num_experts": 4, "top_k": 1,
+                                                       "num_shared_experts": 2}})  # fmt: skip
+    assert active_parameters(shared) == total - 2 * 3 * expert + 2 * 2 * expert
+    assert sum(p.numel() for p in build_causal_lm(shared).parameters()) == count_parameters(shared)

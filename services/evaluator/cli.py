@@ -18,7 +18,7 @@ from pathlib import Path
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import EvalConfig, evaluate
-from services.evaluator.tasks import groups, list_tasks
+from services.evaluator.tasks import groups, list_tasks, resolve
 
 LOAD_FORMATS = ("auto", "hf", "native", "megatron")
 
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             num_samples=args.num_samples,
             temperature=args.temperature,
         )
+        resolve(list(config.tasks))  # unknown names fail here, before a model is opened
         model = open_model(args)
     except (ValueError, ConnectionError) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)

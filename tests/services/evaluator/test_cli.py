@@ -33,3 +33,18 @@ def test_cli_errors_exit_2_naming_the_problem(served, tmp_path, capsys):
     assert "127.0.0.1:1" in capsys.readouterr().err
     assert main(["--tasks", "boolq", *base, "--endpoint", server.address, "--limit", "0"]) == 2
     assert "--limit must be >= 1" in capsys.readouterr().err
+
+
+def test_unknown_tasks_list_the_known_ones_before_opening_a_model(tmp_path, capsys):
+    argv = ["--tasks", "boolq,agieval_maths", "--task-data-path", str(FIXTURES),
+            "--endpoint", "127.0.0.1:1", "--output-path", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unknown task name(s) ['agieval_maths']" in err and "127.0.0.1:1" not in err
+    for name in ("agieval_gaokao_mathcloze", "agieval_math", "gsm8k", "gsm8k_cot", "humaneval"):
+        assert f" {name}," in err
+    assert main(["--list-tasks"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert {"agieval (group of 21)", "agieval_math", "agieval_gaokao_mathcloze", "gsm8k"} <= set(
+        listed
+    )

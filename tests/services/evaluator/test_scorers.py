@@ -65,6 +65,76 @@ def test_gsm8k_right_and_wrong():
         assert loose == {"exact_match,strict-match": 0.0, "exact_match,flexible-extract": 1.0}
 
 
+def test_gsm8k_5shot_right_and_wrong():
+    task = get_task("gsm8k")
+    docs, pool = task.load(FIXTURES)
+    assert len(pool) == 8 and all("####" in doc["answer"] for doc in pool)
+    for doc in docs:
+        gold = doc["answer"].split("####")[-1].strip()
+        right = task.process(doc, [f" We compute it.\n#### {gold}"])
+        assert right == {"exact_match,strict-match": 1.0, "exact_match,flexible-extract": 1.0}
+        wrong = task.process(doc, [" We compute it.\n#### 123456"])
+        assert wrong == {"exact_match,strict-match": 0.0, "exact_match,flexible-extract": 0.0}
+        # No "####": strict fails, flexible takes the last number.
+        loose = task.process(doc, [f" so it is {gold}"])
+        assert loose == {"exact_match,strict-match": 0.0, "exact_match,flexible-extract": 1.0}
+
+
+def test_gsm8k_needs_its_train_split(tmp_path: Path):
+    (tmp_path / "test.jsonl").write_text((FIXTURES / "gsm8k" / "test.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"train split; put GSM8K's train.jsonl at .*train.jsonl"):
+        get_task("gsm8k").load(tmp_path)
+    # gsm8k_cot needs no train split, and a test file given directly finds train.jsonl beside it.
+    assert get_task("gsm8k_cot").load(tmp_path)[0]
+    docs, pool = get_task("gsm8k").load(FIXTURES / "gsm8k" / "test.jsonl")
+    assert len(docs) == 3 and len(pool) == 8
+
+
+@pytest.mark.parametrize("name", ["agieval_math", "agieval_gaokao_mathcloze"])
+def test_agieval_cloze_right_and_wrong(name):
+    task = get_task(name)
+    docs, pool = task.load(FIXTURES)
+    assert docs and pool == []
+    assert task.generation().until == ("Q:",) and task.generation().max_gen_toks == 32
+    for doc in docs:
+        gold = doc["answer"]
+        value = gold.strip("$")
+        for right in (f" {gold}", f" $\\boxed{{{value}}}$ is the result", f" so x = {value}."):
+            assert task.process(doc, [right]) == {"acc,none": 1.0}, right
+        for wrong in (" 12345", " I do not know", " $\\boxed{-1}$"):
+            assert task.process(doc, [wrong]) == {"acc,none": 0.0}, wrong
+
+
+def test_math_answer_normalisation():
+    from services.evaluator.scoring.math_answers import extract_answer, math_equivalent
+
+    assert extract_answer("so $x = \\frac{1}{2}$ and then") == "\\frac{1}{2}"
+    assert extract_answer("first \\boxed{3} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert extract_answer("no answer here") is None
+    assert math_equivalent("$\\dfrac12$", "$0.5$") and math_equivalent("$3/4$", "$\\frac34$")
+    assert math_equivalent("$30^{\\circ}$", "$30$") and math_equivalent("$\\sqrt3$", "$\\sqrt{3}$")
+    assert not math_equivalent("$\\frac{1}{3}$", "$\\frac{1}{2}$")
+    # As lm-eval: the gold is parsed too, so a bare-LaTeX fraction reduces to its last number.
+    assert not math_equivalent("$\\frac{1}{2}$", "\\frac{1}{2}")
+    assert math_equivalent("2", "\\frac{1}{2}")
+
+
+def test_agieval_official_cloze_format_becomes_the_zero_shot_query(tmp_path: Path):
+    docs, _ = get_task("agieval_gaokao_mathcloze").load(FIXTURES)
+    assert docs[1] == {"query": "问题：函数 $y=x^2$ 在 $x=3$ 处的导数为\n答案：", "answer": "$6$"}
+    (tmp_path / "math.jsonl").write_text(
+        json.dumps({"passage": None, "question": "1+1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"passage": None, "question": "2+2?", "answer": None})
+        + "\n"
+    )
+    with pytest.raises(ValueError, match=r"math.jsonl:2: record lacks 'answer'"):
+        get_task("agieval_math").load(tmp_path)
+    (tmp_path / "math.jsonl").write_text(json.dumps({"query": "Q: 1+1?\nA: The answer is"}))
+    with pytest.raises(ValueError, match=r"math.jsonl:1: a 'query' record needs answer"):
+        get_task("agieval_math").load(tmp_path)
+
+
 def test_bbh_right_and_wrong():
     task = get_task("bbh_fewshot_boolean_expressions")
     docs, pool = task.load(FIXTURES)
@@ -89,11 +159,17 @@ def test_registry_names_groups_and_unknowns():
     assert len([n for n in names if n.startswith("mmlu_")]) == 57
     assert len([n for n in names if n.startswith("ceval-valid_")]) == 52
     assert len([n for n in names if n.startswith("bbh_fewshot_")]) == 27
-    assert {"boolq", "gsm8k_cot", "humaneval"} <= set(names)
+    assert {"boolq", "gsm8k", "gsm8k_cot", "humaneval"} <= set(names)
+    assert {"agieval_math", "agieval_gaokao_mathcloze"} <= set(groups()["agieval"])
+    assert len(groups()["agieval"]) == 21
     assert set(groups()["mmlu_stem"]) < set(groups()["mmlu"])
     assert [t.name for t in resolve(["mmlu_anatomy", "mmlu_anatomy"])] == ["mmlu_anatomy"]
-    with pytest.raises(ValueError, match=r"unknown task name.*known tasks: agieval_aqua_rat"):
+    with pytest.raises(
+        ValueError, match=r"unknown task name.*known tasks: agieval_aqua_rat"
+    ) as err:
         resolve(["mmlu_no_such_subject"])
+    for name in ("agieval_math", "agieval_gaokao_mathcloze", "gsm8k", "gsm8k_cot"):
+        assert f" {name}," in str(err.value)
 
 
 def test_bad_files_name_the_file_and_the_problem(tmp_path: Path):

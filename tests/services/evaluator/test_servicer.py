@@ -76,7 +76,10 @@ def test_list_tasks_and_unknown_names(evaluator):
     stub, _, _ = evaluator
     tasks = {t.name: t for t in stub.ListTasks(evaluator_pb2.ListTasksRequest()).tasks}
     assert len(tasks["mmlu"].subtasks) == 57
-    assert tasks["gsm8k_cot"].default_num_fewshot == 8
+    assert tasks["gsm8k_cot"].default_num_fewshot == 8 and tasks["gsm8k"].default_num_fewshot == 5
+    assert len(tasks["agieval"].subtasks) == 21
+    assert tasks["agieval_math"].output_type == "generate_until"
+    assert list(tasks["agieval_gaokao_mathcloze"].metrics) == ["acc"]
     assert tasks["humaneval"].output_type == "generate_until"
     assert list(tasks["boolq"].metrics) == ["acc"]
     with pytest.raises(grpc.RpcError) as err:
@@ -88,7 +91,15 @@ def test_list_tasks_and_unknown_names(evaluator):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = err.value.details()
     assert "mmlu_klingon" in details and "known groups: agieval, bbh, ceval-valid, mmlu" in details
-    assert "boolq, gsm8k_cot, humaneval" in details and "closest: mmlu_" in details
+    assert "boolq, gsm8k, gsm8k_cot, humaneval" in details and "closest: mmlu_" in details
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartEvaluation(
+            evaluator_pb2.StartEvaluationRequest(
+                tasks=["agieval_maths", "gsm8"], task_data_path=str(FIXTURES), endpoint="h:1"
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "closest: agieval_math, " in err.value.details() and " gsm8k," in err.value.details()
 
 
 def test_unreachable_endpoint_fails_the_operation(evaluator):

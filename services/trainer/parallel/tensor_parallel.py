@@ -122,7 +122,8 @@ def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, 
         "colwise_packed_gate_up": SlicedColwise(
             _packed_rows([(config.ffn_hidden_size, 0), (config.ffn_hidden_size, 0)], 1)
         ),
-        "sequence_parallel": SequenceParallel(),
+        # Plain local outputs: a norm output may become the residual stream (embed_layernorm).
+        "sequence_parallel": SequenceParallel(use_local_output=True),
         "colwise_loss_parallel": ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         ),
@@ -140,11 +141,6 @@ def apply_tensor_parallel(
     sharded over the vocabulary: compute the loss with `tp_cross_entropy_sum`.
     """
     tp = tp_mesh.size()
-    if config.position_embedding == "alibi":
-        raise ValueError(
-            "--tensor-model-parallel-size > 1 with ALiBi models is not wired in the trainer yet "
-            "(per-rank head offsets); train ALiBi models without tensor parallelism"
-        )
     if config.embedding_layernorm and not sequence_parallel:
         raise ValueError("embedding layernorm models need --sequence-parallel under TP")
     h, k = config.num_attention_heads, config.kv_heads
@@ -162,7 +158,15 @@ def apply_tensor_parallel(
     styles = _styles(config, tp, sequence_parallel)
     names = [name for name, _ in model.named_modules()]
     resolved = match_plan(plan, names)
-    module_plan: dict[str, ParallelStyle] = {n: styles[s] for n, s in resolved.items()}
+    heads_per_rank = config.num_attention_heads // tp
+    for name, style in resolved.items():
+        if style == "alibi_heads":
+            # Column-parallel q keeps heads [r·H/t, (r+1)·H/t) on rank r: their slopes.
+            attn = model.get_submodule(name)
+            attn.head_offset = tp_mesh.get_local_rank() * heads_per_rank  # type: ignore[assignment]
+    module_plan: dict[str, ParallelStyle] = {
+        n: styles[s] for n, s in resolved.items() if s != "alibi_heads"
+    }
     if sequence_parallel:
         # Attention takes (x, rope, padding mask, segment ids, cache); the MLP takes x.
         for suffix, extra in ((".self_attn", 4), (".mlp", 0)):
@@ -176,6 +180,11 @@ def apply_tensor_parallel(
                     module_plan[name] = gather
                     resolved[name] = "gather_sequence"
     parallelize_module(model, tp_mesh, module_plan)
+    tie_weights = getattr(model, "tie_weights", None)
+    if config.tie_word_embeddings and callable(tie_weights):
+        # Each style swapped in its own parameter, untying the head; both are vocabulary-row
+        # shards (Shard(0)) on the same mesh, so the head can share the embedding's DTensor.
+        tie_weights()
     for name, module in model.named_modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate_module(module, tp_mesh)

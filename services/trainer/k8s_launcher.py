@@ -101,7 +101,7 @@ class KubernetesLauncher:
         stop_event: threading.Event | None = None,
         env: dict[str, str] | None = None,
         output: TextIO | None = None,
-        save_on_stop: bool = True,
+        save_on_stop: bool | Callable[[], bool] = True,
         operation: str = "",
         **ignored: Any,
     ) -> int:
@@ -109,7 +109,8 @@ class KubernetesLauncher:
 
         Raises ResourceExhausted / FailedPrecondition / Unavailable when the cluster, not the
         training, ended it. `node_rank` and `rdzv_endpoint` of the local launcher are set per
-        pod by the workload and so are ignored here.
+        pod by the workload and so are ignored here. Pods are stopped with SIGTERM, so a stop
+        saves unless `save_on_stop` is False at launch (a callable cannot change that later).
         """
         out = output or sys.stdout
         spec = TrainingJobSpec(
@@ -120,7 +121,7 @@ class KubernetesLauncher:
             max_restarts=max_restarts,
             env=tuple(sorted((env or {}).items())),
             image=self.image,
-            save_on_stop=save_on_stop,
+            save_on_stop=save_on_stop is not False,
             operation=operation,
             namespace=self.client.namespace,
         )

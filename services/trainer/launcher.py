@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import psutil
 import yaml
 
+from services.trainer.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
 from services.trainer.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 from services.trainer.train_config import TrainConfig
 
@@ -99,13 +100,14 @@ def launch(
     stop_event: threading.Event | None = None,
     env: dict[str, str] | None = None,
     output: TextIO | None = None,
-    save_on_stop: bool = True,
+    save_on_stop: bool | Callable[[], bool] = True,
 ) -> int:
     """Run a training job with torchrun and wait for it; returns torchrun's exit code.
 
     `config` is a TrainConfig or training flags. Output lines go to `output` (default stdout),
     metrics records to `on_metrics`. Setting `stop_event` stops the workers at their next step;
-    they save first when --save is given, unless `save_on_stop` is False.
+    they save first when --save is given, unless `save_on_stop` is False — or, when it is a
+    callable, returns False at the moment of the stop (the decision can come after the launch).
     """
     options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     out = output or sys.stdout
@@ -115,7 +117,7 @@ def launch(
             **os.environ,
             **(env or {}),
             METRICS_STDOUT_ENV: "1",
-            SAVE_ON_STOP_ENV: "1" if save_on_stop else "0",
+            SAVE_ON_STOP_ENV: "0" if save_on_stop is False else "1",
             "PYTHONUNBUFFERED": "1",
         }
         proc = subprocess.Popen(
@@ -128,7 +130,9 @@ def launch(
         )
         watcher = None
         if stop_event is not None:
-            watcher = threading.Thread(target=_watch_stop, args=(proc, stop_event), daemon=True)
+            watcher = threading.Thread(
+                target=_watch_stop, args=(proc, stop_event, save_on_stop), daemon=True
+            )
             watcher.start()
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -146,18 +150,23 @@ def launch(
         return code
 
 
-def _watch_stop(proc: subprocess.Popen, stop_event: threading.Event) -> None:
-    """On stop: SIGTERM the workers (not the agent, which would report the job as failed).
+def _watch_stop(
+    proc: subprocess.Popen, stop_event: threading.Event, save_on_stop: bool | Callable[[], bool]
+) -> None:
+    """On stop: signal the workers (not the agent, which would report the job as failed).
 
-    Each worker finishes its step, saves (with --save) and exits 0, so torchrun ends cleanly.
-    If that takes longer than STOP_GRACE_S the agent is terminated, then the session killed.
+    SIGTERM asks each worker to finish its step, save (with --save) and exit 0, so torchrun ends
+    cleanly; SIGUSR2 does the same without the save. If that takes longer than STOP_GRACE_S the
+    agent is terminated, then the session killed.
     """
     stop_event.wait()
     if proc.poll() is not None:
         return
+    save = save_on_stop() if callable(save_on_stop) else save_on_stop
+    signum = SAVE_SIGNAL if save else NO_SAVE_SIGNAL
     for child in psutil.Process(proc.pid).children(recursive=False):
         with contextlib.suppress(psutil.NoSuchProcess):
-            child.send_signal(signal.SIGTERM)
+            child.send_signal(signum)
     try:
         proc.wait(timeout=STOP_GRACE_S)
         return

@@ -115,7 +115,8 @@ class Trainer:
         self.dp_size = config.dp_size(self.world_size)
         self.dp_rank = self.rank // config.parallel.model_parallel_size()
         self.feed = None
-        if config.parallel.model_parallel_size() > 1:
+        par = config.parallel
+        if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
             from services.trainer.parallel.parallelize import ModelParallelFeed, build_dims
 
             self.feed = ModelParallelFeed(build_dims(config, self.world_size))
@@ -335,12 +336,15 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def fit(
-        self, stop: Callable[[], bool] | None = None, *, save_on_stop: bool = True
+        self,
+        stop: Callable[[], bool] | None = None,
+        *,
+        save_on_stop: bool | Callable[[], bool] = True,
     ) -> RunSummary:
         """Train until --train-iters (or `stop()` turns true); log, evaluate and save on schedule.
 
         The final checkpoint (with --save) is written also when stopped early, unless
-        `save_on_stop` is False.
+        `save_on_stop` is (or, called once the run has stopped, returns) False.
         """
         run = self.config.run
         first_loss = final_loss = math.nan
@@ -381,6 +385,8 @@ class Trainer:
             if stop is not None and stop():
                 stopped = True
                 break
+        if stopped and callable(save_on_stop):
+            save_on_stop = save_on_stop()
         checkpoint = self.save() if run.save and (save_on_stop or not stopped) else None
         if self.checkpoints is not None:
             self.checkpoints.wait()

@@ -2,22 +2,19 @@
 
 A request carries the same flags `meshline train` takes. The servicer checks the launch fields,
 the environment and every path (confined to the data roots), parses the flags with the trainer's
-own parser, then runs `services.trainer.launcher.launch` (torchrun) in a worker thread. Each
-metrics record becomes a StreamMetricsResponse and the operation's progress; StopTraining sends
-the workers SIGTERM, on which they save to --save and exit.
+own parser, then runs the job (`services.trainer.job.run_job`: torchrun, or Kubernetes
+workloads in a cluster) in a worker thread. Each metrics record becomes a StreamMetricsResponse
+and the operation's progress; StopTraining sends the workers SIGTERM, on which they save to --save
+and exit (SIGUSR2 with save_checkpoint=false: they exit without saving).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import logging
 import re
-import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -25,7 +22,6 @@ import grpc
 from meshline.common.v1 import operations_pb2
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.errors import (
-    Cancelled,
     FailedPrecondition,
     InvalidArgument,
     Unimplemented,
@@ -36,13 +32,13 @@ from services.common.operations_servicer import operations_binding
 from services.common.paths import resolve_under_roots
 from services.common.server import ServiceBinding
 from services.trainer.config import TrainerServiceConfig
-from services.trainer.k8s_launcher import select_launcher, use_kubernetes
+from services.trainer.job import TrainingRun, run_job
+from services.trainer.k8s_launcher import use_kubernetes
 from services.trainer.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 JOB_KIND = "train"
-LAUNCHER_ISSUE = "arrives with issue #5 (services/trainer/launcher.py)"
 _RUN_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Set by the launcher for each worker; a request must not override them.
@@ -162,96 +158,13 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
     return config
 
 
-class _OutputTail(io.StringIO):
-    """The job's console output: forwarded to the server log, the last lines kept for errors."""
-
-    def __init__(self, name: str, keep: int = 20) -> None:
-        super().__init__()
-        self._name = name
-        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
-
-    def write(self, text: str) -> int:
-        """Logs each line of `text` (the launcher writes whole lines)."""
-        for line in text.splitlines():
-            self.lines.append(line)
-            logger.info("%s | %s", self._name, line)
-        return len(text)
-
-
-@dataclass
-class _Run:
-    """Live state of one training job of this server process."""
-
-    config: TrainConfig
-    stop: threading.Event = field(default_factory=threading.Event)
-    stop_requested: bool = False
-    metrics: list[trainer_pb2.StreamMetricsResponse] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def snapshot(self) -> list[trainer_pb2.StreamMetricsResponse]:
-        with self.lock:
-            return list(self.metrics)
-
-
-def _metrics_message(
-    record: dict, previous: trainer_pb2.StreamMetricsResponse | None, tokens_per_step: int
-) -> trainer_pb2.StreamMetricsResponse:
-    """One launcher metrics record (a log interval ending at `step`) as a stream message."""
-    step = int(record["step"])
-    steps = step - (previous.step if previous else 0)
-    message = trainer_pb2.StreamMetricsResponse(
-        step=step,
-        loss=record["loss"],
-        grad_norm=record["grad_norm"],
-        lr=record["lr"],
-        tokens_per_s=record["tokens_per_s"],
-        tflops=record["tflops"],
-        mfu=record["mfu"],
-        mem_gb=record["mem_gb"],
-        skipped=int(record["skipped"]),
-        nan=int(record["nan"]),
-        step_seconds=record["elapsed_s"] / max(steps, 1),
-        consumed_tokens=(previous.consumed_tokens if previous else 0) + steps * tokens_per_step,
-    )
-    message.timestamp.GetCurrentTime()
-    return message
-
-
-def _summary(
-    metrics: list[trainer_pb2.StreamMetricsResponse], elapsed: float
-) -> trainer_pb2.TrainingSummary:
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values) if values else 0.0
-
-    last = metrics[-1] if metrics else trainer_pb2.StreamMetricsResponse()
-    return trainer_pb2.TrainingSummary(
-        final_loss=last.loss,
-        mean_tokens_per_s=mean([m.tokens_per_s for m in metrics]),
-        mean_tflops=mean([m.tflops for m in metrics]),
-        mean_mfu=mean([m.mfu for m in metrics]),
-        peak_mem_gb=max((m.mem_gb for m in metrics), default=0.0),
-        skipped_steps=last.skipped,
-        nan_steps=last.nan,
-        elapsed_seconds=elapsed,
-    )
-
-
-def _latest_checkpoint(save: str | None) -> str:
-    """`save/step-XXXXXX` named by the `latest` pointer, or "" when nothing was saved."""
-    if not save:
-        return ""
-    pointer = Path(save) / "latest"
-    text = pointer.read_text().strip() if pointer.is_file() else ""
-    return str(Path(save) / f"step-{int(text):06d}") if text.isdigit() else ""
-
-
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     """Starts, stops and watches training jobs held as operations in `store`."""
 
     def __init__(self, config: TrainerServiceConfig, store: OperationsStore) -> None:
         self._config = config
         self._store = store
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, TrainingRun] = {}
 
     def _training_operation(self, name: str) -> operations_pb2.Operation:
         _require_name(name)
@@ -325,83 +238,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             world_size=nproc * nnodes,
         )
         handle = self._store.create(JOB_KIND, metadata)
-        run = _Run(config)
+        run = TrainingRun(config)
         self._runs[handle.name] = run
 
         def job(handle: OperationHandle) -> trainer_pb2.TrainingResult | None:
-            return self._run(request, run, handle, metadata, nproc, nnodes)
+            return run_job(self._config.launcher, request, run, handle, metadata, nproc, nnodes)
 
         run_in_thread(self._store, handle, job)
         return trainer_pb2.StartTrainingResponse(operation=self._store.get(handle.name))
-
-    def _run(
-        self,
-        request: trainer_pb2.StartTrainingRequest,
-        run: _Run,
-        handle: OperationHandle,
-        metadata: trainer_pb2.TrainingMetadata,
-        nproc: int,
-        nnodes: int,
-    ) -> trainer_pb2.TrainingResult | None:
-        # In a cluster the job runs as Kubernetes workloads, else as local torchrun processes.
-        launch = select_launcher(self._config.launcher, handle.name)
-        config = run.config
-        batch = config.batch.global_batch_size or config.batch.micro_batch_size * nproc * nnodes
-        tokens_per_step = batch * config.model.seq_length
-        started = time.monotonic()
-
-        def on_metrics(record: dict) -> None:
-            with run.lock:
-                previous = run.metrics[-1] if run.metrics else None
-                message = _metrics_message(record, previous, tokens_per_step)
-                run.metrics.append(message)
-            metadata.current_step = message.step
-            metadata.last_loss = message.loss
-            handle.progress(
-                message.step,
-                total=config.run.train_iters,
-                unit="steps",
-                message=f"step {message.step}/{config.run.train_iters} loss {message.loss:.4f}",
-                metadata=metadata,
-            )
-
-        def forward_cancel() -> None:
-            while not run.stop.is_set():
-                if handle.cancel_requested.wait(0.5):
-                    run.stop.set()
-
-        threading.Thread(target=forward_cancel, daemon=True).start()
-        output = _OutputTail(handle.name)
-        code = launch(
-            list(request.args),
-            nproc,
-            nnodes=nnodes,
-            max_restarts=request.max_restarts,
-            on_metrics=on_metrics,
-            stop_event=run.stop,
-            env=dict(request.env),
-            output=output,
-        )
-        if handle.cancel_requested.is_set():
-            raise Cancelled(f"{handle.name} was cancelled")
-        if code != 0:
-            tail = " | ".join(output.lines)
-            handle.fail(
-                grpc.StatusCode.ABORTED,
-                f"training exited with code {code}; last output: {tail[-800:]}",
-            )
-            return None
-        metrics = run.snapshot()
-        return trainer_pb2.TrainingResult(
-            final_step=metrics[-1].step if metrics else 0,
-            checkpoint_path=_latest_checkpoint(config.run.save),
-            summary=_summary(metrics, time.monotonic() - started),
-            metrics_csv_path=(
-                str(Path(config.run.log_dir) / "metrics.csv") if config.run.log_dir else ""
-            ),
-            tensorboard_dir=config.run.log_dir or "",
-            stopped_early=run.stop_requested,
-        )
 
     def _stop_job(
         self, operation: operations_pb2.Operation, save_checkpoint: bool
@@ -414,13 +258,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 f"name: {operation.name!r} has no --save directory to checkpoint into; "
                 "call again with save_checkpoint=false to stop without saving"
             )
-        if not save_checkpoint and run.config.run.save:
+        if not save_checkpoint and use_kubernetes(self._config.launcher):
             raise Unimplemented(
-                "stopping without the final checkpoint: workers always save to --save on "
-                f"SIGTERM; a launcher option to skip it {LAUNCHER_ISSUE}"
+                "save_checkpoint=false: Kubernetes stops pods with SIGTERM, on which workers save "
+                "to --save; stop with save_checkpoint=true, or cancel the operation"
             )
-        run.stop_requested = True
-        run.stop.set()
+        run.request_stop(save_checkpoint)
         return trainer_pb2.StopTrainingResponse(operation=self._store.get(operation.name))
 
 

@@ -4,7 +4,8 @@ Also runs as a single process (`python -m services.trainer.train <flags>`). Join
 group from torchrun's environment, trains, prints a summary and writes `summary.json` into
 --log-dir on rank 0. SIGTERM (sent by torchrun or Kubernetes) ends the run at the next step
 boundary on every rank at once and still saves when --save is given (unless
-$MESHLINE_SAVE_ON_STOP=0, which the launcher sets for `save_on_stop=False`).
+$MESHLINE_SAVE_ON_STOP=0, which the launcher sets for `save_on_stop=False`); SIGUSR2 ends it the
+same way without the save (StopTraining with save_checkpoint=false).
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config)
         if config.run.load:
             trainer.load()
-        save_on_stop = os.environ.get(SAVE_ON_STOP_ENV, "1") != "0"
-        summary = trainer.fit(stop=last_gasp.agreed, save_on_stop=save_on_stop)
+        # The launch-time policy ($MESHLINE_SAVE_ON_STOP), then the signal that stopped the run.
+        save_default = os.environ.get(SAVE_ON_STOP_ENV, "1") != "0"
+        summary = trainer.fit(
+            stop=last_gasp.agreed, save_on_stop=lambda: save_default and last_gasp.save_agreed
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2

@@ -660,6 +660,31 @@ def test_trainer_server_runs_streams_and_stops_a_real_job(
     assert metadata.current_step == last and metadata.total_steps == 500
 
 
+@pytest.mark.slow
+def test_trainer_server_stops_a_job_without_saving_when_asked(
+    servers: dict[str, ServerProcess], data_root: Path
+) -> None:
+    save = data_root / "train-nosave" / "save"
+    args = _training_args(data_root, "--save", str(save))
+    args[args.index("--train-iters") + 1] = "500"
+    with _channel(servers["trainer"].port) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        started = stub.StartTraining(trainer_pb2.StartTrainingRequest(args=args), timeout=30)
+        name = started.operation.name
+        first = next(iter(stub.StreamMetrics(trainer_pb2.StreamMetricsRequest(name=name))))
+        assert first.step == 1
+        stop = trainer_pb2.StopTrainingRequest(name=name, save_checkpoint=False)
+        stub.StopTraining(stop, timeout=30)
+        operations = operations_pb2_grpc.OperationsServiceStub(channel)
+        wait = operations_pb2.WaitOperationRequest(name=name, timeout_seconds=60)
+        done = operations.WaitOperation(wait, timeout=90).operation
+    assert done.state == operations_pb2.OPERATION_STATE_SUCCEEDED, done.error.message
+    result = trainer_pb2.TrainingResult()
+    assert done.response.Unpack(result)
+    assert result.stopped_early and 1 <= result.final_step < 500
+    assert result.checkpoint_path == "" and not (save / "latest").exists()
+
+
 def test_every_service_stops_on_sigterm_with_exit_code_0(servers: dict[str, ServerProcess]) -> None:
     for server in servers.values():
         server.process.send_signal(signal.SIGTERM)

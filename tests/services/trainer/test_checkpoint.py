@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from kernels import device
 from services.trainer.checkpoint import CheckpointManager, LastGasp, TrainState
+from tests.harness import run_distributed
 from tests.services.trainer.test_data_parallel_model import (
     build_optimizer,
     build_tiny_model,
@@ -204,3 +205,29 @@ def test_last_gasp_flag_without_a_signal_stays_clear():
         assert gasp.agreed() and gasp.received == signal.SIGTERM
     finally:
         gasp.uninstall()
+
+
+def _vote_body(rank: int, world_size: int, signals: list[int | None]) -> tuple[bool, bool]:
+    gasp = LastGasp().install()
+    try:
+        if signals[rank] is not None:
+            os.kill(os.getpid(), signals[rank])
+            deadline = time.monotonic() + 5
+            while not gasp.requested and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return gasp.agreed(), gasp.save_agreed
+    finally:
+        gasp.uninstall()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("signals", "expected"),
+    [
+        ([signal.SIGUSR2, None], (True, False)),  # stop without saving, seen by every rank
+        ([signal.SIGUSR2, signal.SIGTERM], (True, True)),  # a save request wins
+        ([None, None], (False, True)),
+    ],
+)
+def test_ranks_agree_on_stop_and_on_saving(signals, expected):
+    assert run_distributed(_vote_body, 2, signals) == [expected, expected]

@@ -97,3 +97,33 @@ def test_two_workers_stream_metrics_and_stop_gracefully(tmp_path):
     assert summary["steps"] < 500 and summary["checkpoint"].endswith(f"step-{summary['steps']:06d}")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == str(summary["steps"])
     assert "training finished" in output.getvalue()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_stop_decided_after_launch_can_skip_the_save(tmp_path):
+    stop = threading.Event()
+    save_on_stop = {"save": True}
+
+    def on_metrics(record: dict) -> None:
+        if record["step"] >= 2:
+            save_on_stop["save"] = False  # decided while the job runs, as StopTraining does
+            stop.set()
+
+    flags = [*FLAGS, "--train-iters", "500", "--save", str(tmp_path / "ckpt")]
+    flags += ["--log-dir", str(tmp_path / "logs")]
+    output = io.StringIO()
+    code = launch(
+        flags,
+        1,
+        on_metrics=on_metrics,
+        stop_event=stop,
+        env={"OMP_NUM_THREADS": "1"},
+        output=output,
+        save_on_stop=lambda: save_on_stop["save"],
+    )
+    assert code == 0, output.getvalue()[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert 2 <= summary["steps"] < 500 and summary["checkpoint"] is None
+    assert not (tmp_path / "ckpt" / "latest").exists()
+    assert "SIGUSR2" in output.getvalue()

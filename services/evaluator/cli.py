@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
-from services.evaluator.runner import EvalConfig, evaluate
+from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
 from services.evaluator.tasks import groups, list_tasks, resolve
 
 LOAD_FORMATS = ("auto", "hf", "native", "megatron")
@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-samples", type=int, default=1, help="HumanEval completions per problem (pass@k)"
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.8, help="sampling temperature if --num-samples > 1"
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help="sampling temperature if --num-samples > 1",
     )
     parser.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
     return parser

@@ -24,6 +24,9 @@ from services.evaluator.tasks.base import MULTIPLE_CHOICE, MissingData, Task
 from services.evaluator.tasks.humaneval import HumanEval
 
 logger = logging.getLogger(__name__)
+DEFAULT_TEMPERATURE = 0.8
+"""Sampling temperature of HumanEval's sampled completions (Chen et al. (2021) use 0.8 for
+pass@10 and pass@100)."""
 Progress = Callable[[str, int, int, int, int], None]
 """(current task, tasks done, tasks total, requests done, requests total)."""
 
@@ -50,7 +53,7 @@ class EvalConfig:
     """Seed of the random few-shot sampler (lm-eval's fewshot_random_seed)."""
     num_samples: int = 1
     """Completions per HumanEval problem (n of pass@k); above 1 they are sampled."""
-    temperature: float = 0.8
+    temperature: float = DEFAULT_TEMPERATURE
     """Sampling temperature when num_samples > 1."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings echoed into results.json's "config"."""

@@ -33,7 +33,7 @@ from services.common.server import ServiceBinding
 from services.evaluator.config import EvaluatorServiceConfig
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import TaskOutcome, aggregate_groups, write_results
-from services.evaluator.runner import EvalConfig, evaluate
+from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
 from services.evaluator.tasks import get_task, groups, list_tasks
 
 SERVICE_NAME = evaluator_pb2.DESCRIPTOR.services_by_name["EvaluatorService"].full_name
@@ -48,6 +48,8 @@ _LOAD_FORMATS = {
 _TASK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
 _MAX_FEWSHOT = 64
+_MAX_NUM_SAMPLES = 200
+"""Largest HumanEval num_samples (Chen et al. (2021) report pass@k from n = 200)."""
 State = operations_pb2.OperationState
 
 
@@ -85,6 +87,30 @@ def check_fields(
             1 <= request.max_new_tokens <= config.max_new_tokens_limit,
             "max_new_tokens",
             f"must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}",
+        )
+    if request.HasField("num_samples"):
+        check.require(
+            1 <= request.num_samples <= _MAX_NUM_SAMPLES,
+            "num_samples",
+            f"must be in [1, {_MAX_NUM_SAMPLES}], got {request.num_samples}",
+        )
+        check.require(
+            request.num_samples <= 1 or "humaneval" in tasks,
+            "num_samples",
+            'only HumanEval samples several completions; add "humaneval" to tasks or leave '
+            "num_samples unset",
+        )
+    if request.HasField("temperature"):
+        check.require(
+            0 < request.temperature <= 2,
+            "temperature",
+            f"must be in (0, 2], got {request.temperature:g}",
+        )
+        check.require(
+            request.num_samples > 1,
+            "temperature",
+            "only applies to sampled completions (num_samples > 1); leave it unset for greedy "
+            "decoding",
         )
     which = request.WhichOneof("model")
     if which is None:
@@ -245,6 +271,10 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             batch_size=request.batch_size if request.HasField("batch_size") else DEFAULT_BATCH_SIZE,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             seed=request.seed if request.HasField("seed") else DEFAULT_SEED,
+            num_samples=request.num_samples if request.HasField("num_samples") else 1,
+            temperature=request.temperature
+            if request.HasField("temperature")
+            else DEFAULT_TEMPERATURE,
         )
 
         def on_progress(task: str, done: int, total: int, req_done: int, req_total: int) -> None:

@@ -154,3 +154,71 @@ def test_local_checkpoint_evaluation(served, tmp_path):
             assert started.name.rsplit("/", 1)[-1] in result.results_path
     finally:
         server.stop()
+
+
+def test_humaneval_pass_at_k_from_sampled_completions(served, evaluator):
+    _, inference = served
+    stub, ops, root = evaluator
+    started = stub.StartEvaluation(
+        evaluator_pb2.StartEvaluationRequest(
+            tasks=["humaneval"],
+            task_data_path=str(FIXTURES),
+            endpoint=inference.address,
+            limit=1,
+            max_new_tokens=6,
+            num_samples=3,
+            temperature=0.5,
+            output_path=str(root / "humaneval"),
+        )
+    ).operation
+    done = ops.WaitOperation(
+        operations_pb2.WaitOperationRequest(name=started.name, timeout_seconds=300)
+    ).operation
+    assert done.state == operations_pb2.OPERATION_STATE_SUCCEEDED, done.error.message
+    metadata = evaluator_pb2.EvaluationMetadata()
+    assert done.metadata.Unpack(metadata)
+    assert metadata.requests_done == metadata.requests_total == 3
+    assert metadata.request.num_samples == 3
+    result = stub.GetEvaluationResult(
+        evaluator_pb2.GetEvaluationResultRequest(name=started.name)
+    ).result
+    (row,) = result.results
+    assert {(m.name, m.filter) for m in row.metrics} == {
+        ("pass@1", "create_test"),
+        ("pass@3", "create_test"),
+    }
+    (sample,) = map(json.loads, (root / "humaneval" / "samples_humaneval.jsonl").open())
+    assert len(sample["resps"]) == 3
+    kwargs = [arguments[1] for arguments in sample["arguments"]]
+    assert [k["seed"] for k in kwargs] == [1234, 1235, 1236]
+    assert all(k["do_sample"] and k["temperature"] == pytest.approx(0.5) for k in kwargs)
+    # Of n = 3 completions c passed: pass@1 = c / 3 and pass@3 = 1 if c else 0.
+    values = {m.name: m.value for m in row.metrics}
+    assert values["pass@1"] in {c / 3 for c in range(4)}
+    assert values["pass@3"] == float(values["pass@1"] > 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "reason"),
+    [
+        ({"num_samples": 0}, "num_samples", "must be in [1, 200], got 0"),
+        ({"num_samples": 201}, "num_samples", "got 201"),
+        ({"num_samples": 4, "tasks": ["boolq"]}, "num_samples", 'add "humaneval" to tasks'),
+        ({"num_samples": 4, "temperature": 0.0}, "temperature", "must be in (0, 2], got 0"),
+        ({"num_samples": 4, "temperature": 2.5}, "temperature", "got 2.5"),
+        ({"temperature": 0.7}, "temperature", "only applies to sampled completions"),
+        ({"num_samples": 1, "temperature": 0.7}, "temperature", "num_samples > 1"),
+    ],
+)
+def test_sampling_fields_are_validated(evaluator, fields, field, reason):
+    stub, _, _ = evaluator
+    request = evaluator_pb2.StartEvaluationRequest(
+        tasks=fields.pop("tasks", ["humaneval"]),
+        task_data_path=str(FIXTURES),
+        endpoint="127.0.0.1:1",
+        **fields,
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartEvaluation(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details() and reason in err.value.details()

@@ -29,7 +29,7 @@ from services.evaluator.results import atomic_write, format_table, write_results
 from services.evaluator.runner import EvalConfig, evaluate
 
 FIXTURES = Path(__file__).parents[2] / "tests" / "fixtures" / "evaluator"
-TASKS = ("boolq", "mmlu", "ceval-valid", "agieval", "gsm8k_cot", "bbh", "humaneval")
+TASKS = ("boolq", "mmlu", "ceval-valid", "agieval", "gsm8k", "gsm8k_cot", "bbh", "humaneval")
 SHARD = Path("stdlib") / "shards" / "stdlib_text_document"
 TRAIN_SPLIT = "98,2,0"
 _LISTENING = re.compile(r"serving .* on (?P<address>[\w.\-\[\]:]+:\d+)")

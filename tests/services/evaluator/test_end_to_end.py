@@ -23,7 +23,8 @@ from tests.services.evaluator.lm_eval_ref import FIXTURES
 
 TASKS = (
     "boolq", "mmlu_anatomy", "mmlu_astronomy", "ceval-valid_accountant", "agieval_lsat_ar",
-    "gsm8k_cot", "bbh_fewshot_boolean_expressions", "humaneval",
+    "agieval_math", "agieval_gaokao_mathcloze", "gsm8k", "gsm8k_cot",
+    "bbh_fewshot_boolean_expressions", "humaneval",
 )  # fmt: skip
 
 
@@ -56,7 +57,14 @@ def test_fixture_subsets_through_the_service(served, tmp_path):
     assert set(TASKS) | {"mmlu", "mmlu_stem", "ceval-valid", "agieval", "bbh"} <= set(results)
     assert 0.0 <= results["mmlu_anatomy"]["acc,none"] <= 1.0
     assert "acc_stderr,none" in results["mmlu_anatomy"]
-    assert set(results["gsm8k_cot"]) >= {"exact_match,strict-match", "exact_match,flexible-extract"}
+    for name in ("gsm8k", "gsm8k_cot"):
+        assert set(results[name]) >= {"exact_match,strict-match", "exact_match,flexible-extract"}
+    # AGIEval's group averages acc, the one metric its multiple-choice and cloze subtasks share.
+    assert {k for k in results["agieval"] if "," in k} == {"acc,none", "acc_stderr,none"}
+    assert document["group_subtasks"]["agieval"] == [
+        "agieval_lsat_ar", "agieval_math", "agieval_gaokao_mathcloze",
+    ]  # fmt: skip
+    assert document["n-shot"]["gsm8k"] == 5 and document["n-shot"]["agieval_math"] == 0
     assert "pass@1,create_test" in results["humaneval"]
     sizes = {"mmlu_anatomy": 3, "mmlu_astronomy": 2}
     expected_mmlu = sum(results[t]["acc,none"] * n for t, n in sizes.items()) / 5

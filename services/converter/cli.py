@@ -15,6 +15,7 @@ from pathlib import Path
 
 from services.converter.job import (
     FORMATS,
+    LOAD_FORMATS,
     ConvertOptions,
     Progress,
     VerificationFailed,
@@ -33,13 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Convert a checkpoint between HF (config.json + safetensors), Meshline native (DCP "
             "step directories) and Megatron legacy (iter_*/mp_rank_*/model_optim_rng.pt) "
-            "layouts, resharding Megatron outputs to any TP/PP size, optionally merging a LoRA "
+            "layouts (and from DeepSpeed ZeRO checkpoints), resharding Megatron outputs to any "
+            "TP/PP size, optionally merging a LoRA "
             "adapter and checking logit parity. Works one layer at a time; the output appears "
             "only when complete."
         ),
     )
     p = parser.add_argument
-    p("--load-format", choices=FORMATS, required=True, help="format of the source checkpoint")
+    p(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        required=True,
+        help="format of the source checkpoint (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
+        "to fp32 like zero_to_fp32.py)",
+    )
     p("--save-format", choices=FORMATS, required=True, help="format to write")
     p(
         "--load-dir",
@@ -48,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="DIR",
         help="source directory: an HF model directory, a native save directory (its `latest` "
-        "step) or step-XXXXXX directory, or a Megatron directory with "
-        "latest_checkpointed_iteration.txt",
+        "step) or step-XXXXXX directory, a Megatron directory with "
+        "latest_checkpointed_iteration.txt, or a DeepSpeed directory with `latest` (or its "
+        "global_stepN)",
     )
     p(
         "--save-dir",
@@ -111,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         default=None,
-        help="iteration of a Megatron source to read (default: latest_checkpointed_iteration.txt)",
+        help="iteration of a Megatron source, or global step of a DeepSpeed one, to read "
+        "(default: latest_checkpointed_iteration.txt / latest)",
     )
     p(
         "--lora-load",

@@ -51,7 +51,8 @@ _LAYER = re.compile(r"^(?:model\.layers|transformer\.h)\.(\d+)\.")
 _PRE_PREFIXES = ("model.embed_tokens.", "transformer.word_embeddings")
 
 
-def _hf_unit(name: str) -> Unit | None:
+def hf_unit(name: str) -> Unit | None:
+    """The unit an HF tensor name belongs to (None for buffers no checkpoint needs)."""
     match = _LAYER.match(name)
     if match:
         return int(match.group(1))
@@ -94,7 +95,7 @@ class HFSource:
         self._by_unit: dict[Unit, list[tuple[str, Path]]] = {u: [] for u in units(config)}
         for path in sorted(set(self._files.values())):
             for name in self._keys(path):
-                unit = _hf_unit(name)
+                unit = hf_unit(name)
                 if unit is None:
                     continue
                 if unit not in self._by_unit:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from services.converter.deepspeed_format import DeepSpeedSource
 from services.converter.hf_format import HFSink, HFSource
 from services.converter.lora import LoraAdapter
 from services.converter.malloc import fix_mmap_threshold
@@ -26,6 +27,7 @@ from services.converter.megatron_writer import MegatronSink
 from services.converter.native_format import NativeSink, NativeSource
 from services.converter.options import (
     FORMATS,
+    LOAD_FORMATS,
     STAGES,
     ConversionCancelled,
     ConvertOptions,
@@ -59,6 +61,8 @@ def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
         return HFSource(options.load_dir, named)
     if options.load_format == "native":
         return NativeSource(options.load_dir, named)
+    if options.load_format == "deepspeed":
+        return DeepSpeedSource(options.load_dir, named, options.load_iteration)
     return MegatronSource(options.load_dir, named, options.load_iteration)
 
 
@@ -214,6 +218,7 @@ class _Reporter:
 
 __all__ = [
     "FORMATS",
+    "LOAD_FORMATS",
     "STAGES",
     "ConversionCancelled",
     "ConvertOptions",

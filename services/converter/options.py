@@ -11,7 +11,9 @@ from services.converter.units import DTYPES
 from services.converter.verify import VerifyReport
 
 FORMATS = ("hf", "native", "megatron")
-"""Checkpoint formats (`--load-format` / `--save-format` choices)."""
+"""Checkpoint formats written (`--save-format` choices); each is read too."""
+LOAD_FORMATS = (*FORMATS, "deepspeed")
+"""Checkpoint formats read (`--load-format` choices): DeepSpeed ZeRO checkpoints are read only."""
 STAGES = ("load", "merge_lora", "reshard", "save", "verify")
 """Progress stages, in order."""
 
@@ -36,7 +38,7 @@ class ConvertOptions:
     """What to convert, where to, and how (the `meshline convert` flags)."""
 
     load_format: str
-    """Source format: one of FORMATS."""
+    """Source format: one of LOAD_FORMATS."""
     save_format: str
     """Output format: one of FORMATS."""
     load_dir: Path
@@ -60,7 +62,7 @@ class ConvertOptions:
     verify_tolerance: float | None = None
     """Largest allowed absolute logit difference (default by dtype, see verify.py)."""
     load_iteration: int | None = None
-    """Iteration of a Megatron source (None: its tracker file)."""
+    """Iteration of a Megatron source / global step of a DeepSpeed one (None: its tracker file)."""
     overwrite: bool = False
     """Replace an existing non-empty save_dir."""
     make_vocab_size_divisible_by: int = 128
@@ -74,12 +76,12 @@ class ConvertOptions:
         self.load_dir, self.save_dir = Path(self.load_dir), Path(self.save_dir)
         if self.lora_dir is not None:
             self.lora_dir = Path(self.lora_dir)
-        for flag, fmt in (
-            ("--load-format", self.load_format),
-            ("--save-format", self.save_format),
+        for flag, fmt, choices in (
+            ("--load-format", self.load_format, LOAD_FORMATS),
+            ("--save-format", self.save_format, FORMATS),
         ):
-            if fmt not in FORMATS:
-                raise ValueError(f"{flag} {fmt!r}: expected one of {list(FORMATS)}")
+            if fmt not in choices:
+                raise ValueError(f"{flag} {fmt!r}: expected one of {list(choices)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {list(DTYPES)}")
         megatron_out = self.save_format == "megatron"

@@ -77,6 +77,22 @@ class DataSection:
     """Megatron --data-path: prefixes of .bin/.idx shards, optionally weighted: `0.3 a 0.7 b`."""
     split: str = "969,30,1"
     """Train/valid/test proportions of the corpus."""
+    train_data_path: list[str] = field(default_factory=list)
+    """The training split's own datasets (weighted like --data-path); replaces --split."""
+    valid_data_path: list[str] = field(default_factory=list)
+    """The validation split's own datasets (with --train-data-path)."""
+    test_data_path: list[str] = field(default_factory=list)
+    """The test split's own datasets (with --train-data-path)."""
+    data_cache_path: str | None = None
+    """Directory for the sample-index cache (default: a `cache/` folder beside the data)."""
+    data_format: Literal["auto", "mmap", "arrow"] = "auto"
+    """Shard format: mmap (.bin/.idx), arrow (IPC shards + manifest) or auto (detect)."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token (pretraining data)."""
+    reset_attention_mask: bool = False
+    """Stop attention at each end-of-document token (pretraining data)."""
+    eod_mask_loss: bool = False
+    """No loss on the token predicted from an end-of-document token (the next document's first)."""
     mock_data: bool = False
     """Train on deterministic random tokens instead of --data-path (benchmarks, smoke tests)."""
     is_instruction_dataset: bool = False
@@ -103,6 +119,16 @@ class DataSection:
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(
                 f"--split {self.split!r} needs up to 3 non-negative numbers with a positive sum"
+            )
+        if (self.valid_data_path or self.test_data_path) and not self.train_data_path:
+            raise ValueError(
+                "--valid-data-path / --test-data-path need --train-data-path (the per-split form "
+                "replaces --data-path + --split)"
+            )
+        if self.train_data_path and self.data_path:
+            raise ValueError(
+                "--data-path and --train-data-path are exclusive: give --data-path with --split, "
+                "or --train-data-path (and --valid-data-path / --test-data-path)"
             )
         if self.tokenizer_type not in (None, "SentencePiece", "PretrainedFromHF"):
             raise ValueError(

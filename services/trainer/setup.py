@@ -80,9 +80,17 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
     data_config = DataConfig(
         data_path=list(data.data_path),
         split=data.split,
+        train_data_path=list(data.train_data_path),
+        valid_data_path=list(data.valid_data_path),
+        test_data_path=list(data.test_data_path),
         is_instruction_dataset=data.is_instruction_dataset,
         variable_seq_lengths=data.variable_seq_lengths,
         pack=data.pack,
+        data_format=data.data_format,
+        cache_dir=data.data_cache_path,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
     )
     wanted_valid = valid_samples if run.eval_interval else 0
     train, valid, _ = build_datasets(
@@ -93,10 +101,12 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
             f"--split {data.split} leaves no training documents; give the train split a share"
         )
     if valid is None and run.eval_interval:
-        raise ValueError(
-            f"--split {data.split} leaves no validation documents; give the second split a share "
-            "or pass --eval-interval 0"
+        where = (
+            "pass --valid-data-path"
+            if data.train_data_path
+            else f"--split {data.split} leaves none; give the second split a share"
         )
+        raise ValueError(f"no validation documents: {where}, or pass --eval-interval 0")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eod_id
 
     def collate_fn(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

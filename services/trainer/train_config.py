@@ -105,13 +105,16 @@ class TrainConfig:
                 "no model given: pass --model NAME (see models.registry.list_configs()) or all of "
                 "--num-layers, --hidden-size and --num-attention-heads"
             )
-        if not self.data.data_path and not self.data.mock_data:
+        data = self.data
+        has_data = bool(data.data_path or data.train_data_path)
+        if not has_data and not data.mock_data:
             raise ValueError(
-                "missing data: pass --data-path PREFIX [PREFIX ...] (or --mock-data for random tokens)"
+                "missing data: pass --data-path PREFIX [PREFIX ...] or --train-data-path PREFIX "
+                "[PREFIX ...] (or --mock-data for random tokens)"
             )
-        if self.data.data_path and self.data.mock_data:
-            raise ValueError("--data-path and --mock-data are exclusive; give one")
-        if self.data.data_path and self.data.tokenizer_type is None:
+        if has_data and data.mock_data:
+            raise ValueError("--data-path / --train-data-path and --mock-data are exclusive")
+        if has_data and data.tokenizer_type is None:
             raise ValueError(
                 "--data-path needs --tokenizer-type (and --tokenizer-model or --tokenizer-name-or-path)"
             )

@@ -8,6 +8,8 @@ from services.trainer.arguments import field_index, parse_args
 from services.trainer.train_config import TrainConfig
 
 # A non-default value for every training field, all consistent with each other.
+# --train/valid/test-data-path replace --data-path, so they are parsed on their own.
+PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 NON_DEFAULT = {
     "pipeline_schedule": ("--pipeline-schedule", "interleaved_1f1b"),
     "auto_recompute_device_size": ("--auto-recompute-device-size", "1024"),
@@ -32,6 +34,14 @@ NON_DEFAULT = {
     "init_method_std": ("--init-method-std", "0.01"),
     "data_path": ("--data-path", "0.3", "a/b_text_document", "0.7", "c_text_document"),
     "split": ("--split", "98,1,1"),
+    "train_data_path": ("--train-data-path", "t_text_document"),
+    "valid_data_path": ("--valid-data-path", "v_text_document"),
+    "test_data_path": ("--test-data-path", "e_text_document"),
+    "data_cache_path": ("--data-cache-path", "index-cache"),
+    "data_format": ("--data-format", "arrow"),
+    "reset_position_ids": ("--reset-position-ids",),
+    "reset_attention_mask": ("--reset-attention-mask",),
+    "eod_mask_loss": ("--eod-mask-loss",),
     "mock_data": ("--mock-data",),
     "is_instruction_dataset": ("--is-instruction-dataset",),
     "variable_seq_lengths": ("--variable-seq-lengths",),
@@ -112,6 +122,7 @@ def test_every_field_has_a_flag_and_parses():
         "hsdp_shard_size",
         "auto_recompute_device_size",
         "auto_recompute_profiling_step",
+        *PER_SPLIT,
     }
     argv = [a for key, flags in NON_DEFAULT.items() if flags and key not in hsdp_ok for a in flags]
     values = _values(parse_args(argv))
@@ -122,6 +133,9 @@ def test_every_field_has_a_flag_and_parses():
         if len(flags) == 2:
             assert str(values[name]) == flags[1] or values[name] == type(values[name])(flags[1])
     assert values["data_path"] == ["0.3", "a/b_text_document", "0.7", "c_text_document"]
+    per_split = _values(parse_args([a for key in PER_SPLIT for a in NON_DEFAULT[key]]))
+    for key in PER_SPLIT:
+        assert per_split[key] == [NON_DEFAULT[key][1]], key
     assert values["rampup_batch_size"] == [4, 4, 64]
     assert values["zero_stage"] == 1  # --use-distributed-optimizer is ZeRO-1
     fsdp = parse_args(

@@ -94,6 +94,59 @@ def test_bad_split_is_named(shards):
         Trainer(parse_args(flags))
 
 
+def _shard_flags(model, prefix, *extra):
+    return ["--model", "tiny-llama", "--tokenizer-type", "SentencePiece", "--tokenizer-model",
+            str(model), "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "2",
+            "--lr", "5e-3", "--eval-interval", "0", "--seed", "3", *extra]  # fmt: skip
+
+
+def test_megatron_document_flags_reach_the_batches(shards, tmp_path):
+    model, prefix = shards
+    cache = tmp_path / "index-cache"
+    flags = _shard_flags(
+        model, prefix, "--train-data-path", prefix, "--valid-data-path", prefix,
+        "--data-cache-path", str(cache), "--reset-position-ids", "--reset-attention-mask",
+        "--eod-mask-loss", "--eval-interval", "2", "--eval-iters", "1",
+    )  # fmt: skip
+    trainer = Trainer(parse_args(flags))
+    assert any(cache.iterdir()), "sample indices are cached under --data-cache-path"
+    from models.tokenizer import build_tokenizer
+    from services.preprocess.datasets.gpt import IGNORE_INDEX
+
+    eod = build_tokenizer("SentencePiece", str(model)).eod_id
+    # A sample that crosses a document boundary (the fixture's documents are ~50 tokens).
+    sample = next(
+        s
+        for s in map(trainer.train_data.__getitem__, range(20))
+        if (s["input_ids"][:-1] == eod).any()
+    )
+    first = int((sample["input_ids"][:-1] == eod).nonzero()[0, 0])
+    assert (
+        sample["labels"][first] == IGNORE_INDEX and (sample["labels"][:first] != IGNORE_INDEX).all()
+    )
+    assert torch.equal(sample["position_ids"][: first + 1], torch.arange(first + 1))
+    assert sample["position_ids"][first + 1] == 0
+    assert sample["segment_ids"][first] != sample["segment_ids"][first + 1]
+    summary = trainer.fit()
+    assert summary.val_loss is not None and summary.steps == 2
+
+    # The same data without the flags trains on a different loss: the fields are used.
+    plain = Trainer(parse_args(_shard_flags(model, prefix, "--data-path", prefix)))
+    assert "segment_ids" not in plain.train_data[0]
+    assert plain.train_step().loss != pytest.approx(Trainer(parse_args(flags)).train_step().loss)
+
+
+def test_per_split_data_flags_are_checked(shards):
+    model, prefix = shards
+    with pytest.raises(ValueError, match="--valid-data-path / --test-data-path need --train"):
+        parse_args(_shard_flags(model, prefix, "--valid-data-path", prefix))
+    with pytest.raises(ValueError, match="--data-path and --train-data-path are exclusive"):
+        parse_args(_shard_flags(model, prefix, "--data-path", prefix, "--train-data-path", prefix))
+    no_valid = _shard_flags(model, prefix, "--train-data-path", prefix, "--eval-interval", "2")
+    with pytest.raises(ValueError, match="pass --valid-data-path"):
+        Trainer(parse_args(no_valid))
+
+
 def test_stop_saves_unless_told_not_to(tmp_path):
     kept = Trainer(parse_args([*BASE, "--save", str(tmp_path / "kept")])).fit(stop=lambda: True)
     assert kept.steps == 1 and kept.checkpoint.endswith("step-000001")

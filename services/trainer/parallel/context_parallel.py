@@ -7,8 +7,10 @@ so under the causal mask every rank does the same work. Each rank's key/value bl
 around the ring with P2P send/recv (cp-1 hops); every (query chunk, key chunk) pair is attended
 with the kernels' attention (`return_lse=True`): a key chunk before the query chunk is fully
 visible, the same chunk is causal, a later one is skipped. Partial outputs are merged by their
-log-sum-exp. Backward is autograd's: each hop's backward sends the key/value gradient back the
-other way around the ring, so every rank ends with the gradient of its own keys and values.
+log-sum-exp. ALiBi biases use global positions: the block of query chunk q against key chunk
+k is attended with `q_offset` (q - k)·c. Backward is autograd's: each hop's backward sends the
+key/value gradient back the other way around the ring, so every rank ends with the gradient of
+its own keys and values.
 Memory: a rank keeps the K/V blocks it received (cp blocks) for backward; queries, outputs and all
 other activations stay sharded.
 """
@@ -78,8 +80,13 @@ def ring_attention(
     group: dist.ProcessGroup,
     *,
     softmax_scale: float | None = None,
+    alibi_slopes_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced query chunks over the whole ring's keys."""
+    """Causal attention of this rank's load-balanced query chunks over the whole ring's keys.
+
+    With `alibi_slopes_H` each (query chunk, key chunk) block is biased by the global distance:
+    chunk q starts (q - k)·c positions after chunk k, which is the kernels' `q_offset`.
+    """
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     c = q_BSHD.shape[1] // 2
     kv_2BSKD = torch.stack([k_BSKD, v_BSKD])
@@ -94,12 +101,16 @@ def ring_attention(
             for kv_half, k_chunk in zip(kv.split(c, dim=2), chunk_ids(source, cp), strict=True):
                 if k_chunk > q_chunk:
                     continue
+                # An earlier key chunk is wholly visible under the causal rule at this offset.
+                alibi = alibi_slopes_H is not None
                 out_BSHD, lse_BHS = attention(
                     q_half,
                     kv_half[0],
                     kv_half[1],
-                    causal=k_chunk == q_chunk,
+                    causal=alibi or k_chunk == q_chunk,
                     softmax_scale=softmax_scale,
+                    alibi_slopes_H=alibi_slopes_H,
+                    q_offset=(q_chunk - k_chunk) * c if alibi else None,
                     return_lse=True,
                 )
                 parts.append((out_BSHD, lse_BHS))
@@ -136,7 +147,8 @@ def _ring_forward(
             "--context-parallel-size 1)"
         )
     q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, rope_cos_sin)
-    out_BSHD = ring_attention(q_BSHD, k_BSKD, v_BSKD, self._cp_group)
+    slopes_H = self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device) if self.alibi else None
+    out_BSHD = ring_attention(q_BSHD, k_BSKD, v_BSKD, self._cp_group, alibi_slopes_H=slopes_H)
     return self.o_proj(out_BSHD.flatten(2))
 
 
@@ -151,8 +163,6 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> int
     changed = 0
     for module in model.modules():
         if isinstance(module, Attention):
-            if module.alibi:
-                raise ValueError("--context-parallel-size > 1 does not support ALiBi models yet")
             if module.dropout > 0:
                 raise ValueError("--context-parallel-size > 1 needs --attention-dropout 0")
             module._cp_group = cp_group  # type: ignore[assignment]

@@ -19,6 +19,7 @@ STEPS = 5
 BLOOM = ["--model", "tiny-bloom", "--num-layers", "2"]
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "cp2": ["--context-parallel-size", "2"],
 }
 
 

@@ -100,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             num_samples=args.num_samples,
             temperature=args.temperature,
         )
-        resolve(list(config.tasks))  # unknown names fail here, before a model is opened
+        selected = resolve(list(config.tasks))  # unknown names fail before a model is opened
+        if config.num_samples > 1 and all(task.name != "humaneval" for task in selected):
+            print(
+                "meshline evaluate: warning: --num-samples and --temperature apply to humaneval "
+                "only, which is not among --tasks; they are ignored",
+                file=sys.stderr,
+            )
         model = open_model(args)
     except (ValueError, ConnectionError) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "limit": args.limit,
         "random_seed": args.seed,
         "fewshot_seed": args.seed,
+        "num_samples": config.num_samples,
+        "temperature": config.temperature if config.num_samples > 1 else None,
     }
     path, document = write_results(args.output_path, outcomes, settings, start)
     print(format_table(document))

@@ -315,6 +315,8 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "limit": config.limit,
             "random_seed": config.seed,
             "fewshot_seed": config.seed,
+            "num_samples": config.num_samples,
+            "temperature": config.temperature if config.num_samples > 1 else None,
         }
         path, _ = write_results(output, outcomes, settings, start)
         return evaluator_pb2.EvaluationResult(

@@ -20,6 +20,7 @@ def test_cli_evaluates_and_writes_results(served, tmp_path, capsys):
     assert "|boolq|2.0|none|0|acc|" in out and "|mmlu_anatomy|1.0|none|5|acc|" in out
     document = json.loads((tmp_path / "results.json").read_text())
     assert document["config"]["model_args"] == server.address
+    assert document["config"]["num_samples"] == 1 and document["config"]["temperature"] is None
     assert document["n-samples"]["mmlu_anatomy"]["effective"] == 2
     assert (tmp_path / "samples_boolq.jsonl").is_file()
 
@@ -48,3 +49,16 @@ def test_unknown_tasks_list_the_known_ones_before_opening_a_model(tmp_path, caps
     assert {"agieval (group of 21)", "agieval_math", "agieval_gaokao_mathcloze", "gsm8k"} <= set(
         listed
     )
+
+
+def test_num_samples_without_humaneval_warns(tmp_path, capsys):
+    def run(tasks: str) -> int:
+        return main(
+            ["--tasks", tasks, "--task-data-path", str(FIXTURES), "--num-samples", "4",
+             "--endpoint", "127.0.0.1:1", "--output-path", str(tmp_path)]
+        )  # fmt: skip
+
+    assert run("gsm8k") == 2  # nothing listens on the endpoint
+    assert "--num-samples and --temperature apply to humaneval only" in capsys.readouterr().err
+    assert run("gsm8k,humaneval") == 2
+    assert "apply to humaneval only" not in capsys.readouterr().err

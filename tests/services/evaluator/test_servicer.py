@@ -187,6 +187,9 @@ def test_humaneval_pass_at_k_from_sampled_completions(served, evaluator):
         ("pass@1", "create_test"),
         ("pass@3", "create_test"),
     }
+    document = json.loads((root / "humaneval" / "results.json").read_text())
+    assert document["config"]["num_samples"] == 3
+    assert document["config"]["temperature"] == pytest.approx(0.5)
     (sample,) = map(json.loads, (root / "humaneval" / "samples_humaneval.jsonl").open())
     assert len(sample["resps"]) == 3
     kwargs = [arguments[1] for arguments in sample["arguments"]]

@@ -348,12 +348,21 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
     def _task_infos(self) -> list[evaluator_pb2.TaskInfo]:
         infos = []
         for name, members in sorted(groups().items()):
-            first = get_task(members[0])
+            tasks = [get_task(member) for member in members]
+            first = tasks[0]
+            # A group reports the metrics all its subtasks share (AGIEval: acc, not acc_norm).
+            shared = [
+                m.name
+                for m in first.metrics
+                if all(m.name in {x.name for x in task.metrics} for task in tasks)
+            ]
+            kinds = sorted({task.output_type for task in tasks})
             infos.append(
                 evaluator_pb2.TaskInfo(
                     name=name,
-                    description=f"group of {len(members)} tasks",
-                    metrics=[m.name for m in first.metrics],
+                    description=f"group of {len(members)} tasks"
+                    + (f" ({' and '.join(kinds)})" if len(kinds) > 1 else ""),
+                    metrics=shared,
                     output_type=first.output_type,
                     default_num_fewshot=first.default_num_fewshot,
                     subtasks=members,

@@ -77,7 +77,11 @@ def test_list_tasks_and_unknown_names(evaluator):
     tasks = {t.name: t for t in stub.ListTasks(evaluator_pb2.ListTasksRequest()).tasks}
     assert len(tasks["mmlu"].subtasks) == 57
     assert tasks["gsm8k_cot"].default_num_fewshot == 8 and tasks["gsm8k"].default_num_fewshot == 5
-    assert len(tasks["agieval"].subtasks) == 21
+    assert len(tasks["agieval"].subtasks) == 21 and list(tasks["agieval"].metrics) == ["acc"]
+    assert tasks["agieval"].description.endswith("(generate_until and multiple_choice)")
+    assert (
+        list(tasks["mmlu"].metrics) == ["acc"] and tasks["mmlu"].description == "group of 57 tasks"
+    )
     assert tasks["agieval_math"].output_type == "generate_until"
     assert list(tasks["agieval_gaokao_mathcloze"].metrics) == ["acc"]
     assert tasks["humaneval"].output_type == "generate_until"

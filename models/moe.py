@@ -93,13 +93,25 @@ class Experts(nn.Module):
 
     def forward(self, x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `x_TE` grouped by local expert (`counts[i]` rows for expert i) → outputs."""
-        outs = []
-        # An expert with no tokens still runs on its empty chunk: its gradient is then zeros
-        # rather than None, which data-parallel reductions expect.
-        for i, chunk_TE in enumerate(x_TE.split(counts)):
-            h = act.swiglu_packed(F.linear(chunk_TE, self.gate_up_proj[i]))
-            outs.append(F.linear(h, self.down_proj[i]))
-        return torch.cat(outs) if outs else x_TE
+        return expert_outputs(x_TE, counts, self.gate_up_proj, self.down_proj)
+
+
+def expert_outputs(
+    x_TE: torch.Tensor, counts: list[int], gate_up_XGE: torch.Tensor, down_XEF: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts on grouped rows: `counts[i]` rows of `x_TE` go through expert i's
+    `gate_up_XGE[i]` (G = 2F rows, [gate; up]) and `down_XEF[i]`.
+
+    Parallel wrappers call it with their slices: a tensor-parallel rank passes its gate and up
+    rows (G = 2F/t) and its down columns, giving that rank's partial sum of the output.
+    """
+    outs = []
+    # An expert with no tokens still runs on its empty chunk: its gradient is then zeros
+    # rather than None, which data-parallel reductions expect.
+    for i, chunk_TE in enumerate(x_TE.split(counts)):
+        h = act.swiglu_packed(F.linear(chunk_TE, gate_up_XGE[i]))
+        outs.append(F.linear(h, down_XEF[i]))
+    return torch.cat(outs) if outs else x_TE
 
 
 class LocalDispatcher:
@@ -136,7 +148,8 @@ class MoE(nn.Module):
 
     def route(self, x_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [N, X] fp32, top-k weights [N, K], top-k expert ids [N, K])."""
-        logits_NX = F.linear(x_NE, self.gate.weight).float()
+        # Through the module (not its weight) so parallel wrappers' hooks on `gate` apply.
+        logits_NX = self.gate(x_NE).float()
         probs_NX = logits_NX.softmax(dim=-1)
         weights_NK, experts_NK = probs_NX.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:

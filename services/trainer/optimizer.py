@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from services.trainer.precision import PrecisionOptimizer, PrecisionPlan
 from services.trainer.train_config import OptimSection
@@ -20,23 +21,23 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups over the trainable parameters: decayed and not decayed (empty groups dropped)."""
-    decay, no_decay = [], []
-    decay_names, no_decay_names = [], []
+    """Decayed and not-decayed groups over the trainable parameters (empty groups dropped).
+
+    DTensor parameters next to plain ones (expert parallelism's sharded experts) get groups of
+    their own: the optimizers' foreach kernels run per group and refuse a mix of the two.
+    """
+    groups: dict[tuple[bool, bool], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if is_no_decay(name, param):
-            no_decay.append(param)
-            no_decay_names.append(name)
-        else:
-            decay.append(param)
-            decay_names.append(name)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
-    ]
-    return [g for g in groups if g["params"]]
+        no_decay = is_no_decay(name, param)
+        key = (no_decay, isinstance(param, DTensor))
+        group = groups.setdefault(
+            key, {"params": [], "weight_decay": 0.0 if no_decay else weight_decay, "names": []}
+        )
+        group["params"].append(param)
+        group["names"].append(name)
+    return [groups[key] for key in sorted(groups)]
 
 
 # Megatron's `--optimizer adam` applies weight decay decoupled (AdamW); scripts moved over from

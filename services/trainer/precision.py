@@ -101,6 +101,13 @@ def global_grad_norm(grads: list[torch.Tensor]) -> float:
     return float(total)
 
 
+def _split_dtensors(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The non-empty lists of `tensors`' plain tensors and DTensors."""
+    plain: list[torch.Tensor] = [t for t in tensors if not isinstance(t, DTensor)]
+    sharded: list[torch.Tensor] = [t for t in tensors if isinstance(t, DTensor)]
+    return [part for part in (plain, sharded) if part]
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -170,7 +177,9 @@ class PrecisionOptimizer:
         factor = clip / loss_scale
         if self.plan.mode != "master":
             if factor != 1.0:
-                torch._foreach_mul_(grads, factor)  # type: ignore[arg-type]
+                # foreach kernels refuse a mix of DTensor and plain gradients (expert parallel).
+                for same_kind in _split_dtensors(grads):  # type: ignore[arg-type]
+                    torch._foreach_mul_(same_kind, factor)
             self.inner.step()
         elif self.plan.release_fp32_grad:
             for bucket in _buckets(pairs):

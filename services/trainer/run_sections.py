@@ -138,6 +138,9 @@ class ParallelSection:
     """Layers per virtual pipeline stage (interleaved 1F1B)."""
     context_parallel_size: int = 1
     """Context-parallel (ring attention) size."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size: MoE experts split over this many data-parallel ranks (must divide
+    the data-parallel size and --num-experts)."""
     pipeline_schedule: (
         Literal[
             "1f1b",
@@ -184,18 +187,42 @@ class ParallelSection:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         self._check_recompute()
+        self._check_expert_parallel()
         if (
             self.num_layers_per_virtual_pipeline_stage is not None
             and self.pipeline_model_parallel_size < 2
         ):
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"
+            )
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.expert_model_parallel_size
+        if ep == 1:
+            return
+        others = {
+            "--tensor-model-parallel-size": self.tensor_model_parallel_size,
+            "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
+            "--context-parallel-size": self.context_parallel_size,
+        }
+        for flag, value in others.items():
+            if value > 1:
+                raise ValueError(
+                    f"--expert-model-parallel-size {ep} with {flag} {value} is not supported yet; "
+                    "combine expert parallelism with data parallelism only"
+                )
+        if self.zero_stage != 0 or self.hsdp:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} needs --zero-stage 0 without --hsdp (experts "
+                f"are reduced over their own data-parallel group), got --zero-stage "
+                f"{self.zero_stage}{' with --hsdp' if self.hsdp else ''}"
             )
 
     def _check_recompute(self) -> None:

@@ -141,7 +141,7 @@ def build_parallel(
         )
     if world_size == 1:
         return model, None, None
-    if config.parallel.model_parallel_size() > 1:
+    if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
         from services.trainer.parallel.parallelize import build_dims, parallelize_model
 
         param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32

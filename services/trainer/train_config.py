@@ -73,6 +73,13 @@ class TrainConfig:
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel size {mp}"
             )
         dp = self.dp_size(world_size)
+        ep = self.parallel.expert_model_parallel_size
+        if dp % ep:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} "
+                f"(world size {world_size} / tensor x pipeline x context parallel size {mp}): "
+                "expert-parallel ranks are carved out of the data-parallel ranks"
+            )
         mbs = self.batch.micro_batch_size
         gbs = self.batch.global_batch_size
         if gbs is not None and gbs % (mbs * dp):

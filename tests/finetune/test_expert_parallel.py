@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from kernels.cross_entropy import cross_entropy
 from models.mixtral import build_causal_lm
@@ -53,7 +54,7 @@ def _ep_body(rank, world_size):
     )
     group = mesh["ep"].get_group()
     model = _model()
-    sharded = apply_expert_parallel(model, group)
+    sharded = apply_expert_parallel(model, mesh["ep"])
     data = _data()
     per = data.shape[0] // world_size
     rows = data[rank * per : (rank + 1) * per]
@@ -65,7 +66,11 @@ def _ep_body(rank, world_size):
         return total.item()
 
     losses = _train(model, rows, data[:, 1:].numel(), hook)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Expert weights are Shard(0) DTensors: compare this rank's block.
+    state = {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
     return losses, state, sharded
 
 
@@ -87,3 +92,101 @@ def test_ep2_equals_ep1():
                 expected = expected[rank * 2 : (rank + 1) * 2]
             torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5, msg=name)
     assert ref_losses[-1] < ref_losses[0]
+
+
+# ---------------------------------------------------------------- through the trainer
+
+TRAINER_STEPS = 6
+MIXTRAL = ["--model", "tiny-mixtral", "--num-layers", "2"]
+
+
+def _trainer_layouts(rank, world_size, layouts):
+    from tests.services.trainer.parallel.parity import run_layout
+
+    return {
+        name: run_layout(rank, world_size, [*MIXTRAL, *flags], TRAINER_STEPS)
+        for name, flags in layouts.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def single_mixtral():
+    return run_distributed(_trainer_layouts, 1, {"single": []})[0]["single"]
+
+
+def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
+    from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
+
+    assert single["losses"][-1] < single["losses"][0]
+    for name in results[0]:
+        for rank, by_layout in enumerate(results):
+            got = by_layout[name]
+            loss_diff = max_loss_diff(single["losses"], got["losses"])
+            param_diff = max_param_diff(single["params"], got["params"])
+            print(f"{name} rank {rank}: loss rel {loss_diff:.2e}, params rel {param_diff:.2e}")
+            assert loss_diff < loss_rtol, (name, rank, loss_diff)
+            assert param_diff < param_rtol, (name, rank, param_diff)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_ep2_dp2_equals_one_process(single_mixtral):
+    """2 processes, data-parallel 2 with the 4 experts split 2 + 2: the trainer's loss curve and
+    final (gathered) weights equal the single-process run's."""
+    layouts = {"ep2": ["--expert-model-parallel-size", "2"]}
+    _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 2, layouts))
+
+
+def _save_ep2_resume_ep1(rank, world_size, save):
+    """Train 2 steps with EP2 and save; then, in the same processes, resume under EP1 (plain
+    data parallelism, every rank holding all experts) and take one more step."""
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE
+
+    flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL]
+    ep2 = Trainer(parse_args([*flags, "--save", save, "--expert-model-parallel-size", "2"]))
+    first = [ep2.train_step().loss for _ in range(2)]
+    ep2.save()
+    ep2.checkpoints.wait()
+    ep1 = Trainer(parse_args([*flags, "--load", save]))
+    ep1.load()
+    return first, ep1.train_step().loss
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_checkpoint_resumes_under_ep1(tmp_path, single_mixtral):
+    """DCP keeps the experts' global [X, ...] tensors: the EP1 resume's next loss equals the
+    uninterrupted single-process run's third loss (1e-5 relative)."""
+    results = run_distributed(_save_ep2_resume_ep1, 2, str(tmp_path / "ckpt"))
+    for first, resumed in results:
+        assert first == pytest.approx(single_mixtral["losses"][:2], rel=1e-5)
+        assert resumed == pytest.approx(single_mixtral["losses"][2], rel=1e-5)
+
+
+def test_expert_parallel_flag_is_validated():
+    from models.registry import get_config
+    from services.trainer.arguments import parse_args
+    from services.trainer.parallel.parallel_dims import ParallelDims
+    from services.trainer.parallel.parallelize import check_model
+
+    base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
+    assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --tensor-model"):
+        parse_args([*base, "2", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match="needs --zero-stage 0"):
+        parse_args([*base, "2", "--zero-stage", "1"])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        parse_args([*base, "0"])
+    with pytest.raises(ValueError, match="must divide the data-parallel size 6"):
+        parse_args([*base, "4"]).validate(6)
+    parse_args([*base, "4"]).validate(8)
+    with pytest.raises(ValueError, match="must divide the data-parallel shard size 6"):
+        ParallelDims(world_size=6, ep=4)
+    mixtral = get_config("tiny-mixtral")  # 4 experts
+    with pytest.raises(ValueError, match="must divide --num-experts 4"):
+        check_model(ParallelDims(world_size=3, ep=3), mixtral)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        check_model(ParallelDims(world_size=2, ep=2), get_config("tiny-llama"))
+    check_model(ParallelDims(world_size=4, ep=2), mixtral)

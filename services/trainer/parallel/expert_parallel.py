@@ -1,26 +1,42 @@
 """Expert parallelism: each rank of the `ep` group holds X/ep experts of every MoE layer, and
-routed token copies travel to their expert's rank and back with all-to-all.
+routed token copies travel to their expert's rank and back with all-to-all. Also the
+tensor-parallel style of the experts (`ExpertsTensorParallel`).
 
-Shapes: T routed token copies, E hidden, X experts (global), L experts per rank, P ep size.
+Shapes: T routed token copies, E hidden, X experts (global), L experts per rank, P ep size,
+F expert ffn width, t tensor-parallel size.
 
 The model file (`models/moe.py`) routes and combines; this module only swaps in the dispatcher
 and slices the expert weights. Per step and layer a rank exchanges its per-expert copy counts
 (one small all-to-all), then the copies themselves (all-to-all with uneven splits, autograd-aware
 through `torch.distributed.nn.functional`), runs its experts on everything it received, and sends
-the outputs back along the reverse split. Gradients of expert weights therefore already sum the
-contributions of every rank's tokens; the replicated parameters (attention, norms, router,
-embeddings) need the usual data-parallel gradient reduction over the group, done by
-`all_reduce_replicated_grads` (or by FSDP/DDP when the trainer wraps the model).
+the outputs back along the reverse split.
+
+As in Megatron, the ep ranks are carved out of the data-parallel ranks: with data-parallel size
+dp, ranks that differ only in their `ep` coordinate read different batches and hold different
+experts; the dp/ep ranks with the same `ep` coordinate (the `edp` axis) hold the same experts.
+Expert weights are `Shard(0)` DTensors on the `ep` mesh, so checkpoints (DCP) keep the global
+`[X, ...]` tensors under their global names and load into any other ep size, and gradient norms
+reduce over the shards. Gradients: an expert's gradient already sums the contributions of every
+ep rank's tokens (the all-to-all's backward); `ExpertParallelGradSync` then sums it over `edp`
+and averages replicated parameters over all dp ranks.
 """
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from models.moe import Experts, moe_layers
+from models.moe import Experts, expert_outputs, moe_layers
+from services.trainer.parallel.tensor_parallel import _SumGradOverGroup
+
+EXPERT_LEAVES = ("gate_up_proj", "down_proj")
 
 
 class AllToAllDispatcher:
@@ -75,34 +91,54 @@ def _expert_major(counts_PL: torch.Tensor) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.int64)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> list[str]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
     """Keep this rank's block of experts in every MoE layer and dispatch with all-to-all.
 
-    Call on a model holding all experts (identical on every rank, e.g. same seed); returns the
-    names of the parameters that are now expert-parallel (sharded, not replicated).
+    Call on a model holding all experts (identical on every rank, e.g. same seed); `ep_mesh` is
+    the 1-D mesh of the ranks that split the experts. The expert weights become `Shard(0)`
+    DTensors on it (local block: experts [r·X/P, (r+1)·X/P)). Returns the names of the
+    parameters that are now expert-parallel (sharded, not replicated).
     """
     layers = moe_layers(model)
     if not layers:
-        raise ValueError("expert parallelism needs an MoE model (e.g. --model tiny-mixtral)")
-    rank = dist.get_rank(group)
+        raise ValueError(
+            "--expert-model-parallel-size > 1 needs an MoE model (e.g. --model tiny-mixtral)"
+        )
+    group = ep_mesh.get_group()
+    rank = ep_mesh.get_local_rank()
     sharded = []
     for name, moe in layers:
         dispatcher = AllToAllDispatcher(group, moe.config.num_experts)
-        lo = rank * dispatcher.local
         experts = moe.experts
-        for leaf in ("gate_up_proj", "down_proj"):
+        for leaf in EXPERT_LEAVES:
             full = getattr(experts, leaf)
-            block = full.detach()[lo : lo + dispatcher.local].clone()
+            block = distribute_tensor(full.detach(), ep_mesh, [Shard(0)])
             setattr(experts, leaf, nn.Parameter(block, requires_grad=full.requires_grad))
             sharded.append(f"{name}.experts.{leaf}")
-        experts.expert_offset = lo
+        experts.expert_offset = rank * dispatcher.local
+        experts.forward = _local_forward(experts)  # type: ignore[method-assign]
         moe.dispatcher = dispatcher
     return sharded
 
 
+def _local_forward(experts: Experts) -> Any:
+    """`Experts.forward` on the local blocks of the DTensor weights."""
+
+    def forward(x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up = cast(DTensor, experts.gate_up_proj).to_local()
+        down = cast(DTensor, experts.down_proj).to_local()
+        return expert_outputs(x_TE, counts, gate_up, down)
+
+    return forward
+
+
 def is_expert_parameter(name: str) -> bool:
     """True for the expert weights that expert parallelism shards."""
-    return ".experts.gate_up_proj" in name or ".experts.down_proj" in name
+    return any(f".experts.{leaf}" in name for leaf in EXPERT_LEAVES)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
@@ -113,3 +149,111 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> N
     for name, param in model.named_parameters():
         if param.grad is not None and not is_expert_parameter(name):
             dist.all_reduce(param.grad, group=group)
+
+
+class ExpertParallelGradSync:
+    """Data-parallel gradient averaging of an expert-parallel model (ZeRO 0), once per step.
+
+    The loop scales each rank's loss by the data-parallel size dp (DDP's convention: the
+    average over dp ranks is then the gradient of the global loss). Replicated parameters are
+    averaged over all dp ranks; expert gradients, which already sum their ep group's tokens,
+    are summed over the `edp` ranks holding the same experts and divided by dp (Megatron's
+    expert gradient scaling).
+    """
+
+    def __init__(
+        self, model: nn.Module, dp_group: dist.ProcessGroup, edp_group: dist.ProcessGroup | None
+    ) -> None:
+        self.dp_group, self.edp_group = dp_group, edp_group
+        self.dp = dist.get_world_size(dp_group)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.replicated = [p for n, p in named if not is_expert_parameter(n)]
+        self.experts = [p for n, p in named if is_expert_parameter(n)]
+
+    def finish(self) -> None:
+        """Reduce this step's accumulated gradients (call after the last backward)."""
+        grads = [_local(p.grad) for p in self.replicated if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for param in self.experts:
+            if param.grad is None:
+                continue
+            grad = _local(param.grad)
+            if self.edp_group is not None:
+                dist.all_reduce(grad, group=self.edp_group)
+            grad.div_(self.dp)
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: partial outputs of the TP ranks combined."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Tensor parallelism of every expert in an `Experts` module (Megatron's expert TP).
+
+    Each expert's [gate; up] projection is column-parallel (rank r computes gate and up rows
+    [r·F/t, (r+1)·F/t)) and its down projection row-parallel (the matching F/t columns); the
+    partial outputs are summed over the TP group. `down_proj` is a `Shard(2)` DTensor (memory
+    split); `gate_up_proj` stays whole as a `Replicate` DTensor with each rank computing its
+    rows, as `SlicedColwise` does for packed weights, because a [gate; up] row split is not one
+    DTensor shard. The router is replicated (the plan's fallback). The MoE input must be the
+    full sequence on every TP rank: no sequence parallelism.
+    """
+
+    def __init__(self, ffn: int, *, sequence_parallel: bool) -> None:
+        self.ffn = ffn
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, Experts):
+            raise TypeError(f"ExpertsTensorParallel applies to models.moe.Experts, not {module}")
+        if self.sequence_parallel:
+            raise ValueError(
+                "--sequence-parallel with an MoE model is not supported; drop --sequence-parallel "
+                "(MoE layers take the full sequence on every tensor-parallel rank)"
+            )
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        if self.ffn % size:
+            raise ValueError(
+                f"--tensor-model-parallel-size {size} does not divide the expert "
+                f"ffn_hidden_size={self.ffn}"
+            )
+        per = self.ffn // size
+        rows = torch.cat(
+            [
+                torch.arange(rank * per, (rank + 1) * per),
+                self.ffn + torch.arange(rank * per, (rank + 1) * per),
+            ]
+        ).to(module.gate_up_proj.device)
+        group = device_mesh.get_group()
+        for leaf, placement in (("gate_up_proj", Replicate()), ("down_proj", Shard(2))):
+            full = getattr(module, leaf)
+            dt = distribute_tensor(full.detach(), device_mesh, [placement])
+            setattr(module, leaf, nn.Parameter(dt, requires_grad=full.requires_grad))
+
+        def forward(x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            gate_up = _SumGradOverGroup.apply(cast(DTensor, module.gate_up_proj).to_local(), group)
+            down = cast(DTensor, module.down_proj).to_local()
+            # Every rank's rows see the whole input: its gradient is a partial sum over ranks.
+            x_TE = _SumGradOverGroup.apply(x_TE, group)
+            partial_TE = expert_outputs(x_TE, counts, gate_up.index_select(1, rows), down)
+            return _ReduceFromGroup.apply(partial_TE, group)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module

@@ -1,7 +1,8 @@
 """Apply the configured model parallelism to a model and tell the loop how to feed it.
 
 Order (DESIGN §1.5): tensor/sequence parallel → context parallel → recompute → data parallel
-(DDP/FSDP2 over the data-parallel and context-parallel ranks together).
+(DDP/FSDP2 over the data-parallel and context-parallel ranks together). Expert parallelism
+(MoE experts split over ep data-parallel ranks) replaces DDP by `ExpertParallelGradSync`.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def build_dims(config: Any, world_size: int) -> ParallelDims:
         cp=par.context_parallel_size,
         dp_replicate=replicate,
         sequence_parallel=par.sequence_parallel,
+        ep=par.expert_model_parallel_size,
     )
 
 
 def check_model(dims: ParallelDims, model_config: Any) -> None:
-    """Validate the layout against the model's layers, heads, KV heads, FFN and vocabulary."""
+    """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
+    experts."""
     dims.check_model(
         num_layers=model_config.num_layers,
         num_heads=model_config.num_attention_heads,
@@ -53,6 +56,20 @@ def check_model(dims: ParallelDims, model_config: Any) -> None:
         ffn=model_config.ffn_hidden_size,
         vocab=model_config.vocab_size,
     )
+    if dims.ep > 1:
+        from models.mixtral import moe_config
+
+        moe = moe_config(model_config)
+        if moe is None:
+            raise ValueError(
+                f"--expert-model-parallel-size {dims.ep} needs an MoE model (e.g. --model "
+                "tiny-mixtral); this model has no experts"
+            )
+        if moe.num_experts % dims.ep:
+            raise ValueError(
+                f"--expert-model-parallel-size {dims.ep} must divide --num-experts "
+                f"{moe.num_experts}; choose a size that divides it"
+            )
 
 
 @dataclass
@@ -106,7 +123,13 @@ class ModelParallelFeed:
         The precision optimizer measures the norm of the gradients it holds, which on a pipeline
         rank are one stage's; clipping here first (by the pipeline-wide norm, summed over the
         `pp` group) leaves it nothing to clip, and the step reports this norm instead.
+
+        First it completes a model's own data-parallel gradient reduction (`model.grad_sync`,
+        e.g. expert parallelism's): the loop calls this after the last backward of every step.
         """
+        sync = getattr(model, "grad_sync", None)
+        if sync is not None:
+            sync.finish()
         if self.dims.pp == 1:
             return None
         from services.trainer.data_parallel import clip_grad_norm_
@@ -137,6 +160,8 @@ def parallelize_model(
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
     check_model(dims, model_config)
+    if dims.ep > 1:
+        return _parallelize_expert_model(model, dims)
     mesh = dims.grad_sync_mesh()
     if mesh is not None and (dims.tp > 1 or dims.pp > 1) and par.zero_stage < 2:
         raise ValueError(
@@ -177,6 +202,28 @@ def parallelize_model(
         return wrap_optimizer(optimizer, model_, mesh, zero_stage=par.zero_stage)
 
     return model, mesh, wrap
+
+
+def _parallelize_expert_model(model: nn.Module, dims: ParallelDims) -> tuple[nn.Module, Any, Any]:
+    """Expert parallelism over the `ep` axis, then data-parallel gradient averaging (replicated
+    parameters over all dp ranks, experts over `edp`) done by the model's `grad_sync` after the
+    step's last backward (no DDP wrapper: its hooks would average the experts over ranks that
+    hold different ones). Recompute was applied by the caller (no TP/PP/CP here)."""
+    from services.trainer.parallel.expert_parallel import (
+        ExpertParallelGradSync,
+        apply_expert_parallel,
+    )
+
+    mesh = dims.expert_mesh()
+    sharded = apply_expert_parallel(model, mesh["ep"])
+    log.info("expert parallel (ep=%d): %d expert weights sharded", dims.ep, len(sharded))
+    dp_mesh = dims.grad_sync_mesh()
+    assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
+    edp = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
+    model.grad_sync = ExpertParallelGradSync(  # type: ignore[assignment]
+        model, dp_mesh.get_group(), edp
+    )
+    return model, dp_mesh, None
 
 
 def _apply_within_replica(

@@ -127,7 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-load",
         dest="lora_dir",
         metavar="DIR",
-        help="peft LoRA adapter directory (needs --merge-lora)",
+        help="LoRA to merge (needs --merge-lora): a peft adapter directory, or a Megatron/"
+        "ModelLink LoRA checkpoint (latest_checkpointed_iteration.txt + mp_rank_* files, any "
+        "TP/PP; merged per TP rank)",
+    )
+    p(
+        "--lora-r",
+        type=int,
+        metavar="R",
+        default=None,
+        help="LoRA rank of a Megatron LoRA checkpoint whose args lack lora_r",
+    )
+    p(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        default=None,
+        help="LoRA alpha of a Megatron LoRA checkpoint whose args lack lora_alpha",
     )
     p(
         "--merge-lora",
@@ -188,6 +204,8 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         target_pp=args.target_pp,
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         lora_dir=Path(args.lora_dir) if args.lora_dir else None,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
         dtype=args.dtype,
         verify=args.verify,
         verify_tolerance=args.verify_tolerance,

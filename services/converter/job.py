@@ -20,7 +20,7 @@ import torch
 from models.config import ModelConfig
 from services.converter.deepspeed_format import DeepSpeedSource
 from services.converter.hf_format import HFSink, HFSource
-from services.converter.lora import LoraAdapter
+from services.converter.lora import open_adapter
 from services.converter.malloc import fix_mmap_threshold
 from services.converter.megatron_format import MegatronSource
 from services.converter.megatron_writer import MegatronSink
@@ -121,7 +121,11 @@ def convert(
     named = get_config(options.model) if options.model else None
     source = open_source(options, named)
     config = source.config
-    adapter = LoraAdapter(options.lora_dir) if options.lora_dir is not None else None
+    adapter = (
+        open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
+        if options.lora_dir is not None
+        else None
+    )
     all_units = units(config)
     names = expected_names_cached(config)
     total = sum(len(names[u]) for u in all_units)

@@ -1,5 +1,8 @@
 """Fold a LoRA adapter into base weights: W' = W + scale·B·A, per unit, as peft merges it.
 
+`open_adapter` picks the reader: this module's for peft adapter directories, megatron_lora's for
+Megatron/ModelLink LoRA checkpoints saved per tensor-parallel rank.
+
 The adapter is a peft directory (`adapter_config.json` + `adapter_model.safetensors`, or a
 `.bin` read with `weights_only=True`); its keys name HF modules
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). Each unit is mapped to HF
@@ -21,6 +24,7 @@ from safetensors.torch import load_file
 
 from models.config import ModelConfig
 from models.hf_adapters import from_hf, to_hf
+from services.converter.megatron_lora import MegatronLoraAdapter, is_megatron_lora
 from services.converter.units import Tensors
 
 _PREFIX = "base_model.model."
@@ -120,3 +124,16 @@ class LoraAdapter:
                 f"LoRA modules {left[:5]} (of {len(left)}) match no weight of the model; the "
                 "adapter belongs to another architecture"
             )
+
+
+def open_adapter(
+    directory: Path,
+    config: ModelConfig,
+    lora_r: int | None = None,
+    lora_alpha: float | None = None,
+) -> LoraAdapter | MegatronLoraAdapter:
+    """The `--lora-load` adapter: a Megatron/ModelLink LoRA checkpoint (TP/PP sharded, recognised
+    by its latest_checkpointed_iteration.txt) or a peft adapter directory."""
+    if is_megatron_lora(directory):
+        return MegatronLoraAdapter(directory, config, lora_r, lora_alpha)
+    return LoraAdapter(directory)

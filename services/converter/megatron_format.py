@@ -164,6 +164,8 @@ class MegatronSource:
                         f"(expected a full {self.tp}x{self.pp} grid of mp_rank directories)"
                     )
         self._files = ranks
+        self.args = args
+        """The `args` Namespace of the first file (None when the checkpoint has none)."""
         self.iteration = int(first.get("iteration", 0) or 0)
         self.config = self._config(config, args)
         chunks = sorted(k for k in first if re.fullmatch(r"model\d+", k))
@@ -223,13 +225,22 @@ class MegatronSource:
                 prefixes = ("encoder.final_norm.", "output_layer.")
                 shards = self._read(self.pp - 1, self.layout.chunks - 1, prefixes)
                 return edge_from_megatron(unit, shards, self.config)
-            stage, chunk, local = self.layout.locate(int(unit))
-            prefix = f"encoder.layers.{local}."
-            shards = self._read(stage, chunk, (prefix,))
-            layer = {name.removeprefix(prefix): t for name, t in shards.items()}
-            return layer_from_megatron(int(unit), layer, self.config)
+            return layer_from_megatron(int(unit), self.read_layer_shards(int(unit)), self.config)
         except (KeyError, RuntimeError) as exc:
             raise ValueError(
                 f"{self.iter_dir}: {unit_label(unit)} has missing or mis-shaped tensors ({exc}); "
                 "the checkpoint is corrupted or does not match --model"
             ) from exc
+
+    def read_shards(self, stage: int, chunk: int) -> Shards:
+        """Every tensor of one virtual chunk of one pipeline stage, one per TP rank, under the
+        Megatron names read_unit starts from (`encoder.layers.<local>....`)."""
+        return self._read(stage, chunk, ("",))
+
+    def read_layer_shards(self, layer: int) -> Shards:
+        """Every tensor of global `layer` as saved, one per TP rank, under layer-relative Megatron
+        names (`self_attention.query_key_value.weight`, ...)."""
+        stage, chunk, local = self.layout.locate(layer)
+        prefix = f"encoder.layers.{local}."
+        shards = self._read(stage, chunk, (prefix,))
+        return {name.removeprefix(prefix): t for name, t in shards.items()}

@@ -54,7 +54,11 @@ class ConvertOptions:
     layers_per_virtual_stage: int | None = None
     """Layers per virtual pipeline chunk of a Megatron output (None: no virtual chunks)."""
     lora_dir: Path | None = None
-    """peft LoRA adapter directory to merge into the weights."""
+    """LoRA to merge into the weights: a peft adapter directory or a Megatron LoRA checkpoint."""
+    lora_r: int | None = None
+    """LoRA rank of a Megatron LoRA checkpoint whose args do not record it."""
+    lora_alpha: float | None = None
+    """LoRA alpha of a Megatron LoRA checkpoint whose args do not record it."""
     dtype: str | None = None
     """Output dtype ("fp32", "bf16", "fp16"); None keeps the source's."""
     verify: bool = False
@@ -103,6 +107,9 @@ class ConvertOptions:
                 "--num-layers-per-virtual-pipeline-stage needs a value >= 1 and "
                 "--target-pipeline-parallel-size > 1"
             )
+        for flag, lora_value in (("--lora-r", self.lora_r), ("--lora-alpha", self.lora_alpha)):
+            if lora_value is not None and (lora_value <= 0 or self.lora_dir is None):
+                raise ValueError(f"{flag} needs a value > 0 and --lora-load, got {lora_value}")
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:

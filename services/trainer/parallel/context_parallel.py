@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import attention
+from services.trainer.parallel.parallel_dims import check_seq_length
 
 
 class _RingPass(torch.autograd.Function):
@@ -63,11 +64,7 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 
 def shard_sequence(x_BS: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
     """This rank's load-balanced part of a full-sequence tensor: chunks r and 2·cp-1-r along `dim`."""
-    if x_BS.shape[dim] % (2 * cp):
-        raise ValueError(
-            f"--seq-length {x_BS.shape[dim]} is not divisible by 2 x --context-parallel-size "
-            f"{cp} = {2 * cp}; pick a sequence length that is"
-        )
+    check_seq_length(x_BS.shape[dim], cp)
     chunks = x_BS.chunk(2 * cp, dim=dim)
     first, second = chunk_ids(rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=dim)

@@ -4,11 +4,6 @@ Mesh axes, outermost first: `pp`, `dp_replicate`, `dp_shard`, `cp`, `tp` — ten
 innermost (its collectives are the most frequent, so its ranks should be neighbours), pipeline
 outermost (it only sends activations between neighbours). Rank r's coordinates follow row-major
 order over those axes, as in torchtitan and Megatron.
-
-Expert parallelism carves its `ep` ranks out of the data-parallel shard axis (Megatron's layout):
-`dp_shard = edp x ep` with `ep` inner, so the expert mesh is `pp, dp_replicate, edp, ep, cp, tp`
-over the same ranks. Ranks along `ep` split the experts (and read different batches); ranks along
-`edp` hold the same experts.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from kernels import device
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 
 
 @dataclass
@@ -43,39 +37,26 @@ class ParallelDims:
     """Sequence parallelism inside the tensor-parallel group (--sequence-parallel)."""
     virtual_pp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved 1F1B)."""
-    ep: int = 1
-    """Expert-parallel size (--expert-model-parallel-size), carved out of `dp_shard`."""
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
-    _expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "dp_replicate", "virtual_pp", "ep"):
+        for name in ("tp", "pp", "cp", "dp_replicate", "virtual_pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
         model_parallel = self.tp * self.pp * self.cp * self.dp_replicate
+        shards = check_world_size(
+            self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp_replicate
+        )
         if self.dp_shard == -1:
-            if self.world_size % model_parallel:
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                    f"{self.tp} x --pipeline-model-parallel-size {self.pp} x "
-                    f"--context-parallel-size {self.cp} x data-parallel replicas "
-                    f"{self.dp_replicate} = {model_parallel}; launch a multiple of {model_parallel} "
-                    "processes"
-                )
-            self.dp_shard = self.world_size // model_parallel
-        if self.dp_shard < 1 or model_parallel * self.dp_shard != self.world_size:
+            self.dp_shard = shards
+        if self.dp_shard != shards:
             raise ValueError(
-                f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp_replicate {self.dp_replicate} x "
-                f"dp_shard {self.dp_shard} must equal the world size {self.world_size}"
+                f"{_factors(self.tp, self.pp, self.cp, self.dp_replicate)} × data-parallel shards "
+                f"{self.dp_shard} = {model_parallel * self.dp_shard} must equal the world size "
+                f"{self.world_size} (WORLD_SIZE); leave the shard size to -1 to get {shards}"
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.dp_shard % self.ep:
-            raise ValueError(
-                f"--expert-model-parallel-size {self.ep} must divide the data-parallel shard size "
-                f"{self.dp_shard} (expert-parallel ranks are carved out of the data-parallel "
-                "ranks); launch more processes or lower it"
-            )
         if self.virtual_pp > 1 and self.pp == 1:
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
@@ -92,7 +73,14 @@ class ParallelDims:
         return self.tp * self.pp * self.cp
 
     def check_model(
-        self, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn: int, vocab: int
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        ffn: int,
+        vocab: int,
+        seq_length: int | None = None,
     ) -> None:
         """Raise ValueError naming the flag and the numbers that this layout cannot split."""
         for what, value in (
@@ -102,21 +90,27 @@ class ParallelDims:
         ):
             if value % self.tp:
                 raise ValueError(
-                    f"--tensor-model-parallel-size {self.tp} does not divide {what}={value}; "
-                    "choose a tensor-parallel size that divides it"
+                    f"{what} {value} is not divisible by --tensor-model-parallel-size {self.tp}; "
+                    f"choose a tensor-parallel size that divides {value} ({_divisors(value)})"
                 )
         if num_kv_heads % self.tp and self.tp % num_kv_heads:
             raise ValueError(
-                f"--tensor-model-parallel-size {self.tp} and num_kv_heads={num_kv_heads}: one must "
-                "divide the other (KV heads are split up to their number and replicated beyond)"
+                f"num_kv_heads {num_kv_heads} and --tensor-model-parallel-size {self.tp}: one must "
+                "divide the other (KV heads are split up to their number and replicated beyond); "
+                f"choose a tensor-parallel size among {_divisors(num_kv_heads)} or a multiple of "
+                f"{num_kv_heads}"
             )
         stages = self.pp * self.virtual_pp
-        if num_layers < stages:
+        if num_layers % stages:
+            chunks = f" × {self.virtual_pp} virtual chunks" if self.virtual_pp > 1 else ""
             raise ValueError(
-                f"num_layers={num_layers} is fewer than the pipeline stages: "
-                f"--pipeline-model-parallel-size {self.pp} x virtual chunks {self.virtual_pp} = "
-                f"{stages}; every stage needs at least one layer"
+                f"num_layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{self.pp}{chunks} = {stages} pipeline stages (every stage holds the same number "
+                f"of layers); choose a pipeline size that divides {num_layers} "
+                f"({_divisors(num_layers)})"
             )
+        if seq_length is not None:
+            check_seq_length(seq_length, self.cp)
 
     def build_mesh(self) -> DeviceMesh:
         """The 5-D named mesh over all ranks (built once; sizes of 1 are kept as axes)."""
@@ -124,20 +118,6 @@ class ParallelDims:
             shape = tuple(getattr(self, axis) for axis in AXES)
             self._mesh = init_device_mesh(device.current().type, shape, mesh_dim_names=AXES)
         return self._mesh
-
-    def expert_mesh(self) -> DeviceMesh:
-        """The 6-D mesh with `dp_shard` split into `edp` x `ep` (built once)."""
-        if self._expert_mesh is None:
-            sizes = {
-                "edp": self.dp_shard // self.ep,
-                "ep": self.ep,
-                **{a: getattr(self, a) for a in AXES if a != "dp_shard"},
-            }
-            shape = tuple(sizes[axis] for axis in EXPERT_AXES)
-            self._expert_mesh = init_device_mesh(
-                device.current().type, shape, mesh_dim_names=EXPERT_AXES
-            )
-        return self._expert_mesh
 
     def submesh(self, *axes: str) -> DeviceMesh:
         """The sub-mesh over `axes` (e.g. "tp", or "dp_replicate", "dp_shard") containing this rank."""
@@ -165,3 +145,41 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which batch slice it reads)."""
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
+
+
+def _factors(tp: int, pp: int, cp: int, dp_replicate: int = 1) -> str:
+    """The model-parallel sizes as flags, multiplied out in words."""
+    text = (
+        f"--tensor-model-parallel-size {tp} × --pipeline-model-parallel-size {pp} × "
+        f"--context-parallel-size {cp}"
+    )
+    return text + (f" × data-parallel replicas {dp_replicate}" if dp_replicate > 1 else "")
+
+
+def _divisors(value: int) -> str:
+    """The divisors of `value`, as a short comma list (at most the first eight)."""
+    found = [d for d in range(1, min(value, 4096) + 1) if value % d == 0]
+    return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+
+
+def check_world_size(world_size: int, *, tp: int, pp: int, cp: int, dp_replicate: int = 1) -> int:
+    """Data-parallel shards: world / (tp·pp·cp·dp_replicate); ValueError naming the flags if it
+    does not divide."""
+    model_parallel = tp * pp * cp * dp_replicate
+    if world_size % model_parallel:
+        raise ValueError(
+            f"{_factors(tp, pp, cp, dp_replicate)} = {model_parallel} does not divide the world "
+            f"size {world_size} (WORLD_SIZE); launch a multiple of {model_parallel} processes or "
+            f"choose sizes whose product divides {world_size}"
+        )
+    return world_size // model_parallel
+
+
+def check_seq_length(seq_length: int, cp: int) -> None:
+    """ValueError naming the flags when context parallelism of `cp` cannot cut `seq_length`."""
+    if cp > 1 and seq_length % (2 * cp):
+        raise ValueError(
+            f"--seq-length {seq_length} is not divisible by 2 × --context-parallel-size {cp} = "
+            f"{2 * cp} (ring attention cuts the sequence into 2·CP load-balanced chunks); choose a "
+            f"sequence length that is a multiple of {2 * cp}"
+        )

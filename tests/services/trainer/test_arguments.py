@@ -100,7 +100,6 @@ NON_DEFAULT = {
     "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", "4"),
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage", "1"),
     "context_parallel_size": ("--context-parallel-size", "2"),
-    "expert_model_parallel_size": None,  # excludes TP/PP/CP: tests/finetune/test_expert_parallel.py
     "recompute_granularity": ("--recompute-granularity", "full"),
     "recompute_method": ("--recompute-method", "block"),
     "recompute_num_layers": ("--recompute-num-layers", "2"),
@@ -213,7 +212,11 @@ BASE = ["--model", "tiny-llama", "--mock-data"]
             2,
             "--global-batch-size 8.*--micro-batch-size 3",
         ),
-        (["--pipeline-model-parallel-size", "2"], 1, "world size 1 is not divisible by .*pipeline"),
+        (
+            ["--pipeline-model-parallel-size", "2"],
+            1,
+            "--pipeline-model-parallel-size 2 .* does not divide the world size 1",
+        ),
         (
             ["--auto-recompute-device-size", "100", "--auto-recompute-profiling-step", "3"],
             1,

@@ -70,6 +70,7 @@ class TrainConfig:
         from services.trainer.parallel.parallel_dims import check_seq_length, check_world_size
 
         par = self.parallel
+        mp = par.model_parallel_size()
         check_world_size(
             world_size,
             tp=par.tensor_model_parallel_size,
@@ -78,6 +79,13 @@ class TrainConfig:
         )
         check_seq_length(self.model.seq_length, par.context_parallel_size)
         dp = self.dp_size(world_size)
+        ep = self.parallel.expert_model_parallel_size
+        if dp % ep:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} "
+                f"(world size {world_size} / tensor x pipeline x context parallel size {mp}): "
+                "expert-parallel ranks are carved out of the data-parallel ranks"
+            )
         mbs = self.batch.micro_batch_size
         gbs = self.batch.global_batch_size
         if gbs is not None and gbs % (mbs * dp):

@@ -4,6 +4,11 @@ Mesh axes, outermost first: `pp`, `dp_replicate`, `dp_shard`, `cp`, `tp` — ten
 innermost (its collectives are the most frequent, so its ranks should be neighbours), pipeline
 outermost (it only sends activations between neighbours). Rank r's coordinates follow row-major
 order over those axes, as in torchtitan and Megatron.
+
+Expert parallelism carves its `ep` ranks out of the data-parallel shard axis (Megatron's layout):
+`dp_shard = edp x ep` with `ep` inner, so the expert mesh is `pp, dp_replicate, edp, ep, cp, tp`
+over the same ranks. Ranks along `ep` split the experts (and read different batches); ranks along
+`edp` hold the same experts.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from kernels import device
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 
 
 @dataclass
@@ -37,10 +43,13 @@ class ParallelDims:
     """Sequence parallelism inside the tensor-parallel group (--sequence-parallel)."""
     virtual_pp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved 1F1B)."""
+    ep: int = 1
+    """Expert-parallel size (--expert-model-parallel-size), carved out of `dp_shard`."""
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "dp_replicate", "virtual_pp"):
+        for name in ("tp", "pp", "cp", "dp_replicate", "virtual_pp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
         model_parallel = self.tp * self.pp * self.cp * self.dp_replicate
@@ -57,6 +66,12 @@ class ParallelDims:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"--expert-model-parallel-size {self.ep} must divide the data-parallel shard size "
+                f"{self.dp_shard} (expert-parallel ranks are carved out of the data-parallel "
+                "ranks); launch more processes or lower it"
+            )
         if self.virtual_pp > 1 and self.pp == 1:
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
@@ -118,6 +133,20 @@ class ParallelDims:
             shape = tuple(getattr(self, axis) for axis in AXES)
             self._mesh = init_device_mesh(device.current().type, shape, mesh_dim_names=AXES)
         return self._mesh
+
+    def expert_mesh(self) -> DeviceMesh:
+        """The 6-D mesh with `dp_shard` split into `edp` x `ep` (built once)."""
+        if self._expert_mesh is None:
+            sizes = {
+                "edp": self.dp_shard // self.ep,
+                "ep": self.ep,
+                **{a: getattr(self, a) for a in AXES if a != "dp_shard"},
+            }
+            shape = tuple(sizes[axis] for axis in EXPERT_AXES)
+            self._expert_mesh = init_device_mesh(
+                device.current().type, shape, mesh_dim_names=EXPERT_AXES
+            )
+        return self._expert_mesh
 
     def submesh(self, *axes: str) -> DeviceMesh:
         """The sub-mesh over `axes` (e.g. "tp", or "dp_replicate", "dp_shard") containing this rank."""

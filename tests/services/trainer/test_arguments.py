@@ -100,6 +100,7 @@ NON_DEFAULT = {
     "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", "4"),
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage", "1"),
     "context_parallel_size": ("--context-parallel-size", "2"),
+    "expert_model_parallel_size": None,  # excludes TP/PP/CP: tests/finetune/test_expert_parallel.py
     "recompute_granularity": ("--recompute-granularity", "full"),
     "recompute_method": ("--recompute-method", "block"),
     "recompute_num_layers": ("--recompute-num-layers", "2"),

@@ -43,6 +43,11 @@ class PrefixAttention(Attention):
     prefix_key: nn.Parameter
     prefix_value: nn.Parameter
 
+    def prefix_key_value(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [P, K, D] key and value prefixes of the KV heads this module computes (a
+        tensor-parallel split replaces this with the rank's heads)."""
+        return self.prefix_key, self.prefix_value
+
     def forward(
         self,
         x_BSE: torch.Tensor,
@@ -59,9 +64,10 @@ class PrefixAttention(Attention):
             )
         q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, rope_cos_sin)
         b = x_BSE.shape[0]
-        p = self.prefix_key.shape[0]
-        pk_BPKD = self.prefix_key.to(k_BSKD.dtype).expand(b, -1, -1, -1)
-        pv_BPKD = self.prefix_value.to(v_BSKD.dtype).expand(b, -1, -1, -1)
+        prefix_key_PKD, prefix_value_PKD = self.prefix_key_value()
+        p = prefix_key_PKD.shape[0]
+        pk_BPKD = prefix_key_PKD.to(k_BSKD.dtype).expand(b, -1, -1, -1)
+        pv_BPKD = prefix_value_PKD.to(v_BSKD.dtype).expand(b, -1, -1, -1)
         k_BSKD = torch.cat([pk_BPKD, k_BSKD], dim=1)
         v_BSKD = torch.cat([pv_BPKD, v_BSKD], dim=1)
         if key_padding_mask_BS is not None:

@@ -89,11 +89,6 @@ def check(config: Any) -> None:
             f"--peft-method {peft.peft_method} with --load: the base checkpoint loads weights only; "
             "add --finetune (resume a fine-tuning run with --lora-load SAVE_DIR)"
         )
-    if config.parallel.tensor_model_parallel_size > 1:
-        raise ValueError(
-            f"--peft-method {peft.peft_method} with --tensor-model-parallel-size > 1 is not "
-            "supported yet (data, pipeline and context parallelism are)"
-        )
     if _is_run_checkpoint(peft.lora_load) and not config.run.load:
         raise ValueError(
             f"--lora-load {peft.lora_load} is a training checkpoint; resume it with the base "

@@ -38,12 +38,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
-    parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.config import ModelConfig
 from models.parallel_plan import match_plan, tp_plan
+from services.trainer.parallel.peft_tp import parallelize_with_adapters
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -179,7 +179,10 @@ def apply_tensor_parallel(
                 if name.endswith(suffix):
                     module_plan[name] = gather
                     resolved[name] = "gather_sequence"
-    parallelize_module(model, tp_mesh, module_plan)
+    # LoRA layers take adapter-aware styles; PEFT-frozen parameters stay frozen.
+    parallelize_with_adapters(
+        model, tp_mesh, module_plan, resolved, sequence_parallel=sequence_parallel
+    )
     tie_weights = getattr(model, "tie_weights", None)
     if config.tie_word_embeddings and callable(tie_weights):
         # Each style swapped in its own parameter, untying the head; both are vocabulary-row

@@ -14,6 +14,9 @@ Patterns use `*` for one name component (the layer index). Styles:
   loss-parallel cross entropy.
 - "alibi_heads": an ALiBi attention module whose `head_offset` must be set to this rank's first
   head (rank · H/tp), so that each rank uses its own heads' slopes.
+- "moe_experts": the stacked experts of an MoE layer (`models.moe.Experts`): every expert's
+  [gate; up] column-parallel and its down projection row-parallel, partial outputs summed over
+  the TP ranks. The router (`mlp.gate`) and shared experts are not in the plan: replicated.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ STYLES = (
     "sequence_parallel",
     "colwise_loss_parallel",
     "alibi_heads",
+    "moe_experts",
 )
 
 
@@ -51,13 +55,16 @@ def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str,
     plan[layer + "self_attn.o_proj"] = "rowwise"
     if config.position_embedding == "alibi":
         plan[layer + "self_attn"] = "alibi_heads"
-    if config.gated and config.fused_gate_up:
+    if config.extra.get("moe") is not None:
+        plan[layer + "mlp.experts"] = "moe_experts"
+    elif config.gated and config.fused_gate_up:
         plan[layer + "mlp.gate_up_proj"] = "colwise_packed_gate_up"
+        plan[layer + "mlp.down_proj"] = "rowwise"
     else:
         if config.gated:
             plan[layer + "mlp.gate_proj"] = "colwise"
         plan[layer + "mlp.up_proj"] = "colwise"
-    plan[layer + "mlp.down_proj"] = "rowwise"
+        plan[layer + "mlp.down_proj"] = "rowwise"
     if sequence_parallel:
         plan["norm"] = "sequence_parallel"
     plan["lm_head"] = "colwise_loss_parallel"

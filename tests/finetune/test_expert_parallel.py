@@ -190,3 +190,30 @@ def test_expert_parallel_flag_is_validated():
     with pytest.raises(ValueError, match="needs an MoE model"):
         check_model(ParallelDims(world_size=2, ep=2), get_config("tiny-llama"))
     check_model(ParallelDims(world_size=4, ep=2), mixtral)
+
+
+def _tp2_body(rank, world_size):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE
+
+    tp2 = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, "--tensor-model-parallel-size"]
+    result = _trainer_layouts(rank, world_size, {"tp2": ["--tensor-model-parallel-size", "2"]})
+    model = Trainer(parse_args([*tp2, "2"])).model
+    experts = model.get_submodule("layers.0.mlp.experts")
+    assert experts.down_proj.placements == (Shard(2),)  # row-parallel: F split
+    assert experts.gate_up_proj.placements == (Replicate(),)  # each rank computes its rows
+    assert model.get_submodule("layers.0.mlp.gate").weight.placements == (Replicate(),)
+    with pytest.raises(ValueError, match="--sequence-parallel with an MoE model"):
+        Trainer(parse_args([*tp2, "2", "--sequence-parallel"]))
+    return result
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_tp2_mixtral_equals_one_process(single_mixtral):
+    """Tensor parallelism of the experts (each expert's [gate; up] column-parallel, down
+    row-parallel, router replicated): TP2 tiny-mixtral trains like one process."""
+    _check_layouts(single_mixtral, run_distributed(_tp2_body, 2))

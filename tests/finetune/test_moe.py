@@ -200,3 +200,19 @@ def test_parameter_and_flop_counts_of_moe_by_hand():
                                                        "num_shared_experts": 2}})  # fmt: skip
     assert active_parameters(shared) == total - 2 * 3 * expert + 2 * 2 * expert
     assert sum(p.numel() for p in build_causal_lm(shared).parameters()) == count_parameters(shared)
+
+
+def test_tp_plan_of_moe_names_the_experts():
+    from models.parallel_plan import match_plan, tp_plan
+
+    config = get_config("tiny-mixtral")
+    plan = tp_plan(config, sequence_parallel=False)
+    assert plan["layers.*.mlp.experts"] == "moe_experts"
+    assert not any(k.endswith(("mlp.gate_up_proj", "mlp.down_proj")) for k in plan)
+    model = build_causal_lm(config)
+    resolved = match_plan(plan, [n for n, _ in model.named_modules()])
+    assert {n for n, s in resolved.items() if s == "moe_experts"} == {
+        "layers.0.mlp.experts",
+        "layers.1.mlp.experts",
+    }
+    assert "layers.0.mlp.gate" not in resolved  # the router stays replicated

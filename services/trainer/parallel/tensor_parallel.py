@@ -112,6 +112,8 @@ def _packed_rows(parts: list[tuple[int, int]], head_dim: int) -> Callable[[int, 
 
 def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Plan style name -> ParallelStyle for this model and TP size."""
+    from services.trainer.parallel.expert_parallel import ExpertsTensorParallel
+
     seq = Shard(1) if sequence_parallel else Replicate()
     h, k, d = config.num_attention_heads, config.kv_heads, config.head_dim
     styles: dict[str, ParallelStyle] = {
@@ -128,6 +130,9 @@ def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, 
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         ),
         "kv_replicated": SlicedColwise(_packed_rows([(k, k)], d)),
+        "moe_experts": ExpertsTensorParallel(
+            config.ffn_hidden_size, sequence_parallel=sequence_parallel
+        ),
     }
     return styles
 

@@ -1,8 +1,10 @@
 """Writes Megatron legacy checkpoints (layout in megatron_format and megatron_layout).
 
-One `torch.save` file per (TP rank, pipeline stage): a stage's TP shards are buffered until all
-its layers (and, on the edges, the embedding / final norm) have arrived, then written; with
-virtual chunks a stage's last chunk comes late, so the buffer can reach most of the model.
+One `torch.save`-format file per (TP rank, pipeline stage), written as the units arrive
+(torch_stream): each TP shard goes to its file the moment its unit is split, and a file's pickled
+structure is written once its stage has received all its layers (and, on the edges, the embedding /
+final norm). Memory holds one unit and its shards, whatever the TP, PP or virtual-chunk layout;
+every stage's files stay open until the stage completes (TP × PP open files at most).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import torch
 from models.config import ModelConfig
 from services.converter.megatron_format import CHECKPOINT_VERSION, FILE, TRACKER
 from services.converter.megatron_layout import (
-    Shards,
     StageLayout,
     edge_to_megatron,
     layer_to_megatron,
     padded_vocab_size,
 )
+from services.converter.torch_stream import StreamingTorchFile, TensorRef
 from services.converter.units import POST, PRE, Tensors, Unit
 
 
@@ -34,7 +36,7 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def _nest(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     """Megatron's nesting: language_model.{embedding.word_embeddings, encoder, output_layer}."""
     language_model: dict[str, Any] = {}
     for name, tensor in flat.items():
@@ -80,10 +82,21 @@ class MegatronSink:
         self.padded_vocab = padded_vocab_size(config.vocab_size, make_vocab_size_divisible_by, tp)
         self.layers_per_virtual_stage = layers_per_virtual_stage
         self.iter_name = f"iter_{iteration:07d}" if iteration > 0 else "release"
-        # stage -> chunk -> Megatron name (relative to language_model) -> per-rank tensors
-        self._pending: dict[int, dict[int, Shards]] = {}
-        self._embedding: list[torch.Tensor] | None = None
+        # stage -> chunk -> Megatron name (relative to language_model) -> per-rank written refs
+        self._pending: dict[int, dict[int, dict[str, list[TensorRef]]]] = {}
+        self._open: dict[tuple[int, int], StreamingTorchFile] = {}
         self._files: list[str] = []
+
+    def _path(self, tp_rank: int, stage: int) -> Path:
+        name = f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if self.layout.pp > 1 else "")
+        return self.directory / self.iter_name / name / FILE
+
+    def _file(self, tp_rank: int, stage: int) -> StreamingTorchFile:
+        if (tp_rank, stage) not in self._open:
+            path = self._path(tp_rank, stage)
+            path.parent.mkdir(parents=True)
+            self._open[(tp_rank, stage)] = StreamingTorchFile(path)
+        return self._open[(tp_rank, stage)]
 
     def _stage_done(self, stage: int) -> bool:
         held = self._pending.get(stage, {})
@@ -103,18 +116,27 @@ class MegatronSink:
         if unit in (PRE, POST):
             stage, chunk = (0, 0) if unit == PRE else (self.layout.pp - 1, self.layout.chunks - 1)
             shards = edge_to_megatron(unit, tensors, self.tp, self.padded_vocab)
-            if unit == PRE and self.config.tie_word_embeddings:
-                self._embedding = shards["embedding.word_embeddings.weight"]
-            if unit == POST and self.config.tie_word_embeddings and self.layout.pp > 1:
-                assert self._embedding is not None
-                shards["word_embeddings_for_head.weight"] = self._embedding
+            if unit == PRE and self.config.tie_word_embeddings and self.layout.pp > 1:
+                # The last stage's copy of the embedding, for its tied output layer: written into
+                # that stage's files now rather than held until the head arrives.
+                last, last_chunk = self.layout.pp - 1, self.layout.chunks - 1
+                head = self._write(last, shards["embedding.word_embeddings.weight"])
+                self._pending.setdefault(last, {}).setdefault(last_chunk, {})[
+                    "word_embeddings_for_head.weight"
+                ] = head
         else:
             stage, chunk, local = self.layout.locate(int(unit))
             layer = layer_to_megatron(int(unit), tensors, self.config, self.tp)
             shards = {f"encoder.layers.{local}.{n}": t for n, t in layer.items()}
-        self._pending.setdefault(stage, {}).setdefault(chunk, {}).update(shards)
+        held = self._pending.setdefault(stage, {}).setdefault(chunk, {})
+        for name, per_rank in shards.items():
+            held[name] = self._write(stage, per_rank)
         if self._stage_done(stage):
             self._save_stage(stage, self._pending.pop(stage))
+
+    def _write(self, stage: int, per_rank: list[torch.Tensor]) -> list[TensorRef]:
+        """Each rank's shard into its file of `stage`, now; the refs stand for them."""
+        return [self._file(r, stage).add(_compact(t)) for r, t in enumerate(per_rank)]
 
     def _args(self) -> argparse.Namespace:
         c = self.config
@@ -151,7 +173,8 @@ class MegatronSink:
             meshline_model_config=json.dumps(c.to_dict(), sort_keys=True),
         )
 
-    def _save_stage(self, stage: int, chunks: dict[int, Shards]) -> None:
+    def _save_stage(self, stage: int, chunks: dict[int, dict[str, list[TensorRef]]]) -> None:
+        """Writes the structure of the stage's files (their tensors are already on disk)."""
         args = self._args()
         for tp_rank in range(self.tp):
             state: dict[str, Any] = {
@@ -160,24 +183,22 @@ class MegatronSink:
                 "iteration": self.iteration,
             }
             for chunk in range(self.layout.chunks):
-                flat = {n: _compact(t[tp_rank]) for n, t in chunks.get(chunk, {}).items()}
+                flat = {n: refs[tp_rank] for n, refs in chunks.get(chunk, {}).items()}
                 head = flat.pop("word_embeddings_for_head.weight", None)
                 model = _nest(flat)
                 if head is not None:
                     model["word_embeddings_for_head"] = {"weight": head}
                 state["model" if self.layout.chunks == 1 else f"model{chunk}"] = model
-            name = (
-                f"mp_rank_{tp_rank:02d}"
-                if self.layout.pp == 1
-                else (f"mp_rank_{tp_rank:02d}_{stage:03d}")
-            )
-            path = self.directory / self.iter_name / name / FILE
-            path.parent.mkdir(parents=True)
-            torch.save(state, path)
+            self._file(tp_rank, stage).close(state)
+            del self._open[(tp_rank, stage)]
+            path = self._path(tp_rank, stage)
             self._files.append(str(path.relative_to(self.directory)))
 
     def abort(self) -> None:
-        """Drops the stages still held in memory (nothing is open between files)."""
+        """Ends the files still open (incomplete; the caller removes the directory)."""
+        for handle in self._open.values():
+            handle.abandon()
+        self._open.clear()
         self._pending.clear()
 
     def finish(self) -> list[str]:

@@ -5,10 +5,11 @@ including the output head, BitFit biases and norms, prefix keys/values) equal th
 model's, for fused and unfused projections, biased layers, KV heads split and replicated, with
 and without sequence parallelism; frozen weights stay frozen and get no gradient.
 
-Trainer level: TP2 loss curves, trained tensors and exported adapters equal one process's
-(tolerances of the trainer's parity tests: losses 1e-5, parameters 1e-4 relative per tensor); the
-TP2 export loads into peft with Meshline's logits; a TP2 fine-tuning checkpoint resumes at TP2
-and at TP1; `--lora-load` of a peft adapter works under TP2.
+Trainer level: TP2 (and, for LoRA, TP2 x DP2 with ZeRO-2) loss curves, trained tensors and
+exported adapters equal one process's (tolerances of the trainer's parity tests: losses 1e-5,
+parameters 1e-4 relative per tensor); the TP2 export loads into peft with Meshline's logits; a
+TP2 fine-tuning checkpoint resumes at TP2 and at TP1; `--lora-load` of a peft adapter works
+under TP2.
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RUNS = {"lora": LORA, "bitfit": ["--peft-method", "bitfit"], "prefix": ["--peft-method", "prefix"]}
 
 
-def _train_runs(rank: int, world_size: int, layout: list[str], save_root: str) -> dict[str, Any]:
+def _train_runs(
+    rank: int, world_size: int, layout: list[str], save_root: str, methods: list[str]
+) -> dict[str, Any]:
     """Each method trained STEPS steps in `layout`: losses, full parameters; LoRA also saved (its
     adapter exported) with the logits of a fixed batch."""
     from services.trainer.arguments import parse_args
@@ -147,7 +150,8 @@ def _train_runs(rank: int, world_size: int, layout: list[str], save_root: str) -
     from services.trainer.parallel.tensor_parallel import loss_parallel
 
     results: dict[str, Any] = {}
-    for method, flags in RUNS.items():
+    for method in methods:
+        flags = RUNS[method]
         save = ["--save", f"{save_root}/{method}"] if method == "lora" else []
         trainer = Trainer(parse_args([*BASE, "--train-iters", str(STEPS), *flags, *layout, *save]))
         losses = [trainer.train_step().loss for _ in range(STEPS)]
@@ -171,26 +175,33 @@ def _logits(model: torch.nn.Module, loss_parallel: Any) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.xdist_group("dist")
 def test_tp2_fine_tuning_matches_one_process(tmp_path):
-    """LoRA, BitFit and prefix tuning at TP2 with sequence parallelism train like one process;
-    the TP2 LoRA export equals the one-process export and loads into peft."""
+    """LoRA, BitFit and prefix tuning at TP2 with sequence parallelism (LoRA also at TP2 x DP2,
+    ZeRO-2) train like one process; the LoRA exports equal the one-process export, and the TP2
+    one loads into peft with the TP2 model's logits."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from models.hf_adapters import to_hf
     from tests.models.test_hf_parity import hf_model_for
 
-    ref = run_distributed(_train_runs, 1, [], str(tmp_path / "tp1"))[0]
-    results = run_distributed(_train_runs, 2, TP2, str(tmp_path / "tp2"))
-    for got in results:
-        for method in RUNS:
+    methods = list(RUNS)
+    ref = run_distributed(_train_runs, 1, [], str(tmp_path / "tp1"), methods)[0]
+    results = run_distributed(_train_runs, 2, TP2, str(tmp_path / "tp2"), methods)
+    # TP2 x DP2 with ZeRO-2 (FSDP2 over the TP-sharded adapters and frozen base).
+    zero2 = run_distributed(
+        _train_runs, 4, [*TP2, "--zero-stage", "2"], str(tmp_path / "tp2dp2"), ["lora"]
+    )
+    for got in [*results, *zero2]:
+        for method in got:
             a, b = ref[method], got[method]
             assert max_loss_diff(a["losses"], b["losses"]) <= 1e-5, method
             assert max_param_diff(a["params"], b["params"]) <= 1e-4, method
     assert all(t.abs().sum() > 0 for n, t in ref["lora"]["params"].items() if "lora_B" in n)
     for files in ("meshline_adapter.safetensors", "adapter_model.safetensors"):
         one = load_file(str(tmp_path / "tp1" / "lora" / "adapter" / files))
-        two = load_file(str(tmp_path / "tp2" / "lora" / "adapter" / files))
-        assert set(one) == set(two) and max_param_diff(one, two) <= 1e-4, files
+        for layout in ("tp2", "tp2dp2"):
+            other = load_file(str(tmp_path / layout / "lora" / "adapter" / files))
+            assert set(one) == set(other) and max_param_diff(one, other) <= 1e-4, (layout, files)
     # peft on the HF model with the TP2 export gives the TP2 model's logits.
     config = results[0]["lora"]["config"]
     hf = hf_model_for(config)

@@ -69,6 +69,7 @@ class AuxLossInjector(torch.autograd.Function):
     """Identity on the activations whose backward also sends d(aux)/d(aux) = `scale` into aux."""
 
     scale = 1.0
+    """Set per step by the training loop (`set_aux_loss_scale`)."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -79,6 +80,14 @@ class AuxLossInjector(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         (aux,) = ctx.saved_tensors
         return grad_out, torch.full_like(aux, AuxLossInjector.scale)
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The gradient every auxiliary loss gets in backward: the training loop's loss scale over
+    its micro-batches per step (Megatron's `MoEAuxLossAutoScaler.set_loss_scale`), so the aux
+    losses enter the objective as their mean over all micro-batches of the step whatever the
+    layout (data-parallel averaging divides by the ranks, this by the micro-batches)."""
+    AuxLossInjector.scale = scale
 
 
 class Experts(nn.Module):

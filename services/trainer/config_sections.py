@@ -39,6 +39,14 @@ class ModelSection:
     """Training sequence length in tokens."""
     init_method_std: float | None = None
     """Standard deviation of the weight initialisation (registry value when unset)."""
+    num_experts: int | None = None
+    """MoE experts per layer: every MLP becomes a mixture of experts (registry value when unset)."""
+    moe_router_topk: int | None = None
+    """Experts each token is routed to (MoE models; registry value when unset, else 2)."""
+    moe_aux_loss_coeff: float | None = None
+    """Weight of the MoE load-balancing loss (registry value when unset, else 0)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the MoE router z-loss (registry value when unset, else 0)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
@@ -49,6 +57,14 @@ class ModelSection:
             raise ValueError(f"--num-query-groups must be positive, got {self.num_query_groups}")
         if self.seq_length <= 0:
             raise ValueError(f"--seq-length must be positive, got {self.seq_length}")
+        for name in ("num_experts", "moe_router_topk"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag_name(name)} must be positive, got {value}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{flag_name(name)} must be >= 0, got {value}")
 
     def overrides(self) -> dict[str, Any]:
         """The shape overrides as `models.config.ModelConfig` field names (unset ones left out)."""
@@ -61,6 +77,20 @@ class ModelSection:
             "max_position_embeddings": "max_position_embeddings",
             "vocab_size": "vocab_size",
             "init_method_std": "init_std",
+        }
+        return {
+            dst: getattr(self, src)
+            for src, dst in mapping.items()
+            if getattr(self, src) is not None
+        }
+
+    def moe_overrides(self) -> dict[str, Any]:
+        """The MoE flags that are set, as `models.moe.MoEConfig` field names."""
+        mapping = {
+            "num_experts": "num_experts",
+            "moe_router_topk": "top_k",
+            "moe_aux_loss_coeff": "aux_loss_coeff",
+            "moe_z_loss_coeff": "z_loss_coeff",
         }
         return {
             dst: getattr(self, src)

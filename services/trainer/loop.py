@@ -222,6 +222,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
+        from models.moe import set_aux_loss_scale
         from services.trainer.data_parallel import no_sync
 
         n_micro = self.batches.num_micro_batches(self.state.consumed_samples)
@@ -235,6 +236,7 @@ class Trainer:
         tokens = self._all_reduce(torch.tensor([local_tokens], dtype=torch.float64))
         global_tokens = max(float(tokens.item()), 1.0)
         scale = self.scaler.scale
+        set_aux_loss_scale(scale / n_micro)
         loss_sum = torch.zeros((), dtype=torch.float64)
         self.model.train()
         if self.auto_recompute is not None:

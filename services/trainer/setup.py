@@ -33,12 +33,29 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
             )
         padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         model_config = get_config(name, **{**overrides, "vocab_size": padded})
+    moe = config.model.moe_overrides()
+    if moe:
+        from models.mixtral import moe_config
+
+        merged = {**model_config.extra.get("moe", {}), **moe}
+        if "num_experts" not in merged:
+            raise ValueError(
+                f"--model {name} has no experts: {', '.join('--' + k for k in _moe_flags(config))} "
+                "need --num-experts (or an MoE model such as tiny-mixtral)"
+            )
+        model_config = model_config.replace(extra={**model_config.extra, "moe": merged})
+        moe_config(model_config)  # validates (ValueError naming the flag)
     if model_config.max_position_embeddings < config.model.seq_length:
         raise ValueError(
             f"--seq-length {config.model.seq_length} exceeds the model's --max-position-embeddings "
             f"{model_config.max_position_embeddings}; shorten one or raise the other"
         )
     return model_config
+
+
+def _moe_flags(config: TrainConfig) -> list[str]:
+    names = ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+    return [n.replace("_", "-") for n in names if getattr(config.model, n) is not None]
 
 
 def create_model(model_config: Any, device: torch.device, seed: int) -> nn.Module:

@@ -13,7 +13,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from kernels.cross_entropy import cross_entropy
 from models.hf_adapters import from_hf, to_hf
 from models.mixtral import build_causal_lm, mixtral_hf_config
-from models.moe import MoE, MoEConfig, moe_layers
+from models.moe import MoE, MoEConfig, moe_layers, set_aux_loss_scale
 from models.registry import get_config
 from tests.models.test_hf_parity import _randomise
 
@@ -114,6 +114,7 @@ def test_shared_experts_add_a_dense_branch():
 
 def test_aux_and_z_loss_reach_the_router_gradient():
     """The injected auxiliary losses give the router exactly the gradient of (main + aux)."""
+    set_aux_loss_scale(1.0)  # a trainer run earlier in this process leaves its own scale
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
     moe = _moe(aux_loss_coeff=0.1, z_loss_coeff=0.01).train()
     main = moe(x).square().sum()
@@ -216,3 +217,38 @@ def test_tp_plan_of_moe_names_the_experts():
         "layers.1.mlp.experts",
     }
     assert "layers.0.mlp.gate" not in resolved  # the router stays replicated
+
+
+def test_moe_flags_reach_the_model_config():
+    from services.trainer.arguments import parse_args
+    from services.trainer.setup import build_model_config
+
+    def config(*flags):
+        return build_model_config(parse_args(["--mock-data", *flags]))
+
+    dense_to_moe = config("--model", "tiny-llama", "--num-experts", "4", "--moe-router-topk", "1")
+    assert dense_to_moe.extra["moe"] == {"num_experts": 4, "top_k": 1}
+    assert len(moe_layers(build_causal_lm(dense_to_moe))) == dense_to_moe.num_layers
+    mixtral = config("--model", "tiny-mixtral", "--moe-z-loss-coeff", "0.01")
+    assert mixtral.extra["moe"] == {"num_experts": 4, "top_k": 2, "z_loss_coeff": 0.01}
+    with pytest.raises(ValueError, match="has no experts: --moe-router-topk need --num-experts"):
+        config("--model", "tiny-llama", "--moe-router-topk", "1")
+    with pytest.raises(ValueError, match="--moe-router-topk 8 must be in"):
+        config("--model", "tiny-mixtral", "--moe-router-topk", "8")
+    with pytest.raises(ValueError, match="--moe-z-loss-coeff must be >= 0"):
+        config("--model", "tiny-mixtral", "--moe-z-loss-coeff", "-1")
+
+
+def test_aux_loss_gradient_follows_the_set_scale():
+    """The loop sets loss scale / micro-batches; the router's aux gradient scales with it."""
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
+    moe = _moe(z_loss_coeff=0.1).train()
+    grads = []
+    for scale in (1.0, 0.25):
+        set_aux_loss_scale(scale)
+        moe.zero_grad()
+        moe(x).sum().mul(0.0).backward()  # only the injected z-loss reaches the router
+        grads.append(moe.gate.weight.grad.clone())
+    set_aux_loss_scale(1.0)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0] * 0.25)

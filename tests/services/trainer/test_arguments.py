@@ -101,6 +101,10 @@ NON_DEFAULT = {
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage", "1"),
     "context_parallel_size": ("--context-parallel-size", "2"),
     "expert_model_parallel_size": None,  # excludes TP/PP/CP: tests/finetune/test_expert_parallel.py
+    "num_experts": ("--num-experts", "4"),
+    "moe_router_topk": ("--moe-router-topk", "1"),
+    "moe_aux_loss_coeff": ("--moe-aux-loss-coeff", "0.01"),
+    "moe_z_loss_coeff": ("--moe-z-loss-coeff", "0.001"),
     "recompute_granularity": ("--recompute-granularity", "full"),
     "recompute_method": ("--recompute-method", "block"),
     "recompute_num_layers": ("--recompute-num-layers", "2"),

@@ -1,6 +1,7 @@
 """Converter: peak memory and time of a few-GB conversion vs transformers' load + save.
 
     python -m bench.bench_converter [--layers 12] [--hidden 2048] [--ffn 5504] [--vocab 32000]
+        [--runs baseline,hf-hf,hf-native,native-hf,hf-megatron,hf-megatron-vpp]
 
 Writes a random Llama checkpoint in HF layout (streamed, never whole in memory), then runs, each
 in a fresh Python process whose peak RSS (`ru_maxrss`) is reported:
@@ -8,7 +9,12 @@ in a fresh Python process whose peak RSS (`ru_maxrss`) is reported:
 - baseline: `AutoModelForCausalLM.from_pretrained` + `save_pretrained` (HF → HF), the usual
   way to re-save a checkpoint: holds the whole model;
 - ours HF → HF (same work as the baseline), HF → native (DCP), native → HF, HF → Megatron
-  TP2 × PP4 (one pipeline stage is buffered per output file, see docs/converter.md).
+  TP2 × PP4, and HF → Megatron TP2 × PP4 with virtual chunks of one layer (`hf-megatron-vpp`:
+  a stage's last chunk arrives last, so a writer that buffered stages would hold most of the
+  model; ours streams every shard to its file, see docs/converter.md).
+
+`--runs` picks a subset (native-hf needs hf-native before it); without `baseline` no ratios are
+printed.
 
 Prints the model size, the largest unit (the embedding or a layer), each run's wall time and
 peak RSS, and ours / baseline ratios (RSS < 1: ours leaner; time > 1: ours slower).
@@ -36,12 +42,18 @@ if kind == "baseline":
     model.save_pretrained(dst)
 else:
     from services.converter.job import ConvertOptions, convert
-    load, save = kind.split("-")
+    load, save, *variant = kind.split("-")
     extra = dict(target_tp=2, target_pp=4) if save == "megatron" else {}
+    if variant == ["vpp"]:
+        extra["layers_per_virtual_stage"] = 1
     convert(ConvertOptions(load, save, src, dst, **extra))
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
+
+
+RUNS = ("baseline", "hf-hf", "hf-native", "native-hf", "hf-megatron", "hf-megatron-vpp")
+"""Measurements, in the order they run."""
 
 
 def _write_source(directory: Path, args: argparse.Namespace) -> tuple[int, int]:
@@ -96,7 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)"
     )
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help=f"comma-separated subset of {','.join(RUNS)} (default: all)",
+    )
     args = parser.parse_args(argv)
+    runs = args.runs.split(",")
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:
+        parser.error(f"--runs: unknown {unknown}; choose from {list(RUNS)}")
+    if "native-hf" in runs and "hf-native" not in runs:
+        parser.error("--runs: native-hf reads hf-native's output; include hf-native")
     work = Path(tempfile.mkdtemp(prefix="bench_converter_", dir=args.workdir))
     try:
         hf = work / "hf"
@@ -108,26 +131,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.vocab}, fp32: {total / 2**30:.2f} GiB, largest unit {largest / 2**20:.0f} MiB "
             f"(written in {time.perf_counter() - start:.1f} s)"
         )
-        baseline = _run("baseline", hf, work / "baseline")
-        shutil.rmtree(work / "baseline")
-        print(
-            f"{'baseline HF load+save':<24} {baseline['seconds']:7.1f} s  "
-            f"peak RSS {baseline['peak_rss_mb']:7.0f} MiB"
-        )
-        for kind, src in (
-            ("hf-hf", hf),
-            ("hf-native", hf),
-            ("native-hf", work / "hf-native"),
-            ("hf-megatron", hf),
-        ):
-            result = _run(kind, src, work / kind)
+        baseline = None
+        if "baseline" in runs:
+            baseline = _run("baseline", hf, work / "baseline")
+            shutil.rmtree(work / "baseline")
             print(
-                f"{'ours ' + kind:<24} {result['seconds']:7.1f} s  peak RSS "
-                f"{result['peak_rss_mb']:7.0f} MiB  time ratio "
-                f"{result['seconds'] / baseline['seconds']:.2f}  RSS ratio "
-                f"{result['peak_rss_mb'] / baseline['peak_rss_mb']:.2f}"
+                f"{'baseline HF load+save':<24} {baseline['seconds']:7.1f} s  "
+                f"peak RSS {baseline['peak_rss_mb']:7.0f} MiB"
             )
-            if kind not in ("hf-native",):
+        for kind in (k for k in RUNS if k in runs and k != "baseline"):
+            src = work / "hf-native" if kind == "native-hf" else hf
+            result = _run(kind, src, work / kind)
+            line = (
+                f"{'ours ' + kind:<24} {result['seconds']:7.1f} s  peak RSS "
+                f"{result['peak_rss_mb']:7.0f} MiB"
+            )
+            if baseline is not None:
+                line += (
+                    f"  time ratio {result['seconds'] / baseline['seconds']:.2f}  RSS ratio "
+                    f"{result['peak_rss_mb'] / baseline['peak_rss_mb']:.2f}"
+                )
+            print(line)
+            if kind != "hf-native":
                 shutil.rmtree(work / kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)

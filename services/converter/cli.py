@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOAD_FORMATS,
         required=True,
         help="format of the source checkpoint (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
-        "to fp32 like zero_to_fp32.py)",
+        "to fp32 like zero_to_fp32.py; fsdp: an FSDP SHARDED_STATE_DICT DCP directory or "
+        "FULL_STATE_DICT file of an HF model)",
     )
     p("--save-format", choices=FORMATS, required=True, help="format to write")
     p(
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="source directory: an HF model directory, a native save directory (its `latest` "
         "step) or step-XXXXXX directory, a Megatron directory with "
-        "latest_checkpointed_iteration.txt, or a DeepSpeed directory with `latest` (or its "
-        "global_stepN)",
+        "latest_checkpointed_iteration.txt, a DeepSpeed directory with `latest` (or its "
+        "global_stepN), or an FSDP DCP directory / directory with one state-dict file",
     )
     p(
         "--save-dir",

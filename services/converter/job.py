@@ -19,6 +19,7 @@ import torch
 
 from models.config import ModelConfig
 from services.converter.deepspeed_format import DeepSpeedSource
+from services.converter.fsdp_format import FSDPSource
 from services.converter.hf_format import HFSink, HFSource
 from services.converter.lora import open_adapter
 from services.converter.malloc import fix_mmap_threshold
@@ -63,6 +64,8 @@ def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
         return NativeSource(options.load_dir, named)
     if options.load_format == "deepspeed":
         return DeepSpeedSource(options.load_dir, named, options.load_iteration)
+    if options.load_format == "fsdp":
+        return FSDPSource(options.load_dir, named)
     return MegatronSource(options.load_dir, named, options.load_iteration)
 
 

@@ -12,8 +12,9 @@ from services.converter.verify import VerifyReport
 
 FORMATS = ("hf", "native", "megatron")
 """Checkpoint formats written (`--save-format` choices); each is read too."""
-LOAD_FORMATS = (*FORMATS, "deepspeed")
-"""Checkpoint formats read (`--load-format` choices): DeepSpeed ZeRO checkpoints are read only."""
+LOAD_FORMATS = (*FORMATS, "deepspeed", "fsdp")
+"""Checkpoint formats read (`--load-format` choices): DeepSpeed ZeRO and FSDP state dicts of HF
+models are read only."""
 STAGES = ("load", "merge_lora", "reshard", "save", "verify")
 """Progress stages, in order."""
 

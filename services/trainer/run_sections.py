@@ -6,6 +6,7 @@ it is the flag's help text. Sections validate themselves when built (ValueError 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -128,6 +129,12 @@ class ParallelSection:
     """Ranks per HSDP shard group (0: the processes of one node)."""
     cpu_offload: bool = False
     """Keep sharded parameters, grads and optimizer state on the CPU (ZeRO-3)."""
+    overlap_grad_reduce: bool = False
+    """Under pipeline parallelism: reduce a stage's gradients as soon as its last micro-batch
+    backward is done (overlapping the rest of the schedule), not after the whole schedule."""
+    zero3_prefetch_layers: int = 0
+    """ZeRO-3: all-gather the next N layers' parameters ahead of use in forward and backward
+    (FSDP2 explicit prefetch); 0 keeps FSDP2's default of one layer ahead in backward."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size."""
     sequence_parallel: bool = False
@@ -181,6 +188,20 @@ class ParallelSection:
             )
         if self.hsdp and self.zero_stage < 2:
             raise ValueError("--hsdp needs --zero-stage 2 or 3 (it shards within groups)")
+        if self.overlap_grad_reduce and self.pipeline_model_parallel_size < 2:
+            warnings.warn(
+                "--overlap-grad-reduce applies under --pipeline-model-parallel-size > 1; ignored",
+                stacklevel=2,
+            )
+        if self.zero3_prefetch_layers < 0:
+            raise ValueError(
+                f"--zero3-prefetch-layers must be >= 0, got {self.zero3_prefetch_layers}"
+            )
+        if self.zero3_prefetch_layers and self.zero_stage != 3:
+            raise ValueError(
+                "--zero3-prefetch-layers needs --zero-stage 3 (only ZeRO-3 gathers parameters "
+                f"per layer), got --zero-stage {self.zero_stage}"
+            )
         if self.hsdp_shard_size < 0:
             raise ValueError(f"--hsdp-shard-size must be >= 0, got {self.hsdp_shard_size}")
         for name in (

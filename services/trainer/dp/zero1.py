@@ -28,6 +28,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grad_like(grad: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """`grad`'s local tensor laid out like its parameter's (a Shard(0) tensor-parallel embedding
+    can receive a Replicate gradient)."""
+    full = slot.full
+    if (
+        isinstance(grad, DTensor)
+        and isinstance(full, DTensor)
+        and grad.placements != full.placements
+    ):
+        grad = grad.redistribute(full.device_mesh, full.placements)
+    return _local(grad)
+
+
 @dataclass
 class _Slot:
     """One model parameter and this rank's chunk of it."""
@@ -78,12 +95,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     def _make_slot(self, fqn: str, full: nn.Parameter) -> _Slot:
         if full.dim() == 0:
             raise ValueError(f"ZeRO-1 shards along dim 0; parameter {fqn!r} is a scalar")
-        rows = full.shape[0]
+        local = _local(full.detach())
+        rows = local.shape[0]
         per_rank = math.ceil(rows / self.world)
         start = min(self.rank * per_rank, rows)
         end = min(start + per_rank, rows)
-        shard = nn.Parameter(full.detach()[start:end], requires_grad=full.requires_grad)
-        return _Slot(fqn, full, shard, per_rank, full[0].numel() if rows else 0)
+        shard = nn.Parameter(local[start:end], requires_grad=full.requires_grad)
+        return _Slot(fqn, full, shard, per_rank, local[0].numel() if rows else 0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -92,7 +110,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeRO-1 does not support optimizer closures")
         for slot in self.slots:
             grad = slot.full.grad
-            slot.shard.grad = None if grad is None else self._local_rows(grad, slot)
+            slot.shard.grad = (
+                None if grad is None else self._local_rows(_grad_like(grad, slot), slot)
+            )
         self.inner.step()
         self._all_gather_parameters()
         return None
@@ -108,7 +128,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             by_dtype.setdefault(slot.full.dtype, []).append(slot)
         for slots in by_dtype.values():
             sizes = [s.rows_per_rank * s.row_numel for s in slots]
-            send = slots[0].full.new_zeros(sum(sizes))
+            send = slots[0].shard.new_zeros(sum(sizes))
             offset = 0
             for slot, size in zip(slots, sizes, strict=True):
                 local = slot.shard.detach().reshape(-1)
@@ -119,11 +139,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             by_rank = gathered.view(self.world, -1)
             offset = 0
             for slot, size in zip(slots, sizes, strict=True):
-                rows = slot.full.shape[0]
+                full = _local(slot.full.detach())
                 padded = by_rank[:, offset : offset + size].reshape(
-                    self.world * slot.rows_per_rank, *slot.full.shape[1:]
+                    self.world * slot.rows_per_rank, *full.shape[1:]
                 )
-                slot.full.detach().copy_(padded[:rows])
+                full.copy_(padded[: full.shape[0]])
                 offset += size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -156,6 +176,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         Chunk-shaped state tensors are Shard(0) DTensors whose local tensors alias this
         optimizer's state, so loading into them in place restores the optimizer.
         """
+        tensor_parallel = [s.fqn for s in self.slots if isinstance(s.full, DTensor)]
+        if tensor_parallel:
+            raise ValueError(
+                f"saving ZeRO-1 optimizer state of tensor-parallel (DTensor) parameters such as "
+                f"{tensor_parallel[0]!r} is not supported yet; train with --zero-stage 0, 2 or 3 "
+                "under --tensor-model-parallel-size > 1 to save checkpoints"
+            )
         self.init_state()
         flat: dict[str, Any] = {}
         for slot in self.slots:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.trainer.dp.grad_sync import GradSync
 from services.trainer.parallel.context_parallel import apply_context_parallel, shard_sequence
 from services.trainer.parallel.parallel_dims import ParallelDims
 from services.trainer.parallel.tensor_parallel import (
@@ -120,23 +121,26 @@ class ModelParallelFeed:
     ) -> float | None:
         """Under pipeline parallelism: clip to the norm over all stages; returns it (else None).
 
+        First, under ZeRO 0/1 with TP/PP, it completes the data-parallel gradient averaging
+        (`GradSync.finish`): the loop calls this after the last backward of every step.
+
         The precision optimizer measures the norm of the gradients it holds, which on a pipeline
         rank are one stage's; clipping here first (by the pipeline-wide norm, summed over the
         `pp` group) leaves it nothing to clip, and the step reports this norm instead.
-
-        First it completes a model's own data-parallel gradient reduction (`model.grad_sync`,
-        e.g. expert parallelism's): the loop calls this after the last backward of every step.
         """
-        sync = getattr(model, "grad_sync", None)
-        if sync is not None:
-            sync.finish()
-        if self.dims.pp == 1:
+        runner = getattr(model, "runner", None)
+        if runner is None:
+            sync = getattr(model, "grad_sync", None)
+            if sync is not None:
+                sync.finish()
             return None
+        runner.finish_gradients()
         from services.trainer.data_parallel import clip_grad_norm_
 
         group = self.dims.submesh("pp").get_group()
         limit = max_norm * loss_scale if max_norm > 0 else 0.0
-        total = clip_grad_norm_(model.parameters(), limit, extra_group=group)
+        params = runner.norm_parameters(model)
+        total = clip_grad_norm_(params, limit, extra_group=group)
         return float(total) / loss_scale
 
     def context(self) -> contextlib.AbstractContextManager[None]:
@@ -163,24 +167,27 @@ def parallelize_model(
     if dims.ep > 1:
         return _parallelize_expert_model(model, dims)
     mesh = dims.grad_sync_mesh()
-    if mesh is not None and (dims.tp > 1 or dims.pp > 1) and par.zero_stage < 2:
-        raise ValueError(
-            f"tensor/pipeline parallelism with data/context parallel size {dims.dp * dims.cp} "
-            f"needs --zero-stage 2 or 3 (FSDP2 composes with them; DDP does not), got "
-            f"--zero-stage {par.zero_stage}"
-        )
+    # DDP (`replicate`) does not compose with DTensor parameters or pipeline schedules: ZeRO 0/1
+    # under TP/PP average gradients with `GradSync` instead (see services.trainer.dp.grad_sync).
+    own_sync = mesh is not None and (dims.tp > 1 or dims.pp > 1) and par.zero_stage < 2
     if par.hsdp and dims.cp > 1:
         raise ValueError("--hsdp with --context-parallel-size > 1 is not supported yet")
     if par.hsdp:
         mesh = dims.submesh("dp_replicate", "dp_shard")
     schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
     v_shaped = schedule in pipeline.V_SHAPED
+    if model_config.tie_word_embeddings and v_shaped and mesh is not None and not own_sync:
+        raise ValueError(
+            f"tied embeddings with --pipeline-schedule {schedule} share one parameter between "
+            f"two FSDP-wrapped chunks of pipeline rank 0, which FSDP2 does not support; use "
+            f"--zero-stage 0 or 1, or a looped schedule (got --zero-stage {par.zero_stage})"
+        )
     chunks = (
         pipeline.build_chunks(model, dims, v_shaped=v_shaped) if dims.pp > 1 else [(None, model)]
     )
     for _, chunk in chunks:
         _apply_within_replica(chunk, model_config, par, dims)
-        if mesh is not None:
+        if mesh is not None and not own_sync:
             apply_data_parallel(
                 chunk,
                 mesh,
@@ -188,12 +195,27 @@ def parallelize_model(
                 hsdp=par.hsdp,
                 cpu_offload=par.cpu_offload,
                 param_dtype=param_dtype,
+                prefetch_layers=par.zero3_prefetch_layers,
             )
+    grad_sync = None
+    if own_sync:
+        assert mesh is not None
+        grad_sync = GradSync([c for _, c in chunks], mesh.get_group())
     if dims.pp > 1:
         rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
         device = next(rank_model.parameters()).device
-        rank_model.runner = pipeline.PipelineRunner(chunks, dims, schedule, device)
+        rank_model.runner = pipeline.PipelineRunner(
+            chunks,
+            dims,
+            schedule,
+            device,
+            grad_sync=grad_sync,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+        )
         model = rank_model
+    else:
+        # Read back by `ModelParallelFeed.clip_pipeline_grads` (a plain attribute).
+        model.grad_sync = grad_sync  # type: ignore[assignment]
     if mesh is None:
         return model, None, None
     model_ = model

@@ -12,12 +12,16 @@ chunks under those names for the optimizer and checkpoints (DCP lines them up ac
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -28,7 +32,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from services.trainer.dp.grad_sync import GradSync
 from services.trainer.parallel.tensor_parallel import tp_cross_entropy_sum
+from services.trainer.parallel.tied_embeddings import EmbeddingGroup, share_on_rank
 
 # Keys double as --pipeline-schedule choices. Single-chunk schedules need v = 1; the looped ones
 # run any number of chunks per rank in the interleaved placement (stage c·P + r on rank r); the
@@ -80,15 +86,30 @@ class PipelineRankModel(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
+        owned = {}
         for name in ("embed_tokens", "embed_layernorm", "norm", "lm_head"):
             owner = next((c for c in chunks if getattr(c, name, None) is not None), None)
-            setattr(self, name, getattr(owner, name) if owner is not None else None)
+            owned[name] = getattr(owner, name) if owner is not None else None
+        if config.tie_word_embeddings and owned["embed_tokens"] is None and owned["lm_head"]:
+            # The head copy answers to the embedding's global name too, as in the tied model
+            # (state dict: both keys; parameters and optimizer state: `embed_tokens.weight`).
+            owned["embed_tokens"] = _TiedWeight(owned["lm_head"].weight)
+        for name, module in owned.items():
+            setattr(self, name, module)
         self.chunks = chunks  # plain list: not registered twice
         self.runner: PipelineRunner | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Not callable: a pipeline rank runs micro-batches through `PipelineRunner.run`."""
         raise RuntimeError("a pipeline-parallel model runs through its PipelineRunner")
+
+
+class _TiedWeight(nn.Module):
+    """Holds the last stage's tied head copy under the name `embed_tokens.weight`."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
 
 
 def build_chunks(
@@ -98,11 +119,6 @@ def build_chunks(
     from models.pipeline import build_stage, split_stages
 
     config = model.config
-    if config.tie_word_embeddings:
-        raise ValueError(
-            "--pipeline-model-parallel-size > 1 with tied embeddings is not supported yet "
-            "(the head copy on the last stage would need a gradient sync with the embedding)"
-        )
     stages = split_stages(config.num_layers, dims.pp, dims.virtual_pp, layer_counts)
     if v_shaped and dims.virtual_pp != 2:
         raise ValueError(
@@ -112,11 +128,64 @@ def build_chunks(
         )
     rank = dims.coordinate("pp")
     mine = [s for s in stages if stage_rank(s.stage_index, dims.pp, v_shaped) == rank]
-    return [(stage, build_stage(copy.deepcopy(model), stage)) for stage in mine]
+    chunks = [(stage, build_stage(copy.deepcopy(model), stage)) for stage in mine]
+    if config.tie_word_embeddings:
+        share_on_rank(chunks)
+    return chunks
+
+
+class _Stage(PipelineStage):
+    """A `PipelineStage` that hands its gradients to data parallelism at its last backward.
+
+    torch's stages keep FSDP2 from reducing during every backward and reduce a stage's
+    gradients in one go afterwards (`perform_reduce_grad`: after the whole schedule for
+    1F1B/GPipe, after the stage's last backward for the looped and V schedules). With
+    `overlap` the last micro-batch's full backward runs with FSDP2's gradient sync on, so each
+    layer's reduce-scatter is issued as soon as that layer's gradient is complete and overlaps
+    the remaining backward (ModelLink's Fold3D); `on_last_backward` (ZeRO 0/1: launch the
+    asynchronous all-reduce) is called once the stage's gradients are final.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        overlap: bool = False,
+        on_last_backward: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlap = overlap
+        self.on_last_backward = on_last_backward
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        """Run one backward; see the class doc for what the last one does differently."""
+        if (
+            self.overlap
+            and last_backward
+            and backward_type == "full"
+            and isinstance(self.submod, FSDPModule)
+        ):
+            self.submod.set_is_last_backward(True)
+            self.submod.set_reshard_after_backward(True)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+            )
+            return grads, None
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if last_backward and backward_type != "input" and self.on_last_backward is not None:
+            self.on_last_backward()
+        return result
 
 
 class PipelineRunner:
-    """Runs one step's micro-batches through the schedule; returns this rank's summed loss."""
+    """Runs one step's micro-batches through the schedule; returns this rank's summed loss.
+
+    `grad_sync` (ZeRO 0/1 with data parallelism) averages the chunks' gradients; with
+    `overlap_grad_reduce` each chunk's all-reduce starts right after its last backward.
+    """
 
     def __init__(
         self,
@@ -124,6 +193,9 @@ class PipelineRunner:
         dims: Any,
         schedule: str,
         device: torch.device,
+        *,
+        grad_sync: GradSync | None = None,
+        overlap_grad_reduce: bool = False,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -136,8 +208,20 @@ class PipelineRunner:
         self.pp = dims.pp
         num_stages = dims.pp * dims.virtual_pp
         self.stages = [
-            PipelineStage(chunk, stage.stage_index, num_stages, device, group=self.group)
-            for stage, chunk in chunks
+            _Stage(
+                chunk,
+                stage.stage_index,
+                num_stages,
+                device,
+                group=self.group,
+                overlap=overlap_grad_reduce,
+                on_last_backward=(
+                    functools.partial(grad_sync.start, index)
+                    if grad_sync is not None and overlap_grad_reduce
+                    else None
+                ),
+            )
+            for index, (stage, chunk) in enumerate(chunks)
         ]
         self.schedule_name = schedule
         self.has_loss = any(stage.has_head for stage, _ in chunks)
@@ -145,6 +229,11 @@ class PipelineRunner:
         self._schedules: dict[int, Any] = {}
         self._sums: list[torch.Tensor] = []
         self._factor = 1.0
+        self.grad_sync = grad_sync
+        last_rank = stage_rank(num_stages - 1, dims.pp, schedule in V_SHAPED)
+        self.tied = EmbeddingGroup.build(chunks, dims, last_rank)
+        # The last stage's head copy counts once in the gradient norm (as the embedding).
+        self.tied_copy = self.tied.copy if self.tied is not None else None
 
     def _loss(self, logits_BSV: torch.Tensor, target_BS2: torch.Tensor) -> torch.Tensor:
         labels, mask = target_BS2[..., 0].long(), target_BS2[..., 1].float()
@@ -167,6 +256,18 @@ class PipelineRunner:
                 )
             self._schedules[n_micro] = cls(stage, n_micro, loss_fn=self._loss, scale_grads=False)
         return self._schedules[n_micro]
+
+    def finish_gradients(self) -> None:
+        """After the schedule: complete the data-parallel averaging, then the tied-weight sum."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        if self.tied is not None:
+            self.tied.all_reduce()
+
+    def norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """`model`'s parameters counted in the pipeline-wide gradient norm (a tied head copy is
+        the embedding's second holder and is counted once, on the first stage)."""
+        return [p for p in model.parameters() if p is not self.tied_copy]
 
     def run(self, micro: list[dict[str, torch.Tensor]], factor: float) -> torch.Tensor:
         """Forward and backward of all micro-batches (each [B, S]); gradients of `loss·factor`.

@@ -95,6 +95,8 @@ NON_DEFAULT = {
     "hsdp": ("--hsdp",),
     "hsdp_shard_size": ("--hsdp-shard-size", "2"),
     "cpu_offload": None,  # needs --zero-stage 3, checked separately
+    "overlap_grad_reduce": ("--overlap-grad-reduce",),
+    "zero3_prefetch_layers": None,  # needs --zero-stage 3, checked separately
     "tensor_model_parallel_size": ("--tensor-model-parallel-size", "2"),
     "sequence_parallel": ("--sequence-parallel",),
     "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", "4"),
@@ -144,8 +146,10 @@ def test_every_field_has_a_flag_and_parses():
     assert values["rampup_batch_size"] == [4, 4, 64]
     assert values["zero_stage"] == 1  # --use-distributed-optimizer is ZeRO-1
     fsdp = parse_args(
-        ["--zero-stage", "3", "--hsdp", "--hsdp-shard-size", "2", "--cpu-offload", "--bf16"]
-    )
+        ["--zero-stage", "3", "--hsdp", "--hsdp-shard-size", "2", "--cpu-offload", "--bf16",
+         "--zero3-prefetch-layers", "2"]
+    )  # fmt: skip
+    assert fsdp.parallel.zero3_prefetch_layers == 2
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (
         3,
         True,

@@ -54,6 +54,8 @@ TWO_RANK_LAYOUTS = {
 FOUR_RANK_LAYOUTS = {
     "tp2-zero3-dp2": ["--tensor-model-parallel-size", "2", "--zero-stage", "3"],
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "tp2-zero1-dp2": ["--tensor-model-parallel-size", "2", "--zero-stage", "1"],
+    "pp2-zero0-dp2": ["--pipeline-model-parallel-size", "2", "--zero-stage", "0"],
     "tp2-sp-cp2-zero2": [
         "--tensor-model-parallel-size",
         "2",

@@ -130,41 +130,75 @@ def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
             assert param_diff < param_rtol, (name, rank, param_diff)
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-def test_trainer_ep2_dp2_equals_one_process(single_mixtral):
-    """2 processes, data-parallel 2 with the 4 experts split 2 + 2: the trainer's loss curve and
-    final (gathered) weights equal the single-process run's."""
-    layouts = {"ep2": ["--expert-model-parallel-size", "2"]}
-    _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 2, layouts))
-
-
-def _save_ep2_resume_ep1(rank, world_size, save):
-    """Train 2 steps with EP2 and save; then, in the same processes, resume under EP1 (plain
-    data parallelism, every rank holding all experts) and take one more step."""
+def _two_rank_runs(rank, world_size, save):
+    """Every 2-process run in one launch: EP2 (saving after step 2), the EP1 resume from that
+    checkpoint, TP2 (with its expert placements) and the TP + sequence-parallel refusal."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
+    from tests.services.trainer.parallel.parity import BASE, full_parameters
 
     flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL]
     ep2 = Trainer(parse_args([*flags, "--save", save, "--expert-model-parallel-size", "2"]))
-    first = [ep2.train_step().loss for _ in range(2)]
-    ep2.save()
-    ep2.checkpoints.wait()
+    losses = []
+    for step in range(TRAINER_STEPS):
+        losses.append(ep2.train_step().loss)
+        if step == 1:
+            ep2.save()
+            ep2.checkpoints.wait()
+    out = {"ep2": {"losses": losses, "params": full_parameters(ep2.model)}}
     ep1 = Trainer(parse_args([*flags, "--load", save]))
     ep1.load()
-    return first, ep1.train_step().loss
+    out["resumed_ep1"] = ep1.train_step().loss
+    tp2 = Trainer(parse_args([*flags, "--tensor-model-parallel-size", "2"]))
+    tp_losses = [tp2.train_step().loss for _ in range(TRAINER_STEPS)]
+    out["tp2"] = {"losses": tp_losses, "params": full_parameters(tp2.model)}
+    out["placements"] = {
+        name: str(param.placements)
+        for name, param in tp2.model.named_parameters()
+        if name.startswith("layers.0.mlp.")
+    }
+    try:
+        Trainer(parse_args([*flags, "--tensor-model-parallel-size", "2", "--sequence-parallel"]))
+    except ValueError as exc:
+        out["sp_error"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_distributed(_two_rank_runs, 2, str(tmp_path_factory.mktemp("ep2") / "ckpt"))
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_ep2_checkpoint_resumes_under_ep1(tmp_path, single_mixtral):
-    """DCP keeps the experts' global [X, ...] tensors: the EP1 resume's next loss equals the
-    uninterrupted single-process run's third loss (1e-5 relative)."""
-    results = run_distributed(_save_ep2_resume_ep1, 2, str(tmp_path / "ckpt"))
-    for first, resumed in results:
-        assert first == pytest.approx(single_mixtral["losses"][:2], rel=1e-5)
-        assert resumed == pytest.approx(single_mixtral["losses"][2], rel=1e-5)
+def test_trainer_ep2_dp2_equals_one_process(single_mixtral, two_ranks):
+    """2 processes, data-parallel 2 with the 4 experts split 2 + 2: the trainer's loss curve and
+    final (gathered) weights equal the single-process run's."""
+    _check_layouts(single_mixtral, [{"ep2": r["ep2"]} for r in two_ranks])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_checkpoint_resumes_under_ep1(single_mixtral, two_ranks):
+    """DCP keeps the experts' global [X, ...] tensors: resumed under EP1 (every rank holding all
+    experts) from EP2's step-2 checkpoint, the next loss equals the uninterrupted run's third."""
+    for result in two_ranks:
+        assert result["resumed_ep1"] == pytest.approx(single_mixtral["losses"][2], rel=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_tp2_mixtral_equals_one_process(single_mixtral, two_ranks):
+    """Tensor parallelism of the experts (each expert's [gate; up] column-parallel, down
+    row-parallel, router replicated): TP2 tiny-mixtral trains like one process."""
+    _check_layouts(single_mixtral, [{"tp2": r["tp2"]} for r in two_ranks])
+    for result in two_ranks:
+        assert result["placements"] == {
+            "layers.0.mlp.gate.weight": "(Replicate(),)",  # router
+            "layers.0.mlp.experts.gate_up_proj": "(Replicate(),)",  # each rank computes its rows
+            "layers.0.mlp.experts.down_proj": "(Shard(dim=2),)",  # row-parallel: F split
+        }
+        assert "--sequence-parallel with an MoE model is not supported" in result["sp_error"]
 
 
 def test_expert_parallel_flag_is_validated():
@@ -194,28 +228,13 @@ def test_expert_parallel_flag_is_validated():
     check_model(ParallelDims(world_size=4, ep=2), mixtral)
 
 
-def _tp2_body(rank, world_size):
-    from torch.distributed.tensor import Replicate, Shard
-
-    from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
-
-    tp2 = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, "--tensor-model-parallel-size"]
-    result = _trainer_layouts(rank, world_size, {"tp2": ["--tensor-model-parallel-size", "2"]})
-    model = Trainer(parse_args([*tp2, "2"])).model
-    experts = model.get_submodule("layers.0.mlp.experts")
-    assert experts.down_proj.placements == (Shard(2),)  # row-parallel: F split
-    assert experts.gate_up_proj.placements == (Replicate(),)  # each rank computes its rows
-    assert model.get_submodule("layers.0.mlp.gate").weight.placements == (Replicate(),)
-    with pytest.raises(ValueError, match="--sequence-parallel with an MoE model"):
-        Trainer(parse_args([*tp2, "2", "--sequence-parallel"]))
-    return result
-
-
 @pytest.mark.dist
 @pytest.mark.slow
-def test_trainer_tp2_mixtral_equals_one_process(single_mixtral):
-    """Tensor parallelism of the experts (each expert's [gate; up] column-parallel, down
-    row-parallel, router replicated): TP2 tiny-mixtral trains like one process."""
-    _check_layouts(single_mixtral, run_distributed(_tp2_body, 2))
+def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
+    """Data-parallel 4: EP2 (experts also reduced over the 2 `edp` ranks that hold the same
+    ones) and EP4 (one expert per rank) both train like one process."""
+    layouts = {
+        "ep2-edp2": ["--expert-model-parallel-size", "2"],
+        "ep4": ["--expert-model-parallel-size", "4"],
+    }
+    _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

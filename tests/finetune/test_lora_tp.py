@@ -93,6 +93,7 @@ def _case(world_size: int, name: str, sp: bool) -> dict[str, float]:
         loss = tp_cross_entropy_sum(model(ids, position_ids_BS=pos), labels, mask)
         loss.backward()
     out = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
+    _check_lora_placements(model)
     trained = 0
     for (name_, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         assert q.requires_grad == p.requires_grad, name_
@@ -104,6 +105,23 @@ def _case(world_size: int, name: str, sp: bool) -> dict[str, float]:
         out[name_] = float((p.grad - grad).abs().max() / p.grad.abs().max())
     assert trained, name
     return out
+
+
+def _check_lora_placements(model: torch.nn.Module) -> None:
+    """Row-parallel layers: A split like the weight's input columns, B replicated; others: A
+    replicated, B stored like the weight's rows."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from models.lora import LoraLinear
+
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        weight, A, B = module.weight, module.lora_A.weight, module.lora_B.weight
+        if weight.placements == (Shard(1),):
+            assert (A.placements, B.placements) == ((Shard(1),), (Replicate(),)), name
+        else:
+            assert (A.placements, B.placements) == ((Replicate(),), weight.placements), name
 
 
 def _layer_cases(rank: int, world_size: int, sp: bool) -> dict[str, dict[str, float]]:
@@ -137,6 +155,7 @@ STEPS = 4
 LORA = ["--lora-target-modules", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
         "--lora-r", "4", "--lora-alpha", "8"]  # fmt: skip
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+BITFIT = ["--peft-method", "bitfit", "--model", "tiny-internlm"]
 RUNS = {"lora": LORA, "bitfit": ["--peft-method", "bitfit"], "prefix": ["--peft-method", "prefix"]}
 
 
@@ -243,7 +262,15 @@ def _resume_runs(rank: int, world_size: int, base: str, root: str) -> dict[str, 
     dist.barrier()
     loaded = Trainer(parse_args([*common, "--lora-load", str(peft_dir)]))
     loaded.load()
+
+    # BitFit on a model with biases: column-parallel biases are Shard(0) under TP2.
+    bitfit_flags = [*BASE, "--train-iters", "4", *BITFIT, "--load", f"{root}/base_bitfit"]
+    bitfit = Trainer(parse_args([*bitfit_flags, "--finetune", *TP2, "--save", f"{root}/bitfit"]))
+    bitfit.load()
+    bitfit.train_step(), bitfit.train_step()
+    bitfit.save()
     return {
+        "bitfit_params": full_parameters(bitfit.model),
         "losses": losses,
         "params": params,
         "step": step,
@@ -263,9 +290,11 @@ def test_tp2_checkpoint_resumes_and_peft_adapter_loads(tmp_path):
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
 
-    base_run = Trainer(parse_args([*BASE, "--train-iters", "1", "--save", str(tmp_path / "base")]))
-    base_run.train_step()
-    base_run.save()
+    for model, path in (("tiny-llama-gqa", "base"), ("tiny-internlm", "base_bitfit")):
+        flags = [*BASE, "--model", model, "--train-iters", "1", "--save", str(tmp_path / path)]
+        base_run = Trainer(parse_args(flags))
+        base_run.train_step()
+        base_run.save()
     base = str(tmp_path / "base")
     results = run_distributed(_resume_runs, 2, base, str(tmp_path))
     for got in results:
@@ -280,3 +309,15 @@ def test_tp2_checkpoint_resumes_and_peft_adapter_loads(tmp_path):
     losses = [one.train_step().loss for _ in range(2)]
     assert max_loss_diff(results[0]["losses"], losses) <= 1e-5
     assert max_param_diff(results[0]["params"], full_parameters(one.model)) <= 1e-4
+    # The TP2 BitFit step holds whole biases and norms: it loads at TP1 unchanged.
+    bitfit_flags = [*BASE, "--train-iters", "4", *BITFIT, "--load", str(tmp_path / "base_bitfit")]
+    bitfit = Trainer(
+        parse_args([*bitfit_flags, "--finetune", "--lora-load", str(tmp_path / "bitfit")])
+    )
+    assert bitfit.load() == 2
+    tp2_params = results[0]["bitfit_params"]
+    assert any(
+        n.endswith("qkv_proj.bias") for n, p in bitfit.model.named_parameters() if p.requires_grad
+    )
+    for name, param in full_parameters(bitfit.model).items():
+        assert torch.equal(param, tp2_params[name]), name

@@ -49,6 +49,13 @@ _FORMAT_NAMES = {
     Format.CHECKPOINT_FORMAT_HF: "hf",
     Format.CHECKPOINT_FORMAT_NATIVE: "native",
     Format.CHECKPOINT_FORMAT_MEGATRON: "megatron",
+    Format.CHECKPOINT_FORMAT_DEEPSPEED: "deepspeed",
+    Format.CHECKPOINT_FORMAT_FSDP: "fsdp",
+}
+_WRITTEN = {
+    Format.CHECKPOINT_FORMAT_HF,
+    Format.CHECKPOINT_FORMAT_NATIVE,
+    Format.CHECKPOINT_FORMAT_MEGATRON,
 }
 _DTYPE_NAMES = {
     converter_pb2.DTYPE_FLOAT32: "fp32",
@@ -63,9 +70,16 @@ _STAGE_VALUES = {
 def check_fields(request: converter_pb2.ConvertRequest, config: ConverterServiceConfig) -> None:
     """Raises InvalidArgument naming every malformed or contradictory field."""
     check = Validator()
-    formats = set(Format.values()) - {Format.CHECKPOINT_FORMAT_UNSPECIFIED}
-    check.require(request.load_format in formats, "load_format", "set HF, NATIVE or MEGATRON")
-    check.require(request.save_format in formats, "save_format", "set HF, NATIVE or MEGATRON")
+    check.require(
+        request.load_format in _FORMAT_NAMES,
+        "load_format",
+        "set HF, NATIVE, MEGATRON, DEEPSPEED or FSDP",
+    )
+    check.require(
+        request.save_format in _WRITTEN,
+        "save_format",
+        "set HF, NATIVE or MEGATRON (DEEPSPEED and FSDP are read only)",
+    )
     check.require(bool(request.load_dir), "load_dir", "must not be empty")
     check.require(bool(request.save_dir), "save_dir", "must not be empty")
     if request.model:
@@ -111,10 +125,15 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
     if request.HasField("load_iteration"):
         check.require(request.load_iteration >= 0, "load_iteration", "must be >= 0")
         check.require(
-            request.load_format == Format.CHECKPOINT_FORMAT_MEGATRON,
+            request.load_format
+            in (Format.CHECKPOINT_FORMAT_MEGATRON, Format.CHECKPOINT_FORMAT_DEEPSPEED),
             "load_iteration",
-            "only MEGATRON sources have iterations",
+            "only MEGATRON and DEEPSPEED sources have iterations",
         )
+    for field in ("lora_r", "lora_alpha"):
+        if request.HasField(field):
+            check.require(getattr(request, field) > 0, field, "must be > 0")
+            check.require(bool(request.lora_load_dir), field, "only applies with lora_load_dir")
     changes = (
         request.load_format != request.save_format
         or request.HasField("target_tensor_parallel_size")
@@ -181,6 +200,8 @@ def job_options(
             target_pp=request.target_pipeline_parallel_size or 1,
             layers_per_virtual_stage=layers_per_chunk,
             lora_dir=lora,
+            lora_r=request.lora_r if request.HasField("lora_r") else None,
+            lora_alpha=request.lora_alpha if request.HasField("lora_alpha") else None,
             dtype=_DTYPE_NAMES.get(request.dtype),
             verify=request.verify,
             verify_tolerance=(

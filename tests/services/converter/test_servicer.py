@@ -189,3 +189,39 @@ def test_second_job_on_the_same_output_is_aborted(llama_dir, tmp_path, monkeypat
     assert error.code() == grpc.StatusCode.ABORTED and "save_dir" in error.details()
     assert first.state == operations_pb2.OPERATION_STATE_SUCCEEDED
     assert (tmp_path / "out" / "latest").is_file()
+
+
+def test_deepspeed_source_and_read_only_formats(tmp_path):
+    from services.common.errors import InvalidArgument
+    from services.converter.servicer import check_fields
+    from tests.services.converter.deepspeed_layout import ZeroLayout, write_zero_checkpoint
+    from tests.services.converter.test_deepspeed import _checkpoint, _llama
+
+    _checkpoint("llama", ZeroLayout(stage=3, world=2), tmp_path / "ds")
+    # `latest` names step 30; load_iteration picks step 12
+    write_zero_checkpoint(_llama(), tmp_path / "ds", ZeroLayout(stage=2, world=2), step=30)
+    request = converter_pb2.ConvertRequest(
+        load_format=converter_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
+        save_format=HF,
+        load_dir=str(tmp_path / "ds"),
+        save_dir=str(tmp_path / "hf"),
+        load_iteration=12,
+        verify=True,
+    )
+    operation, _ = arun(_convert(tmp_path, request), timeout=120)
+    assert operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED, operation.error.message
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    for save_format in (
+        converter_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
+        converter_pb2.CHECKPOINT_FORMAT_FSDP,
+    ):
+        bad = converter_pb2.ConvertRequest(
+            load_format=HF, save_format=save_format, load_dir="a", save_dir="b"
+        )
+        with pytest.raises(InvalidArgument, match="read only"):
+            check_fields(bad, ConverterServiceConfig(data_roots=(tmp_path,)))
+    bad = converter_pb2.ConvertRequest(
+        load_format=HF, save_format=NATIVE, load_dir="a", save_dir="b", lora_r=4
+    )
+    with pytest.raises(InvalidArgument, match="lora_r"):
+        check_fields(bad, ConverterServiceConfig(data_roots=(tmp_path,)))

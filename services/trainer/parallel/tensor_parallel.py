@@ -9,10 +9,13 @@ and MLP block all-gathers its input sequence and its row-parallel output is redu
 (instead of all-reduced), so norms and dropout run on 1/t of the tokens.
 
 Packed projections ([q; k; v], [gate; up]) and KV heads beyond the TP size are `SlicedColwise`:
-the weight stays whole on every TP rank (a Replicate DTensor, so checkpoints keep the unsharded
-layout and move between layouts) and each rank computes only its own rows; the gradient of the
-whole weight is summed over the TP group in backward (Megatron's "copy to tensor-parallel region").
-This keeps those weights' memory unsplit; compute and activations are split as usual.
+a rank computes with rows that are not one contiguous block (its q, k and v heads; its gate and
+up halves), so the weight is stored as a plain Shard(0) DTensor in its global row order (1/tp of
+the memory; checkpoints keep the global name, shape and order, so they move between layouts) and
+each forward gathers the rank's rows with one all-to-all, whose backward returns the row
+gradients to their owners. Megatron instead stores the rows permuted per rank and converts on
+checkpointing; a 1-D `_StridedShard` would describe [gate; up] and MHA qkv but not GQA's unequal
+parts, and DCP records one contiguous chunk per DTensor shard, which a strided shard is not.
 """
 
 from __future__ import annotations
@@ -61,8 +64,74 @@ class _SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """This rank's rows of a weight stored row-sharded (Shard(0)) over `group`, via all-to-all.
+
+    Forward: every rank sends each other rank the rows it stores that the other one computes
+    with; backward sends the row gradients back to their owners, which add them up (a row that
+    several ranks use, a replicated KV head, gets the sum of their gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, shard_NE: torch.Tensor, plan: _RowExchange, group: dist.ProcessGroup):  # type: ignore[override]
+        ctx.plan, ctx.group, ctx.shard_rows = plan, group, shard_NE.shape[0]
+        send = shard_NE.index_select(0, plan.send_index).contiguous()
+        received = send.new_empty((plan.recv_order.numel(), *shard_NE.shape[1:]))
+        dist.all_to_all_single(received, send, plan.recv_counts, plan.send_counts, group=group)
+        return received.index_select(0, plan.recv_order)
+
+    @staticmethod
+    def backward(ctx, grad_RE: torch.Tensor):  # type: ignore[override]
+        plan = ctx.plan
+        grad_sent = grad_RE.new_empty((plan.recv_order.numel(), *grad_RE.shape[1:]))
+        grad_sent.index_copy_(0, plan.recv_order, grad_RE.contiguous())
+        grad_back = grad_RE.new_empty((plan.send_index.numel(), *grad_RE.shape[1:]))
+        dist.all_to_all_single(
+            grad_back, grad_sent, plan.send_counts, plan.recv_counts, group=ctx.group
+        )
+        grad_shard = grad_RE.new_zeros((ctx.shard_rows, *grad_RE.shape[1:]))
+        return grad_shard.index_add_(0, plan.send_index, grad_back), None, None
+
+
+class _RowExchange:
+    """Who sends which stored rows to whom, for `_GatherRows` (fixed per weight shape and rank)."""
+
+    def __init__(
+        self, rows_of_rank: Callable[[int, int], torch.Tensor], num_rows: int, rank: int, tp: int
+    ) -> None:
+        # DTensor's Shard(0) split (torch.chunk): rank s stores rows [bounds[s], bounds[s+1]).
+        per = -(-num_rows // tp)
+        bounds = [min(s * per, num_rows) for s in range(tp + 1)]
+        wanted = [rows_of_rank(r, tp) for r in range(tp)]
+        send_index, self.send_counts = [], []
+        for rows in wanted:
+            held = rows[(rows >= bounds[rank]) & (rows < bounds[rank + 1])]
+            send_index.append(held - bounds[rank])
+            self.send_counts.append(held.numel())
+        self.send_index = torch.cat(send_index)
+        # Received blocks arrive by source rank; recv_order puts them back in this rank's order.
+        rows = wanted[rank]
+        owner = torch.bucketize(rows, torch.tensor(bounds[1:]), right=True)
+        arrival = torch.argsort(owner, stable=True)
+        self.recv_counts = [int((owner == s).sum()) for s in range(tp)]
+        self.recv_order = torch.argsort(arrival)
+
+    def to(self, device: torch.device) -> _RowExchange:
+        """Index tensors on `device` (where the weight lives)."""
+        self.send_index = self.send_index.to(device)
+        self.recv_order = self.recv_order.to(device)
+        return self
+
+
 class SlicedColwise(ParallelStyle):
-    """Column-parallel over chosen rows of a weight kept whole (Replicate) on every TP rank."""
+    """Column-parallel over chosen rows (`rows_of_rank`) of a weight stored row-sharded.
+
+    The weight and bias are Shard(0) DTensors in their global row order (1/tp of the memory
+    per rank; a checkpoint holds the unsharded layout under the same name and shape, so it moves
+    between layouts). Each forward gathers the rows this rank computes with an all-to-all
+    (`_GatherRows`): about 1/tp of the weight crosses the group per rank, and the same for its
+    gradient in backward.
+    """
 
     def __init__(self, rows_of_rank: Callable[[int, int], torch.Tensor]) -> None:
         self.rows_of_rank = rows_of_rank
@@ -70,21 +139,27 @@ class SlicedColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, nn.Linear), "SlicedColwise applies to nn.Linear"
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        rows = self.rows_of_rank(rank, size).to(module.weight.device)
+        plan = _RowExchange(self.rows_of_rank, module.out_features, rank, size)
+        plan.to(module.weight.device)
         group = device_mesh.get_group()
         for name, param in list(module.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
-            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = _SumGradOverGroup.apply(cast(DTensor, module.weight).to_local(), group)
+            weight = cast(DTensor, module.weight).to_local()
             bias = module.bias
             if bias is not None:
-                bias = _SumGradOverGroup.apply(cast(DTensor, bias).to_local(), group)
-                bias = bias.index_select(0, rows)
+                # One exchange for both: the bias travels as an extra column.
+                local_bias = cast(DTensor, bias).to_local()
+                packed = torch.cat([weight, local_bias.unsqueeze(1)], dim=1)
+                packed = _GatherRows.apply(packed, plan, group)
+                weight, bias = packed[:, :-1], packed[:, -1]
+            else:
+                weight = _GatherRows.apply(weight, plan, group)
             # Each rank's rows see the whole input: its gradient is a partial sum over ranks.
             x = _SumGradOverGroup.apply(x, group)
-            return F.linear(x, weight.index_select(0, rows), bias)
+            return F.linear(x, weight, bias)
 
         module.forward = forward  # type: ignore[method-assign,assignment]
         return module

@@ -15,7 +15,8 @@ model ran: the unit's base tensors are split to the adapter's TP layout (megatro
 shard becomes W_r + scale·B_r·A_r, and the shards are joined back. Nothing depends on how Megatron
 orders rows inside a shard (query groups, [gate; up] halves), and the base may come from any format
 and go to any layout. scale = lora_alpha / lora_r from the checkpoint's args (ModelLink's
-`--lora-r` / `--lora-alpha`), or from `--lora-r` / `--lora-alpha` when the args lack them; the delta
+`--lora-r` / `--lora-alpha`), or from `--lora-r` / `--lora-alpha` when the args lack them (flags that
+contradict the args are refused); the delta
 is computed in the adapter dtype and added in the weight's dtype, as peft merges. Tensors of the
 file that are not LoRA weights (an unfiltered save also holds the frozen base) are not used.
 """
@@ -62,8 +63,19 @@ class MegatronLoraAdapter:
                 f"({exc})"
             ) from exc
         self.tp = source.tp
-        r = getattr(source.args, "lora_r", None) or lora_r
-        alpha = getattr(source.args, "lora_alpha", None) or lora_alpha
+        saved_r = getattr(source.args, "lora_r", None)
+        saved_alpha = getattr(source.args, "lora_alpha", None)
+        for flag, given, saved in (
+            ("--lora-r", lora_r, saved_r),
+            ("--lora-alpha", lora_alpha, saved_alpha),
+        ):
+            if given is not None and saved is not None and float(given) != float(saved):
+                raise ValueError(
+                    f"{flag} {given} contradicts the {saved} recorded in {directory}'s args; "
+                    "leave the flag out or pass the value the adapter was trained with"
+                )
+        r = saved_r or lora_r
+        alpha = saved_alpha or lora_alpha
         if not r or not alpha:
             raise ValueError(
                 f"--lora-load {directory}: the checkpoint args record no lora_r / lora_alpha; "

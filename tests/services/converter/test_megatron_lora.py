@@ -226,6 +226,17 @@ def test_lora_for_another_model_or_module_is_refused(llama_dir, bloom_dir, tmp_p
     convert(ConvertOptions("hf", "megatron", bloom_dir, base_mg))
     bloom = _meshline_config(base_mg)
     write_megatron_lora(_random_adapter(bloom, seed=1), tmp_path / "bloom-lora", bloom, 2, 1)
+    with pytest.raises(ValueError, match=r"--lora-alpha 8\.0 contradicts the 16\.0"):
+        convert(
+            ConvertOptions(
+                "hf",
+                "hf",
+                bloom_dir,
+                tmp_path / "out",
+                lora_dir=tmp_path / "bloom-lora",
+                lora_alpha=8.0,
+            )
+        )
     with pytest.raises(ValueError, match=r"does not fit the model.*ffn_hidden_size=256"):
         convert(
             ConvertOptions(

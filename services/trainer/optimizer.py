@@ -23,21 +23,30 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decayed and not-decayed groups over the trainable parameters (empty groups dropped).
 
-    DTensor parameters next to plain ones (expert parallelism's sharded experts) get groups of
-    their own: the optimizers' foreach kernels run per group and refuse a mix of the two.
+    Plain parameters and the DTensors of each mesh (expert parallelism's sharded experts next
+    to replicated or tensor-parallel parameters) get groups of their own: the optimizers'
+    foreach kernels run per group and refuse a mix of plain tensors and DTensors, or of meshes.
     """
-    groups: dict[tuple[bool, bool], dict] = {}
+    groups: dict[tuple[bool, tuple[str, ...]], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         no_decay = is_no_decay(name, param)
-        key = (no_decay, isinstance(param, DTensor))
+        key = (no_decay, _mesh_key(param))
         group = groups.setdefault(
             key, {"params": [], "weight_decay": 0.0 if no_decay else weight_decay, "names": []}
         )
         group["params"].append(param)
         group["names"].append(name)
     return [groups[key] for key in sorted(groups)]
+
+
+def _mesh_key(param: torch.Tensor) -> tuple[str, ...]:
+    """() for a plain tensor; a DTensor's mesh axis names and ranks."""
+    if not isinstance(param, DTensor):
+        return ()
+    mesh = param.device_mesh
+    return (*(mesh.mesh_dim_names or ()), *map(str, mesh.mesh.flatten().tolist()))
 
 
 # Megatron's `--optimizer adam` applies weight decay decoupled (AdamW); scripts moved over from

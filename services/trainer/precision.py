@@ -102,10 +102,11 @@ def global_grad_norm(grads: list[torch.Tensor]) -> float:
 
 
 def _split_dtensors(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The non-empty lists of `tensors`' plain tensors and DTensors."""
-    plain: list[torch.Tensor] = [t for t in tensors if not isinstance(t, DTensor)]
-    sharded: list[torch.Tensor] = [t for t in tensors if isinstance(t, DTensor)]
-    return [part for part in (plain, sharded) if part]
+    """`tensors` in lists of one kind: plain tensors, and DTensors per mesh."""
+    parts: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        parts.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(parts.values())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -229,7 +229,6 @@ class ParallelSection:
         if ep == 1:
             return
         others = {
-            "--tensor-model-parallel-size": self.tensor_model_parallel_size,
             "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
             "--context-parallel-size": self.context_parallel_size,
         }
@@ -237,7 +236,7 @@ class ParallelSection:
             if value > 1:
                 raise ValueError(
                     f"--expert-model-parallel-size {ep} with {flag} {value} is not supported yet; "
-                    "combine expert parallelism with data parallelism only"
+                    "combine expert parallelism with data and tensor parallelism only"
                 )
         if self.zero_stage != 0 or self.hsdp:
             raise ValueError(

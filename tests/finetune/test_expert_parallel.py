@@ -209,8 +209,10 @@ def test_expert_parallel_flag_is_validated():
 
     base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --tensor-model"):
-        parse_args([*base, "2", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --pipeline-model"):
+        parse_args([*base, "2", "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --context-parallel"):
+        parse_args([*base, "2", "--context-parallel-size", "2"])
     with pytest.raises(ValueError, match="needs --zero-stage 0"):
         parse_args([*base, "2", "--zero-stage", "1"])
     with pytest.raises(ValueError, match="must be >= 1"):
@@ -232,9 +234,11 @@ def test_expert_parallel_flag_is_validated():
 @pytest.mark.slow
 def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
     """Data-parallel 4: EP2 (experts also reduced over the 2 `edp` ranks that hold the same
-    ones) and EP4 (one expert per rank) both train like one process."""
+    ones) and EP4 (one expert per rank); TP2 x data-parallel 2 with EP2 (each TP rank runs its
+    ep block whole). All train like one process."""
     layouts = {
         "ep2-edp2": ["--expert-model-parallel-size", "2"],
         "ep4": ["--expert-model-parallel-size", "4"],
+        "tp2-ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
     }
     _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

@@ -18,7 +18,10 @@ Expert weights are `Shard(0)` DTensors on the `ep` mesh, so checkpoints (DCP) ke
 `[X, ...]` tensors under their global names and load into any other ep size, and gradient norms
 reduce over the shards. Gradients: an expert's gradient already sums the contributions of every
 ep rank's tokens (the all-to-all's backward); `ExpertParallelGradSync` then sums it over `edp`
-and averages replicated parameters over all dp ranks.
+and averages replicated parameters over all dp ranks. With tensor parallelism as well, the ep
+groups are the ranks with the same `tp` coordinate and each TP rank runs its ep block whole
+(Megatron's expert-tensor-parallel size 1); without EP, `ExpertsTensorParallel` splits every
+expert over the TP ranks instead.
 """
 
 from __future__ import annotations
@@ -228,6 +231,10 @@ class ExpertsTensorParallel(ParallelStyle):
                 "--sequence-parallel with an MoE model is not supported; drop --sequence-parallel "
                 "(MoE layers take the full sequence on every tensor-parallel rank)"
             )
+        if isinstance(module.gate_up_proj, DTensor):
+            # Expert-parallel already (`apply_expert_parallel` runs first): each TP rank runs
+            # its ep block whole, as Megatron with expert-tensor-parallel size 1.
+            return module
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         if self.ffn % size:
             raise ValueError(

@@ -165,7 +165,7 @@ def parallelize_model(
     )
     check_model(dims, model_config)
     if dims.ep > 1:
-        return _parallelize_expert_model(model, dims)
+        return _parallelize_expert_model(model, model_config, par, dims)
     mesh = dims.grad_sync_mesh()
     # DDP (`replicate`) does not compose with DTensor parameters or pipeline schedules: ZeRO 0/1
     # under TP/PP average gradients with `GradSync` instead (see services.trainer.dp.grad_sync).
@@ -226,11 +226,14 @@ def parallelize_model(
     return model, mesh, wrap
 
 
-def _parallelize_expert_model(model: nn.Module, dims: ParallelDims) -> tuple[nn.Module, Any, Any]:
-    """Expert parallelism over the `ep` axis, then data-parallel gradient averaging (replicated
-    parameters over all dp ranks, experts over `edp`) done by the model's `grad_sync` after the
-    step's last backward (no DDP wrapper: its hooks would average the experts over ranks that
-    hold different ones). Recompute was applied by the caller (no TP/PP/CP here)."""
+def _parallelize_expert_model(
+    model: nn.Module, model_config: Any, par: Any, dims: ParallelDims
+) -> tuple[nn.Module, Any, Any]:
+    """Expert parallelism over the `ep` axis, then TP (experts stay whole on the TP ranks:
+    Megatron's expert-tensor-parallel size 1) and recompute, then data-parallel gradient
+    averaging (replicated parameters over all dp ranks, experts over `edp`) done by the model's
+    `grad_sync` after the step's last backward (no DDP wrapper: its hooks would average the
+    experts over ranks that hold different ones). Without TP the caller applied recompute."""
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
         apply_expert_parallel,
@@ -239,6 +242,8 @@ def _parallelize_expert_model(model: nn.Module, dims: ParallelDims) -> tuple[nn.
     mesh = dims.expert_mesh()
     sharded = apply_expert_parallel(model, mesh["ep"])
     log.info("expert parallel (ep=%d): %d expert weights sharded", dims.ep, len(sharded))
+    if dims.model_parallel > 1:
+        _apply_within_replica(model, model_config, par, dims)
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
     edp = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None

@@ -1,6 +1,8 @@
 """Parallel layouts on CPU/gloo: step time, peak memory per rank vs `meshline estimate`, bubble.
 
     python bench/bench_parallel.py [--quick] [--steps N]
+    python bench/bench_parallel.py --overlap [--steps N]     # overlap switches on vs off
+    python bench/bench_parallel.py --recompute [--steps N]   # peak step memory: none/selective/full
 
 For every layout the single-process run is timed in the same invocation (the baseline); each row
 prints the layout's step time, its ratio to the baseline, the largest per-rank peak RSS growth
@@ -8,6 +10,13 @@ during training and the `models.memory` (`meshline estimate`) device total for t
 pipeline layouts the measured bubble is 1 - (baseline / P) / step time, against the schedule's
 formula (p-1)/m for 1F1B and (p-1)/(v·m) with v virtual chunks. On a shared CPU the processes
 compete for cores, so ratios mix parallel overhead with contention: read them as relative costs.
+
+`--overlap` times PP2 x DP2 (ZeRO-1 and ZeRO-3) with and without `--overlap-grad-reduce`, and
+TP2 x DP2 ZeRO-3 with `--zero3-prefetch-layers` 0 and 2; the baseline of each pair is the run
+without the switch. `--recompute` runs one process with no / selective / full activation
+recompute and reports each one's peak memory during a training step above what was live at its
+start (torch profiler allocation events, so allocator bytes, not RSS: comparable with a device's
+`max_memory_allocated`) and its step time, against no recompute.
 """
 
 from __future__ import annotations
@@ -60,6 +69,86 @@ def _timed(rank: int, world_size: int, flags: list[str], steps: int) -> dict[str
     return {"step_s": (time.perf_counter() - start) / steps, "rss_growth": peak - before}
 
 
+OVERLAP_PAIRS: dict[str, tuple[list[str], list[str]]] = {
+    "pp2-dp2-zero1": (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
+                      ["--overlap-grad-reduce"]),
+    "pp2-dp2-zero3": (["--pipeline-model-parallel-size", "2", "--zero-stage", "3"],
+                      ["--overlap-grad-reduce"]),
+    "tp2-dp2-zero3": (["--tensor-model-parallel-size", "2", "--zero-stage", "3"],
+                      ["--zero3-prefetch-layers", "2"]),
+}  # fmt: skip
+RECOMPUTE = {
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full": ["--recompute-granularity", "full"],
+}
+# Longer sequences for the recompute table: activations, not weights, should dominate.
+RECOMPUTE_MODEL = [
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+]
+
+
+def _step_memory(rank: int, world_size: int, flags: list[str], steps: int) -> dict[str, float]:
+    """Body: peak allocator bytes during one step above those live at its start, and step time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+
+    trainer = Trainer(parse_args([*MODEL, *RECOMPUTE_MODEL, "--train-iters", str(steps + 2),
+                                  *flags]))  # fmt: skip
+    trainer.train_step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train_step()
+    # Each op's net allocation at its start time: the running sum is live memory at op borders.
+    deltas = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
+    )
+    live = peak = 0
+    for _, delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    return {"peak": float(peak), "step_s": (time.perf_counter() - start) / steps}
+
+
+def _overlap(steps: int, gbs: list[str]) -> None:
+    from tests.harness import run_distributed
+
+    print(f"model tiny-llama-gqa 4 layers, seq 64, mbs 2, gbs {gbs[1]}, fp32, gloo, 4 ranks")
+    print(f"{'layout':<15} {'switch':<26} {'step s':>8} {'ratio':>6}")
+    for name, (flags, switch) in OVERLAP_PAIRS.items():
+        base = max(r["step_s"] for r in run_distributed(_timed, 4, [*gbs, *flags], steps))
+        rows = run_distributed(_timed, 4, [*gbs, *flags, *switch], steps)
+        step = max(r["step_s"] for r in rows)
+        print(f"{name:<15} {'(off)':<26} {base:>8.3f} {1.0:>6.2f}")
+        print(f"{name:<15} {' '.join(switch):<26} {step:>8.3f} {step / base:>6.2f}")
+
+
+def _recompute(steps: int) -> None:
+    from tests.harness import run_distributed
+
+    print("model tiny-llama-gqa 4 layers, seq 256, mbs 4, gbs 8 (2 micro-batches), fp32, 1 process")
+    print(f"{'recompute':<10} {'peak MiB':>9} {'ratio':>6} {'step s':>8} {'ratio':>6}")
+    base: dict[str, float] = {}
+    for name, flags in RECOMPUTE.items():
+        row = run_distributed(_step_memory, 1, flags, steps)[0]
+        base = base or row
+        print(f"{name:<10} {row['peak'] / 2**20:>9.1f} {row['peak'] / base['peak']:>6.2f} "
+              f"{row['step_s']:>8.3f} {row['step_s'] / base['step_s']:>6.2f}")  # fmt: skip
+
+
 def _flag(flags: list[str], name: str, default: int = 1) -> int:
     return int(flags[flags.index(name) + 1]) if name in flags else default
 
@@ -94,8 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--overlap", action="store_true", help="overlap switches on vs off")
+    parser.add_argument("--recompute", action="store_true", help="peak memory per recompute mode")
     args = parser.parse_args(argv)
     gbs = ["--global-batch-size", str(args.global_batch_size)]
+    if args.overlap or args.recompute:
+        if args.overlap:
+            _overlap(args.steps, gbs)
+        if args.recompute:
+            _recompute(args.steps)
+        return 0
     base = run_distributed(_timed, 1, gbs, args.steps)[0]
     print(f"model tiny-llama-gqa 4 layers, seq 64, mbs 2, gbs {args.global_batch_size}, fp32, gloo")
     print(f"{'layout':<10} {'ranks':>5} {'step s':>8} {'ratio':>6} {'rss MiB':>8} "

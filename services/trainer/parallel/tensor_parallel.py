@@ -102,6 +102,7 @@ class _RowExchange:
         # DTensor's Shard(0) split (torch.chunk): rank s stores rows [bounds[s], bounds[s+1]).
         per = -(-num_rows // tp)
         bounds = [min(s * per, num_rows) for s in range(tp + 1)]
+        self.stored_rows = bounds[rank + 1] - bounds[rank]
         wanted = [rows_of_rank(r, tp) for r in range(tp)]
         send_index, self.send_counts = [], []
         for rows in wanted:
@@ -144,6 +145,7 @@ class SlicedColwise(ParallelStyle):
         group = device_mesh.get_group()
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            assert sharded.to_local().shape[0] == plan.stored_rows, "Shard(0) split mismatch"
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
         def forward(x: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,7 @@ def apply_data_parallel(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     prefetch_layers: int = 0,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Apply DDP (ZeRO 0/1) or FSDP2 (ZeRO 2/3, HSDP) to `model` in place and return it.
 
@@ -131,9 +132,12 @@ def apply_data_parallel(
     reduce gradients in `reduce_dtype`, keep fp32 sharded master weights. `prefetch_layers` > 0
     (ZeRO-3) makes block i all-gather blocks i+1..i+N in forward and i-1..i-N in backward
     explicitly, so the gathers overlap compute further ahead than FSDP2's implicit one-block
-    backward prefetch (more memory held: N gathered blocks).
+    backward prefetch (more memory held: N gathered blocks). `ignored_params` (ZeRO 2/3) are
+    left to the caller: neither sharded, cast nor reduced (expert parallelism's experts).
     """
     _check_options(mesh, zero_stage, hsdp, cpu_offload, param_dtype)
+    if ignored_params and zero_stage < 2:
+        raise ValueError(f"ignored_params need FSDP2 (--zero-stage 2 or 3), got {zero_stage}")
     if zero_stage < 2:
         flat = dp_mesh_1d(mesh)
         return replicate(model, device_mesh=flat)
@@ -152,6 +156,7 @@ def apply_data_parallel(
             mp_policy=mp_policy,
             offload_policy=offload,
             reshard_after_forward=reshard and index < len(blocks) - 1,
+            ignored_params=ignored_params,
         )
     fully_shard(
         model,
@@ -159,6 +164,7 @@ def apply_data_parallel(
         mp_policy=mp_policy,
         offload_policy=offload,
         reshard_after_forward=reshard,
+        ignored_params=ignored_params,
     )
     if prefetch_layers > 0:
         if zero_stage != 3:

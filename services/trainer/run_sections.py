@@ -238,10 +238,10 @@ class ParallelSection:
                     f"--expert-model-parallel-size {ep} with {flag} {value} is not supported yet; "
                     "combine expert parallelism with data and tensor parallelism only"
                 )
-        if self.zero_stage != 0 or self.hsdp:
+        if self.zero_stage == 1 or self.hsdp:
             raise ValueError(
-                f"--expert-model-parallel-size {ep} needs --zero-stage 0 without --hsdp (experts "
-                f"are reduced over their own data-parallel group), got --zero-stage "
+                f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 without --hsdp "
+                f"(experts are reduced over their own data-parallel group), got --zero-stage "
                 f"{self.zero_stage}{' with --hsdp' if self.hsdp else ''}"
             )
 

@@ -213,8 +213,10 @@ def test_expert_parallel_flag_is_validated():
         parse_args([*base, "2", "--pipeline-model-parallel-size", "2"])
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --context-parallel"):
         parse_args([*base, "2", "--context-parallel-size", "2"])
-    with pytest.raises(ValueError, match="needs --zero-stage 0"):
+    with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3 without --hsdp"):
         parse_args([*base, "2", "--zero-stage", "1"])
+    with pytest.raises(ValueError, match="got --zero-stage 3 with --hsdp"):
+        parse_args([*base, "2", "--zero-stage", "3", "--hsdp"])
     with pytest.raises(ValueError, match="must be >= 1"):
         parse_args([*base, "0"])
     with pytest.raises(ValueError, match="must divide the data-parallel size 6"):
@@ -240,5 +242,8 @@ def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
         "ep2-edp2": ["--expert-model-parallel-size", "2"],
         "ep4": ["--expert-model-parallel-size", "4"],
         "tp2-ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-    }
+        "ep2-edp2-zero3": ["--expert-model-parallel-size", "2", "--zero-stage", "3"],
+        "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                          "--zero-stage", "2"],
+    }  # fmt: skip
     _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

@@ -128,8 +128,9 @@ def _local_forward(experts: Experts) -> Any:
     """`Experts.forward` on the local blocks of the DTensor weights."""
 
     def forward(x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate_up = cast(DTensor, experts.gate_up_proj).to_local()
-        down = cast(DTensor, experts.down_proj).to_local()
+        # Cast to the compute dtype: FSDP2's mixed precision leaves the (ignored) experts alone.
+        gate_up = cast(DTensor, experts.gate_up_proj).to_local().to(x_TE.dtype)
+        down = cast(DTensor, experts.down_proj).to_local().to(x_TE.dtype)
         return expert_outputs(x_TE, counts, gate_up, down)
 
     return forward
@@ -165,12 +166,18 @@ class ExpertParallelGradSync:
     """
 
     def __init__(
-        self, model: nn.Module, dp_group: dist.ProcessGroup, edp_group: dist.ProcessGroup | None
+        self,
+        model: nn.Module,
+        dp_group: dist.ProcessGroup,
+        edp_group: dist.ProcessGroup | None,
+        *,
+        replicated: bool = True,
     ) -> None:
         self.dp_group, self.edp_group = dp_group, edp_group
         self.dp = dist.get_world_size(dp_group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.replicated = [p for n, p in named if not is_expert_parameter(n)]
+        # replicated=False: FSDP2 reduces the non-expert parameters itself.
+        self.replicated = [p for n, p in named if not is_expert_parameter(n)] if replicated else []
         self.experts = [p for n, p in named if is_expert_parameter(n)]
 
     def finish(self) -> None:

@@ -165,7 +165,7 @@ def parallelize_model(
     )
     check_model(dims, model_config)
     if dims.ep > 1:
-        return _parallelize_expert_model(model, model_config, par, dims)
+        return _parallelize_expert_model(model, model_config, par, dims, param_dtype)
     mesh = dims.grad_sync_mesh()
     # DDP (`replicate`) does not compose with DTensor parameters or pipeline schedules: ZeRO 0/1
     # under TP/PP average gradients with `GradSync` instead (see services.trainer.dp.grad_sync).
@@ -227,16 +227,20 @@ def parallelize_model(
 
 
 def _parallelize_expert_model(
-    model: nn.Module, model_config: Any, par: Any, dims: ParallelDims
+    model: nn.Module, model_config: Any, par: Any, dims: ParallelDims, param_dtype: torch.dtype
 ) -> tuple[nn.Module, Any, Any]:
     """Expert parallelism over the `ep` axis, then TP (experts stay whole on the TP ranks:
-    Megatron's expert-tensor-parallel size 1) and recompute, then data-parallel gradient
-    averaging (replicated parameters over all dp ranks, experts over `edp`) done by the model's
-    `grad_sync` after the step's last backward (no DDP wrapper: its hooks would average the
-    experts over ranks that hold different ones). Without TP the caller applied recompute."""
+    Megatron's expert-tensor-parallel size 1) and recompute, then data parallelism: expert
+    gradients are summed over `edp` (and divided by dp) by the model's `grad_sync` after the
+    step's last backward; the other parameters are averaged over all dp ranks by FSDP2 (ZeRO
+    2/3, experts ignored) or by the same `grad_sync` (ZeRO 0: no DDP wrapper, whose hooks would
+    average the experts over ranks that hold different ones). Without TP the caller applied
+    recompute."""
+    from services.trainer.data_parallel import apply_data_parallel
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
         apply_expert_parallel,
+        is_expert_parameter,
     )
 
     mesh = dims.expert_mesh()
@@ -247,8 +251,20 @@ def _parallelize_expert_model(
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
     edp = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
+    fsdp = par.zero_stage >= 2
+    if fsdp:
+        experts = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
+        apply_data_parallel(
+            model,
+            dp_mesh,
+            zero_stage=par.zero_stage,
+            cpu_offload=par.cpu_offload,
+            param_dtype=param_dtype,
+            prefetch_layers=par.zero3_prefetch_layers,
+            ignored_params=experts,
+        )
     model.grad_sync = ExpertParallelGradSync(  # type: ignore[assignment]
-        model, dp_mesh.get_group(), edp
+        model, dp_mesh.get_group(), edp, replicated=not fsdp
     )
     return model, dp_mesh, None
 

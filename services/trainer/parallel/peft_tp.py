@@ -11,8 +11,10 @@ LoRA adapters are sharded consistently with the layer they adapt (Megatron / Mod
 - row-parallel base (o_proj, down_proj): lora_A [R, I] sharded on its input columns like the
   base weight, lora_B replicated; each rank's B·(A_r x_r) is a partial sum added to the base's
   partial output before the same all-reduce (or sequence-parallel reduce-scatter);
-- packed projections kept whole on every rank (`SlicedColwise`): A and B whole too, each rank
-  computing its rows of B, gradients summed over the group like the base weight's.
+- packed projections ([q; k; v], [gate; up]) and replicated KV heads (`SlicedColwise`): the
+  weight and B stored row-sharded (Shard(0)) in global row order, A replicated; each forward
+  fetches this rank's rows of [W | b | B] in one all-to-all, and backward returns their gradients
+  to the rows' owners.
 
 Gradients follow Megatron's conjugate collectives: a replicated tensor that each rank uses for
 different output columns gets its gradient summed over the TP group. LoRA dropout on a replicated
@@ -159,10 +161,8 @@ class LoraTensorParallel(ParallelStyle):
         assert isinstance(module, LoraLinear), "LoraTensorParallel applies to LoraLinear"
         if self.kind == "rowwise":
             placements = {"weight": Shard(1), "bias": Replicate(), "A": Shard(1), "B": Replicate()}
-        elif self.kind in _COLWISE_KINDS:
-            placements = {"weight": Shard(0), "bias": Shard(0), "A": Replicate(), "B": Shard(0)}
         else:
-            placements = dict.fromkeys(("weight", "bias", "A", "B"), Replicate())
+            placements = {"weight": Shard(0), "bias": Shard(0), "A": Replicate(), "B": Shard(0)}
         _distribute(module, "weight", device_mesh, placements["weight"])
         _distribute(module, "bias", device_mesh, placements["bias"])
         _distribute(module.lora_A, "weight", device_mesh, placements["A"])
@@ -181,14 +181,16 @@ class LoraTensorParallel(ParallelStyle):
         return shared_dropout(x, drop.p, group) if replicated else drop(x)
 
     def _columns(self, module: LoraLinear, mesh: DeviceMesh) -> Callable[..., Any]:
-        """Column-parallel (plain, loss-parallel head, or sliced rows of a whole weight)."""
+        """Column-parallel (plain, loss-parallel head, or chosen rows of row-sharded weights)."""
+        from services.trainer.parallel.tensor_parallel import _GatherRows, _RowExchange
+
         group = mesh.get_group()
-        sliced = self.kind in _SLICED_KINDS
-        rows = None
-        if sliced:
+        exchange = None
+        if self.kind in _SLICED_KINDS:
             assert self.rows_of_rank is not None, "sliced styles select rows per rank"
-            rows = self.rows_of_rank(mesh.get_local_rank(), mesh.size())
-            rows = rows.to(module.weight.device)
+            exchange = _RowExchange(
+                self.rows_of_rank, module.out_features, mesh.get_local_rank(), mesh.size()
+            ).to(module.weight.device)
         gather = self.kind == "colwise_loss_parallel" and self.sequence_parallel
 
         def forward(x_NI: torch.Tensor) -> torch.Tensor:
@@ -198,11 +200,13 @@ class LoraTensorParallel(ParallelStyle):
             bias = _local(module.bias) if module.bias is not None else None
             A_RI, B_OR = _local(module.lora_A.weight), _local(module.lora_B.weight)
             A_RI = _CopyToGroup.apply(A_RI, group)
-            if sliced:
-                weight = _CopyToGroup.apply(weight, group).index_select(0, rows)
-                if bias is not None:
-                    bias = _CopyToGroup.apply(bias, group).index_select(0, rows)
-                B_OR = _CopyToGroup.apply(B_OR, group).index_select(0, rows)
+            if exchange is not None:
+                # One exchange for the rows of [W | b | B] this rank computes with.
+                i, r = weight.shape[1], B_OR.shape[1]
+                parts = [weight, *([bias[:, None]] if bias is not None else []), B_OR]
+                rows = _GatherRows.apply(torch.cat(parts, dim=1), exchange, group)
+                weight, B_OR = rows[:, :i], rows[:, -r:]
+                bias = rows[:, i] if bias is not None else None
             out_NO = F.linear(x_NI, weight, bias)
             x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=True)
             out_NO = out_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling

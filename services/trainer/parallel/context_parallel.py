@@ -12,7 +12,8 @@ k is attended with `q_offset` (q - k)·c. Backward is autograd's: each hop's bac
 key/value gradient back the other way around the ring, so every rank ends with the gradient of
 its own keys and values.
 Memory: a rank keeps the K/V blocks it received (cp blocks) for backward; queries, outputs and all
-other activations stay sharded.
+other activations stay sharded. Packed documents (segment ids) and key padding masks travel with
+the keys; an earlier key chunk is masked per key and per query (`_cross_chunk_masks`).
 """
 
 from __future__ import annotations
@@ -78,47 +79,116 @@ def ring_attention(
     *,
     softmax_scale: float | None = None,
     alibi_slopes_H: torch.Tensor | None = None,
+    key_padding_mask_BS: torch.Tensor | None = None,
+    segment_ids_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's load-balanced query chunks over the whole ring's keys.
 
     With `alibi_slopes_H` each (query chunk, key chunk) block is biased by the global distance:
     chunk q starts (q - k)·c positions after chunk k, which is the kernels' `q_offset`.
+    `key_padding_mask_BS` (True = real key) and `segment_ids_BS` (packed documents) are this
+    rank's shards, like q; they travel around the ring with the keys (see `_cross_chunk_masks`).
     """
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     c = q_BSHD.shape[1] // 2
+    b, s = q_BSHD.shape[:2]
     kv_2BSKD = torch.stack([k_BSKD, v_BSKD])
-    blocks = [(kv_2BSKD, rank)]
+    # Key-side metadata: [real key, segment id] per position (all real, one segment if absent).
+    meta_2BS = torch.stack(
+        [
+            torch.ones(b, s, dtype=torch.long, device=q_BSHD.device)
+            if key_padding_mask_BS is None
+            else key_padding_mask_BS.long(),
+            torch.zeros(b, s, dtype=torch.long, device=q_BSHD.device)
+            if segment_ids_BS is None
+            else segment_ids_BS.long(),
+        ]
+    )
+    masked = key_padding_mask_BS is not None or segment_ids_BS is not None
+    blocks = [(kv_2BSKD, meta_2BS, rank)]
     for hop in range(1, cp):
         kv_2BSKD = _RingPass.apply(kv_2BSKD, group)
-        blocks.append((kv_2BSKD, (rank - hop) % cp))
+        if masked:
+            meta_2BS = _exchange(meta_2BS, group, step=1)
+        blocks.append((kv_2BSKD, meta_2BS, (rank - hop) % cp))
+    alibi = alibi_slopes_H is not None
     outputs = []
-    for q_half, q_chunk in zip(q_BSHD.split(c, dim=1), chunk_ids(rank, cp), strict=True):
+    q_segments = blocks[0][1][1].split(c, dim=1)
+    for q_half, q_chunk, q_seg_BS in zip(
+        q_BSHD.split(c, dim=1), chunk_ids(rank, cp), q_segments, strict=True
+    ):
         parts = []
-        for kv, source in blocks:
-            for kv_half, k_chunk in zip(kv.split(c, dim=2), chunk_ids(source, cp), strict=True):
+        for kv, meta, source in blocks:
+            for kv_half, meta_half, k_chunk in zip(
+                kv.split(c, dim=2), meta.split(c, dim=2), chunk_ids(source, cp), strict=True
+            ):
                 if k_chunk > q_chunk:
                     continue
+                same_chunk = k_chunk == q_chunk
+                key_mask_BS, query_ok_BS = None, None
+                if masked:
+                    key_mask_BS, query_ok_BS = _cross_chunk_masks(
+                        meta_half[0].bool(), meta_half[1], q_seg_BS, same_chunk
+                    )
                 # An earlier key chunk is wholly visible under the causal rule at this offset.
-                alibi = alibi_slopes_H is not None
                 out_BSHD, lse_BHS = attention(
                     q_half,
                     kv_half[0],
                     kv_half[1],
-                    causal=alibi or k_chunk == q_chunk,
+                    causal=alibi or same_chunk,
                     softmax_scale=softmax_scale,
                     alibi_slopes_H=alibi_slopes_H,
+                    key_padding_mask_BS=key_mask_BS,
+                    segment_ids_BS=q_seg_BS if masked and same_chunk else None,
                     q_offset=(q_chunk - k_chunk) * c if alibi else None,
                     return_lse=True,
                 )
+                if query_ok_BS is not None:
+                    # Queries of other documents see none of these keys.
+                    lse_BHS = lse_BHS.masked_fill(~query_ok_BS[:, None, :], float("-inf"))
                 parts.append((out_BSHD, lse_BHS))
         outputs.append(_merge(parts))
     return torch.cat(outputs, dim=1)
 
 
+def _cross_chunk_masks(
+    real_key_BS: torch.Tensor,
+    key_seg_BS: torch.Tensor,
+    query_seg_BS: torch.Tensor,
+    same_chunk: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(key mask, query mask or None) of one (query chunk, earlier key chunk) block.
+
+    The kernels take one segment-id tensor for queries and keys of the same positions. For a
+    key chunk before the query chunk, a document is one run of positions, so the only document
+    that can hold keys there and queries here is the key chunk's last: keys of that document
+    are visible to queries of that document, and everything else is masked — a key mask times a
+    query mask. A segment id used by two separate runs would break this and is refused.
+    """
+    if same_chunk:
+        return real_key_BS, None
+    last_BS1 = key_seg_BS[:, -1:]
+    key_ok_BS, query_ok_BS = key_seg_BS == last_BS1, query_seg_BS == last_BS1
+    same_BQK = query_seg_BS[:, :, None] == key_seg_BS[:, None, :]
+    if not torch.equal(same_BQK, query_ok_BS[:, :, None] & key_ok_BS[:, None, :]):
+        raise ValueError(
+            "segment_ids under --context-parallel-size > 1 must give each document one run of "
+            "positions (an id reused after another document is not supported); renumber the "
+            "packed documents"
+        )
+    return real_key_BS & key_ok_BS, query_ok_BS
+
+
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine partial attentions over disjoint key sets by their log-sum-exps."""
+    """Combine partial attentions over disjoint key sets by their log-sum-exps.
+
+    A query that sees no key in any part (padding) gets zeros, as from the kernels.
+    """
     lse_PBHS = torch.stack([lse for _, lse in parts])
-    total_BHS = torch.logsumexp(lse_PBHS, dim=0)
+    seen_BHS = torch.isfinite(lse_PBHS).any(dim=0)
+    # logsumexp over all -inf has a NaN gradient: such rows sum zeros instead (their weights
+    # below are exp(-inf) = 0 either way).
+    total_BHS = torch.logsumexp(lse_PBHS.masked_fill(~seen_BHS, 0.0), dim=0)
     out = None
     for out_BSHD, lse_BHS in parts:
         weight_BSH1 = torch.exp(lse_BHS - total_BHS).transpose(1, 2).unsqueeze(-1)
@@ -136,16 +206,23 @@ def _ring_forward(
     segment_ids_BS: torch.Tensor | None,
     cache: object,
 ) -> torch.Tensor:
-    """`models.transformer.Attention.forward` with ring attention (training: no cache/masks)."""
-    if cache is not None or key_padding_mask_BS is not None or segment_ids_BS is not None:
+    """`models.transformer.Attention.forward` with ring attention (training: no KV cache)."""
+    if cache is not None:
         raise ValueError(
-            "context parallelism supports plain causal training batches: no KV cache, padding "
-            "mask or packed segment ids (turn off packing/variable lengths or use "
+            "context parallelism runs training batches: no KV cache (generate with "
             "--context-parallel-size 1)"
         )
     q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, rope_cos_sin)
     slopes_H = self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device) if self.alibi else None
-    out_BSHD = ring_attention(q_BSHD, k_BSKD, v_BSKD, self._cp_group, alibi_slopes_H=slopes_H)
+    out_BSHD = ring_attention(
+        q_BSHD,
+        k_BSKD,
+        v_BSKD,
+        self._cp_group,
+        alibi_slopes_H=slopes_H,
+        key_padding_mask_BS=key_padding_mask_BS,
+        segment_ids_BS=segment_ids_BS,
+    )
     return self.o_proj(out_BSHD.flatten(2))
 
 

@@ -228,16 +228,12 @@ class ParallelSection:
         ep = self.expert_model_parallel_size
         if ep == 1:
             return
-        others = {
-            "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
-            "--context-parallel-size": self.context_parallel_size,
-        }
-        for flag, value in others.items():
-            if value > 1:
-                raise ValueError(
-                    f"--expert-model-parallel-size {ep} with {flag} {value} is not supported yet; "
-                    "combine expert parallelism with data and tensor parallelism only"
-                )
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size "
+                f"{self.pipeline_model_parallel_size} is not supported yet; combine expert "
+                "parallelism with data, tensor and context parallelism"
+            )
         if self.zero_stage == 1 or self.hsdp:
             raise ValueError(
                 f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 without --hsdp "

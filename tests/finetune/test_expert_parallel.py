@@ -211,8 +211,6 @@ def test_expert_parallel_flag_is_validated():
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --pipeline-model"):
         parse_args([*base, "2", "--pipeline-model-parallel-size", "2"])
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --context-parallel"):
-        parse_args([*base, "2", "--context-parallel-size", "2"])
     with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3 without --hsdp"):
         parse_args([*base, "2", "--zero-stage", "1"])
     with pytest.raises(ValueError, match="got --zero-stage 3 with --hsdp"):
@@ -236,13 +234,15 @@ def test_expert_parallel_flag_is_validated():
 @pytest.mark.slow
 def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
     """Data-parallel 4: EP2 (experts also reduced over the 2 `edp` ranks that hold the same
-    ones) and EP4 (one expert per rank); TP2 x data-parallel 2 with EP2 (each TP rank runs its
-    ep block whole). All train like one process."""
+    ones) and EP4 (one expert per rank); TP2 or CP2 x data-parallel 2 with EP2 (each TP rank
+    runs its ep block whole; CP ranks reduce their experts' gradients together); ZeRO-2/3.
+    All train like one process."""
     layouts = {
         "ep2-edp2": ["--expert-model-parallel-size", "2"],
         "ep4": ["--expert-model-parallel-size", "4"],
         "tp2-ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
         "ep2-edp2-zero3": ["--expert-model-parallel-size", "2", "--zero-stage", "3"],
+        "cp2-ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
         "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                           "--zero-stage", "2"],
     }  # fmt: skip

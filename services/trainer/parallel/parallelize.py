@@ -250,7 +250,14 @@ def _parallelize_expert_model(
         _apply_within_replica(model, model_config, par, dims)
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
-    edp = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
+    # Ranks holding the same experts: `edp`, and `cp` (context-parallel ranks route disjoint
+    # chunks of the same sequences through the same experts).
+    same_experts = [axis for axis in ("edp", "cp") if mesh[axis].size() > 1]
+    edp = None
+    if len(same_experts) == 1:
+        edp = mesh[same_experts[0]].get_group()
+    elif same_experts:
+        edp = mesh[tuple(same_experts)]._flatten("edp_cp").get_group()
     fsdp = par.zero_stage >= 2
     if fsdp:
         experts = {p for n, p in model.named_parameters() if is_expert_parameter(n)}

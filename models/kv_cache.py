@@ -36,8 +36,11 @@ class CacheStep:
     """Index of the first query relative to the first key, as `kernels.attention` expects."""
     key_mask_BS: torch.Tensor | None
     """Keys visible per row over the first key_len slots (None when every slot is visible)."""
-    uniform: bool
-    """All rows start at the same slot (plain slice writes)."""
+    start: int | None
+    """The slot every row starts at, or None when rows differ (then one token per row)."""
+    slots_B: torch.Tensor | None = None
+    """Rows of unequal length: the slot each row writes (indexed writes, computed once per step
+    rather than per layer)."""
 
 
 class KVCache:
@@ -128,14 +131,15 @@ class KVCache:
     def begin(self, new_tokens: int, key_padding_mask_BS: torch.Tensor | None) -> CacheStep:
         """Plan a forward of `new_tokens` per row; `key_padding_mask_BS` covers only them."""
         start_B = self.lengths_B.clone()
-        end_B = start_B + new_tokens
-        key_len = int(end_B.max())
+        # One host read per step; every layer then writes with Python ints or a ready index.
+        lengths = start_B.tolist()
+        key_len = max(lengths) + new_tokens
         if key_len > self.max_seq_len:
             raise ValueError(
                 f"KVCache: {new_tokens} new token(s) would need {key_len} slots but the cache holds "
                 f"{self.max_seq_len}; allocate a longer cache (max_seq_len)"
             )
-        uniform = bool((start_B == start_B[0]).all())
+        uniform = min(lengths) == lengths[0] == max(lengths)
         if not uniform and new_tokens > 1:
             raise ValueError(
                 "KVCache: rows have different lengths, so a step may append only one token per row "
@@ -154,11 +158,20 @@ class KVCache:
             if key_padding_mask_BS is None
             else key_padding_mask_BS.to(torch.bool)
         )
+        step = CacheStep(
+            start_B,
+            new_tokens,
+            key_len,
+            key_len - new_tokens,
+            None,
+            lengths[0] if uniform else None,
+            None if uniform else start_B[:, None],
+        )
         mask_BS = self.key_mask_BS[:, :key_len].clone()
         # Slots past a shorter row's end were never written, so its stored mask is already False.
-        self._scatter(mask_BS, new_mask_BS, start_B, uniform)
-        visible = None if bool(mask_BS.all()) else mask_BS
-        return CacheStep(start_B, new_tokens, key_len, key_len - new_tokens, visible, uniform)
+        self._scatter(mask_BS, new_mask_BS, step)
+        step.key_mask_BS = None if bool(mask_BS.all()) else mask_BS
+        return step
 
     def write(
         self, layer_id: int | str, step: CacheStep, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor
@@ -166,8 +179,8 @@ class KVCache:
         """Store this step's keys/values for one layer; return every key/value its queries read."""
         key = str(layer_id)
         k_cache, v_cache = self.k_BSKD[key], self.v_BSKD[key]
-        self._scatter(k_cache, k_BSKD, step.start_B, step.uniform)
-        self._scatter(v_cache, v_BSKD, step.start_B, step.uniform)
+        self._scatter(k_cache, k_BSKD, step)
+        self._scatter(v_cache, v_BSKD, step)
         return k_cache[:, : step.key_len], v_cache[:, : step.key_len]
 
     def commit(self, step: CacheStep) -> None:
@@ -179,14 +192,15 @@ class KVCache:
         self.lengths_B += step.new_tokens  # in place, so row views see it
 
     @staticmethod
-    def _scatter(
-        dest_BS: torch.Tensor, new_BS: torch.Tensor, start_B: torch.Tensor, uniform: bool
-    ) -> None:
+    def _scatter(dest_BS: torch.Tensor, new_BS: torch.Tensor, step: CacheStep) -> None:
         """dest[b, start[b] + t] = new[b, t] for every row b and step token t."""
-        if uniform:
-            start = int(start_B[0])
-            dest_BS[:, start : start + new_BS.shape[1]] = new_BS
+        if step.start is not None:
+            dest_BS[:, step.start : step.start + new_BS.shape[1]] = new_BS
             return
-        rows_B = torch.arange(dest_BS.shape[0], device=dest_BS.device)
-        slots_BT = start_B[:, None] + torch.arange(new_BS.shape[1], device=dest_BS.device)
-        dest_BS[rows_B[:, None], slots_BT] = new_BS.to(dest_BS.dtype)
+        assert step.slots_B is not None  # rows differ: one token each
+        dest_BS.scatter_(1, _expand_index(step.slots_B, new_BS), new_BS.to(dest_BS.dtype))
+
+
+def _expand_index(slots_B1: torch.Tensor, new_BT: torch.Tensor) -> torch.Tensor:
+    """Slot indices [B, 1] broadcast over the trailing dims of a [B, 1, ...] update (scatter_)."""
+    return slots_B1.view(*slots_B1.shape, *([1] * (new_BT.dim() - 2))).expand_as(new_BT)

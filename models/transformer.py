@@ -174,9 +174,15 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(
             self.input_layernorm(x_BSE), rope_cos_sin, key_padding_mask_BS, segment_ids_BS, cache
         )
-        h_BSE = x_BSE + F.dropout(attn, self.dropout, self.training)
+        h_BSE = x_BSE + self._dropout(attn)
         mlp = self.mlp(self.post_attention_layernorm(h_BSE))
-        return h_BSE + F.dropout(mlp, self.dropout, self.training)
+        return h_BSE + self._dropout(mlp)
+
+    def _dropout(self, x_BSE: torch.Tensor) -> torch.Tensor:
+        # Skipped outright in eval: a decode step would otherwise pay two no-op calls per layer.
+        if self.training and self.dropout > 0:
+            return F.dropout(x_BSE, self.dropout, True)
+        return x_BSE
 
 
 def positions_from_segments(segment_ids_BS: torch.Tensor) -> torch.Tensor:

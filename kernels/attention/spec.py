@@ -42,7 +42,9 @@ class AttentionSpec:
         """Bool [B or 1, 1, q_end-q_start, k_end-k_start] (True = may attend); None if all are."""
         device = self.device
         mask: torch.Tensor | None = None
-        if self.causal:
+        # The causal part is all True when the block's last key is visible to its first query
+        # (always so for one-query decoding against a cache): no mask to build.
+        if self.causal and k_end - 1 > q_start + self.q_offset:
             q_pos = torch.arange(q_start, q_end, device=device) + self.q_offset
             k_pos = torch.arange(k_start, k_end, device=device)
             mask = (k_pos[None, :] <= q_pos[:, None])[None, None]

@@ -1,0 +1,78 @@
+"""Linear layers with weights repacked once for inference (oneDNN's blocked layout on CPU).
+
+Shapes: x [..., I] (I input features), weight [O, I], out [..., O].
+
+The reference is `F.linear`. On CPU, MKL's path for a [O, I] row-major weight is slow for the
+few-row inputs of decoding (a batch of 1..32 new tokens); oneDNN with the weight reordered once
+into its blocked format runs those shapes 1.3-1.8x faster and large prefills a little faster
+too (the prepacking torch.compile's CPU freezing does). The packed tensor replaces the dense
+weight, so memory stays the same, but the layer is inference-only: no autograd, no state dict.
+Results match `F.linear` up to fp32 summation order (tested against the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKED_DTYPES = (torch.float32,)
+"""Dtypes whose weights are repacked (bf16 oneDNN needs CPU support checked per machine)."""
+
+
+def can_pack(linear: nn.Module) -> bool:
+    """Whether `linear` is a plain CPU nn.Linear whose weight this module can repack."""
+    if type(linear) is not nn.Linear:
+        return False
+    weight = linear.weight
+    return (
+        type(weight) is nn.Parameter
+        and weight.device.type == "cpu"
+        and weight.dtype in PACKED_DTYPES
+        and not linear._forward_hooks
+        and not linear._forward_pre_hooks
+        and _onednn_available()
+    )
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's packed layout (built from an nn.Linear)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not can_pack(linear):
+            raise ValueError(
+                f"PackedLinear: {linear!r} is not a hook-free CPU nn.Linear in "
+                f"{PACKED_DTYPES}; keep it as it is"
+            )
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        """The packed [O, I] weight (an opaque oneDNN tensor: only its shape is readable)."""
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same result as the nn.Linear it came from."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def pack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """Replace every packable nn.Linear of `model` (in place) by a PackedLinear; returns the
+    names replaced. Modules named in `skip` (say a head tied to the embedding) stay."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if name in skip or not can_pack(module):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, leaf, PackedLinear(module))
+        replaced.append(name)
+    return replaced

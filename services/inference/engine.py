@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.packed_linear import pack_linears
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 from services.inference.beam_search import BeamSearch
@@ -71,6 +72,10 @@ class EngineConfig:
     """KV-cache rows: sequences (beams count one each) decoded together."""
     max_seq_len: int | None = None
     """Cache slots per row (prompt + new tokens); None: the model's context length."""
+    prepack_weights: bool = True
+    """On CPU, repack the model's linear weights once into oneDNN's blocked layout (faster
+    decode and prefill, same memory; the model becomes inference-only, see
+    kernels/packed_linear.py). A head tied to the embedding stays as it is."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -119,6 +124,9 @@ class Engine:
         self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
         self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
+        if self.config.prepack_weights:
+            shared_head = model.config.tie_word_embeddings or model.config.norm_head
+            pack_linears(model, skip=("lm_head",) if shared_head else ())
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
@@ -445,12 +453,25 @@ class Engine:
             self._live -= done - running - waiting
 
     def score(self, items: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[ScoreResult]:
-        """Log-probabilities of each (context ids, continuation ids) pair (see scoring.py)."""
-        return score_batch(self._full_logits, items, device=self.device, pad_id=pad_id)
+        """Log-probabilities of each (context ids, continuation ids) pair (see scoring.py);
+        choices sharing a context run it once."""
+        return score_batch(
+            self._full_logits,
+            items,
+            device=self.device,
+            pad_id=pad_id,
+            new_cache=self._scoring_cache,
+        )
 
-    def _full_logits(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
-        """Logits [B, S, V] of a cache-free forward (scoring)."""
-        return self.model(ids_BS, key_padding_mask_BS=mask_BS)
+    def _full_logits(
+        self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """Logits [B, S, V] of every position (scoring), appended to `kv_cache` when given."""
+        return self.model(ids_BS, key_padding_mask_BS=mask_BS, kv_cache=kv_cache)
+
+    def _scoring_cache(self, rows: int, slots: int) -> KVCache:
+        """A cache apart from the generation pool (scoring runs between steps, beside it)."""
+        return SlotPool(self.model, rows, slots).cache
 
     def reset(self) -> None:
         """Forget every request (after a failed step); the cache rows become free."""

@@ -82,7 +82,9 @@ class PipelineEngine(LeaderFollowerEngine):
         logits = None if h_BSE is None else head_logits(self.model, h_BSE[:, -1])
         return self._broadcast_logits(logits, (ids_BS.shape[0], self.tokens.vocab_size))
 
-    def _full_logits(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
-        h_BSE = self._stage_forward(ids_BS, key_padding_mask_BS=mask_BS)
+    def _full_logits(
+        self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        h_BSE = self._stage_forward(ids_BS, key_padding_mask_BS=mask_BS, kv_cache=kv_cache)
         logits = None if h_BSE is None else head_logits(self.model, h_BSE)
         return self._broadcast_logits(logits, (*ids_BS.shape, self.tokens.vocab_size))

@@ -1,22 +1,35 @@
 """Continuation log-probabilities (what multiple-choice evaluation needs), batched.
 
-Shapes: B items in a batch, S padded length (context + continuation), V vocab.
+Shapes: B items in a batch, S padded length (context + continuation), C continuation length,
+V vocab.
 
-Each item is context ids + continuation ids, right-padded to the batch's longest; one forward
-without a cache gives, at position t, the distribution of token t + 1. A continuation of length
-C starting at position P is scored by the log-softmax rows P-1 .. P+C-2.
+Items whose context no other item shares are batched as context ids + continuation ids,
+right-padded to the batch's longest; one forward without a cache gives, at position t, the
+distribution of token t + 1. A continuation of length C starting at position P is scored by the
+log-softmax rows P-1 .. P+C-2.
+
+Items that share a context (the choices of one multiple-choice question) run that context once:
+its forward fills row 0 of a KV cache and gives the first continuation token's distribution, the
+row is copied to one row per continuation, and one forward of the right-padded continuations
+over the cache scores the rest. Same numbers as the padded path up to fp32 summation order; the
+context's cost is paid once instead of once per choice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import groupby
 
 import torch
 
+from models.kv_cache import KVCache
 from services.inference.requests import ScoreResult
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(ids [B, S], key padding mask [B, S]) -> logits [B, S, V]; a pipeline splits it over ranks."""
+Forward = Callable[[torch.Tensor, torch.Tensor | None, KVCache | None], torch.Tensor]
+"""(ids [B, S], key padding mask [B, S] or None, KV cache or None) -> logits [B, S, V]; with a
+cache the ids are appended to it. A pipeline splits the forward over ranks."""
+NewCache = Callable[[int, int], KVCache]
+"""(rows, slots per row) -> an empty KV cache for the model `Forward` runs."""
 
 
 @torch.inference_mode()
@@ -27,11 +40,27 @@ def score_batch(
     device: torch.device,
     pad_id: int = 0,
     max_batch_tokens: int = 8192,
+    new_cache: NewCache | None = None,
 ) -> list[ScoreResult]:
-    """Score `(context_ids, continuation_ids)` pairs; every context must be non-empty."""
+    """Score `(context_ids, continuation_ids)` pairs; every context must be non-empty.
+
+    With `new_cache`, items sharing a context run it once (see the module docstring)."""
     results: list[ScoreResult | None] = [None] * len(items)
+    alone = list(range(len(items)))
+    if new_cache is not None:
+        alone = []
+        by_context = sorted(range(len(items)), key=lambda i: items[i][0])
+        for _, group in groupby(by_context, key=lambda i: items[i][0]):
+            members = list(group)
+            if len(members) == 1:
+                alone += members
+                continue
+            for i, result in _score_shared(
+                forward, new_cache, items, members, device, pad_id, max_batch_tokens
+            ):
+                results[i] = result
     # Longest first, so each batch pads little and the token budget holds.
-    order = sorted(range(len(items)), key=lambda i: -(len(items[i][0]) + len(items[i][1])))
+    order = sorted(alone, key=lambda i: -(len(items[i][0]) + len(items[i][1])))
     start = 0
     while start < len(order):
         longest = len(items[order[start]][0]) + len(items[order[start]][1])
@@ -44,14 +73,76 @@ def score_batch(
             full = items[i][0] + items[i][1]
             ids_BS[row, : len(full)] = torch.tensor(full, device=device)
             mask_BS[row, : len(full)] = True
-        logprobs_BSV = torch.log_softmax(forward(ids_BS, mask_BS).float(), -1)
+        logprobs_BSV = torch.log_softmax(forward(ids_BS, mask_BS, None).float(), -1)
         for row, i in enumerate(batch):
             context, continuation = items[i]
             first = len(context) - 1
             rows_CV = logprobs_BSV[row, first : first + len(continuation)]
-            target_C = torch.tensor(continuation, device=device)
-            token_lp_C = rows_CV.gather(1, target_C[:, None])[:, 0]
-            greedy = bool((rows_CV.argmax(-1) == target_C).all())
-            token_lps = token_lp_C.tolist()
-            results[i] = ScoreResult(float(sum(token_lps)), greedy, token_lps)
+            results[i] = _result(rows_CV, continuation, device)
+    assert all(r is not None for r in results)
     return [r for r in results if r is not None]
+
+
+def _result(logprobs_CV: torch.Tensor, continuation: list[int], device: torch.device):
+    """The score of a continuation from the log-softmax rows that predict its tokens."""
+    target_C = torch.tensor(continuation, device=device)
+    token_lp_C = logprobs_CV.gather(1, target_C[:, None])[:, 0]
+    greedy = bool((logprobs_CV.argmax(-1) == target_C).all())
+    token_lps = token_lp_C.tolist()
+    return ScoreResult(float(sum(token_lps)), greedy, token_lps)
+
+
+def _score_shared(
+    forward: Forward,
+    new_cache: NewCache,
+    items: list[tuple[list[int], list[int]]],
+    members: list[int],
+    device: torch.device,
+    pad_id: int,
+    max_batch_tokens: int,
+) -> list[tuple[int, ScoreResult]]:
+    """Scores of items `members`, which share one context: the context runs once per chunk of
+    continuations that fits the token budget."""
+    context = items[members[0]][0]
+    # Longest first, so each chunk's cache and padding stay tight.
+    members = sorted(members, key=lambda i: -len(items[i][1]))
+    out = []
+    start = 0
+    while start < len(members):
+        slots = len(context) + len(items[members[start]][1])
+        chunk = members[start : start + max(1, max_batch_tokens // slots)]
+        start += len(chunk)
+        cache = new_cache(len(chunk), slots)
+        context_1S = torch.tensor([context], device=device)
+        first_lp_V = torch.log_softmax(
+            forward(context_1S, None, cache.rows(0, 1))[0, -1].float(), -1
+        )
+        _copy_first_row(cache, len(chunk))
+        conts = [items[i][1] for i in chunk]
+        longest = len(conts[0])
+        ids_BC = torch.full((len(chunk), longest), pad_id, dtype=torch.long, device=device)
+        mask_BC = torch.zeros(len(chunk), longest, dtype=torch.bool, device=device)
+        for row, cont in enumerate(conts):
+            ids_BC[row, : len(cont)] = torch.tensor(cont, device=device)
+            mask_BC[row, : len(cont)] = True
+        # The last continuation token predicts nothing we score: leave it out of the forward.
+        logprobs_BCV = None
+        if longest > 1:
+            logits_BCV = forward(ids_BC[:, :-1], mask_BC[:, :-1], cache)
+            logprobs_BCV = torch.log_softmax(logits_BCV.float(), -1)
+        for row, (i, cont) in enumerate(zip(chunk, conts, strict=True)):
+            rows_CV = first_lp_V[None]
+            if logprobs_BCV is not None and len(cont) > 1:
+                rows_CV = torch.cat([rows_CV, logprobs_BCV[row, : len(cont) - 1]])
+            out.append((i, _result(rows_CV, cont, device)))
+    return out
+
+
+def _copy_first_row(cache: KVCache, rows: int) -> None:
+    """Rows 1..rows-1 of `cache` become copies of row 0 (its keys, values, mask and length)."""
+    used = int(cache.lengths_B[0])
+    for store in (cache.k_BSKD, cache.v_BSKD):
+        for buf in store.values():
+            buf[1:rows, :used] = buf[:1, :used]
+    cache.key_mask_BS[1:rows] = cache.key_mask_BS[:1]
+    cache.lengths_B[1:rows] = cache.lengths_B[0]

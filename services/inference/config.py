@@ -28,7 +28,8 @@ class InferenceServiceConfig:
     tensor_parallel_size: int = 1
     """Processes the model is split over (gloo on CPU, NCCL/HCCL on accelerators)."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages the layers are split over, one process each (not combined with TP)."""
+    """Pipeline stages the layers are split over; with TP each stage is sharded over
+    tensor_parallel_size processes (tp × pp processes in all)."""
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
     max_new_tokens_limit: int = 4096
@@ -78,11 +79,6 @@ class InferenceServiceConfig:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                "--tensor-parallel-size and --pipeline-parallel-size cannot both be > 1 yet; "
-                "serve with one of them"
-            )
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

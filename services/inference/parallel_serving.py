@@ -1,4 +1,4 @@
-"""Multi-process serving: tensor-parallel shards or pipeline stages; rank 0 serves gRPC.
+"""Multi-process serving: tensor-parallel shards, pipeline stages or both; rank 0 serves gRPC.
 
 Every rank runs the same `Engine` on its part of the model. Rank 0 owns the request queue: at
 the start of each step it broadcasts the step's new requests and cancellations (and score
@@ -116,13 +116,25 @@ def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEng
     assert world is not None, "multi-process serving needs the default process group"
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
     engine_config = EngineConfig(max_batch_rows=config.max_batch_rows)
-    if config.pipeline_parallel_size > 1:
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp > 1:
         from services.inference.pipeline_serving import PipelineEngine, keep_stage
 
-        stage, stages = keep_stage(loaded.model, dist.get_rank(), config.pipeline_parallel_size)
-        return PipelineEngine(loaded.model, tokens, engine_config, stage, stages), loaded
+        # Rank = stage * tp + tp rank: a stage's TP group is tp consecutive ranks.
+        stage, stages = keep_stage(loaded.model, dist.get_rank() // tp, pp)
+        if tp > 1:
+            shard_for_serving(loaded.model, _stage_groups(tp, pp))
+        engine = PipelineEngine(loaded.model, tokens, engine_config, stage, stages, tp_size=tp)
+        return engine, loaded
     shard_for_serving(loaded.model, world)
     return LeaderFollowerEngine(loaded.model, tokens, engine_config), loaded
+
+
+def _stage_groups(tp: int, pp: int) -> dist.ProcessGroup:
+    """This rank's tensor-parallel group within its pipeline stage (every rank creates every
+    stage's group, in the same order, as `new_group` requires)."""
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+    return groups[dist.get_rank() // tp]
 
 
 def _join(rank: int, world: int, port: int) -> None:

@@ -8,6 +8,9 @@ the logits so every rank's replicated engine makes the same decisions (see paral
 Each stage's KV cache holds only its layers; all stages see the same rows and lengths, so RoPE
 positions and masks agree. Micro-batching is not done: one request batch flows through the
 stages at a time, so this serves models too large for one process rather than adding throughput.
+With tensor parallelism (tp × pp ranks, rank = stage · tp + tp rank) each stage is sharded over
+its tp ranks, which all end with the same hidden states; each sends them to its peer in the next
+stage, and the last stage's first rank broadcasts the logits.
 """
 
 from __future__ import annotations
@@ -47,10 +50,14 @@ class PipelineEngine(LeaderFollowerEngine):
         config: EngineConfig,
         stage: StageRange,
         num_stages: int,
+        tp_size: int = 1,
     ) -> None:
         super().__init__(model, tokens, config)
         self.stage = stage
-        self.last_rank = num_stages - 1
+        # With tensor parallelism every stage spans tp_size consecutive ranks; tp rank j of
+        # one stage talks to tp rank j of the next (all of a stage hold the same hidden states).
+        self.tp_size = tp_size
+        self.last_rank = (num_stages - 1) * tp_size
         self.dtype = next(model.parameters()).dtype
 
     def _stage_forward(self, ids_BS: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
@@ -61,11 +68,11 @@ class PipelineEngine(LeaderFollowerEngine):
             x = torch.empty(
                 b, s, self.model.config.hidden_size, dtype=self.dtype, device=self.device
             )
-            dist.recv(x, src=self.rank - 1)
+            dist.recv(x, src=self.rank - self.tp_size)
         h_BSE = hidden_states(self.model, x, **kwargs)
         if self.stage.has_head:
             return h_BSE
-        dist.send(h_BSE.contiguous(), dst=self.rank + 1)
+        dist.send(h_BSE.contiguous(), dst=self.rank + self.tp_size)
         return None
 
     def _broadcast_logits(

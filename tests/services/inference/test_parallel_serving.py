@@ -55,7 +55,11 @@ def _worker(rank: int, world: int, directory: str, layout: str):
     from services.inference.parallel_serving import build_rank_engine
 
     devices.init_distributed()
-    sizes = {"tp": {"tensor_parallel_size": world}, "pp": {"pipeline_parallel_size": world}}
+    sizes = {
+        "tp": {"tensor_parallel_size": world},
+        "pp": {"pipeline_parallel_size": world},
+        "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    }
     config = InferenceServiceConfig(load=Path(directory), **sizes[layout])
     engine, loaded = build_rank_engine(config)
     vocab = loaded.config.vocab_size
@@ -94,6 +98,26 @@ def test_two_processes_match_one(tmp_path, name, layout):
     else:
         assert tuple(o_proj_shape) == (config.hidden_size, config.hidden_size)
         assert layers == ["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dist")
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
+def test_tp2_x_pp2_matches_one_process(tmp_path, name):
+    """4 processes: 2 pipeline stages, each sharded over 2 tensor-parallel ranks."""
+    hf, ours, config = hf_reference(name, seed=5)
+    directory = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    tokens, scores, o_proj_shape, layers = run_distributed(_worker, 4, str(directory), "tp2pp2")[0]
+    engine = Engine(ours, TokenizerInfo(config.vocab_size))
+    expected = engine.generate(_prompts(config.vocab_size), CONFIGS)
+    assert tokens == [[r.token_ids for r in per_request] for per_request in expected]
+    for (logprob, per_token), ref in zip(
+        scores, engine.score(_score_items(config.vocab_size)), strict=True
+    ):
+        assert logprob == pytest.approx(ref.logprob, abs=SCORE_ATOL)
+        assert per_token == pytest.approx(ref.token_logprobs, abs=SCORE_ATOL)
+    assert tuple(o_proj_shape) == (config.hidden_size, config.hidden_size // 2)
+    assert layers == ["0"]
 
 
 @pytest.mark.slow

@@ -137,8 +137,13 @@ def _local_forward(experts: Experts) -> Any:
 
 
 def is_expert_parameter(name: str) -> bool:
-    """True for the expert weights that expert parallelism shards."""
+    """True for the expert weights that expert parallelism shards (by name)."""
     return any(f".experts.{leaf}" in name for leaf in EXPERT_LEAVES)
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The routed experts' weights of every MoE layer of `model` (not shared experts)."""
+    return {p for _, moe in moe_layers(model) for p in moe.experts.parameters()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -156,12 +161,13 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> N
 
 
 class ExpertParallelGradSync:
-    """Data-parallel gradient averaging of an expert-parallel model (ZeRO 0), once per step.
+    """Data-parallel gradient reduction of an expert-parallel model, once per step.
 
-    The loop scales each rank's loss by the data-parallel size dp (DDP's convention: the
-    average over dp ranks is then the gradient of the global loss). Replicated parameters are
-    averaged over all dp ranks; expert gradients, which already sum their ep group's tokens,
-    are summed over the `edp` ranks holding the same experts and divided by dp (Megatron's
+    The loop scales each rank's loss by the size dp of the gradient-averaging group (data x
+    context parallel; DDP's convention: the average over those ranks is then the gradient of
+    the global loss). Replicated parameters are averaged over `dp_group` (unless FSDP2 does it:
+    `replicated=False`); expert gradients, which already sum their ep group's tokens, are
+    summed over `edp_group` (the ranks holding the same experts) and divided by dp (Megatron's
     expert gradient scaling).
     """
 
@@ -175,10 +181,10 @@ class ExpertParallelGradSync:
     ) -> None:
         self.dp_group, self.edp_group = dp_group, edp_group
         self.dp = dist.get_world_size(dp_group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        # replicated=False: FSDP2 reduces the non-expert parameters itself.
-        self.replicated = [p for n, p in named if not is_expert_parameter(n)] if replicated else []
-        self.experts = [p for n, p in named if is_expert_parameter(n)]
+        trained = [p for p in model.parameters() if p.requires_grad]
+        experts = expert_parameters(model)
+        self.experts = [p for p in trained if p in experts]
+        self.replicated = [p for p in trained if p not in experts] if replicated else []
 
     def finish(self) -> None:
         """Reduce this step's accumulated gradients (call after the last backward)."""

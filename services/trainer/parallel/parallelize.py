@@ -240,7 +240,7 @@ def _parallelize_expert_model(
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
         apply_expert_parallel,
-        is_expert_parameter,
+        expert_parameters,
     )
 
     mesh = dims.expert_mesh()
@@ -260,7 +260,6 @@ def _parallelize_expert_model(
         edp = mesh[tuple(same_experts)]._flatten("edp_cp").get_group()
     fsdp = par.zero_stage >= 2
     if fsdp:
-        experts = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
         apply_data_parallel(
             model,
             dp_mesh,
@@ -268,7 +267,7 @@ def _parallelize_expert_model(
             cpu_offload=par.cpu_offload,
             param_dtype=param_dtype,
             prefetch_layers=par.zero3_prefetch_layers,
-            ignored_params=experts,
+            ignored_params=expert_parameters(model),
         )
     model.grad_sync = ExpertParallelGradSync(  # type: ignore[assignment]
         model, dp_mesh.get_group(), edp, replicated=not fsdp

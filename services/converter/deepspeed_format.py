@@ -409,9 +409,11 @@ class DeepSpeedSource:
                     f"{recipe.shape} needs {numel}"
                 )
             tensor = whole[:numel].reshape(recipe.shape)
-            if tensor.is_floating_point():
-                tensor = tensor.float()
-            out[name] = tensor.clone()  # owns its bytes: the memory maps close with `flat`
+            if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                tensor = tensor.float()  # a copy
+            elif len(parts) == 1:
+                tensor = tensor.clone()  # owns its bytes: the memory maps close with `flat`
+            out[name] = tensor  # else a view of torch.cat's fresh buffer (padding at most DP-1)
         return out
 
     def read_unit(self, unit: Unit) -> Tensors:

@@ -203,6 +203,11 @@ class DeepSpeedSource:
         root = directory if self.tag_dir != directory else directory.parent
         self.config, self.hf_config = self._config(root, config)
         self.tokenizer_files = tokenizer_files(root)
+        if any(self.tag_dir.glob("layer_*-model_*")):
+            raise ValueError(
+                f"{self.tag_dir} holds layer_*-model_* files: a DeepSpeed pipeline-parallel "
+                "checkpoint, which is not read (only data-parallel ZeRO-1/2/3)"
+            )
         self._optim_files = self._rank_files(_OPTIM_FILE, 2, 3, "*_optim_states.pt")
         world = len(self._optim_files)
         first = self._optimizer_state(self._optim_files[0])
@@ -370,9 +375,10 @@ class DeepSpeedSource:
                 recipes[name] = _Recipe(tuple(shape), pieces, "frozen")
             else:
                 recipes[name] = _Recipe(tuple(shape), (), "module_frozen")
+        module = model_state["module"] or {}  # None when a pipeline engine saved per-layer files
         for name in model_state["buffer_names"] or []:
-            if name in model_state["module"]:
-                recipes[name] = _Recipe(tuple(model_state["module"][name].shape), (), "module")
+            if name in module:
+                recipes[name] = _Recipe(tuple(module[name].shape), (), "module")
         for alias, target in (model_state.get("shared_params") or {}).items():
             if target in recipes:
                 recipes[alias] = recipes[target]

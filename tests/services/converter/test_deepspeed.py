@@ -161,6 +161,12 @@ def test_missing_rank_and_foreign_objects_are_refused(tmp_path):
         convert(ConvertOptions("deepspeed", "hf", truncated, tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(source_dir, pipeline)
+    (pipeline / "global_step12" / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="pipeline-parallel checkpoint"):
+        DeepSpeedSource(pipeline, None)
+
     # An object outside the allow-list (here a builtin with a harmful reduce) is never unpickled.
     evil = tmp_path / "evil"
     shutil.copytree(source_dir, evil)

@@ -1,6 +1,7 @@
 """Inference engine vs HF `generate` on the same model, weights and settings, in the same run.
 
-    python -m bench.bench_inference [--quick] [--threads 2] [--dtype fp32|bf16]
+    python -m bench.bench_inference [--quick] [--threads 2] [--dtype fp32|bf16] [--stat min]
+                                    [--cpu-linear dense|packed|packed+gemv]
 
 The model is a random Llama (GQA) built in HF and converted through the adapters, so both sides
 compute the same function (greedy outputs are checked token-identical before timing). Rows:
@@ -10,8 +11,9 @@ compute the same function (greedy outputs are checked token-identical before tim
 - time to first token: one prompt, `max_new_tokens=1`.
 - beam-4 tokens/s: `num_beams=4`, new tokens of the returned sequence over wall time.
 
-Each row alternates HF and ours for `--rounds` rounds and reports medians, so load drifting on a
-shared machine hits both. ratio = HF time / our time (> 1: the engine is faster).
+Each row alternates HF and ours for `--rounds` rounds and reports medians (`--stat min`: the
+best round of each, steadier when other jobs share the cores), so load drifting on a shared
+machine hits both. ratio = HF time / our time (> 1: the engine is faster).
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models import build_model
+from models.config import ModelConfig
 from models.hf_adapters import from_hf, hf_config
 from models.registry import get_config
-from services.inference.engine import Engine, EngineConfig
+from models.transformer import CausalLM
+from services.inference.engine import CPU_LINEAR, Engine, EngineConfig
 from services.inference.sampling import SamplingConfig
 from services.inference.tokens import TokenizerInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_pair(quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+def build_pair(quick: bool, dtype: torch.dtype) -> tuple[LlamaForCausalLM, CausalLM, ModelConfig]:
     """(HF model, our model) with the same random weights."""
     size = (
         dict(
@@ -65,18 +69,20 @@ def build_pair(quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.
     return hf, ours, config
 
 
-def _median_pair(
-    baseline: Callable[[], object], ours: Callable[[], object], rounds: int
+def _timed_pair(
+    baseline: Callable[[], object], ours: Callable[[], object], rounds: int, stat: str
 ) -> tuple[float, float]:
     baseline()
     ours()
-    times_b, times_o = [], []
+    times_b: list[float] = []
+    times_o: list[float] = []
     for _ in range(rounds):
         for fn, times in ((baseline, times_b), (ours, times_o)):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    return statistics.median(times_b), statistics.median(times_o)
+    pick = min if stat == "min" else statistics.median
+    return pick(times_b), pick(times_o)
 
 
 def _hf_call(hf, prompts: list[list[int]], **settings) -> Callable[[], torch.Tensor]:
@@ -111,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
+    parser.add_argument("--cpu-linear", choices=CPU_LINEAR, default=EngineConfig.cpu_linear)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     hf, ours, config = build_pair(args.quick, dtype)
-    engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=16))
+    engine_config = EngineConfig(max_batch_rows=16, cpu_linear=args.cpu_linear)
+    engine = Engine(ours, TokenizerInfo(config.vocab_size), engine_config)
     rounds = args.rounds or (3 if args.quick else 5)
     new = 32 if args.quick else 128
     prompt_len = 32 if args.quick else 128
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: llama-gqa hidden={config.hidden_size} layers={config.num_layers} "
         f"heads={config.num_attention_heads}/{config.kv_heads} vocab={config.vocab_size} "
-        f"dtype={args.dtype} threads={args.threads} prompt={prompt_len} new={new} rounds={rounds}"
+        f"dtype={args.dtype} threads={args.threads} prompt={prompt_len} new={new} rounds={rounds} "
+        f"stat={args.stat} cpu_linear={args.cpu_linear}"
     )
     header = f"{'row':<22}{'HF generate':>16}{'Meshline':>16}{'ratio':>8}"
     print(header)
@@ -141,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         ("beam-4", prompts[:1], dict(max_new_tokens=new, num_beams=4), new, "tok/s"),
     ]
     for name, batch, settings, tokens, unit in rows:
-        t_hf, t_ours = _median_pair(
-            _hf_call(hf, batch, **settings), _ours_call(engine, batch, **settings), rounds
+        t_hf, t_ours = _timed_pair(
+            _hf_call(hf, batch, **settings),
+            _ours_call(engine, batch, **settings),
+            rounds,
+            args.stat,
         )
         if unit == "ms":
             shown = (f"{t_hf * 1e3:.1f} ms", f"{t_ours * 1e3:.1f} ms")

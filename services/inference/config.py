@@ -32,6 +32,8 @@ class InferenceServiceConfig:
     tensor_parallel_size processes (tp × pp processes in all)."""
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
+    cpu_linear: str = "packed"
+    """CPU linear weights: dense, packed (oneDNN) or packed+gemv (see EngineConfig)."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -131,6 +133,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help=f"KV-cache rows decoded together, a beam takes one (default {d.max_batch_rows})",
     )
     group.add_argument(
+        "--cpu-linear",
+        choices=("dense", "packed", "packed+gemv"),
+        default=d.cpu_linear,
+        help="CPU linear weights: as loaded, oneDNN-packed (same memory), or packed plus a "
+        f"column-major copy for batch-1 decoding (2x their memory) (default {d.cpu_linear})",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -168,6 +177,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_batch_rows=args.max_batch_rows,
+        cpu_linear=args.cpu_linear,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

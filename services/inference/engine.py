@@ -64,6 +64,9 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
     return head(h_BxE)
 
 
+CPU_LINEAR = ("dense", "packed", "packed+gemv")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity of one engine."""
@@ -72,16 +75,19 @@ class EngineConfig:
     """KV-cache rows: sequences (beams count one each) decoded together."""
     max_seq_len: int | None = None
     """Cache slots per row (prompt + new tokens); None: the model's context length."""
-    prepack_weights: bool = True
-    """On CPU, repack the model's linear weights once into oneDNN's blocked layout (faster
-    decode and prefill, same memory; the model becomes inference-only, see
-    kernels/packed_linear.py). A head tied to the embedding stays as it is."""
+    cpu_linear: str = "packed"
+    """CPU linear weights: "dense" as loaded; "packed" repacked once for oneDNN (faster decode
+    and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
+    "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
+    the linear weights' memory). A head tied to the embedding stays dense."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
             raise ValueError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
 
 
 @dataclass
@@ -109,7 +115,11 @@ class _Row:
 
 
 class Engine:
-    """Serves generation and scoring for one loaded model."""
+    """Serves generation and scoring for one loaded model.
+
+    The engine owns the model: it is put in eval mode and, unless `cpu_linear` is "dense", its
+    CPU linear layers are replaced by inference-only packed ones.
+    """
 
     def __init__(
         self,
@@ -124,9 +134,10 @@ class Engine:
         self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
         self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
-        if self.config.prepack_weights:
+        if self.config.cpu_linear != "dense":
             shared_head = model.config.tie_word_embeddings or model.config.norm_head
-            pack_linears(model, skip=("lm_head",) if shared_head else ())
+            skip = ("lm_head",) if shared_head else ()
+            pack_linears(model, skip, gemv_copy=self.config.cpu_linear == "packed+gemv")
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).

@@ -115,7 +115,7 @@ def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEng
     world = dist.group.WORLD
     assert world is not None, "multi-process serving needs the default process group"
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-    engine_config = EngineConfig(max_batch_rows=config.max_batch_rows)
+    engine_config = EngineConfig(max_batch_rows=config.max_batch_rows, cpu_linear=config.cpu_linear)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if pp > 1:
         from services.inference.pipeline_serving import PipelineEngine, keep_stage

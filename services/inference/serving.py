@@ -72,5 +72,6 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
         device=platform.torch_device(),
     )
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-    engine = Engine(loaded.model, tokens, EngineConfig(max_batch_rows=config.max_batch_rows))
+    engine_config = EngineConfig(max_batch_rows=config.max_batch_rows, cpu_linear=config.cpu_linear)
+    engine = Engine(loaded.model, tokens, engine_config)
     return ServingEngine(loaded, engine)

@@ -13,14 +13,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("gemv_copy", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 17), (64,)])
-def test_matches_f_linear(bias, rows):
+@pytest.mark.parametrize("rows", [(1, 1), (1,), (3, 1), (2, 17), (64,)])
+def test_matches_f_linear(bias, rows, gemv_copy):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(*rows, 96)
     expected = linear(x)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear, gemv_copy=gemv_copy)
+    assert (packed.gemv_weight is not None) == gemv_copy
     with torch.inference_mode():
         out = packed(x)
     assert out.shape == expected.shape

@@ -1,7 +1,7 @@
 """Inference engine vs HF `generate` on the same model, weights and settings, in the same run.
 
     python -m bench.bench_inference [--quick] [--threads 2] [--dtype fp32|bf16] [--stat min]
-                                    [--cpu-linear dense|packed|packed+gemv]
+                                    [--cpu-linear dense|packed|packed+gemv] [--clock cpu]
 
 The model is a random Llama (GQA) built in HF and converted through the adapters, so both sides
 compute the same function (greedy outputs are checked token-identical before timing). Rows:
@@ -13,7 +13,9 @@ compute the same function (greedy outputs are checked token-identical before tim
 
 Each row alternates HF and ours for `--rounds` rounds and reports medians (`--stat min`: the
 best round of each, steadier when other jobs share the cores), so load drifting on a shared
-machine hits both. ratio = HF time / our time (> 1: the engine is faster).
+machine hits both. `--clock cpu` times the process's CPU time instead of wall time: with
+`--threads 1` that is the work done, whatever else runs on the machine (preemption is not
+counted). ratio = HF time / our time (> 1: the engine is faster).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from services.inference.sampling import SamplingConfig
 from services.inference.tokens import TokenizerInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def build_pair(quick: bool, dtype: torch.dtype) -> tuple[LlamaForCausalLM, CausalLM, ModelConfig]:
@@ -70,7 +73,11 @@ def build_pair(quick: bool, dtype: torch.dtype) -> tuple[LlamaForCausalLM, Causa
 
 
 def _timed_pair(
-    baseline: Callable[[], object], ours: Callable[[], object], rounds: int, stat: str
+    baseline: Callable[[], object],
+    ours: Callable[[], object],
+    rounds: int,
+    stat: str,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     baseline()
     ours()
@@ -78,9 +85,9 @@ def _timed_pair(
     times_o: list[float] = []
     for _ in range(rounds):
         for fn, times in ((baseline, times_b), (ours, times_o)):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     pick = min if stat == "min" else statistics.median
     return pick(times_b), pick(times_o)
 
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--stat", choices=("median", "min"), default="median")
     parser.add_argument("--cpu-linear", choices=CPU_LINEAR, default=EngineConfig.cpu_linear)
+    parser.add_argument("--clock", choices=CLOCKS, default="wall")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model: llama-gqa hidden={config.hidden_size} layers={config.num_layers} "
         f"heads={config.num_attention_heads}/{config.kv_heads} vocab={config.vocab_size} "
         f"dtype={args.dtype} threads={args.threads} prompt={prompt_len} new={new} rounds={rounds} "
-        f"stat={args.stat} cpu_linear={args.cpu_linear}"
+        f"stat={args.stat} clock={args.clock} cpu_linear={args.cpu_linear}"
     )
     header = f"{'row':<22}{'HF generate':>16}{'Meshline':>16}{'ratio':>8}"
     print(header)
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             _ours_call(engine, batch, **settings),
             rounds,
             args.stat,
+            CLOCKS[args.clock],
         )
         if unit == "ms":
             shown = (f"{t_hf * 1e3:.1f} ms", f"{t_ours * 1e3:.1f} ms")

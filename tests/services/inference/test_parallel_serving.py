@@ -47,6 +47,7 @@ def _score_items(vocab: int):
     return [
         (prompt(5, vocab, seed=20), prompt(3, vocab, seed=21)),
         ([7], prompt(6, vocab, seed=22)),
+        (prompt(5, vocab, seed=20), prompt(2, vocab, seed=23)),  # shares the first context
     ]
 
 

@@ -180,6 +180,7 @@ def build_parallel(
         hsdp=par.hsdp,
         cpu_offload=par.cpu_offload,
         param_dtype=param_dtype,
+        prefetch_layers=par.zero3_prefetch_layers,
     )
 
     def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

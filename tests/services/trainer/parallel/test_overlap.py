@@ -42,6 +42,23 @@ def _prefetch(rank: int, world_size: int) -> tuple[dict, dict]:
     )
 
 
+def _prefetch_dp(rank: int, world_size: int) -> tuple[dict, dict, list[int]]:
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE
+
+    flags = ["--zero-stage", "3"]  # plain data parallelism: services.trainer.setup's path
+    on = [*flags, "--zero3-prefetch-layers", "2"]
+    # The switch is really set: layer i prefetches layers i+1, i+2 in forward.
+    layers = Trainer(parse_args([*BASE, "--train-iters", "1", *on])).model.layers
+    ahead = [len(layer._get_fsdp_state()._states_to_forward_prefetch) for layer in layers.values()]
+    return (
+        run_layout(rank, world_size, flags, STEPS),
+        run_layout(rank, world_size, on, STEPS),
+        ahead,
+    )
+
+
 def _assert_same(name: str, plain: dict, other: dict) -> None:
     assert plain["losses"] == other["losses"], name
     for key, value in plain["params"].items():
@@ -61,3 +78,6 @@ def test_overlap_grad_reduce_is_exact():
 def test_zero3_prefetch_is_exact():
     for plain, prefetched in run_distributed(_prefetch, 4):
         _assert_same("tp2-dp2-zero3", plain, prefetched)
+    for plain, prefetched, ahead in run_distributed(_prefetch_dp, 2):
+        assert ahead == [2, 2, 1, 0]
+        _assert_same("dp2-zero3", plain, prefetched)

@@ -79,6 +79,10 @@ class Platform:
     def manual_seed_all(self, seed: int) -> None:
         del seed
 
+    def manual_seed(self, seed: int) -> None:
+        """Seed the current device's generator (no device generator on CPU)."""
+        del seed
+
 
 class CpuPlatform(Platform):
     type = "cpu"
@@ -118,6 +122,9 @@ class _AcceleratorPlatform(Platform):
 
     def manual_seed_all(self, seed: int) -> None:
         self.module.manual_seed_all(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        self.module.manual_seed(seed)
 
 
 class CudaPlatform(_AcceleratorPlatform):
@@ -307,6 +314,25 @@ def seed_everything(seed: int, rank_offset: int = 0) -> int:
     torch.manual_seed(effective)
     current().manual_seed_all(effective)
     return effective
+
+
+TorchRngStates = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def reseed_torch_generators(seed: int) -> TorchRngStates:
+    """Seed torch's CPU generator and the current device's with `seed`; return their previous
+    states for `restore_torch_generators` (a forked stream, e.g. one per tensor-parallel rank)."""
+    platform = current()
+    saved = (torch.get_rng_state(), platform.get_rng_state())
+    torch.default_generator.manual_seed(seed)
+    platform.manual_seed(seed)
+    return saved
+
+
+def restore_torch_generators(saved: TorchRngStates) -> None:
+    """Put back the generator states `reseed_torch_generators` returned."""
+    torch.set_rng_state(saved[0])
+    current().set_rng_state(saved[1])
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -39,6 +39,10 @@ class ModelSection:
     """Training sequence length in tokens."""
     init_method_std: float | None = None
     """Standard deviation of the weight initialisation (registry value when unset)."""
+    hidden_dropout: float | None = None
+    """Dropout on attention and MLP outputs before the residual adds (registry value if unset)."""
+    attention_dropout: float | None = None
+    """Dropout on the attention probabilities (registry value when unset)."""
     num_experts: int | None = None
     """MoE experts per layer: every MLP becomes a mixture of experts (registry value when unset)."""
     moe_router_topk: int | None = None
@@ -57,6 +61,10 @@ class ModelSection:
             raise ValueError(f"--num-query-groups must be positive, got {self.num_query_groups}")
         if self.seq_length <= 0:
             raise ValueError(f"--seq-length must be positive, got {self.seq_length}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"{flag_name(name)} must be in [0, 1), got {value}")
         for name in ("num_experts", "moe_router_topk"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -77,6 +85,8 @@ class ModelSection:
             "max_position_embeddings": "max_position_embeddings",
             "vocab_size": "vocab_size",
             "init_method_std": "init_std",
+            "hidden_dropout": "hidden_dropout",
+            "attention_dropout": "attention_dropout",
         }
         return {
             dst: getattr(self, src)

@@ -35,6 +35,7 @@ from services.trainer.metrics import (
     throughput,
 )
 from services.trainer.optimizer import build_training_optimizer
+from services.trainer.parallel.tp_random import tp_seed_offset
 from services.trainer.precision import plan_precision
 from services.trainer.setup import build_data, build_model_config, build_parallel, create_model
 from services.trainer.train_config import TrainConfig
@@ -180,7 +181,10 @@ class Trainer:
         )
         self._loss_ema: float | None = None
         self.checkpoints: Any = None
-        device.seed_everything(config.run.seed, rank_offset=self.rank)
+        # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
+        # ranks hold replicated activations (sharded regions fork their own: tp_random).
+        tp = config.parallel.tensor_model_parallel_size
+        device.seed_everything(config.run.seed, rank_offset=tp_seed_offset(self.rank, tp))
 
     # ------------------------------------------------------------------ steps
 

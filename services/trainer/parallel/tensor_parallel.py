@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from models.config import ModelConfig
 from models.parallel_plan import match_plan, tp_plan
 from services.trainer.parallel.peft_tp import parallelize_with_adapters
+from services.trainer.parallel.tp_random import install_tp_rng_regions
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -274,6 +275,10 @@ def apply_tensor_parallel(
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate_module(module, tp_mesh)
             resolved[name] = "replicate"
+    for name in install_tp_rng_regions(
+        model, config, tp_mesh.get_local_rank(), sequence_parallel=sequence_parallel
+    ):
+        resolved[name] = f"{resolved[name]} + tp_rng" if name in resolved else "tp_rng"
     return resolved
 
 

@@ -32,6 +32,8 @@ NON_DEFAULT = {
     "vocab_size": ("--vocab-size", "300"),
     "seq_length": ("--seq-length", "32"),
     "init_method_std": ("--init-method-std", "0.01"),
+    "hidden_dropout": ("--hidden-dropout", "0.1"),
+    "attention_dropout": ("--attention-dropout", "0.05"),
     "data_path": ("--data-path", "0.3", "a/b_text_document", "0.7", "c_text_document"),
     "split": ("--split", "98,1,1"),
     "train_data_path": ("--train-data-path", "t_text_document"),
@@ -281,11 +283,22 @@ def test_inconsistent_settings_name_the_flags(argv, world, pattern):
         (["--split", "a,b"], "--split"),
         (["--micro-batch-size", "0"], "--micro-batch-size"),
         (["--sequence-parallel"], "--sequence-parallel"),
+        (["--hidden-dropout", "1"], r"--hidden-dropout must be in \[0, 1\)"),
+        (["--attention-dropout", "-0.1"], r"--attention-dropout must be in \[0, 1\)"),
     ],
 )
 def test_bad_values_name_the_flag(argv, pattern):
     with pytest.raises(ValueError, match=pattern):
         parse_args(argv)
+
+
+def test_dropout_flags_reach_the_model():
+    from services.trainer.setup import build_model_config
+
+    argv = ["--model", "tiny-llama", "--mock-data", "--hidden-dropout", "0.1"]
+    config = build_model_config(parse_args([*argv, "--attention-dropout", "0.05"]))
+    assert (config.hidden_dropout, config.attention_dropout) == (0.1, 0.05)
+    assert build_model_config(parse_args(argv[:3])).hidden_dropout == 0.0
 
 
 def test_missing_model_and_data():

@@ -12,6 +12,14 @@ that one partitions whole parameters, consolidates its state on one rank to chec
 state does not line up with FSDP2's. Ours exposes the state as Shard(0) DTensors under the
 parameters' global names (`sharded_state_dict`), the same layout FSDP2 produces, so DCP moves
 checkpoints between ZeRO stages and DP sizes without conversion.
+
+A tensor-parallel parameter (a DTensor on the `tp` mesh) is chunked along dim 0 of its local
+shard, so a rank's state chunk is "TP shard, then DP chunk of the TP-local dim 0". DTensor applies
+placements in mesh-dimension order, so that is exactly a DTensor on a 2-D (tp, dp) mesh with
+placements (the parameter's TP placement, Shard(0)), uneven chunks included. DCP only reads this
+rank's coordinates from that mesh, so it is assembled from the existing TP and DP process groups
+(`DeviceMesh.from_group`: no new groups, no collectives) rather than sliced from the world mesh,
+whose slices must keep its axis order (dp before tp).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -54,6 +62,10 @@ class _Slot:
     shard: nn.Parameter
     rows_per_rank: int
     row_numel: int
+    state_mesh: DeviceMesh
+    """Mesh of the chunk-shaped state DTensors: the DP mesh, or (TP mesh dims..., DP) for TP."""
+    state_placements: tuple[Placement, ...]
+    """Their placements: Shard(0), or (the parameter's TP placements..., Shard(0))."""
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -76,6 +88,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         names = {id(p): name for name, p in model.named_parameters()}
+        self._state_meshes: dict[DeviceMesh, DeviceMesh] = {}
         self.slots: list[_Slot] = []
         for group in optimizer.param_groups:
             shards = []
@@ -101,7 +114,31 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         start = min(self.rank * per_rank, rows)
         end = min(start + per_rank, rows)
         shard = nn.Parameter(local[start:end], requires_grad=full.requires_grad)
-        return _Slot(fqn, full, shard, per_rank, local[0].numel() if rows else 0)
+        mesh: DeviceMesh = self.mesh
+        placements: tuple[Placement, ...] = (Shard(0),)
+        if isinstance(full, DTensor):
+            mesh = self._state_mesh(full.device_mesh)
+            placements = (*full.placements, Shard(0))
+        return _Slot(fqn, full, shard, per_rank, local[0].numel() if rows else 0, mesh, placements)
+
+    def _state_mesh(self, param_mesh: DeviceMesh) -> DeviceMesh:
+        """`param_mesh`'s dims then the DP dim, over their existing groups (built once per mesh).
+
+        The rank grid assumes both meshes are cut from one `init_device_mesh` world mesh, whose
+        ranks are affine in the coordinates: rank (i, j) = param_mesh rank i + DP rank j - this one.
+        """
+        if param_mesh not in self._state_meshes:
+            names = param_mesh.mesh_dim_names
+            dp_names = self.mesh.mesh_dim_names
+            assert names and dp_names and not set(names) & set(dp_names), (names, dp_names)
+            grid = param_mesh.mesh.unsqueeze(-1) + self.mesh.mesh - dist.get_rank()
+            self._state_meshes[param_mesh] = DeviceMesh.from_group(
+                [*param_mesh.get_all_groups(), self.group],
+                self.mesh.device_type,
+                mesh=grid,
+                mesh_dim_names=(*names, *dp_names),
+            )
+        return self._state_meshes[param_mesh]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -173,16 +210,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict[str, Any]:
         """The state in DCP's flat layout: `state.<fqn>.<key>` and `param_groups.<fqn>.<key>`.
 
-        Chunk-shaped state tensors are Shard(0) DTensors whose local tensors alias this
-        optimizer's state, so loading into them in place restores the optimizer.
+        Chunk-shaped state tensors are DTensors of the parameter's global shape whose local
+        tensors alias this optimizer's state (no copy), so loading into them in place restores
+        the optimizer: Shard(0) over the DP mesh, or for a tensor-parallel parameter (its TP
+        placements, Shard(0)) over the (tp, dp) mesh described in the module doc.
         """
-        tensor_parallel = [s.fqn for s in self.slots if isinstance(s.full, DTensor)]
-        if tensor_parallel:
-            raise ValueError(
-                f"saving ZeRO-1 optimizer state of tensor-parallel (DTensor) parameters such as "
-                f"{tensor_parallel[0]!r} is not supported yet; train with --zero-stage 0, 2 or 3 "
-                "under --tensor-model-parallel-size > 1 to save checkpoints"
-            )
         self.init_state()
         flat: dict[str, Any] = {}
         for slot in self.slots:
@@ -190,8 +222,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.shape == slot.shard.shape:
                     value = DTensor.from_local(
                         value,
-                        self.mesh,
-                        [Shard(0)],
+                        slot.state_mesh,
+                        slot.state_placements,
                         run_check=False,
                         shape=slot.full.shape,
                         stride=slot.full.stride(),

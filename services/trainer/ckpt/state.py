@@ -3,7 +3,8 @@
 Model and optimizer state use the layout `torch.distributed.checkpoint.state_dict` produces with
 `flatten_optimizer_state_dict=True` — `model.<fqn>`, `optim.state.<fqn>.<key>`,
 `optim.param_groups.<fqn>.<key>` under global parameter names — so DDP (plain tensors), FSDP2 and
-ZeRO-1 (Shard(0) DTensors) checkpoints are interchangeable. Tensors go to DCP; everything else
+ZeRO-1 (DTensors sharded over the data-parallel ranks, under TP over a (tp, dp) mesh)
+checkpoints are interchangeable. Tensors go to DCP; everything else
 (param-group hyper-parameters, scheduler, loss scaler, RNG) goes to JSON, so loading never
 unpickles.
 """

@@ -12,6 +12,7 @@ this module applies it with plain `torch.distributed` collectives on an explicit
 - vocab_parallel_embedding: keep this rank's vocabulary rows; ids outside them look up zeros,
   and an all-reduce sums the ranks' rows.
 - colwise_loss_parallel (lm_head): this rank's vocabulary rows; the logits are all-gathered.
+  A normalised head (Baichuan2) has its rows normalised once, when sharded.
 - alibi_heads: the attention's `head_offset` is the rank's first head.
 
 Every rank ends with identical logits, so replicated engines make identical decisions.
@@ -107,11 +108,6 @@ def shard_for_serving(model: CausalLM, group: dist.ProcessGroup) -> CausalLM:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     config: ModelConfig = model.config
     check_tp_size(config, world)
-    if config.norm_head:
-        raise ValueError(
-            "--tensor-parallel-size: models with a normalised output head (Baichuan2) are served "
-            "with --tensor-parallel-size 1"
-        )
     names = [name for name, _ in model.named_modules()]
     plan = match_plan(tp_plan(config, sequence_parallel=False), names)
     q = config.num_attention_heads * config.head_dim
@@ -148,5 +144,11 @@ def shard_for_serving(model: CausalLM, group: dist.ProcessGroup) -> CausalLM:
             weight = embedding_shard.weight  # tied: the same vocabulary rows on this rank
         else:
             weight = nn.Parameter(_chunk(model.lm_head.weight.data, 0, rank, world), False)
+        if config.norm_head:
+            # Baichuan2's NormHead L2-normalises each vocabulary row, and a rank holds whole rows:
+            # serving never updates them, so normalise once here (a new tensor: a tied embedding
+            # keeps its rows) and run the head as a plain gathered linear from now on.
+            weight = nn.Parameter(F.normalize(weight.data, dim=-1), False)
+            model.config = config.replace(norm_head=False)
         _set(model, "lm_head", GatheredLMHead(weight, group, world))
     return model

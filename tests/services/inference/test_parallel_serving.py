@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -168,3 +169,36 @@ def test_served_with_two_processes(tmp_path, flag):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def _norm_head_worker(rank: int, world: int):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from models import build_model
+    from models.registry import get_config
+    from services.inference.engine import head_logits
+    from services.inference.tensor_parallel import shard_for_serving
+
+    config = get_config("tiny-baichuan", norm_head=True)
+    model = build_model(config, device="cpu").eval()
+    model.init_weights(seed=3)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.tensor([prompt(9, config.vocab_size, seed=1)])
+    hidden = torch.randn(2, config.hidden_size, generator=gen)
+    with torch.no_grad():  # rows of very different norms, so normalising them matters
+        model.lm_head.weight.mul_(torch.rand(config.vocab_size, 1, generator=gen) * 4 + 0.1)
+        expected = (model(ids), hidden @ F.normalize(model.lm_head.weight, dim=-1).T)
+        shard_for_serving(model, dist.group.WORLD)
+        served = (model(ids), head_logits(model, hidden))
+    return expected, served, model.lm_head.weight.shape[0], config.vocab_size
+
+
+def test_normalised_head_served_under_tp2_equals_one_process():
+    """Baichuan2's NormHead under TP2: the model's forward and the engine's head give every
+    rank the one-process logits from half the vocabulary rows."""
+    for expected, served, local_rows, vocab in run_distributed(_norm_head_worker, 2):
+        assert local_rows == vocab // 2
+        for want, got in zip(expected, served, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -190,17 +190,25 @@ def build_parallel(
 
 
 def _master_module(trainer: Any) -> nn.Module:
-    """A meta-built twin of the model whose parameters are the fp32 master copies (same names)."""
-    from models.mixtral import build_causal_lm
+    """A module tree holding the fp32 master copies under the model's parameter names.
 
-    twin = build_causal_lm(trainer.model_config, device="meta")
-    masters = dict(
-        zip(map(id, trainer.optimizer.model_params), trainer.optimizer.master_params, strict=True)
-    )
-    live = dict(trainer.model.named_parameters(remove_duplicate=False))
-    for name, _ in list(twin.named_parameters(remove_duplicate=False)):
-        owner, _, leaf = name.rpartition(".")
-        twin.get_submodule(owner)._parameters[leaf] = masters[id(live[name])]
+    Built from the live model's names, not from the model config: a pipeline rank holds only its
+    stages' parameters (and a tied head copy also as `embed_tokens.weight`), a tensor-parallel
+    rank DTensor shards, so the twin has exactly this rank's tensors under their global names
+    and DCP lines the masters up across layouts as it does the fp32 parameters.
+    """
+    optimizer = trainer.optimizer
+    masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params, strict=True))
+    twin = nn.Module()
+    for name, param in trainer.model.named_parameters(remove_duplicate=False):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = twin
+        for part in owner_name.split(".") if owner_name else []:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        # Assigned directly: the masters are plain (or DTensor) leaves, not nn.Parameters.
+        owner._parameters[leaf] = masters[id(param)]
     return twin
 
 

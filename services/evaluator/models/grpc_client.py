@@ -1,6 +1,7 @@
 """`GrpcLanguageModel`: the evaluator's client of a running meshline InferenceService.
 
-Scores go out as `Score` calls of up to `batch_size` items (token ids, so truncation is ours);
+Scores go out as `Score` calls of up to `batch_size` items (token ids, so truncation is ours),
+each distinct item once and the items sharing a context in the same call;
 generations as up to `batch_size` concurrent `Generate` calls, which the server's continuous
 batching runs together. Tokenisation uses the server's `Tokenize` (cached per text).
 """
@@ -13,6 +14,8 @@ from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.evaluator.models.base import GenerationRequest, LanguageModel
 
 DEFAULT_TIMEOUT_S = 600.0
+_Item = tuple[tuple[int, ...], tuple[int, ...]]
+"""(context ids, continuation ids) of one log-likelihood request, hashable."""
 
 
 class GrpcLanguageModel(LanguageModel):
@@ -72,18 +75,37 @@ class GrpcLanguageModel(LanguageModel):
         return [list(self._token_cache[t]) for t in texts]
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Score calls of `batch_size` items each."""
-        results: list[tuple[float, bool]] = []
-        for start in range(0, len(items), self._batch):
+        """Score calls of up to `batch_size` items; each distinct item is sent once.
+
+        The server runs a context once per call for all the items that share it, so items are
+        grouped by context and a group is split across calls only when it alone exceeds
+        `batch_size` (in request order, 8-item calls would cut a 5-choice question in two and
+        run its context twice).
+        """
+        unique = list(dict.fromkeys((tuple(c), tuple(x)) for c, x in items))
+        by_context: dict[tuple[int, ...], list[_Item]] = {}
+        for item in unique:
+            by_context.setdefault(item[0], []).append(item)
+        calls: list[list[_Item]] = []
+        for members in by_context.values():
+            for start in range(0, len(members), self._batch):
+                piece = members[start : start + self._batch]
+                if calls and len(calls[-1]) + len(piece) <= self._batch:
+                    calls[-1] += piece
+                else:
+                    calls.append(piece)
+        scores: dict[_Item, tuple[float, bool]] = {}
+        for call in calls:
             request = inference_pb2.ScoreRequest(
                 items=[
                     inference_pb2.ScoreItem(context_token_ids=c, continuation_token_ids=x)
-                    for c, x in items[start : start + self._batch]
+                    for c, x in call
                 ]
             )
             reply = self._stub.Score(request, timeout=self._timeout)
-            results.extend((r.logprob, r.is_greedy) for r in reply.results)
-        return results
+            for item, r in zip(call, reply.results, strict=True):
+                scores[item] = (r.logprob, r.is_greedy)
+        return [scores[(tuple(c), tuple(x))] for c, x in items]
 
     def generate_ids(
         self, prompts: list[list[int]], requests: list[GenerationRequest]

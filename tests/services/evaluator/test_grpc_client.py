@@ -1,0 +1,60 @@
+"""How `GrpcLanguageModel` packs log-likelihood requests into `Score` calls.
+
+The server runs a context once per call for every item of that call sharing it, so a question's
+choices must not be split across calls; repeated items go out once. Answers come back in request
+order, equal to scoring each item in a call of its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+
+from services.evaluator.models.grpc_client import GrpcLanguageModel
+
+
+class RecordScoreCalls(grpc.UnaryUnaryClientInterceptor):
+    """Keeps the (context, continuation) ids of every item of every Score request sent."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        if client_call_details.method.endswith("/Score"):
+            self.calls.append(
+                [
+                    (tuple(i.context_token_ids), tuple(i.continuation_token_ids))
+                    for i in request.items
+                ]
+            )
+        return continuation(client_call_details, request)
+
+
+def test_choices_sharing_a_context_go_in_one_score_call(served):
+    _, server = served
+    recorder = RecordScoreCalls()
+    channel = grpc.intercept_channel(grpc.insecure_channel(server.address), recorder)
+    model = GrpcLanguageModel(server.address, batch_size=8, channel=channel)
+    # Three 5-choice questions (AGIEval LSAT-AR's shape): in request order, 8-item calls would
+    # cut the second question across two calls. The first question is asked twice.
+    questions = [[10 + q, 20 + q, 30 + q, 40] for q in range(3)]
+    items = [(q, [50 + c, 60 + c]) for q in questions for c in range(5)]
+    items += items[:5]
+    scores = model.score_ids(items)
+
+    sent = [item for call in recorder.calls for item in call]
+    assert len(sent) == len(set(sent)) == 15
+    assert all(len(call) <= 8 for call in recorder.calls)
+    calls_per_context = {
+        tuple(q): sum(any(c == tuple(q) for c, _ in call) for call in recorder.calls)
+        for q in questions
+    }
+    assert calls_per_context == {tuple(q): 1 for q in questions}
+    one_by_one = GrpcLanguageModel(server.address, batch_size=1)
+    for (lp, greedy), (lp_alone, greedy_alone) in zip(
+        scores, one_by_one.score_ids(items), strict=True
+    ):
+        assert math.isclose(lp, lp_alone, abs_tol=1e-4) and greedy == greedy_alone
+    model.close()
+    one_by_one.close()

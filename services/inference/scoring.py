@@ -18,6 +18,7 @@ context's cost is paid once instead of once per choice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import groupby
 
 import torch
@@ -44,12 +45,16 @@ def score_batch(
 ) -> list[ScoreResult]:
     """Score `(context_ids, continuation_ids)` pairs; every context must be non-empty.
 
-    With `new_cache`, items sharing a context run it once (see the module docstring)."""
+    With `new_cache`, items sharing a context run it once (see the module docstring). A
+    repeated item is scored once and its result copied."""
     results: list[ScoreResult | None] = [None] * len(items)
-    alone = list(range(len(items)))
+    first_of: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    original = [first_of.setdefault((tuple(c), tuple(x)), i) for i, (c, x) in enumerate(items)]
+    distinct = list(first_of.values())
+    alone = distinct
     if new_cache is not None:
         alone = []
-        by_context = sorted(range(len(items)), key=lambda i: items[i][0])
+        by_context = sorted(distinct, key=lambda i: items[i][0])
         for _, group in groupby(by_context, key=lambda i: items[i][0]):
             members = list(group)
             if len(members) == 1:
@@ -79,6 +84,11 @@ def score_batch(
             first = len(context) - 1
             rows_CV = logprobs_BSV[row, first : first + len(continuation)]
             results[i] = _result(rows_CV, continuation, device)
+    for i, j in enumerate(original):
+        if i != j:
+            done = results[j]
+            assert done is not None
+            results[i] = replace(done, token_logprobs=list(done.token_logprobs))
     assert all(r is not None for r in results)
     return [r for r in results if r is not None]
 

@@ -66,3 +66,28 @@ def test_engine_score_uses_the_shared_path():
     separate = score_batch(engine._full_logits, items, device=engine.device)
     for a, b in zip(engine.score(items), separate, strict=True):
         torch.testing.assert_close(a.logprob, b.logprob, atol=1e-4, rtol=1e-5)
+
+
+def test_repeated_items_are_scored_once():
+    _, ours, config = hf_reference("llama-gqa", seed=3)
+    engine = Engine(ours, TokenizerInfo(config.vocab_size))
+    vocab = config.vocab_size
+    a = (prompt(9, vocab, seed=1), prompt(3, vocab, seed=2))
+    b = (prompt(7, vocab, seed=3), prompt(2, vocab, seed=4))
+    forwards: list[tuple[int, ...]] = []
+
+    def counted(ids_BS, mask_BS, kv_cache):
+        forwards.append(tuple(ids_BS.shape))
+        return engine._full_logits(ids_BS, mask_BS, kv_cache)
+
+    results = score_batch(
+        counted, [a, b, a, a], device=engine.device, new_cache=engine._scoring_cache
+    )
+    # a's copies neither share a context with each other (no cache, no extra rows) nor rerun.
+    assert forwards == [(2, 12)]
+    once = score_batch(engine._full_logits, [a, b], device=engine.device)
+    for result, expected in zip(results, [once[0], once[1], once[0], once[0]], strict=True):
+        assert result == expected
+    assert (
+        results[2] is not results[0] and results[2].token_logprobs is not results[0].token_logprobs
+    )

@@ -96,9 +96,10 @@ def _check_options(
         raise ValueError(f"--zero-stage must be one of {ZERO_STAGES}, got {zero_stage}")
     if hsdp and zero_stage < 2:
         raise ValueError(f"--hsdp needs --zero-stage 2 or 3 (sharded parameters), got {zero_stage}")
-    if hsdp and (mesh.ndim != 2 or mesh.mesh_dim_names != MESH_DIMS):
+    if hsdp and (mesh.ndim != 2 or (mesh.mesh_dim_names or ("",))[0] != MESH_DIMS[0]):
         raise ValueError(
-            f"--hsdp needs a 2-D mesh with axes {MESH_DIMS}; build it with build_dp_mesh"
+            f"--hsdp needs a 2-D mesh ({MESH_DIMS[0]!r}, shard axis); build it with build_dp_mesh "
+            "or ParallelDims.hsdp_mesh"
         )
     if cpu_offload and zero_stage < 2:
         raise ValueError(

@@ -166,6 +166,24 @@ class ParallelDims:
             return mesh[names[0]]
         return mesh[tuple(names)]._flatten("_".join(names))
 
+    def hsdp_mesh(self) -> DeviceMesh:
+        """HSDP's 2-D mesh: `dp_replicate`, then the axis FSDP2 shards over.
+
+        That axis is `dp_shard`, or with context parallelism `dp_shard` x `cp` flattened
+        ("dp_shard_cp", as torchtitan does): context-parallel ranks hold the same parameters, so
+        they shard them too, and FSDP2 averages gradients over replicate x shard x cp — the group
+        `grad_sync_mesh` gives the other data-parallel paths.
+        """
+        mesh = self.build_mesh()
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"]
+        # dp_replicate, dp_shard and cp are adjacent axes (in that order): flatten them, then
+        # split the result into (replicate, shard x cp) — slicing a flattened axis out of the
+        # root mesh is deprecated.
+        data = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_hsdp")
+        shape = (self.dp_replicate, self.dp_shard * self.cp)
+        return data._unflatten(0, shape, ("dp_replicate", "dp_shard_cp"))
+
     def coordinate(self, axis: str) -> int:
         """This rank's index along `axis`."""
         return self.build_mesh()[axis].get_local_rank()

@@ -170,10 +170,8 @@ def parallelize_model(
     # DDP (`replicate`) does not compose with DTensor parameters or pipeline schedules: ZeRO 0/1
     # under TP/PP average gradients with `GradSync` instead (see services.trainer.dp.grad_sync).
     own_sync = mesh is not None and (dims.tp > 1 or dims.pp > 1) and par.zero_stage < 2
-    if par.hsdp and dims.cp > 1:
-        raise ValueError("--hsdp with --context-parallel-size > 1 is not supported yet")
     if par.hsdp:
-        mesh = dims.submesh("dp_replicate", "dp_shard")
+        mesh = dims.hsdp_mesh()
     schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
     v_shaped = schedule in pipeline.V_SHAPED
     if model_config.tie_word_embeddings and v_shaped and mesh is not None and not own_sync:

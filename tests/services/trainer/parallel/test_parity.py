@@ -56,6 +56,16 @@ FOUR_RANK_LAYOUTS = {
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
     "tp2-zero1-dp2": ["--tensor-model-parallel-size", "2", "--zero-stage", "1"],
     "pp2-zero0-dp2": ["--pipeline-model-parallel-size", "2", "--zero-stage", "0"],
+    # HSDP over 2 replicas, each sharding over its 2 context-parallel ranks (dp_shard x cp).
+    "cp2-hsdp2": [
+        "--context-parallel-size",
+        "2",
+        "--zero-stage",
+        "3",
+        "--hsdp",
+        "--hsdp-shard-size",
+        "1",
+    ],
     "tp2-sp-cp2-zero2": [
         "--tensor-model-parallel-size",
         "2",

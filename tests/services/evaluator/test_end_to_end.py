@@ -129,8 +129,8 @@ def test_in_process_engine_matches_the_service(served, tmp_path):
     local = LocalLanguageModel(checkpoint, load_format="hf", batch_size=4)
     context = "How many bones are in the adult human body?\nA. 106\nB. 206\nAnswer:"
     choices = [" A", " B", " C", " D"]
-    # The choices differ only in their last token: the local model scores them from one
-    # forward of the shared part, the service one forward each; both must agree.
+    # The choices differ only in their last token and share their context: the local model
+    # scores every item in one engine call, the service in Score calls of 4; both must agree.
     tokenized = local.tokenize(choices)
     assert len({tuple(t[:-1]) for t in tokenized}) == 1
     requests = [(context, c) for c in choices]

@@ -139,22 +139,17 @@ def adapter_module(trainer: Any, *, base: bool) -> nn.Module:
 
     In fp32-master precision the trainable tensors are the optimizer's master copies.
     """
+    from services.trainer.ckpt.state import tensor_tree
+
     optimizer = trainer.optimizer
     masters: dict[int, Any] = {}
     if optimizer.plan.mode == "master":
         masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params, strict=True))
-    root = nn.Module()
-    for name, param in trainer.model.named_parameters():
-        if is_adapter_tensor(name) if base else not param.requires_grad:
-            continue
-        owner_name, _, leaf = clean_name(name).rpartition(".")
-        owner = root
-        for part in owner_name.split(".") if owner_name else []:
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]  # type: ignore[assignment]
-        owner.register_parameter(leaf, masters.get(id(param), param))
-    return root
+    return tensor_tree(
+        (clean_name(name), masters.get(id(param), param))
+        for name, param in trainer.model.named_parameters()
+        if (not is_adapter_tensor(name) if base else param.requires_grad)
+    )
 
 
 def checkpoint_state(trainer: Any, *, loading: bool) -> Any:

@@ -197,19 +197,12 @@ def _master_module(trainer: Any) -> nn.Module:
     rank DTensor shards, so the twin has exactly this rank's tensors under their global names
     and DCP lines the masters up across layouts as it does the fp32 parameters.
     """
+    from services.trainer.ckpt.state import tensor_tree
+
     optimizer = trainer.optimizer
     masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params, strict=True))
-    twin = nn.Module()
-    for name, param in trainer.model.named_parameters(remove_duplicate=False):
-        owner_name, _, leaf = name.rpartition(".")
-        owner = twin
-        for part in owner_name.split(".") if owner_name else []:
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]  # type: ignore[assignment]
-        # Assigned directly: the masters are plain (or DTensor) leaves, not nn.Parameters.
-        owner._parameters[leaf] = masters[id(param)]
-    return twin
+    named = trainer.model.named_parameters(remove_duplicate=False)
+    return tensor_tree((name, masters[id(param)]) for name, param in named)
 
 
 def checkpoint_state(trainer: Any, *, loading: bool = False) -> Any:

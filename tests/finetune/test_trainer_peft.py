@@ -65,6 +65,31 @@ def test_lora_trains_adapters_only_and_resumes(base_ckpt, tmp_path):
         assert torch.equal(p, expected[name]), name
 
 
+def test_lora_bf16_keeps_fp32_masters_across_resume(base_ckpt, tmp_path):
+    """--bf16 (ZeRO 0): the adapters' fp32 master copies and their Adam state are what the
+    checkpoint holds, so a resume continues the uninterrupted run exactly."""
+    base, _ = base_ckpt
+    straight = _lora(base, "--bf16")
+    straight.load()
+    first = _lora(base, "--bf16", "--save", str(tmp_path / "run"))
+    first.load()
+    for trainer in (straight, straight, first, first):
+        trainer.train_step()
+    first.save()
+    straight.train_step(), straight.train_step()
+
+    resumed = _lora(base, "--bf16", "--lora-load", str(tmp_path / "run"))
+    assert resumed.load() == 2
+    resumed.train_step(), resumed.train_step()
+    expected = dict(straight.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, expected[name]), name
+    masters = straight.optimizer.master_params
+    assert len(masters) == len(resumed.optimizer.master_params) > 0
+    for want, got in zip(masters, resumed.optimizer.master_params, strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_exported_adapter_loads_in_peft_and_meshline(base_ckpt, tmp_path):
     """The <save>/adapter directory gives the trained logits through peft on the HF model, and
     `--lora-load <adapter>` restores the same adapters into a new run."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,25 @@ def set_model_optimizer_state(
             optim_state_dict=optim_sd,
             options=_OPTIONS,
         )
+
+
+def tensor_tree(named: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+    """A module tree holding each tensor under its dotted name, for DCP's state-dict helpers.
+
+    Tensors are set in `_parameters` as they are: fp32 master copies are plain (or DTensor)
+    leaves, not `nn.Parameter`s, and must stay the very objects the optimizer steps, so that
+    loading into the tree restores them in place.
+    """
+    root = nn.Module()
+    for name, tensor in named:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = root
+        for part in owner_name.split(".") if owner_name else []:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        owner._parameters[leaf] = tensor  # type: ignore[assignment]
+    return root
 
 
 def split_tensors(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -192,27 +192,43 @@ class MoE(nn.Module):
         rank_NK = (rank_NKX * onehot_NKX).sum(dim=-1)
         return rank_NK < capacity
 
+    def routed_experts(
+        self,
+        x_NE: torch.Tensor,
+        weights_NK: torch.Tensor,
+        experts_NK: torch.Tensor,
+        keep_NK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Σ_k w_k · expert_k(x) per token over its kept copies (zeros for a token with none).
+
+        The copies are grouped by expert and run by the dispatcher. Linear in the experts'
+        outputs, so a tensor-parallel rank may pass partial outputs and reduce the result.
+        """
+        top_k, num_experts = self.config.top_k, self.config.num_experts
+        flat_T = torch.where(keep_NK, experts_NK, num_experts).flatten()
+        order_T = flat_T.argsort(stable=True)[: int(keep_NK.sum())]
+        token_T = order_T // top_k
+        counts_X = torch.bincount(flat_T[order_T], minlength=num_experts)
+        y_TE = self.dispatcher.run(self.experts, x_NE[token_T], counts_X)
+        w_T = weights_NK.flatten()[order_T].to(y_TE.dtype)
+        return torch.zeros_like(x_NE).index_add(0, token_T, y_TE * w_T[:, None])
+
+    def attach_aux_loss(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """`out` unchanged, with `aux` reaching the gradient in backward (kept for logging)."""
+        self.last_aux_loss = aux.detach()
+        if self.training and aux.requires_grad:
+            out = AuxLossInjector.apply(out, aux)
+        return out
+
     def forward(self, x_BSE: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k · expert_k(x) over kept copies (+ shared experts), auxiliary losses attached."""
         b, s, e = x_BSE.shape
         x_NE = x_BSE.reshape(-1, e)
         logits_NX, weights_NK, experts_NK = self.route(x_NE)
-        keep_NK = self.keep_mask(experts_NK)
-        flat_T = torch.where(keep_NK, experts_NK, self.config.num_experts).flatten()
-        order_T = flat_T.argsort(stable=True)
-        kept = int(keep_NK.sum())
-        order_T = order_T[:kept]
-        token_T = order_T // self.config.top_k
-        counts_X = torch.bincount(flat_T[order_T], minlength=self.config.num_experts)
-        y_TE = self.dispatcher.run(self.experts, x_NE[token_T], counts_X)
-        w_T = weights_NK.flatten()[order_T].to(y_TE.dtype)
-        out_NE = torch.zeros_like(x_NE).index_add(0, token_T, y_TE * w_T[:, None])
+        out_NE = self.routed_experts(x_NE, weights_NK, experts_NK, self.keep_mask(experts_NK))
         if self.shared_experts is not None:
             out_NE = out_NE + self.shared_experts(x_NE)
-        aux = self.aux_loss(logits_NX, experts_NK)
-        self.last_aux_loss = aux.detach()
-        if self.training and aux.requires_grad:
-            out_NE = AuxLossInjector.apply(out_NE, aux)
+        out_NE = self.attach_aux_loss(out_NE, self.aux_loss(logits_NX, experts_NK))
         return out_NE.view(b, s, e)
 
 

@@ -6,8 +6,9 @@ Per layer (keyed by the global layer index, so a pipeline stage's cache holds on
 the cache keeps `k_BSKD` / `v_BSKD` buffers of shape [B, max_S, K, D], plus one boolean
 `key_mask_BS` [B, max_S] (True = real token, False = padding) and `lengths_B`, the number of
 positions written per row. A model forward with `kv_cache=` calls `begin()` once, each attention
-layer calls `write()`, and the forward ends with `commit()`, which advances the lengths; until
-then a failed forward leaves the cache as it was.
+layer calls `attend()` (its `write()`, then attention over every key its queries see), and the
+forward ends with `commit()`, which advances the lengths; until then a failed forward leaves the
+cache as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from kernels.attention import attention
 
 if TYPE_CHECKING:
     from models.transformer import CausalLM
@@ -182,6 +185,30 @@ class KVCache:
         self._scatter(k_cache, k_BSKD, step)
         self._scatter(v_cache, v_BSKD, step)
         return k_cache[:, : step.key_len], v_cache[:, : step.key_len]
+
+    def attend(
+        self,
+        layer_id: int | str,
+        step: CacheStep,
+        q_BSHD: torch.Tensor,
+        k_BSKD: torch.Tensor,
+        v_BSKD: torch.Tensor,
+        alibi_slopes_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store this step's keys/values for one layer, then attend from this step's queries over
+        every key they may see (cached and new, causal among the new); out [B, S, H, D]."""
+        k_all, v_all = self.write(layer_id, step, k_BSKD, v_BSKD)
+        out_BSHD = attention(
+            q_BSHD,
+            k_all,
+            v_all,
+            causal=True,
+            alibi_slopes_H=alibi_slopes_H,
+            key_padding_mask_BS=step.key_mask_BS,
+            q_offset=step.q_offset,
+        )
+        assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
+        return out_BSHD
 
     def commit(self, step: CacheStep) -> None:
         """Advance every row by the step's tokens (call once after all layers wrote)."""

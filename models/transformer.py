@@ -71,11 +71,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention over x (plus cached keys when `cache` is given)."""
         q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, rope_cos_sin)
-        q_offset = None
         if cache is not None:
+            # Incremental decoding (inference, no attention dropout): the cache stores this step's
+            # keys/values and attends over every key the queries see.
             kv_cache, step, layer_id = cache
-            k_BSKD, v_BSKD = kv_cache.write(layer_id, step, k_BSKD, v_BSKD)
-            key_padding_mask_BS, q_offset = step.key_mask_BS, step.q_offset
+            slopes_H = self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device) if self.alibi else None
+            out_BSHD = kv_cache.attend(layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H)
+            return self.o_proj(out_BSHD.flatten(2))
         out_BSHD = attention(
             q_BSHD,
             k_BSKD,
@@ -86,7 +88,6 @@ class Attention(nn.Module):
             else None,
             key_padding_mask_BS=key_padding_mask_BS,
             segment_ids_BS=segment_ids_BS,
-            q_offset=q_offset,
             dropout_p=self.dropout if self.training else 0.0,
         )
         assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
@@ -242,12 +243,16 @@ class CausalLM(nn.Module):
         key_padding_mask_BS: torch.Tensor | None = None,
         segment_ids_BS: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits [B,S,V] (hidden [B,S,E] without a head) for token ids [B,S] (hidden, no embed).
 
         `key_padding_mask_BS` marks real tokens (True) of this call's tokens; `segment_ids_BS`
         separates packed documents (positions then restart per document unless given); with
-        `kv_cache` the tokens are appended to the cached ones.
+        `kv_cache` the tokens are appended to the cached ones. `logits_to_keep` n > 0 returns the
+        logits of the last n positions only (HF's argument of that name; a stage without a head
+        returns every position): a prefill needs one row of logits, not S, and the final norm
+        and head then run on those rows alone.
         """
         if self.embed_tokens is not None:
             h_BSE = self.embed_tokens(x)
@@ -272,6 +277,8 @@ class CausalLM(nn.Module):
             h_BSE = layer(h_BSE, rope, key_padding_mask_BS, segment_ids_BS, kv_cache, step)
         if kv_cache is not None and step is not None:
             kv_cache.commit(step)
+        if logits_to_keep > 0 and self.lm_head is not None:
+            h_BSE = h_BSE[:, -logits_to_keep:]
         if self.norm is not None:
             h_BSE = self.norm(h_BSE)
         if self.lm_head is None:

@@ -247,9 +247,9 @@ class Engine:
         return logits_BV
 
     def _last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
-        """Logits [B, V] of each row's last position only: the head runs on B vectors, not B·S
-        (a prefill's other positions need no logits)."""
-        return head_logits(self.model, hidden_states(self.model, ids_BS, kv_cache=view)[:, -1])
+        """Logits [B, V] of each row's last position only: the final norm and head run on B
+        vectors, not B·S (a prefill's other positions need no logits)."""
+        return self.model(ids_BS, kv_cache=view, logits_to_keep=1)[:, -1]
 
     def _admit(self) -> list[torch.Tensor]:
         """Prefill waiting requests while rows are free; their first-token logits.

@@ -111,3 +111,20 @@ def test_row_views_write_into_the_pool():
     assert (both[1, 0] - expected_b[0, -1]).abs().max().item() <= ATOL
     with pytest.raises(ValueError, match=r"rows\(2, 5\)"):
         pool.rows(2, 5)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-bloom"])
+def test_logits_to_keep_returns_the_last_positions(name):
+    """logits_to_keep=n equals the last n rows of the full logits, with and without a cache."""
+    model = _model(name)
+    ids = _ids(2, 7, seed=3)
+    with torch.no_grad():
+        full = model(ids)
+        last_two = model(ids, logits_to_keep=2)
+        cache = KVCache.for_model(model, batch_size=2, max_seq_len=8)
+        prefill = model(ids[:, :6], kv_cache=cache, logits_to_keep=1)
+        step = model(ids[:, 6:], kv_cache=cache, logits_to_keep=1)
+    assert last_two.shape == (2, 2, full.shape[-1])
+    assert (last_two - full[:, -2:]).abs().max().item() <= ATOL
+    assert (prefill[:, 0] - full[:, 5]).abs().max().item() <= ATOL
+    assert (step[:, 0] - full[:, 6]).abs().max().item() <= ATOL

@@ -123,7 +123,11 @@ class Trainer:
             self.feed = ModelParallelFeed(build_dims(config, self.world_size))
             self.dp_rank = self.feed.dims.dp_rank
         self.on_metrics = on_metrics
-        self.plan = plan_precision(config.precision, config.parallel.zero_stage)
+        self.plan = plan_precision(
+            config.precision,
+            config.parallel.zero_stage,
+            self.dp_size * config.parallel.context_parallel_size,
+        )
         device.seed_everything(config.run.seed)
         vocab_hint = None
         self.collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] = (
@@ -211,7 +215,8 @@ class Trainer:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         runner = getattr(self.model, "runner", None)
         if runner is not None:
-            return runner.forward_only.loss_sum(batch)
+            with self.plan.autocast(self.platform.type):
+                return runner.forward_only.loss_sum(batch)
         with self.plan.autocast(self.platform.type):
             logits_BSV = self.model(
                 batch["input_ids"],
@@ -247,7 +252,7 @@ class Trainer:
             self.auto_recompute.before_step()
         runner = getattr(self.model, "runner", None)
         if runner is not None and self.feed is not None:
-            with self._parallel_context():
+            with self._parallel_context(), self.plan.autocast(self.platform.type):
                 shards = [self.feed.shard(b) for b in micro]
                 loss_sum += runner.run(shards, grad_average * scale / global_tokens)
         for index, batch in enumerate(micro if runner is None else []):

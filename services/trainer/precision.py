@@ -1,6 +1,6 @@
 """Mixed precision: how parameters, gradients and the optimizer step are typed.
 
-Modes (chosen by `plan_precision` from --fp16/--bf16 and the ZeRO stage):
+Modes (chosen by `plan_precision` from --fp16/--bf16, the ZeRO stage and whether FSDP2 applies):
 
 | mode     | model params | grads the optimizer sees          | master weights               |
 | -------- | ------------ | --------------------------------- | ---------------------------- |
@@ -55,13 +55,20 @@ class PrecisionPlan:
         return contextlib.nullcontext()
 
 
-def plan_precision(precision: PrecisionSection, zero_stage: int) -> PrecisionPlan:
-    """Pick the mode for --fp16/--bf16 under ZeRO stage `zero_stage`."""
+def plan_precision(
+    precision: PrecisionSection, zero_stage: int, sharding_ranks: int
+) -> PrecisionPlan:
+    """Pick the mode for --fp16/--bf16 under ZeRO stage `zero_stage`.
+
+    `sharding_ranks` is the data x context-parallel size FSDP2 would shard over. ZeRO 2/3 take
+    low precision from FSDP2's mixed-precision policy, and with a single such rank no FSDP2 is
+    applied: those runs get ZeRO 0's fp32 master weights instead of silently training in fp32.
+    """
     name = precision.dtype_name
     dtype = DTYPES[name]
     if name == "fp32":
         return PrecisionPlan("fp32", dtype)
-    if zero_stage >= 2:
+    if zero_stage >= 2 and sharding_ranks > 1:
         return PrecisionPlan("fsdp", dtype)
     if zero_stage == 1:
         return PrecisionPlan("autocast", dtype)

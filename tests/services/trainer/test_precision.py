@@ -121,11 +121,14 @@ def test_weight_decay_groups():
 
 
 def test_plan_precision_modes():
-    assert plan_precision(PrecisionSection(), 0).mode == "fp32"
-    assert plan_precision(PrecisionSection(bf16=True), 0).mode == "master"
-    assert plan_precision(PrecisionSection(bf16=True), 1).mode == "autocast"
-    assert plan_precision(PrecisionSection(fp16=True), 3).mode == "fsdp"
-    plan = plan_precision(PrecisionSection(bf16=True, release_fp32_grad=True), 0)
+    assert plan_precision(PrecisionSection(), 0, 2).mode == "fp32"
+    assert plan_precision(PrecisionSection(bf16=True), 0, 2).mode == "master"
+    assert plan_precision(PrecisionSection(bf16=True), 1, 2).mode == "autocast"
+    assert plan_precision(PrecisionSection(fp16=True), 3, 2).mode == "fsdp"
+    # No data-parallel rank to shard over: no FSDP2 to cast, so ZeRO 0's fp32 masters.
+    assert plan_precision(PrecisionSection(bf16=True), 2, sharding_ranks=1).mode == "master"
+    assert plan_precision(PrecisionSection(bf16=True), 1, sharding_ranks=1).mode == "autocast"
+    plan = plan_precision(PrecisionSection(bf16=True, release_fp32_grad=True), 0, 2)
     assert plan.release_fp32_grad and plan.model_dtype == torch.bfloat16
 
 

@@ -17,6 +17,10 @@ Patterns use `*` for one name component (the layer index). Styles:
 - "moe_experts": the stacked experts of an MoE layer (`models.moe.Experts`): every expert's
   [gate; up] column-parallel and its down projection row-parallel, partial outputs summed over
   the TP ranks. The router (`mlp.gate`) and shared experts are not in the plan: replicated.
+- "moe_sequence_parallel": with sequence parallelism, the MoE layer itself: all-gathers its
+  sequence-sharded input (every rank routes the whole micro-batch) and returns its sequence
+  shard of the output (reduce-scattered from the experts' partial outputs, or, when expert
+  parallelism keeps the experts whole, computed from the rank's own tokens only).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ STYLES = (
     "colwise_loss_parallel",
     "alibi_heads",
     "moe_experts",
+    "moe_sequence_parallel",
 )
 
 
@@ -56,6 +61,8 @@ def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str,
     if config.position_embedding == "alibi":
         plan[layer + "self_attn"] = "alibi_heads"
     if config.extra.get("moe") is not None:
+        if sequence_parallel:
+            plan[layer + "mlp"] = "moe_sequence_parallel"
         plan[layer + "mlp.experts"] = "moe_experts"
     elif config.gated and config.fused_gate_up:
         plan[layer + "mlp.gate_up_proj"] = "colwise_packed_gate_up"

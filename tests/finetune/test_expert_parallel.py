@@ -97,42 +97,84 @@ def test_ep2_equals_ep1():
 # ---------------------------------------------------------------- through the trainer
 
 TRAINER_STEPS = 6
-# The router z-loss is on: it is a per-token mean, so (unlike the load-balancing loss, whose
-# per-rank statistics are nonlinear) it is layout-independent once averaged over micro-batches.
-MIXTRAL = ["--model", "tiny-mixtral", "--num-layers", "2", "--moe-z-loss-coeff", "0.05"]
+# Both auxiliary losses are on. Their statistics are per micro-batch and every layout cuts a step
+# into the same micro-batches (rows), so they equal one process's; context-parallel ranks see
+# sequence chunks instead, whose load-balancing statistics differ (the loss is nonlinear in
+# them), so CP layouts run without it (NO_BALANCE) against a reference without it.
+MIXTRAL = ["--model", "tiny-mixtral", "--num-layers", "2", "--moe-z-loss-coeff", "0.05",
+           "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
+NO_BALANCE = ["--moe-aux-loss-coeff", "0"]
+# Validation reads this many micro-batches in all, split over the data-parallel ranks.
+VALID_MICRO_BATCHES = 4
+
+
+def _run_moe(flags):
+    """One layout: (results, trainer). Results: loss curve, final (gathered) weights, validation
+    loss, whether the load-balancing loss is on, and the auxiliary loss of each MoE layer this
+    rank holds from the step's last micro-batch (only on the last data-parallel rank, which runs
+    the micro-batch one process runs last; not under CP, whose ranks see sequence chunks)."""
+    from models.mixtral import moe_config
+    from models.moe import moe_layers
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE, full_parameters
+
+    trainer = Trainer(parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, *flags]))
+    losses = [trainer.train_step().loss for _ in range(TRAINER_STEPS)]
+    aux = None  # under CP: not comparable
+    if trainer.config.parallel.context_parallel_size == 1:
+        last = trainer.dp_rank == trainer.dp_size - 1
+        aux = {n: float(m.last_aux_loss) for n, m in moe_layers(trainer.model)} if last else {}
+    trainer.config.run.eval_iters = VALID_MICRO_BATCHES // trainer.dp_size
+    moe = moe_config(trainer.model_config)
+    assert moe is not None
+    results = {
+        "losses": losses,
+        "params": full_parameters(trainer.model),
+        "aux": aux,
+        "valid": trainer.evaluate(),
+        "balance": moe.aux_loss_coeff > 0,
+    }
+    return results, trainer
 
 
 def _trainer_layouts(rank, world_size, layouts):
-    from tests.services.trainer.parallel.parity import run_layout
-
-    return {
-        name: run_layout(rank, world_size, [*MIXTRAL, *flags], TRAINER_STEPS)
-        for name, flags in layouts.items()
-    }
+    return {name: _run_moe(flags)[0] for name, flags in layouts.items()}
 
 
 @pytest.fixture(scope="module")
 def single_mixtral():
-    return run_distributed(_trainer_layouts, 1, {"single": []})[0]["single"]
+    """One process, with and without the load-balancing loss (one launch)."""
+    return run_distributed(_trainer_layouts, 1, {"single": [], "no-balance": NO_BALANCE})[0]
 
 
 def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
+    """Every layout of `results` (per rank: name -> run) against its one-process reference:
+    loss curve, weights, validation loss (same relative tolerance as the losses) and the
+    auxiliary losses of the last micro-batch (1e-5 relative)."""
     from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
 
-    assert single["losses"][-1] < single["losses"][0]
     for name in results[0]:
         for rank, by_layout in enumerate(results):
             got = by_layout[name]
-            loss_diff = max_loss_diff(single["losses"], got["losses"])
-            param_diff = max_param_diff(single["params"], got["params"])
+            ref = single["single" if got["balance"] else "no-balance"]
+            assert ref["losses"][-1] < ref["losses"][0]
+            loss_diff = max_loss_diff(ref["losses"], got["losses"])
+            param_diff = max_param_diff(ref["params"], got["params"])
             print(f"{name} rank {rank}: loss rel {loss_diff:.2e}, params rel {param_diff:.2e}")
             assert loss_diff < loss_rtol, (name, rank, loss_diff)
             assert param_diff < param_rtol, (name, rank, param_diff)
+            assert got["valid"] == pytest.approx(ref["valid"], rel=loss_rtol), (name, rank)
+            for layer, value in (got["aux"] or {}).items():
+                assert value == pytest.approx(ref["aux"][layer], rel=1e-5), (name, rank, layer)
+        # Outside CP, some rank compared the auxiliary losses.
+        if results[0][name]["aux"] is not None:
+            assert any(by_layout[name]["aux"] for by_layout in results), name
 
 
 def _two_rank_runs(rank, world_size, save):
     """Every 2-process run in one launch: EP2 (saving after step 2), the EP1 resume from that
-    checkpoint, TP2 (with its expert placements) and the TP + sequence-parallel refusal."""
+    checkpoint, TP2 (with its expert placements) and TP2 with sequence parallelism."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
     from tests.services.trainer.parallel.parity import BASE, full_parameters
@@ -149,18 +191,13 @@ def _two_rank_runs(rank, world_size, save):
     ep1 = Trainer(parse_args([*flags, "--load", save]))
     ep1.load()
     out["resumed_ep1"] = ep1.train_step().loss
-    tp2 = Trainer(parse_args([*flags, "--tensor-model-parallel-size", "2"]))
-    tp_losses = [tp2.train_step().loss for _ in range(TRAINER_STEPS)]
-    out["tp2"] = {"losses": tp_losses, "params": full_parameters(tp2.model)}
+    out["tp2"], tp2 = _run_moe(["--tensor-model-parallel-size", "2"])
     out["placements"] = {
         name: str(param.placements)
         for name, param in tp2.model.named_parameters()
         if name.startswith("layers.0.mlp.")
     }
-    try:
-        Trainer(parse_args([*flags, "--tensor-model-parallel-size", "2", "--sequence-parallel"]))
-    except ValueError as exc:
-        out["sp_error"] = str(exc)
+    out["tp2-sp"], _ = _run_moe(["--tensor-model-parallel-size", "2", "--sequence-parallel"])
     return out
 
 
@@ -174,7 +211,12 @@ def two_ranks(tmp_path_factory):
 def test_trainer_ep2_dp2_equals_one_process(single_mixtral, two_ranks):
     """2 processes, data-parallel 2 with the 4 experts split 2 + 2: the trainer's loss curve and
     final (gathered) weights equal the single-process run's."""
-    _check_layouts(single_mixtral, [{"ep2": r["ep2"]} for r in two_ranks])
+    from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
+
+    ref = single_mixtral["single"]
+    for result in two_ranks:
+        assert max_loss_diff(ref["losses"], result["ep2"]["losses"]) < 1e-5
+        assert max_param_diff(ref["params"], result["ep2"]["params"]) < 1e-4
 
 
 @pytest.mark.dist
@@ -183,22 +225,26 @@ def test_ep2_checkpoint_resumes_under_ep1(single_mixtral, two_ranks):
     """DCP keeps the experts' global [X, ...] tensors: resumed under EP1 (every rank holding all
     experts) from EP2's step-2 checkpoint, the next loss equals the uninterrupted run's third."""
     for result in two_ranks:
-        assert result["resumed_ep1"] == pytest.approx(single_mixtral["losses"][2], rel=1e-5)
+        assert result["resumed_ep1"] == pytest.approx(
+            single_mixtral["single"]["losses"][2], rel=1e-5
+        )
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 def test_trainer_tp2_mixtral_equals_one_process(single_mixtral, two_ranks):
     """Tensor parallelism of the experts (each expert's [gate; up] column-parallel, down
-    row-parallel, router replicated): TP2 tiny-mixtral trains like one process."""
-    _check_layouts(single_mixtral, [{"tp2": r["tp2"]} for r in two_ranks])
+    row-parallel, router replicated), without and with sequence parallelism (the MoE layer
+    all-gathers its sequence shard, routes the whole micro-batch, reduce-scatters the experts'
+    partial outputs): TP2 tiny-mixtral trains like one process, with the same router
+    auxiliary losses and validation loss."""
+    _check_layouts(single_mixtral, [{k: r[k] for k in ("tp2", "tp2-sp")} for r in two_ranks])
     for result in two_ranks:
         assert result["placements"] == {
             "layers.0.mlp.gate.weight": "(Replicate(),)",  # router
             "layers.0.mlp.experts.gate_up_proj": "(Replicate(),)",  # each rank computes its rows
             "layers.0.mlp.experts.down_proj": "(Shard(dim=2),)",  # row-parallel: F split
         }
-        assert "--sequence-parallel with an MoE model is not supported" in result["sp_error"]
 
 
 def test_expert_parallel_flag_is_validated():
@@ -228,6 +274,11 @@ def test_expert_parallel_flag_is_validated():
     with pytest.raises(ValueError, match="needs an MoE model"):
         check_model(ParallelDims(world_size=2, ep=2), get_config("tiny-llama"))
     check_model(ParallelDims(world_size=4, ep=2), mixtral)
+    sp = ParallelDims(world_size=2, tp=2, sequence_parallel=True)
+    check_model(sp, mixtral)
+    shared = get_config("tiny-mixtral", extra={"moe": {**MOE, "num_shared_experts": 1}})
+    with pytest.raises(ValueError, match="--sequence-parallel with shared experts"):
+        check_model(sp, shared)
 
 
 @pytest.mark.dist
@@ -235,15 +286,17 @@ def test_expert_parallel_flag_is_validated():
 def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
     """Data-parallel 4: EP2 (experts also reduced over the 2 `edp` ranks that hold the same
     ones) and EP4 (one expert per rank); TP2 or CP2 x data-parallel 2 with EP2 (each TP rank
-    runs its ep block whole; CP ranks reduce their experts' gradients together); ZeRO-2/3.
-    All train like one process."""
+    runs its ep block whole; CP ranks reduce their experts' gradients together); ZeRO-2/3;
+    TP2 x EP2 with sequence parallelism (each TP rank sends only its sequence shard's copies,
+    so expert gradients are summed over tp too). All train like one process."""
+    ep2 = ["--expert-model-parallel-size", "2"]
     layouts = {
-        "ep2-edp2": ["--expert-model-parallel-size", "2"],
+        "ep2-edp2": ep2,
         "ep4": ["--expert-model-parallel-size", "4"],
-        "tp2-ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-        "ep2-edp2-zero3": ["--expert-model-parallel-size", "2", "--zero-stage", "3"],
-        "cp2-ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
-        "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                          "--zero-stage", "2"],
-    }  # fmt: skip
+        "tp2-ep2": ["--tensor-model-parallel-size", "2", *ep2],
+        "ep2-edp2-zero3": [*ep2, "--zero-stage", "3"],
+        "cp2-ep2": ["--context-parallel-size", "2", *ep2, *NO_BALANCE],
+        "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", *ep2, "--zero-stage", "2"],
+        "tp2-ep2-sp": ["--tensor-model-parallel-size", "2", *ep2, "--sequence-parallel"],
+    }
     _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

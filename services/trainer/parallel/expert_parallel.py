@@ -1,9 +1,11 @@
 """Expert parallelism: each rank of the `ep` group holds X/ep experts of every MoE layer, and
 routed token copies travel to their expert's rank and back with all-to-all. Also the
-tensor-parallel style of the experts (`ExpertsTensorParallel`).
+tensor-parallel style of the experts (`ExpertsTensorParallel`) and of a whole MoE layer under
+sequence parallelism (`MoESequenceParallel`).
 
-Shapes: T routed token copies, E hidden, X experts (global), L experts per rank, P ep size,
-F expert ffn width, t tensor-parallel size.
+Shapes: B batch, S sequence (s = S/t, a sequence shard), N tokens B·S (n = B·s), K top-k,
+T routed token copies, E hidden, X experts (global), L experts per rank, P ep size, F expert ffn
+width, t tensor-parallel size.
 
 The model file (`models/moe.py`) routes and combines; this module only swaps in the dispatcher
 and slices the expert weights. Per step and layer a rank exchanges its per-expert copy counts
@@ -36,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from models.moe import Experts, expert_outputs, moe_layers
+from models.moe import Experts, MoE, expert_outputs, moe_layers
+from services.trainer.parallel.peft_tp import _all_gather_dim1, _reduce_scatter_dim1
 from services.trainer.parallel.tensor_parallel import _SumGradOverGroup
 
 EXPERT_LEAVES = ("gate_up_proj", "down_proj")
@@ -228,8 +231,11 @@ class ExpertsTensorParallel(ParallelStyle):
     partial outputs are summed over the TP group. `down_proj` is a `Shard(2)` DTensor (memory
     split); `gate_up_proj` stays whole as a `Replicate` DTensor with each rank computing its
     rows, as `SlicedColwise` does for packed weights, because a [gate; up] row split is not one
-    DTensor shard. The router is replicated (the plan's fallback). The MoE input must be the
-    full sequence on every TP rank: no sequence parallelism.
+    DTensor shard. The router is replicated (the plan's fallback).
+
+    With `sequence_parallel` the experts return their partial outputs unreduced: the layer's
+    `MoESequenceParallel` reduce-scatters the combined output over the sequence, and its input
+    all-gather reduce-scatters the partial input gradient in backward.
     """
 
     def __init__(self, ffn: int, *, sequence_parallel: bool) -> None:
@@ -239,11 +245,6 @@ class ExpertsTensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Experts):
             raise TypeError(f"ExpertsTensorParallel applies to models.moe.Experts, not {module}")
-        if self.sequence_parallel:
-            raise ValueError(
-                "--sequence-parallel with an MoE model is not supported; drop --sequence-parallel "
-                "(MoE layers take the full sequence on every tensor-parallel rank)"
-            )
         if isinstance(module.gate_up_proj, DTensor):
             # Expert-parallel already (`apply_expert_parallel` runs first): each TP rank runs
             # its ep block whole, as Megatron with expert-tensor-parallel size 1.
@@ -266,14 +267,114 @@ class ExpertsTensorParallel(ParallelStyle):
             full = getattr(module, leaf)
             dt = distribute_tensor(full.detach(), device_mesh, [placement])
             setattr(module, leaf, nn.Parameter(dt, requires_grad=full.requires_grad))
+        partial = self.sequence_parallel
 
         def forward(x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
             gate_up = _SumGradOverGroup.apply(cast(DTensor, module.gate_up_proj).to_local(), group)
             down = cast(DTensor, module.down_proj).to_local()
+            if partial:
+                return expert_outputs(x_TE, counts, gate_up.index_select(1, rows), down)
             # Every rank's rows see the whole input: its gradient is a partial sum over ranks.
             x_TE = _SumGradOverGroup.apply(x_TE, group)
             partial_TE = expert_outputs(x_TE, counts, gate_up.index_select(1, rows), down)
             return _ReduceFromGroup.apply(partial_TE, group)
 
         module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[B, S/t, E] shards → the whole [B, S, E] for a replicated consumer (its gradient is the
+    same on every rank: backward keeps this rank's slice) and, `with_partial`, a copy for a
+    partial one (each rank's gradient is a partial sum: backward reduce-scatters it); else None.
+    One all-gather either way."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x_BsE: torch.Tensor, group: dist.ProcessGroup, with_partial: bool
+    ) -> Any:
+        ctx.group = group
+        ctx.rank, ctx.s = dist.get_rank(group), x_BsE.shape[1]
+        full_BSE = _all_gather_dim1(x_BsE, group)
+        return full_BSE, full_BSE.detach().clone() if with_partial else None
+
+    @staticmethod
+    def backward(ctx: Any, replicated_BSE: Any, partial_BSE: Any) -> Any:  # type: ignore[override]
+        grad = None
+        if replicated_BSE is not None:
+            grad = replicated_BSE[:, ctx.rank * ctx.s : (ctx.rank + 1) * ctx.s]
+        if partial_BSE is not None:
+            scattered = _reduce_scatter_dim1(partial_BSE, ctx.group)
+            grad = scattered if grad is None else grad + scattered
+        return grad, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Partial [B, S, E] outputs summed over `group`, each rank keeping its [B, S/t, E] slice;
+    backward all-gathers the slices' gradients (the row-parallel output of sequence
+    parallelism)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_BSE: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter_dim1(x_BSE, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_BsE: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _all_gather_dim1(grad_BsE, ctx.group), None
+
+
+class MoESequenceParallel(ParallelStyle):
+    """An MoE layer under sequence parallelism: input and output are [B, S/t, E] shards.
+
+    The input is all-gathered over the TP group, as for the dense MLP, and every rank routes the
+    whole micro-batch: router logits, top-k, capacity drops, load-balancing and z-loss are one
+    process's (the router is replicated). Then, by where the experts live:
+
+    - tensor-parallel experts (`ExpertsTensorParallel`): every rank runs every routed copy through
+      its F/t slice of each expert; the per-token combination of those partial outputs is
+      reduce-scattered over the sequence (the dense MLP's row-parallel reduce-scatter), and the
+      partial input gradient is reduce-scattered in backward;
+    - expert-parallel experts (whole on each TP rank): a rank sends only its own sequence
+      slice's copies through its ep group and gets its slice's output back, no reduction; the
+      experts' gradients are then partial over the TP ranks (see `ExpertParallelGradSync`).
+
+    Either way a rank's routing weights get gradient from only its share of the work, so their
+    gradient is summed over the TP group (N·K numbers per layer) before the replicated router's
+    backward. Shared experts are not supported here.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MoE):
+            raise TypeError(f"MoESequenceParallel applies to models.moe.MoE, not {module}")
+        if module.shared_experts is not None:
+            raise ValueError(
+                f"--sequence-parallel with shared experts (num_shared_experts="
+                f"{module.config.num_shared_experts}) is not supported; drop --sequence-parallel"
+            )
+        group = device_mesh.get_group()
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        whole_experts = isinstance(module.dispatcher, AllToAllDispatcher)
+
+        def forward(x_BsE: torch.Tensor) -> torch.Tensor:
+            b, s, e = x_BsE.shape
+            full_BSE, partial_BSE = _GatherSequence.apply(x_BsE, group, not whole_experts)
+            logits_NX, weights_NK, experts_NK = module.route(full_BSE.reshape(-1, e))
+            keep_NK = module.keep_mask(experts_NK)
+            weights_NK = _SumGradOverGroup.apply(weights_NK, group)
+            if whole_experts:
+                own = (torch.arange(b)[:, None] * s * size + rank * s + torch.arange(s)).flatten()
+                own = own.to(x_BsE.device)
+                out_nE = module.routed_experts(
+                    x_BsE.reshape(-1, e), weights_NK[own], experts_NK[own], keep_NK[own]
+                )
+            else:
+                out_NE = module.routed_experts(
+                    partial_BSE.reshape(-1, e), weights_NK, experts_NK, keep_NK
+                )
+                out_nE = _ReduceScatterSequence.apply(out_NE.view(b, s * size, e), group)
+            out_nE = module.attach_aux_loss(out_nE, module.aux_loss(logits_NX, experts_NK))
+            return out_nE.reshape(b, s, e)
+
+        module.forward = forward  # type: ignore[method-assign,assignment]
         return module

@@ -50,6 +50,8 @@ def build_dims(config: Any, world_size: int) -> ParallelDims:
 def check_model(dims: ParallelDims, model_config: Any) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
     experts."""
+    from models.mixtral import moe_config
+
     dims.check_model(
         num_layers=model_config.num_layers,
         num_heads=model_config.num_attention_heads,
@@ -57,10 +59,13 @@ def check_model(dims: ParallelDims, model_config: Any) -> None:
         ffn=model_config.ffn_hidden_size,
         vocab=model_config.vocab_size,
     )
+    moe = moe_config(model_config)
+    if moe is not None and moe.num_shared_experts and dims.sequence_parallel:
+        raise ValueError(
+            f"--sequence-parallel with shared experts (num_shared_experts="
+            f"{moe.num_shared_experts}) is not supported; drop --sequence-parallel"
+        )
     if dims.ep > 1:
-        from models.mixtral import moe_config
-
-        moe = moe_config(model_config)
         if moe is None:
             raise ValueError(
                 f"--expert-model-parallel-size {dims.ep} needs an MoE model (e.g. --model "
@@ -248,14 +253,17 @@ def _parallelize_expert_model(
         _apply_within_replica(model, model_config, par, dims)
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
-    # Ranks holding the same experts: `edp`, and `cp` (context-parallel ranks route disjoint
-    # chunks of the same sequences through the same experts).
-    same_experts = [axis for axis in ("edp", "cp") if mesh[axis].size() > 1]
+    # Ranks holding the same experts and feeding them different tokens: `edp`, `cp` (disjoint
+    # chunks of the same sequences) and, with sequence parallelism, `tp` (each TP rank sends
+    # only its sequence shard's copies; without it every TP rank sends the same ones). In mesh
+    # order, for the flattened group.
+    axes = ("edp", "cp", *(("tp",) if dims.sequence_parallel else ()))
+    same_experts = [axis for axis in axes if mesh[axis].size() > 1]
     edp = None
     if len(same_experts) == 1:
         edp = mesh[same_experts[0]].get_group()
     elif same_experts:
-        edp = mesh[tuple(same_experts)]._flatten("edp_cp").get_group()
+        edp = mesh[tuple(same_experts)]._flatten("_".join(same_experts)).get_group()
     fsdp = par.zero_stage >= 2
     if fsdp:
         apply_data_parallel(

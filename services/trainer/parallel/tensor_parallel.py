@@ -190,7 +190,10 @@ def _packed_rows(parts: list[tuple[int, int]], head_dim: int) -> Callable[[int, 
 
 def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Plan style name -> ParallelStyle for this model and TP size."""
-    from services.trainer.parallel.expert_parallel import ExpertsTensorParallel
+    from services.trainer.parallel.expert_parallel import (
+        ExpertsTensorParallel,
+        MoESequenceParallel,
+    )
 
     seq = Shard(1) if sequence_parallel else Replicate()
     h, k, d = config.num_attention_heads, config.kv_heads, config.head_dim
@@ -211,6 +214,7 @@ def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, 
         "moe_experts": ExpertsTensorParallel(
             config.ffn_hidden_size, sequence_parallel=sequence_parallel
         ),
+        "moe_sequence_parallel": MoESequenceParallel(),
     }
     return styles
 
@@ -251,7 +255,8 @@ def apply_tensor_parallel(
         n: styles[s] for n, s in resolved.items() if s != "alibi_heads"
     }
     if sequence_parallel:
-        # Attention takes (x, rope, padding mask, segment ids, cache); the MLP takes x.
+        # Attention takes (x, rope, padding mask, segment ids, cache); the MLP takes x. A
+        # block with its own style (an MoE layer) gathers its input itself.
         for suffix, extra in ((".self_attn", 4), (".mlp", 0)):
             gather = PrepareModuleInput(
                 input_layouts=(Shard(1),) + (None,) * extra,
@@ -259,7 +264,7 @@ def apply_tensor_parallel(
                 use_local_output=True,
             )
             for name in names:
-                if name.endswith(suffix):
+                if name.endswith(suffix) and name not in module_plan:
                     module_plan[name] = gather
                     resolved[name] = "gather_sequence"
     # LoRA layers take adapter-aware styles; PEFT-frozen parameters stay frozen.

@@ -228,12 +228,6 @@ class ParallelSection:
         ep = self.expert_model_parallel_size
         if ep == 1:
             return
-        if self.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size "
-                f"{self.pipeline_model_parallel_size} is not supported yet; combine expert "
-                "parallelism with data, tensor and context parallelism"
-            )
         if self.zero_stage == 1 or self.hsdp:
             raise ValueError(
                 f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 without --hsdp "

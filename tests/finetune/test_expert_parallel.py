@@ -255,8 +255,7 @@ def test_expert_parallel_flag_is_validated():
 
     base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 with --pipeline-model"):
-        parse_args([*base, "2", "--pipeline-model-parallel-size", "2"])
+    assert parse_args([*base, "2", "--pipeline-model-parallel-size", "2"]).parallel
     with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3 without --hsdp"):
         parse_args([*base, "2", "--zero-stage", "1"])
     with pytest.raises(ValueError, match="got --zero-stage 3 with --hsdp"):
@@ -288,7 +287,9 @@ def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
     ones) and EP4 (one expert per rank); TP2 or CP2 x data-parallel 2 with EP2 (each TP rank
     runs its ep block whole; CP ranks reduce their experts' gradients together); ZeRO-2/3;
     TP2 x EP2 with sequence parallelism (each TP rank sends only its sequence shard's copies,
-    so expert gradients are summed over tp too). All train like one process."""
+    so expert gradients are summed over tp too); PP2 x EP2 (each stage's ep group exchanges
+    its own layers' copies; the auxiliary losses reach the gradient on both stages; the expert
+    sync launched per chunk after its last backward). All train like one process."""
     ep2 = ["--expert-model-parallel-size", "2"]
     layouts = {
         "ep2-edp2": ep2,
@@ -298,5 +299,6 @@ def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
         "cp2-ep2": ["--context-parallel-size", "2", *ep2, *NO_BALANCE],
         "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", *ep2, "--zero-stage", "2"],
         "tp2-ep2-sp": ["--tensor-model-parallel-size", "2", *ep2, "--sequence-parallel"],
+        "pp2-ep2": ["--pipeline-model-parallel-size", "2", *ep2, "--overlap-grad-reduce"],
     }
     _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,21 @@ def clip_grad_norm_(
     DTensor knows about (pipeline stages). `max_norm <= 0` computes the norm without clipping.
     """
     with_grad = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in with_grad if p.grad is not None]
-    if not grads:
+    if not with_grad:
         return torch.zeros(())
     norm_type = float(norm_type)
-    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=None)
-    if isinstance(total, DTensor):
+    # foreach kernels refuse a mix of plain tensors and DTensors, or of meshes (expert-parallel
+    # experts next to replicated parameters): one norm per kind, then the norm of those.
+    kinds: dict[Any, list[torch.Tensor]] = {}
+    for p in with_grad:
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    norms = []
+    for params in kinds.values():
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=None)
         # A DTensor norm is a partial result until its pending reduction is materialised.
-        total = total.full_tensor()
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if extra_group is not None:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=extra_group)
@@ -41,5 +49,6 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=extra_group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach=None)
+        for params in kinds.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
     return total

@@ -23,11 +23,14 @@ ep rank's tokens (the all-to-all's backward); `ExpertParallelGradSync` then sums
 and averages replicated parameters over all dp ranks. With tensor parallelism as well, the ep
 groups are the ranks with the same `tp` coordinate and each TP rank runs its ep block whole
 (Megatron's expert-tensor-parallel size 1); without EP, `ExpertsTensorParallel` splits every
-expert over the TP ranks instead.
+expert over the TP ranks instead. Under pipeline parallelism each stage chunk gets its own
+dispatchers (the ep group lies within the stage) and the sync reduces chunk by chunk.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -164,19 +167,23 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> N
 
 
 class ExpertParallelGradSync:
-    """Data-parallel gradient reduction of an expert-parallel model, once per step.
+    """Data-parallel gradient reduction of an expert-parallel model's chunks, once per step.
 
     The loop scales each rank's loss by the size dp of the gradient-averaging group (data x
     context parallel; DDP's convention: the average over those ranks is then the gradient of
     the global loss). Replicated parameters are averaged over `dp_group` (unless FSDP2 does it:
     `replicated=False`); expert gradients, which already sum their ep group's tokens, are
-    summed over `edp_group` (the ranks holding the same experts) and divided by dp (Megatron's
-    expert gradient scaling).
+    summed over `edp_group` (the other ranks holding the same experts) and divided by dp
+    (Megatron's expert gradient scaling).
+
+    `chunks` are the model (one) or a pipeline rank's stage chunks; `start(chunk)` launches a
+    chunk's reductions asynchronously (under `--overlap-grad-reduce`, right after the chunk's
+    last backward) and `finish()` launches the rest, waits and writes the results back.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        chunks: Sequence[nn.Module],
         dp_group: dist.ProcessGroup,
         edp_group: dist.ProcessGroup | None,
         *,
@@ -184,29 +191,61 @@ class ExpertParallelGradSync:
     ) -> None:
         self.dp_group, self.edp_group = dp_group, edp_group
         self.dp = dist.get_world_size(dp_group)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        experts = expert_parameters(model)
-        self.experts = [p for p in trained if p in experts]
-        self.replicated = [p for p in trained if p not in experts] if replicated else []
+        self.chunks: list[tuple[list[nn.Parameter], list[nn.Parameter]]] = []
+        seen: set[int] = set()  # a parameter shared by two chunks is reduced once
+        for chunk in chunks:
+            experts = expert_parameters(chunk)
+            trained = [p for p in chunk.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in trained)
+            self.chunks.append(
+                (
+                    [p for p in trained if p in experts],
+                    [p for p in trained if p not in experts] if replicated else [],
+                )
+            )
+        # Per launched chunk: (in-flight reduction or None, what to do once it is done).
+        self._pending: dict[int, list[tuple[dist.Work | None, Callable[[], object]]]] = {}
 
-    def finish(self) -> None:
-        """Reduce this step's accumulated gradients (call after the last backward)."""
-        grads = [_local(p.grad) for p in self.replicated if p.grad is not None]
+    def start(self, chunk: int) -> None:
+        """Launch the reductions of chunk `chunk`'s gradients (no-op if already launched)."""
+        if chunk in self._pending:
+            return
+        experts, replicated = self.chunks[chunk]
+        pending: list[tuple[dist.Work | None, Callable[[], object]]] = []
+        grads = [_local(p.grad) for p in replicated if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        for param in self.experts:
+            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            pending.append((work, functools.partial(_write_mean, flat, grads, self.dp)))
+        for param in experts:
             if param.grad is None:
                 continue
             grad = _local(param.grad)
+            work = None
             if self.edp_group is not None:
-                dist.all_reduce(grad, group=self.edp_group)
-            grad.div_(self.dp)
+                work = dist.all_reduce(grad, group=self.edp_group, async_op=True)
+            pending.append((work, functools.partial(grad.div_, self.dp)))
+        self._pending[chunk] = pending
+
+    def finish(self) -> None:
+        """Reduce this step's accumulated gradients (call after the last backward)."""
+        for chunk in range(len(self.chunks)):
+            self.start(chunk)
+        for pending in self._pending.values():
+            for work, done in pending:
+                if work is not None:
+                    work.wait()
+                done()
+        self._pending = {}
+
+
+def _write_mean(flat: torch.Tensor, grads: list[torch.Tensor], size: int) -> None:
+    """Copy the summed `flat` buffer, divided by `size`, back into `grads` (in order)."""
+    flat.div_(size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class _ReduceFromGroup(torch.autograd.Function):

@@ -179,12 +179,9 @@ def parallelize_model(
         mesh = dims.hsdp_mesh()
     schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
     v_shaped = schedule in pipeline.V_SHAPED
-    if model_config.tie_word_embeddings and v_shaped and mesh is not None and not own_sync:
-        raise ValueError(
-            f"tied embeddings with --pipeline-schedule {schedule} share one parameter between "
-            f"two FSDP-wrapped chunks of pipeline rank 0, which FSDP2 does not support; use "
-            f"--zero-stage 0 or 1, or a looped schedule (got --zero-stage {par.zero_stage})"
-        )
+    _check_tied_v_schedule(
+        model_config, schedule, mesh is not None and not own_sync, par.zero_stage
+    )
     chunks = (
         pipeline.build_chunks(model, dims, v_shaped=v_shaped) if dims.pp > 1 else [(None, model)]
     )
@@ -232,14 +229,20 @@ def parallelize_model(
 def _parallelize_expert_model(
     model: nn.Module, model_config: Any, par: Any, dims: ParallelDims, param_dtype: torch.dtype
 ) -> tuple[nn.Module, Any, Any]:
-    """Expert parallelism over the `ep` axis, then TP (experts stay whole on the TP ranks:
-    Megatron's expert-tensor-parallel size 1) and recompute, then data parallelism: expert
-    gradients are summed over `edp` (and divided by dp) by the model's `grad_sync` after the
-    step's last backward; the other parameters are averaged over all dp ranks by FSDP2 (ZeRO
-    2/3, experts ignored) or by the same `grad_sync` (ZeRO 0: no DDP wrapper, whose hooks would
-    average the experts over ranks that hold different ones). Without TP the caller applied
-    recompute."""
+    """Pipeline chunks, then expert parallelism over the `ep` axis of each, then TP (experts
+    stay whole on the TP ranks: Megatron's expert-tensor-parallel size 1), CP and recompute,
+    then data parallelism: expert gradients are summed over the ranks holding the same experts
+    (and divided by dp) by `ExpertParallelGradSync` after the step's last backward (under PP,
+    after the schedule); the other parameters are averaged over all dp ranks by FSDP2 (ZeRO 2/3,
+    experts ignored) or by the same sync (ZeRO 0: no DDP wrapper, whose hooks would average the
+    experts over ranks that hold different ones). Without TP, PP or CP the caller applied
+    recompute.
+
+    The expert mesh has `pp` outermost, so a rank's `ep` group lies within its pipeline stage:
+    the all-to-alls of a chunk's MoE layers run among ranks that run the same stage.
+    """
     from services.trainer.data_parallel import apply_data_parallel
+    from services.trainer.parallel import pipeline
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
         apply_expert_parallel,
@@ -247,12 +250,31 @@ def _parallelize_expert_model(
     )
 
     mesh = dims.expert_mesh()
-    sharded = apply_expert_parallel(model, mesh["ep"])
-    log.info("expert parallel (ep=%d): %d expert weights sharded", dims.ep, len(sharded))
-    if dims.model_parallel > 1:
-        _apply_within_replica(model, model_config, par, dims)
+    fsdp = par.zero_stage >= 2
+    schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
+    _check_tied_v_schedule(model_config, schedule, fsdp, par.zero_stage)
+    v_shaped = schedule in pipeline.V_SHAPED
+    # Chunks are cut from the whole model before any sharding (a deep copy per stage).
+    chunks = (
+        pipeline.build_chunks(model, dims, v_shaped=v_shaped) if dims.pp > 1 else [(None, model)]
+    )
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
+    for _, chunk in chunks:
+        sharded = apply_expert_parallel(chunk, mesh["ep"])
+        log.info("expert parallel (ep=%d): %d expert weights sharded", dims.ep, len(sharded))
+        if dims.model_parallel > 1:
+            _apply_within_replica(chunk, model_config, par, dims)
+        if fsdp:
+            apply_data_parallel(
+                chunk,
+                dp_mesh,
+                zero_stage=par.zero_stage,
+                cpu_offload=par.cpu_offload,
+                param_dtype=param_dtype,
+                prefetch_layers=par.zero3_prefetch_layers,
+                ignored_params=expert_parameters(chunk),
+            )
     # Ranks holding the same experts and feeding them different tokens: `edp`, `cp` (disjoint
     # chunks of the same sequences) and, with sequence parallelism, `tp` (each TP rank sends
     # only its sequence shard's copies; without it every TP rank sends the same ones). In mesh
@@ -264,21 +286,34 @@ def _parallelize_expert_model(
         edp = mesh[same_experts[0]].get_group()
     elif same_experts:
         edp = mesh[tuple(same_experts)]._flatten("_".join(same_experts)).get_group()
-    fsdp = par.zero_stage >= 2
-    if fsdp:
-        apply_data_parallel(
-            model,
-            dp_mesh,
-            zero_stage=par.zero_stage,
-            cpu_offload=par.cpu_offload,
-            param_dtype=param_dtype,
-            prefetch_layers=par.zero3_prefetch_layers,
-            ignored_params=expert_parameters(model),
-        )
-    model.grad_sync = ExpertParallelGradSync(  # type: ignore[assignment]
-        model, dp_mesh.get_group(), edp, replicated=not fsdp
+    grad_sync = ExpertParallelGradSync(
+        [c for _, c in chunks], dp_mesh.get_group(), edp, replicated=not fsdp
     )
-    return model, dp_mesh, None
+    if dims.pp == 1:
+        model.grad_sync = grad_sync  # type: ignore[assignment]
+        return model, dp_mesh, None
+    rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
+    rank_model.runner = pipeline.PipelineRunner(
+        chunks,
+        dims,
+        schedule,
+        next(rank_model.parameters()).device,
+        grad_sync=grad_sync,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+    )
+    return rank_model, dp_mesh, None
+
+
+def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_stage: int) -> None:
+    """Refuse tied embeddings under FSDP2 with a V-shaped schedule (ValueError naming flags)."""
+    from services.trainer.parallel import pipeline
+
+    if model_config.tie_word_embeddings and schedule in pipeline.V_SHAPED and fsdp:
+        raise ValueError(
+            f"tied embeddings with --pipeline-schedule {schedule} share one parameter between "
+            f"two FSDP-wrapped chunks of pipeline rank 0, which FSDP2 does not support; use "
+            f"--zero-stage 0 or 1, or a looped schedule (got --zero-stage {zero_stage})"
+        )
 
 
 def _apply_within_replica(

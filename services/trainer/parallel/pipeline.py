@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from services.trainer.dp.grad_sync import GradSync
 from services.trainer.parallel.tensor_parallel import tp_cross_entropy_sum
 from services.trainer.parallel.tied_embeddings import EmbeddingGroup, share_on_rank
 
@@ -180,11 +179,23 @@ class _Stage(PipelineStage):
         return result
 
 
+class ChunkGradSync(Protocol):
+    """Data-parallel gradient reduction of a pipeline rank's chunks (`GradSync`, or
+    `ExpertParallelGradSync` under expert parallelism)."""
+
+    def start(self, chunk: int) -> None:
+        """Launch chunk `chunk`'s reduction (after its last backward)."""
+
+    def finish(self) -> None:
+        """Launch what is left, wait, and write the reduced gradients back."""
+
+
 class PipelineRunner:
     """Runs one step's micro-batches through the schedule; returns this rank's summed loss.
 
-    `grad_sync` (ZeRO 0/1 with data parallelism) averages the chunks' gradients; with
-    `overlap_grad_reduce` each chunk's all-reduce starts right after its last backward.
+    `grad_sync` (ZeRO 0/1 with data parallelism, or expert parallelism) reduces the chunks'
+    gradients; with `overlap_grad_reduce` each chunk's reduction starts right after its last
+    backward.
     """
 
     def __init__(
@@ -194,7 +205,7 @@ class PipelineRunner:
         schedule: str,
         device: torch.device,
         *,
-        grad_sync: GradSync | None = None,
+        grad_sync: ChunkGradSync | None = None,
         overlap_grad_reduce: bool = False,
     ) -> None:
         if schedule not in SCHEDULES:

@@ -228,11 +228,11 @@ class ParallelSection:
         ep = self.expert_model_parallel_size
         if ep == 1:
             return
-        if self.zero_stage == 1 or self.hsdp:
+        if self.zero_stage == 1:
             raise ValueError(
-                f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 without --hsdp "
-                f"(experts are reduced over their own data-parallel group), got --zero-stage "
-                f"{self.zero_stage}{' with --hsdp' if self.hsdp else ''}"
+                f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 (ZeRO-1 would "
+                "shard the optimizer state of the experts over data-parallel ranks that hold "
+                "different experts), got --zero-stage 1 (or --use-distributed-optimizer)"
             )
 
     def _check_recompute(self) -> None:

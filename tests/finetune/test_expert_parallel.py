@@ -256,10 +256,11 @@ def test_expert_parallel_flag_is_validated():
     base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
     assert parse_args([*base, "2", "--pipeline-model-parallel-size", "2"]).parallel
-    with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3 without --hsdp"):
+    with pytest.raises(ValueError, match=r"needs --zero-stage 0, 2 or 3 .* got --zero-stage 1"):
         parse_args([*base, "2", "--zero-stage", "1"])
-    with pytest.raises(ValueError, match="got --zero-stage 3 with --hsdp"):
-        parse_args([*base, "2", "--zero-stage", "3", "--hsdp"])
+    with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3"):
+        parse_args([*base, "2", "--use-distributed-optimizer"])
+    assert parse_args([*base, "2", "--zero-stage", "3", "--hsdp"]).parallel.hsdp
     with pytest.raises(ValueError, match="must be >= 1"):
         parse_args([*base, "0"])
     with pytest.raises(ValueError, match="must divide the data-parallel size 6"):
@@ -300,5 +301,6 @@ def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
         "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", *ep2, "--zero-stage", "2"],
         "tp2-ep2-sp": ["--tensor-model-parallel-size", "2", *ep2, "--sequence-parallel"],
         "pp2-ep2": ["--pipeline-model-parallel-size", "2", *ep2, "--overlap-grad-reduce"],
+        "hsdp2x2-ep2": [*ep2, "--zero-stage", "2", "--hsdp", "--hsdp-shard-size", "2"],
     }
     _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))

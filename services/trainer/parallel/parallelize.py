@@ -260,6 +260,8 @@ def _parallelize_expert_model(
     )
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"
+    # HSDP: FSDP2 shards the non-expert parameters within `dp_shard` (x `cp`), replicates across.
+    fsdp_mesh = dims.hsdp_mesh() if par.hsdp else dp_mesh
     for _, chunk in chunks:
         sharded = apply_expert_parallel(chunk, mesh["ep"])
         log.info("expert parallel (ep=%d): %d expert weights sharded", dims.ep, len(sharded))
@@ -268,18 +270,19 @@ def _parallelize_expert_model(
         if fsdp:
             apply_data_parallel(
                 chunk,
-                dp_mesh,
+                fsdp_mesh,
                 zero_stage=par.zero_stage,
+                hsdp=par.hsdp,
                 cpu_offload=par.cpu_offload,
                 param_dtype=param_dtype,
                 prefetch_layers=par.zero3_prefetch_layers,
                 ignored_params=expert_parameters(chunk),
             )
-    # Ranks holding the same experts and feeding them different tokens: `edp`, `cp` (disjoint
-    # chunks of the same sequences) and, with sequence parallelism, `tp` (each TP rank sends
-    # only its sequence shard's copies; without it every TP rank sends the same ones). In mesh
-    # order, for the flattened group.
-    axes = ("edp", "cp", *(("tp",) if dims.sequence_parallel else ()))
+    # Ranks holding the same experts and feeding them different tokens: `dp_replicate` (HSDP)
+    # and `edp`, `cp` (disjoint chunks of the same sequences) and, with sequence parallelism,
+    # `tp` (each TP rank sends only its sequence shard's copies; without it every TP rank sends
+    # the same ones). In mesh order, for the flattened group.
+    axes = ("dp_replicate", "edp", "cp", *(("tp",) if dims.sequence_parallel else ()))
     same_experts = [axis for axis in axes if mesh[axis].size() > 1]
     edp = None
     if len(same_experts) == 1:

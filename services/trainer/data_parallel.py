@@ -21,7 +21,7 @@ the sharded gradient after every micro-batch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import cast
 
 import torch
@@ -187,11 +187,20 @@ def set_prefetch(blocks: list[nn.Module], layers: int) -> None:
 
 
 def wrap_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, mesh: DeviceMesh, *, zero_stage: int
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    zero_stage: int,
+    param_meshes: Mapping[nn.Parameter, DeviceMesh] | None = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer to train with: ZeRO-1 shards `optimizer`'s state; other stages use it as is."""
+    """The optimizer to train with: ZeRO-1 shards `optimizer`'s state; other stages use it as is.
+
+    ZeRO-1 shards over all data-parallel ranks of `mesh`, except for the parameters in
+    `param_meshes`, whose state shards over their own 1-D mesh (expert parallelism's experts).
+    """
     if zero_stage == 1:
-        return ZeroOneOptimizer(optimizer, model, dp_mesh_1d(mesh))
+        return ZeroOneOptimizer(optimizer, model, dp_mesh_1d(mesh), param_meshes)
     return optimizer
 
 

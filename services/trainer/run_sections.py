@@ -215,24 +215,12 @@ class ParallelSection:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         self._check_recompute()
-        self._check_expert_parallel()
         if (
             self.num_layers_per_virtual_pipeline_stage is not None
             and self.pipeline_model_parallel_size < 2
         ):
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"
-            )
-
-    def _check_expert_parallel(self) -> None:
-        ep = self.expert_model_parallel_size
-        if ep == 1:
-            return
-        if self.zero_stage == 1:
-            raise ValueError(
-                f"--expert-model-parallel-size {ep} needs --zero-stage 0, 2 or 3 (ZeRO-1 would "
-                "shard the optimizer state of the experts over data-parallel ranks that hold "
-                "different experts), got --zero-stage 1 (or --use-distributed-optimizer)"
             )
 
     def _check_recompute(self) -> None:

@@ -108,19 +108,28 @@ NO_BALANCE = ["--moe-aux-loss-coeff", "0"]
 VALID_MICRO_BATCHES = 4
 
 
-def _run_moe(flags):
+def _run_moe(flags, save=None):
     """One layout: (results, trainer). Results: loss curve, final (gathered) weights, validation
     loss, whether the load-balancing loss is on, and the auxiliary loss of each MoE layer this
     rank holds from the step's last micro-batch (only on the last data-parallel rank, which runs
-    the micro-batch one process runs last; not under CP, whose ranks see sequence chunks)."""
+    the micro-batch one process runs last; not under CP, whose ranks see sequence chunks).
+    With `save`, a checkpoint of step 2 is written there."""
     from models.mixtral import moe_config
     from models.moe import moe_layers
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
     from tests.services.trainer.parallel.parity import BASE, full_parameters
 
-    trainer = Trainer(parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, *flags]))
-    losses = [trainer.train_step().loss for _ in range(TRAINER_STEPS)]
+    save_flags = ["--save", save] if save else []
+    trainer = Trainer(
+        parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, *flags, *save_flags])
+    )
+    losses = []
+    for step in range(TRAINER_STEPS):
+        losses.append(trainer.train_step().loss)
+        if save and step == 1:
+            trainer.save()
+            trainer.checkpoints.wait()
     aux = None  # under CP: not comparable
     if trainer.config.parallel.context_parallel_size == 1:
         last = trainer.dp_rank == trainer.dp_size - 1
@@ -138,14 +147,25 @@ def _run_moe(flags):
     return results, trainer
 
 
-def _trainer_layouts(rank, world_size, layouts):
-    return {name: _run_moe(flags)[0] for name, flags in layouts.items()}
+def _trainer_layouts(rank, world_size, layouts, save=None):
+    """Every layout's results; with `save`, the first layout writes its step-2 checkpoint."""
+    first, *_ = layouts
+    return {
+        name: _run_moe(flags, save if name == first else None)[0] for name, flags in layouts.items()
+    }
 
 
 @pytest.fixture(scope="module")
-def single_mixtral():
+def single_save(tmp_path_factory):
+    """Where the one-process run with the load-balancing loss saves its step-2 checkpoint."""
+    return str(tmp_path_factory.mktemp("single") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def single_mixtral(single_save):
     """One process, with and without the load-balancing loss (one launch)."""
-    return run_distributed(_trainer_layouts, 1, {"single": [], "no-balance": NO_BALANCE})[0]
+    layouts = {"single": [], "no-balance": NO_BALANCE}
+    return run_distributed(_trainer_layouts, 1, layouts, single_save)[0]
 
 
 def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
@@ -256,10 +276,8 @@ def test_expert_parallel_flag_is_validated():
     base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
     assert parse_args([*base, "2", "--pipeline-model-parallel-size", "2"]).parallel
-    with pytest.raises(ValueError, match=r"needs --zero-stage 0, 2 or 3 .* got --zero-stage 1"):
-        parse_args([*base, "2", "--zero-stage", "1"])
-    with pytest.raises(ValueError, match="needs --zero-stage 0, 2 or 3"):
-        parse_args([*base, "2", "--use-distributed-optimizer"])
+    assert parse_args([*base, "2", "--zero-stage", "1"]).parallel.zero_stage == 1
+    assert parse_args([*base, "2", "--use-distributed-optimizer"]).parallel.zero_stage == 1
     assert parse_args([*base, "2", "--zero-stage", "3", "--hsdp"]).parallel.hsdp
     with pytest.raises(ValueError, match="must be >= 1"):
         parse_args([*base, "0"])
@@ -281,18 +299,67 @@ def test_expert_parallel_flag_is_validated():
         check_model(sp, shared)
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
-    """Data-parallel 4: EP2 (experts also reduced over the 2 `edp` ranks that hold the same
-    ones) and EP4 (one expert per rank); TP2 or CP2 x data-parallel 2 with EP2 (each TP rank
-    runs its ep block whole; CP ranks reduce their experts' gradients together); ZeRO-2/3;
-    TP2 x EP2 with sequence parallelism (each TP rank sends only its sequence shard's copies,
-    so expert gradients are summed over tp too); PP2 x EP2 (each stage's ep group exchanges
-    its own layers' copies; the auxiliary losses reach the gradient on both stages; the expert
-    sync launched per chunk after its last backward). All train like one process."""
+def _four_rank_runs(rank, world_size, layouts, save, single_save):
+    """Every layout of `layouts`, the first (ZeRO-1) saving its step-2 checkpoint to `save`,
+    then the first layout resumed from it and from the one-process checkpoint `single_save`.
+    Returns the results by layout, each resumed run's next two losses, and how the first layout holds two parameters' Adam state: (mesh axes,
+    placements, global shape, local shape) of its DTensor."""
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE
+
+    first, *_ = layouts
+    results, trainer = _run_moe(layouts[first], save)
+    state = trainer.optimizer.inner.sharded_state_dict()
+    layout = {}
+    for fqn in ("layers.0.mlp.experts.gate_up_proj", "embed_tokens.weight"):
+        value = state[f"state.{fqn}.exp_avg"]
+        layout[fqn] = (
+            value.device_mesh.mesh_dim_names,
+            tuple(value.placements),
+            tuple(value.shape),
+            tuple(value.to_local().shape),
+        )
+    out = {"layouts": {first: results}, "zero1_state": layout}
+    for name, flags in list(layouts.items())[1:]:
+        out["layouts"][name] = _run_moe(flags)[0]
+    for key, load in (("resumed", save), ("from_single", single_save)):
+        flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, *layouts[first]]
+        resumed = Trainer(parse_args([*flags, "--load", load]))
+        resumed.load()
+        out[key] = [resumed.train_step().loss for _ in range(2)]
+    return out
+
+
+def _resume_one_process(rank, world_size, save):
+    """One process (all experts, plain optimizer) resumed from `save`: its next two losses."""
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from tests.services.trainer.parallel.parity import BASE
+
+    trainer = Trainer(
+        parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, "--load", save])
+    )
+    trainer.load()
+    return [trainer.train_step().loss for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, single_mixtral, single_save):
+    """Data-parallel 4: EP2 with ZeRO-1 (saving at step 2, then resumed under the same layout,
+    and resumed from the one-process run's checkpoint: `single_mixtral` wrote it);
+    EP2 (experts also reduced over the 2 `edp` ranks that hold the same ones) and EP4 (one
+    expert per rank); TP2 or CP2 x data-parallel 2 with EP2 (each TP rank runs its ep block
+    whole; CP ranks reduce their experts' gradients together); ZeRO-2/3; TP2 x EP2 with
+    sequence parallelism (each TP rank sends only its sequence shard's copies, so expert
+    gradients are summed over tp too); PP2 x EP2 (each stage's ep group exchanges its own
+    layers' copies; the auxiliary losses reach the gradient on both stages; the expert sync
+    launched per chunk after its last backward); HSDP 2x2 x EP2."""
     ep2 = ["--expert-model-parallel-size", "2"]
     layouts = {
+        # ZeRO-1: the experts' optimizer state is chunked over the 2 `edp` ranks holding them,
+        # the rest over all 4; checkpoints keep the global layout.
+        "ep2-edp2-zero1": [*ep2, "--zero-stage", "1"],
         "ep2-edp2": ep2,
         "ep4": ["--expert-model-parallel-size", "4"],
         "tp2-ep2": ["--tensor-model-parallel-size", "2", *ep2],
@@ -303,4 +370,45 @@ def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral):
         "pp2-ep2": ["--pipeline-model-parallel-size", "2", *ep2, "--overlap-grad-reduce"],
         "hsdp2x2-ep2": [*ep2, "--zero-stage", "2", "--hsdp", "--hsdp-shard-size", "2"],
     }
-    _check_layouts(single_mixtral, run_distributed(_trainer_layouts, 4, layouts))
+    save = str(tmp_path_factory.mktemp("ep2-zero1") / "ckpt")
+    return save, run_distributed(_four_rank_runs, 4, layouts, save, single_save)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_ep_over_four_ranks_equals_one_process(single_mixtral, four_ranks):
+    """Every layout of the 4-rank launch (see `four_ranks`) trains like one process."""
+    _check_layouts(single_mixtral, [out["layouts"] for out in four_ranks[1]])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_zero1_checkpoints_move_to_and_from_one_process(single_mixtral, four_ranks):
+    """EP2 ZeRO-1's step-2 checkpoint (expert state as DTensors over (ep, edp), the rest over
+    dp, under the global names) resumes under EP2 ZeRO-1 and in one process holding every
+    expert and the whole optimizer state, and the one-process checkpoint resumes under EP2
+    ZeRO-1: the next two losses equal the uninterrupted run's third and fourth (the fourth
+    depends on the restored Adam state)."""
+    save, results = four_ranks
+    expected = single_mixtral["single"]["losses"][2:4]
+    for out in results:
+        assert out["resumed"] == pytest.approx(expected, rel=1e-5)
+        assert out["from_single"] == pytest.approx(expected, rel=1e-5)
+    assert run_distributed(_resume_one_process, 1, save)[0] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_zero1_shards_expert_state_over_edp_only(four_ranks):
+    """EP2 x edp 2: an expert weight's Adam state is chunked over the 2 ranks holding the same
+    experts (2 experts per ep rank, one per edp rank) on the (ep, edp) mesh; a replicated
+    weight's over all 4 data-parallel ranks."""
+    from torch.distributed.tensor import Shard
+
+    for out in four_ranks[1]:
+        experts = out["zero1_state"]["layers.0.mlp.experts.gate_up_proj"]
+        embed = out["zero1_state"]["embed_tokens.weight"]
+        assert experts[:2] == (("ep", "edp"), (Shard(0), Shard(0)))
+        assert experts[2][0] == 4 and experts[3] == (1, *experts[2][1:])
+        assert embed[:2] == (("dp_shard",), (Shard(0),))
+        assert embed[3] == (embed[2][0] // 4, *embed[2][1:])

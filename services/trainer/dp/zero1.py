@@ -20,12 +20,19 @@ placements (the parameter's TP placement, Shard(0)), uneven chunks included. DCP
 rank's coordinates from that mesh, so it is assembled from the existing TP and DP process groups
 (`DeviceMesh.from_group`: no new groups, no collectives) rather than sliced from the world mesh,
 whose slices must keep its axis order (dp before tp).
+
+Parameters need not all shard over the same ranks: `param_meshes` gives some of them their own
+1-D shard mesh. Under expert parallelism the experts are `Shard(0)` DTensors on the `ep` mesh,
+held alike only by the ranks along `edp` (x `cp`): their state is chunked over those ranks, not
+over all data-parallel ranks (which hold different experts), and its DTensors live on an
+(ep, edp) mesh built the same way, so a checkpoint still holds the global `[X, ...]` state under
+the experts' global names. The all-gather after the step runs once per (shard mesh, dtype).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +67,21 @@ class _Slot:
     fqn: str
     full: nn.Parameter
     shard: nn.Parameter
+    shard_mesh: DeviceMesh
+    """The 1-D mesh of the ranks that split this parameter's state (and all-gather its chunks)."""
     rows_per_rank: int
     row_numel: int
     state_mesh: DeviceMesh
-    """Mesh of the chunk-shaped state DTensors: the DP mesh, or (TP mesh dims..., DP) for TP."""
+    """Mesh of the chunk-shaped state DTensors: the shard mesh, or (parameter mesh dims...,
+    shard mesh) for a DTensor parameter (TP, or EP's experts)."""
     state_placements: tuple[Placement, ...]
-    """Their placements: Shard(0), or (the parameter's TP placements..., Shard(0))."""
+    """Their placements: Shard(0), or (the parameter's placements..., Shard(0))."""
+
+    def local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of dim 0 of `tensor` (laid out like the parameter's local tensor)."""
+        rows = tensor.shape[0]
+        start = min(self.shard_mesh.get_local_rank() * self.rows_per_rank, rows)
+        return tensor[start : min(start + self.rows_per_rank, rows)]
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -73,22 +89,30 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 
     `optimizer` must have been built over `model`'s parameters and not stepped yet. The wrapper
     shares the wrapped optimizer's `param_groups` (so LR schedulers work on either) and `state`.
+    `param_meshes` maps parameters whose state shards over other ranks than `mesh`'s to their
+    own 1-D mesh (expert parallelism: the experts' `edp` ranks).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mesh: DeviceMesh):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        param_meshes: Mapping[nn.Parameter, DeviceMesh] | None = None,
+    ):
         if optimizer.state:
             raise ValueError(
                 "ZeRO-1 must wrap an optimizer that has not stepped yet; wrap it right after building"
             )
-        if mesh.ndim != 1:
-            raise ValueError(f"ZeRO-1 needs a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
+        param_meshes = param_meshes or {}
+        for shard_mesh in (mesh, *param_meshes.values()):
+            if shard_mesh.ndim != 1:
+                raise ValueError(
+                    f"ZeRO-1 needs 1-D data-parallel meshes, got {shard_mesh.ndim} dimensions"
+                )
         self.inner = optimizer
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
         names = {id(p): name for name, p in model.named_parameters()}
-        self._state_meshes: dict[DeviceMesh, DeviceMesh] = {}
+        self._state_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
         self.slots: list[_Slot] = []
         for group in optimizer.param_groups:
             shards = []
@@ -97,7 +121,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         "ZeRO-1: the optimizer holds a parameter that is not in the model"
                     )
-                slot = self._make_slot(names[id(full)], full)
+                slot = self._make_slot(names[id(full)], full, param_meshes.get(full, mesh))
                 self.slots.append(slot)
                 shards.append(slot.shard)
             group["params"] = shards
@@ -105,40 +129,47 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.state = optimizer.state
 
-    def _make_slot(self, fqn: str, full: nn.Parameter) -> _Slot:
+    def _make_slot(self, fqn: str, full: nn.Parameter, shard_mesh: DeviceMesh) -> _Slot:
         if full.dim() == 0:
             raise ValueError(f"ZeRO-1 shards along dim 0; parameter {fqn!r} is a scalar")
         local = _local(full.detach())
         rows = local.shape[0]
-        per_rank = math.ceil(rows / self.world)
-        start = min(self.rank * per_rank, rows)
+        per_rank = math.ceil(rows / shard_mesh.size())
+        start = min(shard_mesh.get_local_rank() * per_rank, rows)
         end = min(start + per_rank, rows)
         shard = nn.Parameter(local[start:end], requires_grad=full.requires_grad)
-        mesh: DeviceMesh = self.mesh
+        mesh = shard_mesh
         placements: tuple[Placement, ...] = (Shard(0),)
         if isinstance(full, DTensor):
-            mesh = self._state_mesh(full.device_mesh)
+            mesh = self._state_mesh(full.device_mesh, shard_mesh)
             placements = (*full.placements, Shard(0))
-        return _Slot(fqn, full, shard, per_rank, local[0].numel() if rows else 0, mesh, placements)
+        row_numel = local[0].numel() if rows else 0
+        return _Slot(fqn, full, shard, shard_mesh, per_rank, row_numel, mesh, placements)
 
-    def _state_mesh(self, param_mesh: DeviceMesh) -> DeviceMesh:
-        """`param_mesh`'s dims then the DP dim, over their existing groups (built once per mesh).
+    def _state_mesh(self, param_mesh: DeviceMesh, shard_mesh: DeviceMesh) -> DeviceMesh:
+        """`param_mesh`'s dims then the shard dim, over their existing groups (built once per
+        pair).
 
         The rank grid assumes both meshes are cut from one `init_device_mesh` world mesh, whose
-        ranks are affine in the coordinates: rank (i, j) = param_mesh rank i + DP rank j - this one.
+        ranks are affine in the coordinates: rank (i, j) = param_mesh rank i + shard rank j - this
+        one (a flattened shard axis is fine: each of its ranks is still such a sum).
         """
-        if param_mesh not in self._state_meshes:
+        key = (param_mesh, shard_mesh)
+        if key not in self._state_meshes:
             names = param_mesh.mesh_dim_names
-            dp_names = self.mesh.mesh_dim_names
-            assert names and dp_names and not set(names) & set(dp_names), (names, dp_names)
-            grid = param_mesh.mesh.unsqueeze(-1) + self.mesh.mesh - dist.get_rank()
-            self._state_meshes[param_mesh] = DeviceMesh.from_group(
-                [*param_mesh.get_all_groups(), self.group],
-                self.mesh.device_type,
-                mesh=grid,
-                mesh_dim_names=(*names, *dp_names),
+            shard_names = shard_mesh.mesh_dim_names
+            assert names and shard_names and not set(names) & set(shard_names), (
+                names,
+                shard_names,
             )
-        return self._state_meshes[param_mesh]
+            grid = param_mesh.mesh.unsqueeze(-1) + shard_mesh.mesh - dist.get_rank()
+            self._state_meshes[key] = DeviceMesh.from_group(
+                [*param_mesh.get_all_groups(), shard_mesh.get_group()],
+                shard_mesh.device_type,
+                mesh=grid,
+                mesh_dim_names=(*names, *shard_names),
+            )
+        return self._state_meshes[key]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -147,23 +178,18 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeRO-1 does not support optimizer closures")
         for slot in self.slots:
             grad = slot.full.grad
-            slot.shard.grad = (
-                None if grad is None else self._local_rows(_grad_like(grad, slot), slot)
-            )
+            slot.shard.grad = None if grad is None else slot.local_rows(_grad_like(grad, slot))
         self.inner.step()
         self._all_gather_parameters()
         return None
 
-    def _local_rows(self, tensor: torch.Tensor, slot: _Slot) -> torch.Tensor:
-        rows = tensor.shape[0]
-        start = min(self.rank * slot.rows_per_rank, rows)
-        return tensor[start : min(start + slot.rows_per_rank, rows)]
-
     def _all_gather_parameters(self) -> None:
-        by_dtype: dict[torch.dtype, list[_Slot]] = {}
+        """Rebuild the full parameters: one all-gather per (shard mesh, dtype)."""
+        buckets: dict[tuple[DeviceMesh, torch.dtype], list[_Slot]] = {}
         for slot in self.slots:
-            by_dtype.setdefault(slot.full.dtype, []).append(slot)
-        for slots in by_dtype.values():
+            buckets.setdefault((slot.shard_mesh, slot.full.dtype), []).append(slot)
+        for (shard_mesh, _), slots in buckets.items():
+            world = shard_mesh.size()
             sizes = [s.rows_per_rank * s.row_numel for s in slots]
             send = slots[0].shard.new_zeros(sum(sizes))
             offset = 0
@@ -171,14 +197,14 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 local = slot.shard.detach().reshape(-1)
                 send[offset : offset + local.numel()].copy_(local)
                 offset += size
-            gathered = send.new_empty(self.world * send.numel())
-            dist.all_gather_single(gathered, send, group=self.group)
-            by_rank = gathered.view(self.world, -1)
+            gathered = send.new_empty(world * send.numel())
+            dist.all_gather_single(gathered, send, group=shard_mesh.get_group())
+            by_rank = gathered.view(world, -1)
             offset = 0
             for slot, size in zip(slots, sizes, strict=True):
                 full = _local(slot.full.detach())
                 padded = by_rank[:, offset : offset + size].reshape(
-                    self.world * slot.rows_per_rank, *full.shape[1:]
+                    world * slot.rows_per_rank, *full.shape[1:]
                 )
                 full.copy_(padded[: full.shape[0]])
                 offset += size

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from services.trainer.dp.grad_sync import GradSync
 from services.trainer.parallel.context_parallel import apply_context_parallel, shard_sequence
@@ -234,14 +235,15 @@ def _parallelize_expert_model(
     then data parallelism: expert gradients are summed over the ranks holding the same experts
     (and divided by dp) by `ExpertParallelGradSync` after the step's last backward (under PP,
     after the schedule); the other parameters are averaged over all dp ranks by FSDP2 (ZeRO 2/3,
-    experts ignored) or by the same sync (ZeRO 0: no DDP wrapper, whose hooks would average the
-    experts over ranks that hold different ones). Without TP, PP or CP the caller applied
-    recompute.
+    experts ignored) or by the same sync (ZeRO 0/1: no DDP wrapper, whose hooks would average the
+    experts over ranks that hold different ones). Under ZeRO-1 the returned optimizer wrap
+    shards the other parameters' state over all dp ranks and the experts' over the ranks
+    holding the same experts. Without TP, PP or CP the caller applied recompute.
 
     The expert mesh has `pp` outermost, so a rank's `ep` group lies within its pipeline stage:
     the all-to-alls of a chunk's MoE layers run among ranks that run the same stage.
     """
-    from services.trainer.data_parallel import apply_data_parallel
+    from services.trainer.data_parallel import apply_data_parallel, wrap_optimizer
     from services.trainer.parallel import pipeline
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
@@ -294,17 +296,39 @@ def _parallelize_expert_model(
     )
     if dims.pp == 1:
         model.grad_sync = grad_sync  # type: ignore[assignment]
+    else:
+        rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
+        rank_model.runner = pipeline.PipelineRunner(
+            chunks,
+            dims,
+            schedule,
+            next(rank_model.parameters()).device,
+            grad_sync=grad_sync,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+        )
+        model = rank_model
+    if par.zero_stage != 1:
         return model, dp_mesh, None
-    rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
-    rank_model.runner = pipeline.PipelineRunner(
-        chunks,
-        dims,
-        schedule,
-        next(rank_model.parameters()).device,
-        grad_sync=grad_sync,
-        overlap_grad_reduce=par.overlap_grad_reduce,
-    )
-    return rank_model, dp_mesh, None
+    # ZeRO-1: the experts' optimizer state is split over the ranks holding the same experts.
+    experts_mesh = _expert_state_mesh(mesh)
+    param_meshes = {p: experts_mesh for _, c in chunks for p in expert_parameters(c)}
+    model_ = model
+
+    def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return wrap_optimizer(optimizer, model_, dp_mesh, zero_stage=1, param_meshes=param_meshes)
+
+    return model, dp_mesh, wrap
+
+
+def _expert_state_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over which ZeRO-1 shards the experts' optimizer state: the data-parallel
+    ranks that hold the same experts (`edp`, and `cp`: the other parameters' state shards over
+    dp x cp), from the expert mesh `mesh`. Not `tp`: like the rest of the model, the state is
+    replicated over the tensor-parallel ranks, which run the same ep block."""
+    axes = tuple(axis for axis in ("dp_replicate", "edp", "cp") if mesh[axis].size() > 1)
+    if len(axes) <= 1:
+        return mesh[axes[0] if axes else "edp"]
+    return mesh[axes]._flatten("_".join(axes))
 
 
 def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_stage: int) -> None:

@@ -12,12 +12,14 @@ Parameter names and layouts match HF Mixtral (`mlp.gate.weight [X, E]`,
 `mlp.experts.gate_up_proj [X, 2F, E]` rows [gate; up], `mlp.experts.down_proj [X, E, F]`).
 Auxiliary losses (Switch/GShard load balancing, ST-MoE router z-loss) are added to the gradient
 through `AuxLossInjector` (the training loop needs no change) and kept in `last_aux_loss` for
-logging.
+logging. They are formed from sums over the tokens (`aux_statistics`), which a parallel wrapper
+whose ranks split a micro-batch's tokens sums over those ranks first (`reduce_aux_statistics`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +155,9 @@ class MoE(nn.Module):
             )
             self.shared_experts = MLP(shared)
         self.dispatcher: Any = LocalDispatcher()
+        self.reduce_aux_statistics: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums `aux_statistics` over the ranks that split a micro-batch's tokens (set by a
+        parallel wrapper, e.g. context parallelism); None: this process holds them all."""
         self.last_aux_loss: torch.Tensor | None = None
 
     def route(self, x_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,17 +171,42 @@ class MoE(nn.Module):
         return logits_NX, weights_NK, experts_NK
 
     def aux_loss(self, logits_NX: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor:
-        """coeff·X·Σ_i f_i·P_i (f: share of routed copies, P: mean probability) + z-loss."""
+        """coeff·X·Σ_i f_i·P_i (f: share of routed copies, P: mean probability) + z-loss, over
+        the micro-batch's tokens (all ranks' under `reduce_aux_statistics`)."""
+        stats = self.aux_statistics(logits_NX, experts_NK)
+        losses_on = self.config.aux_loss_coeff or self.config.z_loss_coeff
+        if self.reduce_aux_statistics is not None and losses_on:
+            stats = self.reduce_aux_statistics(stats)
+        return self.aux_loss_from_statistics(stats)
+
+    def aux_statistics(self, logits_NX: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor:
+        """The sums the auxiliary losses are formed from, one fp32 vector [2X + 2]: routed copies
+        per expert, router probability per expert summed over the tokens, Σ logsumexp(logits)²
+        over the tokens, and the token count (zeros where a loss is off). Sums over disjoint
+        token sets add up, so ranks splitting a micro-batch sum these to get its statistics."""
         cfg = self.config
-        loss = logits_NX.new_zeros(())
+        counts_X = logits_NX.new_zeros(cfg.num_experts)
+        probs_X = logits_NX.new_zeros(cfg.num_experts)
+        z = logits_NX.new_zeros(1)
         if cfg.aux_loss_coeff:
-            n = logits_NX.shape[0]
-            counts_X = torch.bincount(experts_NK.flatten(), minlength=cfg.num_experts)
-            f_X = counts_X.float() / (n * cfg.top_k)
-            p_X = logits_NX.softmax(dim=-1).mean(dim=0)
+            counts_X = torch.bincount(experts_NK.flatten(), minlength=cfg.num_experts).float()
+            probs_X = logits_NX.softmax(dim=-1).sum(dim=0)
+        if cfg.z_loss_coeff:
+            z = torch.logsumexp(logits_NX, dim=-1).square().sum()[None]
+        n = logits_NX.new_full((1,), logits_NX.shape[0])
+        return torch.cat([counts_X, probs_X, z, n])
+
+    def aux_loss_from_statistics(self, stats: torch.Tensor) -> torch.Tensor:
+        """The auxiliary losses from `aux_statistics` (of one rank's tokens, or summed)."""
+        cfg = self.config
+        counts_X, probs_X, z, n = stats.split([cfg.num_experts, cfg.num_experts, 1, 1])
+        loss = stats.new_zeros(())
+        if cfg.aux_loss_coeff:
+            f_X = counts_X / (n * cfg.top_k)
+            p_X = probs_X / n
             loss = loss + cfg.aux_loss_coeff * cfg.num_experts * (f_X * p_X).sum()
         if cfg.z_loss_coeff:
-            loss = loss + cfg.z_loss_coeff * torch.logsumexp(logits_NX, dim=-1).square().mean()
+            loss = loss + cfg.z_loss_coeff * (z / n).squeeze(0)
         return loss
 
     def keep_mask(self, experts_NK: torch.Tensor) -> torch.Tensor:

@@ -99,22 +99,18 @@ def test_ep2_equals_ep1():
 TRAINER_STEPS = 6
 # Both auxiliary losses are on. Their statistics are per micro-batch and every layout cuts a step
 # into the same micro-batches (rows), so they equal one process's; context-parallel ranks see
-# sequence chunks instead, whose load-balancing statistics differ (the loss is nonlinear in
-# them), so CP layouts run without it (NO_BALANCE) against a reference without it.
+# sequence chunks and sum their statistics over the cp group (`apply_moe_context_parallel`).
 MIXTRAL = ["--model", "tiny-mixtral", "--num-layers", "2", "--moe-z-loss-coeff", "0.05",
            "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
-NO_BALANCE = ["--moe-aux-loss-coeff", "0"]
 # Validation reads this many micro-batches in all, split over the data-parallel ranks.
 VALID_MICRO_BATCHES = 4
 
 
 def _run_moe(flags, save=None):
     """One layout: (results, trainer). Results: loss curve, final (gathered) weights, validation
-    loss, whether the load-balancing loss is on, and the auxiliary loss of each MoE layer this
-    rank holds from the step's last micro-batch (only on the last data-parallel rank, which runs
-    the micro-batch one process runs last; not under CP, whose ranks see sequence chunks).
-    With `save`, a checkpoint of step 2 is written there."""
-    from models.mixtral import moe_config
+    loss, and the auxiliary loss of each MoE layer this rank holds from the step's last
+    micro-batch (only on the last data-parallel rank, which runs the micro-batch one process
+    runs last). With `save`, a checkpoint of step 2 is written there."""
     from models.moe import moe_layers
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
@@ -130,19 +126,14 @@ def _run_moe(flags, save=None):
         if save and step == 1:
             trainer.save()
             trainer.checkpoints.wait()
-    aux = None  # under CP: not comparable
-    if trainer.config.parallel.context_parallel_size == 1:
-        last = trainer.dp_rank == trainer.dp_size - 1
-        aux = {n: float(m.last_aux_loss) for n, m in moe_layers(trainer.model)} if last else {}
+    last = trainer.dp_rank == trainer.dp_size - 1
+    aux = {n: float(m.last_aux_loss) for n, m in moe_layers(trainer.model)} if last else {}
     trainer.config.run.eval_iters = VALID_MICRO_BATCHES // trainer.dp_size
-    moe = moe_config(trainer.model_config)
-    assert moe is not None
     results = {
         "losses": losses,
         "params": full_parameters(trainer.model),
         "aux": aux,
         "valid": trainer.evaluate(),
-        "balance": moe.aux_loss_coeff > 0,
     }
     return results, trainer
 
@@ -157,27 +148,26 @@ def _trainer_layouts(rank, world_size, layouts, save=None):
 
 @pytest.fixture(scope="module")
 def single_save(tmp_path_factory):
-    """Where the one-process run with the load-balancing loss saves its step-2 checkpoint."""
+    """Where the one-process run saves its step-2 checkpoint."""
     return str(tmp_path_factory.mktemp("single") / "ckpt")
 
 
 @pytest.fixture(scope="module")
 def single_mixtral(single_save):
-    """One process, with and without the load-balancing loss (one launch)."""
-    layouts = {"single": [], "no-balance": NO_BALANCE}
-    return run_distributed(_trainer_layouts, 1, layouts, single_save)[0]
+    """The one-process reference run."""
+    return run_distributed(_trainer_layouts, 1, {"single": []}, single_save)[0]
 
 
 def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
-    """Every layout of `results` (per rank: name -> run) against its one-process reference:
-    loss curve, weights, validation loss (same relative tolerance as the losses) and the
-    auxiliary losses of the last micro-batch (1e-5 relative)."""
+    """Every layout of `results` (per rank: name -> run) against the one-process run: loss
+    curve, weights, validation loss (same relative tolerance as the losses) and the auxiliary
+    losses of the last micro-batch (1e-5 relative)."""
     from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
 
     for name in results[0]:
         for rank, by_layout in enumerate(results):
             got = by_layout[name]
-            ref = single["single" if got["balance"] else "no-balance"]
+            ref = single["single"]
             assert ref["losses"][-1] < ref["losses"][0]
             loss_diff = max_loss_diff(ref["losses"], got["losses"])
             param_diff = max_param_diff(ref["params"], got["params"])
@@ -185,16 +175,14 @@ def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
             assert loss_diff < loss_rtol, (name, rank, loss_diff)
             assert param_diff < param_rtol, (name, rank, param_diff)
             assert got["valid"] == pytest.approx(ref["valid"], rel=loss_rtol), (name, rank)
-            for layer, value in (got["aux"] or {}).items():
+            for layer, value in got["aux"].items():
                 assert value == pytest.approx(ref["aux"][layer], rel=1e-5), (name, rank, layer)
-        # Outside CP, some rank compared the auxiliary losses.
-        if results[0][name]["aux"] is not None:
-            assert any(by_layout[name]["aux"] for by_layout in results), name
+        assert any(by_layout[name]["aux"] for by_layout in results), name  # some rank compared
 
 
 def _two_rank_runs(rank, world_size, save):
     """Every 2-process run in one launch: EP2 (saving after step 2), the EP1 resume from that
-    checkpoint, TP2 (with its expert placements) and TP2 with sequence parallelism."""
+    checkpoint, TP2 (with its expert placements), TP2 with sequence parallelism and CP2."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
     from tests.services.trainer.parallel.parity import BASE, full_parameters
@@ -218,6 +206,7 @@ def _two_rank_runs(rank, world_size, save):
         if name.startswith("layers.0.mlp.")
     }
     out["tp2-sp"], _ = _run_moe(["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    out["cp2"], _ = _run_moe(["--context-parallel-size", "2"])
     return out
 
 
@@ -237,6 +226,16 @@ def test_trainer_ep2_dp2_equals_one_process(single_mixtral, two_ranks):
     for result in two_ranks:
         assert max_loss_diff(ref["losses"], result["ep2"]["losses"]) < 1e-5
         assert max_param_diff(ref["params"], result["ep2"]["params"]) < 1e-4
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_cp2_mixtral_equals_one_process(single_mixtral, two_ranks):
+    """Context parallelism with the load-balancing loss on: the two ranks route sequence chunks
+    and sum their per-expert copy counts and probability sums (and z-loss sums) over the cp
+    group before forming the losses, so the losses, their gradient and the logged auxiliary
+    losses equal one process's."""
+    _check_layouts(single_mixtral, [{"cp2": r["cp2"]} for r in two_ranks])
 
 
 @pytest.mark.dist
@@ -364,7 +363,7 @@ def four_ranks(tmp_path_factory, single_mixtral, single_save):
         "ep4": ["--expert-model-parallel-size", "4"],
         "tp2-ep2": ["--tensor-model-parallel-size", "2", *ep2],
         "ep2-edp2-zero3": [*ep2, "--zero-stage", "3"],
-        "cp2-ep2": ["--context-parallel-size", "2", *ep2, *NO_BALANCE],
+        "cp2-ep2": ["--context-parallel-size", "2", *ep2],
         "tp2-ep2-zero2": ["--tensor-model-parallel-size", "2", *ep2, "--zero-stage", "2"],
         "tp2-ep2-sp": ["--tensor-model-parallel-size", "2", *ep2, "--sequence-parallel"],
         "pp2-ep2": ["--pipeline-model-parallel-size", "2", *ep2, "--overlap-grad-reduce"],

@@ -1,7 +1,8 @@
 """Expert parallelism: each rank of the `ep` group holds X/ep experts of every MoE layer, and
 routed token copies travel to their expert's rank and back with all-to-all. Also the
-tensor-parallel style of the experts (`ExpertsTensorParallel`) and of a whole MoE layer under
-sequence parallelism (`MoESequenceParallel`).
+tensor-parallel style of the experts (`ExpertsTensorParallel`), of a whole MoE layer under
+sequence parallelism (`MoESequenceParallel`), and the auxiliary-loss statistics of MoE layers
+under context parallelism (`apply_moe_context_parallel`).
 
 Shapes: B batch, S sequence (s = S/t, a sequence shard), N tokens B·S (n = B·s), K top-k,
 T routed token copies, E hidden, X experts (global), L experts per rank, P ep size, F expert ffn
@@ -140,6 +141,50 @@ def _local_forward(experts: Experts) -> Any:
         return expert_outputs(x_TE, counts, gate_up, down)
 
     return forward
+
+
+class _SumStatistics(torch.autograd.Function):
+    """All-reduce (sum) forward and backward: per-rank sums of a micro-batch's statistics made
+    the micro-batch's, from which every rank of `group` forms the same loss L.
+
+    Backward is the adjoint of the sum: the sum of the ranks' identical upstream gradients, i.e.
+    group-size x dL/dstats. Each rank injects L, and data-parallel averaging divides the sum of
+    the ranks' gradients (each through its own tokens) by the group size too, so the result is
+    dL/dθ once, as if one process had formed L.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = stats.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def apply_moe_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> int:
+    """Form every MoE layer's auxiliary losses from statistics summed over `cp_group`.
+
+    Context-parallel ranks route disjoint sequence chunks of the same micro-batch; the
+    load-balancing loss is nonlinear in its statistics (copies and probability per expert), so
+    per-chunk losses differ from one process's. Summed over the group (Megatron aggregates over
+    the tensor-and-context group; TP ranks here already route the same tokens), every rank forms
+    the micro-batch's losses; the z-loss, a per-token mean, is made global alike. Returns the
+    number of MoE layers changed.
+    """
+    layers = moe_layers(model)
+    for _, moe in layers:
+        moe.reduce_aux_statistics = functools.partial(_sum_statistics, group=cp_group)
+    return len(layers)
+
+
+def _sum_statistics(stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return cast(torch.Tensor, _SumStatistics.apply(stats, group))
 
 
 def is_expert_parameter(name: str) -> bool:

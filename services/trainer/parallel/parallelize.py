@@ -355,7 +355,11 @@ def _apply_within_replica(
         )
         log.info("tensor-parallel plan (tp=%d):\n%s", dims.tp, _format(plan))
     if dims.cp > 1:
-        apply_context_parallel(chunk, dims.submesh("cp").get_group())
+        from services.trainer.parallel.expert_parallel import apply_moe_context_parallel
+
+        cp_group = dims.submesh("cp").get_group()
+        apply_context_parallel(chunk, cp_group)
+        apply_moe_context_parallel(chunk, cp_group)
     if par.recompute_granularity is not None:
         chosen = apply_recompute(
             chunk, par.recompute_granularity, par.recompute_method, par.recompute_num_layers

@@ -67,10 +67,35 @@ class PackedLinear(nn.Module):
         """The same result as the nn.Linear it came from."""
         if self.gemv_weight is not None and x.numel() == self.in_features:
             return F.linear(x, self.gemv_weight, self.bias)
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def _packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def _packed_linear_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
+
+
+# torch.compile calls this op as it is: inductor lowers oneDNN's own linear only for weights it
+# packed itself, as constants of a frozen graph. A plain library op, not torch.library.custom_op,
+# whose Python wrapping costs more per call.
+_LIB = torch.library.Library("meshline", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("meshline::packed_linear", _packed_linear_fake, lib=_LIB)
+packed_linear = torch.ops.meshline.packed_linear
+"""x W^T + b with W packed by oneDNN (PackedLinear's op inside compiled graphs)."""
 
 
 def pack_linears(

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kernels import device
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class Op:
 
     def default(self) -> str:
         """The backend name this process uses when no `backend=` is given (chosen once)."""
-        return _default_backend_name(self.name)
+        return _backend_for(self.name)
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         return self.get(backend or self.default())(*args, **kwargs)
@@ -121,6 +123,13 @@ def parse_override(value: str | None) -> dict[str, str]:
             )
         choices[op_name.strip()] = backend_name.strip()
     return choices
+
+
+@torch.compiler.assume_constant_result
+def _backend_for(op_name: str) -> str:
+    """`_default_backend_name`, read by torch.compile as a constant of the graph it builds (the
+    choice is made once per process) rather than traced through the device probing."""
+    return _default_backend_name(op_name)
 
 
 @functools.cache

@@ -44,6 +44,31 @@ class CacheStep:
     slots_B: torch.Tensor | None = None
     """Rows of unequal length: the slot each row writes (indexed writes, computed once per step
     rather than per layer)."""
+    plan_3: torch.Tensor | None = None
+    """(start or -1, key_len, q_offset) as a host int64 tensor: what the cache op of a compiled
+    forward reads (Python ints there would be baked into the graph, one graph per length)."""
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan_3: torch.Tensor,
+        start_B: torch.Tensor,
+        new_tokens: int,
+        key_mask_BS: torch.Tensor | None,
+    ) -> CacheStep:
+        """The step `KVCache.begin` planned, rebuilt from its tensors (inside the cache op)."""
+        start, key_len, q_offset = plan_3.tolist()
+        uniform = start >= 0
+        return cls(
+            start_B,
+            new_tokens,
+            key_len,
+            q_offset,
+            key_mask_BS,
+            start if uniform else None,
+            None if uniform else start_B[:, None],
+            plan_3,
+        )
 
 
 class KVCache:
@@ -167,18 +192,20 @@ class KVCache:
             if key_padding_mask_BS is None
             else key_padding_mask_BS.to(torch.bool)
         )
+        q_offset = key_len - new_tokens
         step = CacheStep(
             start_B,
             new_tokens,
             key_len,
-            key_len - new_tokens,
+            q_offset,
             None,
             lengths[0] if uniform else None,
             None if uniform else start_B[:, None],
+            torch.tensor([lengths[0] if uniform else -1, key_len, q_offset]),
         )
         mask_BS = self.key_mask_BS[:, :key_len].clone()
         # Slots past a shorter row's end were never written, so its stored mask is already False.
-        self._scatter(mask_BS, new_mask_BS, step)
+        _scatter(mask_BS, new_mask_BS, step)
         step.key_mask_BS = None if bool(mask_BS.all()) else mask_BS
         return step
 
@@ -187,10 +214,7 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's keys/values for one layer; return every key/value its queries read."""
         key = str(layer_id)
-        k_cache, v_cache = self.k_BSKD[key], self.v_BSKD[key]
-        self._scatter(k_cache, k_BSKD, step)
-        self._scatter(v_cache, v_BSKD, step)
-        return k_cache[:, : step.key_len], v_cache[:, : step.key_len]
+        return _store(self.k_BSKD[key], self.v_BSKD[key], step, k_BSKD, v_BSKD)
 
     def attend(
         self,
@@ -202,19 +226,28 @@ class KVCache:
         alibi_slopes_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's keys/values for one layer, then attend from this step's queries over
-        every key they may see (cached and new, causal among the new); out [B, S, H, D]."""
-        k_all, v_all = self.write(layer_id, step, k_BSKD, v_BSKD)
-        out_BSHD = attention(
-            q_BSHD,
-            k_all,
-            v_all,
-            causal=True,
-            alibi_slopes_H=alibi_slopes_H,
-            key_padding_mask_BS=step.key_mask_BS,
-            q_offset=step.q_offset,
-        )
-        assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
-        return out_BSHD
+        every key they may see (cached and new, causal among the new); out [B, S, H, D].
+
+        Under torch.compile this is one opaque op, `meshline::kv_cache_attend`: the slots written
+        and the keys read change every step, so a graph that held them would be rebuilt every
+        step, while the op keeps the graph's shapes fixed (q in, out of q's shape).
+        """
+        key = str(layer_id)
+        k_cache, v_cache = self.k_BSKD[key], self.v_BSKD[key]
+        if torch.compiler.is_compiling():
+            assert step.plan_3 is not None  # set by begin()
+            return kv_cache_attend(
+                q_BSHD,
+                k_BSKD,
+                v_BSKD,
+                k_cache,
+                v_cache,
+                step.start_B,
+                step.plan_3,
+                step.key_mask_BS,
+                alibi_slopes_H,
+            )
+        return _store_and_attend(k_cache, v_cache, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H)
 
     def commit(self, step: CacheStep) -> None:
         """Advance every row by the step's tokens (call once after all layers wrote)."""
@@ -224,14 +257,86 @@ class KVCache:
             self.key_mask_BS[:, : step.key_len] = step.key_mask_BS
         self.lengths_B += step.new_tokens  # in place, so row views see it
 
-    @staticmethod
-    def _scatter(dest_BS: torch.Tensor, new_BS: torch.Tensor, step: CacheStep) -> None:
-        """dest[b, start[b] + t] = new[b, t] for every row b and step token t."""
-        if step.start is not None:
-            dest_BS[:, step.start : step.start + new_BS.shape[1]] = new_BS
-            return
-        assert step.slots_B is not None  # rows differ: one token each
-        dest_BS.scatter_(1, _expand_index(step.slots_B, new_BS), new_BS.to(dest_BS.dtype))
+
+def _scatter(dest_BS: torch.Tensor, new_BS: torch.Tensor, step: CacheStep) -> None:
+    """dest[b, start[b] + t] = new[b, t] for every row b and step token t."""
+    if step.start is not None:
+        dest_BS[:, step.start : step.start + new_BS.shape[1]] = new_BS
+        return
+    assert step.slots_B is not None  # rows differ: one token each
+    dest_BS.scatter_(1, _expand_index(step.slots_B, new_BS), new_BS.to(dest_BS.dtype))
+
+
+def _store(
+    k_cache_BSKD: torch.Tensor,
+    v_cache_BSKD: torch.Tensor,
+    step: CacheStep,
+    k_BSKD: torch.Tensor,
+    v_BSKD: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new keys/values at the step's slots; the first key_len slots of each."""
+    _scatter(k_cache_BSKD, k_BSKD, step)
+    _scatter(v_cache_BSKD, v_BSKD, step)
+    return k_cache_BSKD[:, : step.key_len], v_cache_BSKD[:, : step.key_len]
+
+
+def _store_and_attend(
+    k_cache_BSKD: torch.Tensor,
+    v_cache_BSKD: torch.Tensor,
+    step: CacheStep,
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    v_BSKD: torch.Tensor,
+    alibi_slopes_H: torch.Tensor | None,
+) -> torch.Tensor:
+    k_all, v_all = _store(k_cache_BSKD, v_cache_BSKD, step, k_BSKD, v_BSKD)
+    out_BSHD = attention(
+        q_BSHD,
+        k_all,
+        v_all,
+        causal=True,
+        alibi_slopes_H=alibi_slopes_H,
+        key_padding_mask_BS=step.key_mask_BS,
+        q_offset=step.q_offset,
+    )
+    assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
+    return out_BSHD
+
+
+def _kv_cache_attend(
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    v_BSKD: torch.Tensor,
+    k_cache_BSKD: torch.Tensor,
+    v_cache_BSKD: torch.Tensor,
+    start_B: torch.Tensor,
+    plan_3: torch.Tensor,
+    key_mask_BS: torch.Tensor | None,
+    alibi_slopes_H: torch.Tensor | None,
+) -> torch.Tensor:
+    step = CacheStep.from_plan(plan_3, start_B, k_BSKD.shape[1], key_mask_BS)
+    out_BSHD = _store_and_attend(
+        k_cache_BSKD, v_cache_BSKD, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H
+    )
+    return out_BSHD.contiguous()  # the layout the fake below promises
+
+
+def _kv_cache_attend_fake(q_BSHD: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q_BSHD, memory_format=torch.contiguous_format)
+
+
+# A plain library op rather than torch.library.custom_op: the latter's Python wrapping costs
+# more per call than the small decode attention itself.
+_LIB = torch.library.Library("meshline", "FRAGMENT")
+_LIB.define(
+    "kv_cache_attend(Tensor q_BSHD, Tensor k_BSKD, Tensor v_BSKD, Tensor(a!) k_cache_BSKD, "
+    "Tensor(b!) v_cache_BSKD, Tensor start_B, Tensor plan_3, Tensor? key_mask_BS, "
+    "Tensor? alibi_slopes_H) -> Tensor"
+)
+_LIB.impl("kv_cache_attend", _kv_cache_attend, "CompositeExplicitAutograd")
+torch.library.register_fake("meshline::kv_cache_attend", _kv_cache_attend_fake, lib=_LIB)
+kv_cache_attend = torch.ops.meshline.kv_cache_attend
+"""`KVCache.attend` on one layer's cache buffers, for compiled forwards (see there)."""
 
 
 def _expand_index(slots_B1: torch.Tensor, new_BT: torch.Tensor) -> torch.Tensor:

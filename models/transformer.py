@@ -76,8 +76,8 @@ class Attention(nn.Module):
             # keys/values and attends over every key the queries see.
             kv_cache, step, layer_id = cache
             slopes_H = self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device) if self.alibi else None
-            out_BSHD = kv_cache.attend(layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H)
-            return self.o_proj(out_BSHD.flatten(2))
+            cached_BSHD = kv_cache.attend(layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H)
+            return self.o_proj(cached_BSHD.flatten(2))
         out_BSHD = attention(
             q_BSHD,
             k_BSKD,
@@ -243,16 +243,19 @@ class CausalLM(nn.Module):
         key_padding_mask_BS: torch.Tensor | None = None,
         segment_ids_BS: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        cache_step: CacheStep | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits [B,S,V] (hidden [B,S,E] without a head) for token ids [B,S] (hidden, no embed).
 
         `key_padding_mask_BS` marks real tokens (True) of this call's tokens; `segment_ids_BS`
         separates packed documents (positions then restart per document unless given); with
-        `kv_cache` the tokens are appended to the cached ones. `logits_to_keep` n > 0 returns the
-        logits of the last n positions only (HF's argument of that name; a stage without a head
-        returns every position): a prefill needs one row of logits, not S, and the final norm
-        and head then run on those rows alone.
+        `kv_cache` the tokens are appended to the cached ones; `cache_step`, a step the caller
+        began on `kv_cache` (and commits after the call), keeps the cache's host-side planning
+        out of a compiled forward. `logits_to_keep` n > 0 returns the logits of the last n
+        positions only (HF's argument of that name; a stage without a head returns every
+        position): a prefill needs one row of logits, not S, and the final norm and head then
+        run on those rows alone.
         """
         if self.embed_tokens is not None:
             h_BSE = self.embed_tokens(x)
@@ -261,13 +264,16 @@ class CausalLM(nn.Module):
         else:
             h_BSE = x
         b, s = h_BSE.shape[:2]
-        step = None
+        step = cache_step
+        if kv_cache is None and cache_step is not None:
+            raise ValueError("CausalLM.forward: cache_step needs the kv_cache it was begun on")
         if kv_cache is not None:
             if segment_ids_BS is not None:
                 raise ValueError(
                     "CausalLM.forward: segment_ids_BS cannot be combined with kv_cache"
                 )
-            step = kv_cache.begin(s, key_padding_mask_BS)
+            if step is None:
+                step = kv_cache.begin(s, key_padding_mask_BS)
         rope = None
         if self.rotary is not None:
             if position_ids_BS is None:
@@ -275,7 +281,7 @@ class CausalLM(nn.Module):
             rope = self.rotary(position_ids_BS)
         for layer in self.layers.values():
             h_BSE = layer(h_BSE, rope, key_padding_mask_BS, segment_ids_BS, kv_cache, step)
-        if kv_cache is not None and step is not None:
+        if kv_cache is not None and step is not None and cache_step is None:
             kv_cache.commit(step)
         if logits_to_keep > 0 and self.lm_head is not None:
             h_BSE = h_BSE[:, -logits_to_keep:]

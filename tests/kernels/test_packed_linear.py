@@ -50,3 +50,18 @@ def test_pack_linears_swaps_plain_linears_and_skips_the_rest():
 def test_refuses_what_it_cannot_pack():
     with pytest.raises(ValueError, match="keep it as it is"):
         PackedLinear(nn.Linear(4, 4).double())
+
+
+def test_compiled_graph_calls_the_packed_op():
+    """Inside torch.compile the packed weight runs through meshline::packed_linear (inductor
+    lowers oneDNN's linear only on weights it packed itself): same result as F.linear, for the
+    gemv copy's single row and the packed weight's several rows alike."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160)
+    compiled = torch.compile(PackedLinear(linear, gemv_copy=True), fullgraph=True)
+    for rows in [(1, 1), (3, 1), (5, 1)]:
+        x = torch.randn(*rows, 96)
+        with torch.inference_mode():
+            out = compiled(x)
+        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)

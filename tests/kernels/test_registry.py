@@ -86,3 +86,12 @@ def test_env_override_reaches_real_ops(monkeypatch):
         monkeypatch.delenv(registry.KERNELS_ENV)
         registry._default_backend_name.cache_clear()
     assert attention.ATTENTION.default() == "sdpa"
+
+
+def test_compiled_graphs_take_the_backend_as_a_constant():
+    """torch.compile reads the chosen backend once instead of tracing the device probing (which
+    imports optional vendor modules and cannot be traced): no graph break."""
+    torch._dynamo.reset()
+    x, weight = torch.randn(2, 3, 8), torch.rand(8) + 0.5
+    compiled = torch.compile(lambda t: norm.rms_norm(t, weight), fullgraph=True)
+    torch.testing.assert_close(compiled(x), norm.rms_norm_reference(x, weight, 1e-6))

@@ -128,3 +128,35 @@ def test_logits_to_keep_returns_the_last_positions(name):
     assert (last_two - full[:, -2:]).abs().max().item() <= ATOL
     assert (prefill[:, 0] - full[:, 5]).abs().max().item() <= ATOL
     assert (step[:, 0] - full[:, 6]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-bloom"])
+def test_compiled_decode_with_a_caller_begun_step(name):
+    """A compiled forward given `cache_step` (begun and committed outside the graph) writes the
+    cache and attends through meshline::kv_cache_attend like the eager forward: rows of unequal
+    length (masked keys), RoPE or ALiBi."""
+    torch._dynamo.reset()
+    model = _model(name)
+    ids = _ids(2, 9, seed=5)
+    eager_cache = KVCache.for_model(model, batch_size=2, max_seq_len=12)
+    compiled_cache = KVCache.for_model(model, batch_size=2, max_seq_len=12)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for cache in (eager_cache, compiled_cache):
+            model(ids[:, :4], kv_cache=cache)
+            cache.reset_rows([1])
+            model(ids[1:, :2], kv_cache=cache.rows(1, 2))
+        for t in range(4, 8):
+            step_ids = ids[:, t : t + 1]
+            expected = model(step_ids, kv_cache=eager_cache)
+            step = compiled_cache.begin(1, None)
+            got = compiled(step_ids, kv_cache=compiled_cache, cache_step=step)
+            compiled_cache.commit(step)
+            assert (got - expected).abs().max().item() <= ATOL
+    assert compiled_cache.lengths_B.tolist() == eager_cache.lengths_B.tolist() == [8, 6]
+    assert torch.equal(compiled_cache.key_mask_BS, eager_cache.key_mask_BS)
+    for key, buf in eager_cache.k_BSKD.items():
+        assert (compiled_cache.k_BSKD[key] - buf).abs().max().item() <= ATOL
+        assert (compiled_cache.v_BSKD[key] - eager_cache.v_BSKD[key]).abs().max().item() <= ATOL
+    with pytest.raises(ValueError, match="cache_step needs the kv_cache"):
+        model(ids[:, :1], cache_step=step)

@@ -2,6 +2,7 @@
 
     python -m bench.bench_inference [--quick] [--threads 2] [--dtype fp32|bf16] [--stat min]
                                     [--cpu-linear dense|packed|packed+gemv] [--clock cpu]
+                                    [--compile-decode]
 
 The model is a random Llama (GQA) built in HF and converted through the adapters, so both sides
 compute the same function (greedy outputs are checked token-identical before timing). Rows:
@@ -15,7 +16,9 @@ Each row alternates HF and ours for `--rounds` rounds and reports medians (`--st
 best round of each, steadier when other jobs share the cores), so load drifting on a shared
 machine hits both. `--clock cpu` times the process's CPU time instead of wall time: with
 `--threads 1` that is the work done, whatever else runs on the machine (preemption is not
-counted). ratio = HF time / our time (> 1: the engine is faster).
+counted). ratio = HF time / our time (> 1: the engine is faster). `--compile-decode` compiles
+the engine's decode step (EngineConfig.compile_decode); the compile time, taken by the untimed
+warm-up calls, is printed.
 """
 
 from __future__ import annotations
@@ -127,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stat", choices=("median", "min"), default="median")
     parser.add_argument("--cpu-linear", choices=CPU_LINEAR, default=EngineConfig.cpu_linear)
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
+    parser.add_argument("--compile-decode", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     hf, ours, config = build_pair(args.quick, dtype)
-    engine_config = EngineConfig(max_batch_rows=16, cpu_linear=args.cpu_linear)
+    engine_config = EngineConfig(
+        max_batch_rows=16, cpu_linear=args.cpu_linear, compile_decode=args.compile_decode
+    )
     engine = Engine(ours, TokenizerInfo(config.vocab_size), engine_config)
     rounds = args.rounds or (3 if args.quick else 5)
     new = 32 if args.quick else 128
@@ -142,12 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     [[check]] = engine.generate([prompts[0]], [SamplingConfig(max_new_tokens=16)])
     reference = _hf_call(hf, prompts[:1], max_new_tokens=16)()[0, prompt_len:].tolist()
     print(f"greedy outputs identical to HF: {check.token_ids == reference}")
+    if args.compile_decode:
+        # Every batch shape the rows below decode at, so no timed call compiles.
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for rows in (1, 4, 8):
+            engine.generate(prompts[:rows], [SamplingConfig(max_new_tokens=4)] * rows)
+        print(
+            f"compile (batch shapes 1, 4, 8): {time.perf_counter() - start:.1f} s wall, "
+            f"{time.process_time() - cpu_start:.1f} s CPU"
+        )
 
     print(
         f"model: llama-gqa hidden={config.hidden_size} layers={config.num_layers} "
         f"heads={config.num_attention_heads}/{config.kv_heads} vocab={config.vocab_size} "
         f"dtype={args.dtype} threads={args.threads} prompt={prompt_len} new={new} rounds={rounds} "
-        f"stat={args.stat} clock={args.clock} cpu_linear={args.cpu_linear}"
+        f"stat={args.stat} clock={args.clock} cpu_linear={args.cpu_linear} "
+        f"compile_decode={args.compile_decode}"
     )
     header = f"{'row':<22}{'HF generate':>16}{'Meshline':>16}{'ratio':>8}"
     print(header)

@@ -34,6 +34,8 @@ class InferenceServiceConfig:
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
     cpu_linear: str = "packed"
     """CPU linear weights: dense, packed (oneDNN) or packed+gemv (see EngineConfig)."""
+    compile_decode: bool = False
+    """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -81,6 +83,11 @@ class InferenceServiceConfig:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.compile_decode and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--compile-decode serves from one process; drop it or use "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +147,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         f"column-major copy for batch-1 decoding (2x their memory) (default {d.cpu_linear})",
     )
     group.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="CPU, one process: compile the decode step with torch.compile (fused norms, RoPE, "
+        "residuals; seconds of compiling per new batch shape on the first requests)",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -178,6 +191,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_batch_rows=args.max_batch_rows,
         cpu_linear=args.cpu_linear,
+        compile_decode=args.compile_decode,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

@@ -80,6 +80,11 @@ class EngineConfig:
     and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
     the linear weights' memory). A head tied to the embedding stays dense."""
+    compile_decode: bool = False
+    """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
+    which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
+    linear layers and the KV-cache write + attention run as they are. The first decode steps
+    at a new batch shape compile (seconds each, a few shapes in all); prefill stays eager."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -133,11 +138,18 @@ class Engine:
         self.context_length = int(model.config.max_position_embeddings)
         self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
+        if self.config.compile_decode and self.device.type != "cpu":
+            raise ValueError(
+                f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
+                f"{self.device.type}"
+            )
         self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
         if self.config.cpu_linear != "dense":
             shared_head = model.config.tie_word_embeddings or model.config.norm_head
             skip = ("lm_head",) if shared_head else ()
             pack_linears(model, skip, gemv_copy=self.config.cpu_linear == "packed+gemv")
+        # The decode forward (one token per row) captured by torch.compile, or None (eager).
+        self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
@@ -239,7 +251,15 @@ class Engine:
         n = len(self._rows)
         ids_B1 = torch.tensor([[row.pending] for row in self._rows], device=self.device)
         view = self.pool.view(0, n)
-        logits_BV = self._last_logits(ids_B1, view)
+        if self._compiled_model is None:
+            logits_BV = self._last_logits(ids_B1, view)
+        else:
+            # The cache's host-side planning (begin/commit) stays outside the compiled graph.
+            step = view.begin(1, None)
+            logits_BV = self._compiled_model(
+                ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
+            )[:, -1]
+            view.commit(step)
         self.pool.sync(view, 0)
         for row in self._rows:
             rid = row.request.request_id

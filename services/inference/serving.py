@@ -72,6 +72,10 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
         device=platform.torch_device(),
     )
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-    engine_config = EngineConfig(max_batch_rows=config.max_batch_rows, cpu_linear=config.cpu_linear)
+    engine_config = EngineConfig(
+        max_batch_rows=config.max_batch_rows,
+        cpu_linear=config.cpu_linear,
+        compile_decode=config.compile_decode,
+    )
     engine = Engine(loaded.model, tokens, engine_config)
     return ServingEngine(loaded, engine)

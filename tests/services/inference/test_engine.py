@@ -4,11 +4,16 @@ cache-free forward."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from kernels.packed_linear import PackedLinear
+from models import build_model
+from models.registry import get_config
 from models.tokenizer import build_tokenizer
+from services.inference.config import add_flags, from_args
 from services.inference.engine import Engine, EngineConfig
 from services.inference.requests import Finish, collect
 from services.inference.sampling import SamplingConfig
@@ -162,6 +167,58 @@ def test_cpu_linear_layouts_give_the_same_tokens(cpu_linear):
                 assert a.token_ids == b.token_ids
                 # fp32 summation order differs between the layouts: logprobs agree closely.
                 assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("cpu_linear", ["packed", "packed+gemv"])
+def test_compiled_decode_gives_the_eager_tokens(cpu_linear):
+    """compile_decode: rows of unequal lengths (masked keys), requests joining later, batch sizes
+    1..5, beams and sampling decode exactly as the eager engine, with no graph breaks."""
+    torch._dynamo.reset()  # a fresh recompile budget and counters for this test
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _, eager_model, config = hf_reference("llama-gqa", seed=1)
+    compiled_model = hf_reference("llama-gqa", seed=1)[1]
+    tokens = TokenizerInfo(config.vocab_size)
+    prompts = [prompt(n, config.vocab_size, seed=n) for n in (5, 8, 3)]
+    configs = [
+        SamplingConfig(max_new_tokens=9),
+        SamplingConfig(max_new_tokens=7, num_beams=2),
+        SamplingConfig(max_new_tokens=6, do_sample=True, top_k=5, seed=4),
+    ]
+    results = []
+    for model, compile_decode in ((eager_model, False), (compiled_model, True)):
+        engine = Engine(
+            model, tokens, EngineConfig(cpu_linear=cpu_linear, compile_decode=compile_decode)
+        )
+        first = engine.generate(prompts[:1], configs[:1])
+        ids = [engine.submit(p, c) for p, c in zip(prompts[:2], configs[:2], strict=True)]
+        events = engine.step() + engine.step()
+        ids.append(engine.submit(prompts[2], configs[2]))  # joins a running batch
+        while engine.has_work():
+            events += engine.step()
+        by_request = [[e for e in events if e.request_id == rid] for rid in ids]
+        results.append([first[0], *(collect(ev, 1) for ev in by_request)])
+    assert counters["stats"]["unique_graphs"] >= 2  # the decode steps did run compiled
+    assert not counters["graph_break"]
+    for eager, compiled in zip(*results, strict=True):
+        for a, b in zip(eager, compiled, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+def test_compile_decode_is_cpu_only():
+    config = get_config("tiny-llama-gqa")
+    off_cpu = build_model(config, device="meta")
+    with pytest.raises(ValueError, match="--compile-decode is for CPU serving"):
+        Engine(off_cpu, TokenizerInfo(config.vocab_size), EngineConfig(compile_decode=True))
+
+
+def test_compile_decode_flag_serves_from_one_process():
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    assert from_args(parser.parse_args(["--compile-decode"])).compile_decode
+    with pytest.raises(ValueError, match="--compile-decode serves from one process"):
+        from_args(parser.parse_args(["--compile-decode", "--tensor-parallel-size", "2"]))
 
 
 def test_cpu_linear_choice_is_checked():

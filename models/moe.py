@@ -240,8 +240,10 @@ class MoE(nn.Module):
         token_T = order_T // top_k
         counts_X = torch.bincount(flat_T[order_T], minlength=num_experts)
         y_TE = self.dispatcher.run(self.experts, x_NE[token_T], counts_X)
-        w_T = weights_NK.flatten()[order_T].to(y_TE.dtype)
-        return torch.zeros_like(x_NE).index_add(0, token_T, y_TE * w_T[:, None])
+        # Summed in the input's dtype: under autocast the experts' outputs come in bf16/fp16
+        # while the residual stream stays fp32.
+        w_T = weights_NK.flatten()[order_T].to(x_NE.dtype)
+        return torch.zeros_like(x_NE).index_add(0, token_T, y_TE.to(x_NE.dtype) * w_T[:, None])
 
     def attach_aux_loss(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """`out` unchanged, with `aux` reaching the gradient in backward (kept for logging)."""

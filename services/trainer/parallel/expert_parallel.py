@@ -80,8 +80,9 @@ class AllToAllDispatcher:
         perm = _expert_major(recv_PL)
         y_TE = experts(recv_TE[perm], recv_PL.sum(dim=0).tolist())
         back_TE = y_TE.new_zeros(y_TE.shape).index_copy(0, perm, y_TE)
+        # Outputs travel in their own dtype (bf16/fp16 under autocast, whatever the inputs').
         return dist_fn.all_to_all_single(
-            x_TE.new_empty(x_TE.shape), back_TE, send_splits, recv_splits, group=self.group
+            back_TE.new_empty(x_TE.shape), back_TE, send_splits, recv_splits, group=self.group
         )
 
 

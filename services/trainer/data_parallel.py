@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from services.trainer.dp.zero1 import ZeroOneOptimizer
 __all__ = [
     "ZERO_STAGES",
     "apply_data_parallel",
+    "apply_run_data_parallel",
     "build_dp_mesh",
     "clip_grad_norm_",
     "dp_mesh_1d",
@@ -174,6 +175,27 @@ def apply_data_parallel(
             )
         set_prefetch(blocks, prefetch_layers)
     return model
+
+
+def apply_run_data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    par: Any,
+    param_dtype: torch.dtype,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    """`apply_data_parallel` with a run's settings: `par` is its parallel config section
+    (--zero-stage, --hsdp, --cpu-offload, --zero3-prefetch-layers)."""
+    return apply_data_parallel(
+        model,
+        mesh,
+        zero_stage=par.zero_stage,
+        hsdp=par.hsdp,
+        cpu_offload=par.cpu_offload,
+        param_dtype=param_dtype,
+        prefetch_layers=par.zero3_prefetch_layers,
+        ignored_params=ignored_params,
+    )
 
 
 def set_prefetch(blocks: list[nn.Module], layers: int) -> None:

@@ -164,7 +164,11 @@ def build_parallel(
         param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
         dims = dims if dims is not None else build_dims(config, world_size)
         return parallelize_model(model, model.config, config, dims, param_dtype)
-    from services.trainer.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
+    from services.trainer.data_parallel import (
+        apply_run_data_parallel,
+        build_dp_mesh,
+        wrap_optimizer,
+    )
 
     dp = config.dp_size(world_size)
     if par.hsdp:
@@ -173,15 +177,7 @@ def build_parallel(
     else:
         mesh = build_dp_mesh(dp, 1, dp)
     param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
-    model = apply_data_parallel(
-        model,
-        mesh,
-        zero_stage=par.zero_stage,
-        hsdp=par.hsdp,
-        cpu_offload=par.cpu_offload,
-        param_dtype=param_dtype,
-        prefetch_layers=par.zero3_prefetch_layers,
-    )
+    model = apply_run_data_parallel(model, mesh, par, param_dtype)
 
     def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return wrap_optimizer(optimizer, model, mesh, zero_stage=par.zero_stage)

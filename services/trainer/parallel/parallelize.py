@@ -162,7 +162,7 @@ def parallelize_model(
     With pipeline parallelism the returned model is a `PipelineRankModel` whose `runner` runs the
     step; otherwise `model` itself, changed in place.
     """
-    from services.trainer.data_parallel import apply_data_parallel, wrap_optimizer
+    from services.trainer.data_parallel import apply_run_data_parallel, wrap_optimizer
     from services.trainer.parallel import pipeline
 
     par = config.parallel
@@ -189,15 +189,7 @@ def parallelize_model(
     for _, chunk in chunks:
         _apply_within_replica(chunk, model_config, par, dims)
         if mesh is not None and not own_sync:
-            apply_data_parallel(
-                chunk,
-                mesh,
-                zero_stage=par.zero_stage,
-                hsdp=par.hsdp,
-                cpu_offload=par.cpu_offload,
-                param_dtype=param_dtype,
-                prefetch_layers=par.zero3_prefetch_layers,
-            )
+            apply_run_data_parallel(chunk, mesh, par, param_dtype)
     grad_sync = None
     if own_sync:
         assert mesh is not None
@@ -243,7 +235,7 @@ def _parallelize_expert_model(
     The expert mesh has `pp` outermost, so a rank's `ep` group lies within its pipeline stage:
     the all-to-alls of a chunk's MoE layers run among ranks that run the same stage.
     """
-    from services.trainer.data_parallel import apply_data_parallel, wrap_optimizer
+    from services.trainer.data_parallel import apply_run_data_parallel, wrap_optimizer
     from services.trainer.parallel import pipeline
     from services.trainer.parallel.expert_parallel import (
         ExpertParallelGradSync,
@@ -270,15 +262,8 @@ def _parallelize_expert_model(
         if dims.model_parallel > 1:
             _apply_within_replica(chunk, model_config, par, dims)
         if fsdp:
-            apply_data_parallel(
-                chunk,
-                fsdp_mesh,
-                zero_stage=par.zero_stage,
-                hsdp=par.hsdp,
-                cpu_offload=par.cpu_offload,
-                param_dtype=param_dtype,
-                prefetch_layers=par.zero3_prefetch_layers,
-                ignored_params=expert_parameters(chunk),
+            apply_run_data_parallel(
+                chunk, fsdp_mesh, par, param_dtype, ignored_params=expert_parameters(chunk)
             )
     # Ranks holding the same experts and feeding them different tokens: `dp_replicate` (HSDP)
     # and `edp`, `cp` (disjoint chunks of the same sequences) and, with sequence parallelism,

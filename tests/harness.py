@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 
 def free_port() -> int:
@@ -71,10 +72,30 @@ def _child(
     os._exit(0)
 
 
+LAUNCH_ATTEMPTS = 3
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return results by rank.
+
+    `free_port`'s port can be taken (another process's outgoing connection gets it as its
+    ephemeral port) before rank 0's store listens on it; that launch fails in rendezvous, before
+    `fn` runs, and is retried on a new port.
+    """
+    for attempt in range(LAUNCH_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, env)
+        except ProcessRaisedException as error:
+            if "EADDRINUSE" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], env: dict[str, str] | None
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     child_env = {"MESHLINE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}

@@ -194,21 +194,7 @@ def parallelize_model(
     if own_sync:
         assert mesh is not None
         grad_sync = GradSync([c for _, c in chunks], mesh.get_group())
-    if dims.pp > 1:
-        rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
-        device = next(rank_model.parameters()).device
-        rank_model.runner = pipeline.PipelineRunner(
-            chunks,
-            dims,
-            schedule,
-            device,
-            grad_sync=grad_sync,
-            overlap_grad_reduce=par.overlap_grad_reduce,
-        )
-        model = rank_model
-    else:
-        # Read back by `ModelParallelFeed.clip_pipeline_grads` (a plain attribute).
-        model.grad_sync = grad_sync  # type: ignore[assignment]
+    model = _with_grad_sync(model, chunks, dims, schedule, grad_sync, par)
     if mesh is None:
         return model, None, None
     model_ = model
@@ -270,28 +256,14 @@ def _parallelize_expert_model(
     # `tp` (each TP rank sends only its sequence shard's copies; without it every TP rank sends
     # the same ones). In mesh order, for the flattened group.
     axes = ("dp_replicate", "edp", "cp", *(("tp",) if dims.sequence_parallel else ()))
-    same_experts = [axis for axis in axes if mesh[axis].size() > 1]
-    edp = None
-    if len(same_experts) == 1:
-        edp = mesh[same_experts[0]].get_group()
-    elif same_experts:
-        edp = mesh[tuple(same_experts)]._flatten("_".join(same_experts)).get_group()
+    same_experts = _ranks_along(mesh, axes)
     grad_sync = ExpertParallelGradSync(
-        [c for _, c in chunks], dp_mesh.get_group(), edp, replicated=not fsdp
+        [c for _, c in chunks],
+        dp_mesh.get_group(),
+        None if same_experts is None else same_experts.get_group(),
+        replicated=not fsdp,
     )
-    if dims.pp == 1:
-        model.grad_sync = grad_sync  # type: ignore[assignment]
-    else:
-        rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
-        rank_model.runner = pipeline.PipelineRunner(
-            chunks,
-            dims,
-            schedule,
-            next(rank_model.parameters()).device,
-            grad_sync=grad_sync,
-            overlap_grad_reduce=par.overlap_grad_reduce,
-        )
-        model = rank_model
+    model = _with_grad_sync(model, chunks, dims, schedule, grad_sync, par)
     if par.zero_stage != 1:
         return model, dp_mesh, None
     # ZeRO-1: the experts' optimizer state is split over the ranks holding the same experts.
@@ -310,10 +282,40 @@ def _expert_state_mesh(mesh: DeviceMesh) -> DeviceMesh:
     ranks that hold the same experts (`edp`, and `cp`: the other parameters' state shards over
     dp x cp), from the expert mesh `mesh`. Not `tp`: like the rest of the model, the state is
     replicated over the tensor-parallel ranks, which run the same ep block."""
-    axes = tuple(axis for axis in ("dp_replicate", "edp", "cp") if mesh[axis].size() > 1)
-    if len(axes) <= 1:
-        return mesh[axes[0] if axes else "edp"]
-    return mesh[axes]._flatten("_".join(axes))
+    ranks = _ranks_along(mesh, ("dp_replicate", "edp", "cp"))
+    return mesh["edp"] if ranks is None else ranks
+
+
+def _ranks_along(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh | None:
+    """The 1-D mesh over `axes` of `mesh` that have more than one rank (several are flattened,
+    in mesh order); None when all have one."""
+    wide = tuple(axis for axis in axes if mesh[axis].size() > 1)
+    if not wide:
+        return None
+    return mesh[wide[0]] if len(wide) == 1 else mesh[wide]._flatten("_".join(wide))
+
+
+def _with_grad_sync(
+    model: nn.Module, chunks: list, dims: ParallelDims, schedule: str, grad_sync: Any, par: Any
+) -> nn.Module:
+    """`model` carrying `grad_sync`: under PP a `PipelineRankModel` whose runner calls it per
+    chunk, else `model` with it as a plain attribute (`ModelParallelFeed.clip_pipeline_grads`
+    reads it back)."""
+    from services.trainer.parallel import pipeline
+
+    if dims.pp == 1:
+        model.grad_sync = grad_sync  # type: ignore[assignment]
+        return model
+    rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
+    rank_model.runner = pipeline.PipelineRunner(
+        chunks,
+        dims,
+        schedule,
+        next(rank_model.parameters()).device,
+        grad_sync=grad_sync,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+    )
+    return rank_model
 
 
 def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_stage: int) -> None:

@@ -9,6 +9,7 @@ with google.rpc rich details (`BadRequest` field violations for INVALID_ARGUMENT
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -164,3 +165,22 @@ def invalid_argument_from(*exc_types: type[BaseException], field: str) -> Iterat
         yield
     except types as exc:
         raise InvalidArgument(field, str(exc)) from exc
+
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def from_os_error(exc: BaseException) -> MeshlineError | None:
+    """RESOURCE_EXHAUSTED for a full disk or quota (naming the path), else None.
+
+    A job that runs out of space is not an internal error: the operator (or the requester,
+    choosing another output) can act on it.
+    """
+    if not isinstance(exc, OSError) or exc.errno not in NO_SPACE_ERRNOS:
+        return None
+    where = f"writing {exc.filename!s}" if exc.filename else "writing the output"
+    kind = "disk quota exceeded (EDQUOT)" if exc.errno == errno.EDQUOT else "ENOSPC"
+    return ResourceExhausted(
+        f"no space left on device {where} ({kind}); free space there or choose another "
+        "output directory"
+    )

@@ -19,7 +19,7 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from services.common.auth import BearerAuth
-from services.common.errors import MeshlineError
+from services.common.errors import MeshlineError, from_os_error
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ async def abort_with(context: grpc.aio.ServicerContext, status: status_pb2.Statu
 
 async def map_exception(method: str, context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Aborts the call with the status for `exc`: a MeshlineError's own, else INTERNAL (logged)."""
+    exc = from_os_error(exc) or exc
     if isinstance(exc, MeshlineError):
         logger.info(
             "%s -> %s: %s", method, exc.code.name, exc.message, extra={"code": exc.code.name}

@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
-from services.common.errors import Cancelled, MeshlineError
+from services.common.errors import Cancelled, MeshlineError, from_os_error
 
 if TYPE_CHECKING:
     from services.common.operations import OperationsStore
@@ -85,8 +85,8 @@ def run_in_thread(
 
     Returning gives SUCCEEDED with the returned response, or CANCELLED if cancellation had been
     requested (a job that stops early must not look complete); `errors.Cancelled` (from
-    `handle.check_cancelled()`) gives CANCELLED; another MeshlineError FAILED with its code; any
-    other exception FAILED INTERNAL, logged with its traceback. A job that finished its operation
+    `handle.check_cancelled()`) gives CANCELLED; another MeshlineError FAILED with its code; a full disk
+    (ENOSPC/EDQUOT) RESOURCE_EXHAUSTED naming the path; any other exception FAILED INTERNAL, logged with its traceback. A job that finished its operation
     itself is left as it finished it.
     """
     if handle.store is not store:
@@ -104,6 +104,10 @@ def run_in_thread(
         except MeshlineError as exc:
             handle.fail(exc.code, exc.message)
         except Exception as exc:
+            mapped = from_os_error(exc)
+            if mapped is not None:
+                handle.fail(mapped.code, mapped.message)
+                return
             logger.exception("operation %s failed", handle.name)
             handle.fail(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:1000])
         else:

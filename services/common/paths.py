@@ -7,6 +7,8 @@ points outside can escape.
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,3 +38,80 @@ def resolve_under_roots(path: str, roots: Sequence[Path], field: str) -> Path:
         f"{field}: {path!r} resolves to {str(resolved)!r}, outside the allowed roots ({allowed}); "
         "use a path under one of them"
     )
+
+
+ROOTS_ENV = "MESHLINE_DATA_ROOTS"
+"""Set by a service for the processes it starts: the data roots, joined with `os.pathsep`."""
+
+
+def roots_env_value(roots: Sequence[Path]) -> str:
+    """The `ROOTS_ENV` value naming `roots` (for a child process's environment)."""
+    return os.pathsep.join(str(root) for root in roots)
+
+
+def roots_from_env(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
+    """The roots a service passed down in `ROOTS_ENV`; empty when not started by a service."""
+    value = (os.environ if environ is None else environ).get(ROOTS_ENV, "")
+    return tuple(Path(part) for part in value.split(os.pathsep) if part)
+
+
+def check_at_use(path: str | os.PathLike[str], field: str) -> Path:
+    """Re-resolves `path` right before it is used, against the roots in `ROOTS_ENV`.
+
+    A path is checked when the request arrives, but a directory on shared storage can be swapped
+    for a symlink afterwards; workers call this just before they write (or read) so the swap is
+    refused with PermissionDenied instead of followed. Without `ROOTS_ENV` (an operator's own
+    run, no service involved) every path is allowed, as in `resolve_under_roots`.
+    """
+    return resolve_under_roots(os.fspath(path), roots_from_env(), field)
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The path the kernel holds for `fd` (Linux /proc), or None where that is unavailable."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
+
+
+def open_resolved(path: Path, field: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """A file descriptor for the already-resolved `path`, refusing any symlink met at open time.
+
+    The last component is opened with O_NOFOLLOW; then the path the kernel reports for the
+    descriptor must still be `path`, which fails if a directory above it was swapped for a
+    symlink between the check and the open. Raises PermissionDenied naming `field`.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionDenied(
+                f"{field}: {str(path)!r} became a symbolic link after it was checked; "
+                "symlinks are not followed at use time"
+            ) from None
+        raise
+    opened = _opened_path(fd)
+    if opened is None:
+        same = os.path.samestat(os.fstat(fd), os.stat(os.path.realpath(path)))
+        opened = path if same and os.path.realpath(path) == str(path) else Path("?")
+    if opened != path:
+        os.close(fd)
+        raise PermissionDenied(
+            f"{field}: {str(path)!r} now leads to {str(opened)!r} (a directory on the way was "
+            "replaced by a symlink after the request was checked); refusing to use it"
+        )
+    return fd
+
+
+def open_text_resolved(path: Path, field: str) -> io.TextIOWrapper:
+    """`open_resolved` for reading UTF-8 text (the caller closes the returned file)."""
+    return open(open_resolved(path, field), encoding="utf-8", newline="")
+
+
+def confine_to(path: Path, base: Path, field: str) -> Path:
+    """The real path of `path` if it stays under `base` (a file found inside a request's folder).
+
+    A folder a request names is confined to the roots, but a file inside it may be a symlink
+    pointing anywhere; anything found by listing or globbing that folder goes through this.
+    """
+    return resolve_under_roots(str(path), (base,), field)

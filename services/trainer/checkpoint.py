@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from services.common.paths import check_at_use
 from services.trainer.ckpt.safe_reader import SafeFileSystemReader
 from services.trainer.ckpt.signals import LastGasp
 from services.trainer.ckpt.state import (
@@ -95,6 +96,7 @@ class CheckpointManager:
         self._pending_error: BaseException | None = None
         self._published = threading.Event()
         if _rank() == 0:
+            check_at_use(self.save_dir, "checkpoint directory")
             self.save_dir.mkdir(parents=True, exist_ok=True)
 
     # -- layout -----------------------------------------------------------------------------
@@ -134,6 +136,8 @@ class CheckpointManager:
         train_state = state() if callable(state) else state
         tmp = self.save_dir / f"step-{step:06d}.tmp"
         if _rank() == 0:
+            # Under a service: the directory may have become a symlink since the request.
+            check_at_use(self.save_dir, "checkpoint directory")
             self._remove_stale_tmp()
             tmp.mkdir(parents=True)
         self._barrier()
@@ -186,6 +190,7 @@ class CheckpointManager:
         """Rank 0: publish `tmp` as the complete step, move `latest`, prune old steps."""
         if _rank() != 0:
             return
+        check_at_use(tmp, "checkpoint directory")
         final = self.step_dir(step)
         if final.exists():
             # Re-saving a step (e.g. a last-gasp save right after a resume): swap, never merge.

@@ -5,7 +5,8 @@
 
 Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint,
 --max-restarts; every other flag is a training flag (`meshline train --help-train` lists them).
-The training flags are checked before any worker starts.
+The training flags, and the data and tokenizer they name (`preflight`), are checked before any
+worker starts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launcher import launch
+from services.trainer.preflight import check_inputs
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(train_argv)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
         config.validate((launch_args.nproc_per_node or 1) * nodes)
+        check_inputs(config)
         return launch(
             train_argv,
             launch_args.nproc_per_node or 1,
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             rdzv_endpoint=launch_args.rdzv_endpoint,
             max_restarts=launch_args.max_restarts,
         )
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2
 

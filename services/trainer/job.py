@@ -22,6 +22,7 @@ from meshline.trainer.v1 import trainer_pb2
 from services.common.errors import Cancelled
 from services.common.operations import OperationHandle
 from services.trainer.k8s_launcher import select_launcher
+from services.trainer.request_paths import PERMISSION_DENIED_TAG
 from services.trainer.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class TrainingRun:
     """Live state of one training job of this server process."""
 
     config: TrainConfig
+    argv: list[str] = field(default_factory=list)
+    """The flags the workers get: `config` as flags, its paths resolved under the data roots."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The checked request environment plus what the service sets (never the raw request's)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set to stop the workers at their next step (StopTraining or cancellation)."""
     stop_requested: bool = False
@@ -121,6 +126,31 @@ def latest_checkpoint(save: str | None) -> str:
     return str(Path(save) / f"step-{int(text):06d}") if text.isdigit() else ""
 
 
+_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+
+def failure_status(code: int, lines: list[str], config: TrainConfig) -> tuple[grpc.StatusCode, str]:
+    """The status of a job whose workers exited with `code`, from their last output lines.
+
+    A full disk is RESOURCE_EXHAUSTED and a path refused at use time PERMISSION_DENIED, each
+    with the worker's own line; anything else ABORTED with the tail of the output.
+    """
+    for line in lines:
+        if any(marker in line for marker in _NO_SPACE):
+            where = config.run.save or config.run.log_dir or "the output directory"
+            return (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no space left on device while writing under {where} (ENOSPC): {line.strip()}",
+            )
+        if PERMISSION_DENIED_TAG in line:
+            return grpc.StatusCode.PERMISSION_DENIED, line.split(PERMISSION_DENIED_TAG, 1)[1]
+    tail = " | ".join(lines)
+    return (
+        grpc.StatusCode.ABORTED,
+        f"training exited with code {code}; last output: {tail[-800:]}",
+    )
+
+
 def run_job(
     launcher: str,
     request: trainer_pb2.StartTrainingRequest,
@@ -161,24 +191,20 @@ def run_job(
     threading.Thread(target=forward_cancel, daemon=True).start()
     output = _OutputTail(handle.name)
     code = launch(
-        list(request.args),
+        list(run.argv),
         nproc,
         nnodes=nnodes,
         max_restarts=request.max_restarts,
         on_metrics=on_metrics,
         stop_event=run.stop,
-        env=dict(request.env),
+        env=dict(run.env),
         output=output,
         save_on_stop=lambda: run.save_on_stop,
     )
     if handle.cancel_requested.is_set():
         raise Cancelled(f"{handle.name} was cancelled")
     if code != 0:
-        tail = " | ".join(output.lines)
-        handle.fail(
-            grpc.StatusCode.ABORTED,
-            f"training exited with code {code}; last output: {tail[-800:]}",
-        )
+        handle.fail(*failure_status(code, list(output.lines), config))
         return None
     metrics = run.snapshot()
     return trainer_pb2.TrainingResult(

@@ -1,8 +1,9 @@
 """TrainerService: validates training requests, then launches, stops and watches jobs.
 
-A request carries the same flags `meshline train` takes. The servicer checks the launch fields,
-the environment and every path (confined to the data roots), parses the flags with the trainer's
-own parser, then runs the job (`services.trainer.job.run_job`: torchrun, or Kubernetes
+A request carries the same flags `meshline train` takes. The servicer checks the launch fields
+and the environment (an allow-list, `worker_env`), parses the flags with the trainer's own
+parser, resolves every path under the data roots (`request_paths`), checks the inputs exist and
+are readable (`preflight`), then runs the job with the *resolved* flags (`services.trainer.job.run_job`: torchrun, or Kubernetes
 workloads in a cluster) in a worker thread. Each metrics record becomes a StreamMetricsResponse
 and the operation's progress; StopTraining sends the workers SIGTERM, on which they save to --save
 and exit (SIGUSR2 with save_checkpoint=false: they exit without saving).
@@ -24,49 +25,32 @@ from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Unimplemented,
     Validator,
 )
 from services.common.operations import OperationHandle, OperationsStore, run_in_thread
 from services.common.operations_servicer import operations_binding
-from services.common.paths import resolve_under_roots
+from services.common.paths import ROOTS_ENV, resolve_under_roots, roots_env_value
 from services.common.server import ServiceBinding
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.job import TrainingRun, run_job
 from services.trainer.k8s_launcher import use_kubernetes
+from services.trainer.preflight import check_inputs
+from services.trainer.request_paths import argv_from_config, confine_config
 from services.trainer.train_config import TrainConfig
+from services.trainer.worker_env import env_violations
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 JOB_KIND = "train"
 _RUN_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Set by the launcher for each worker; a request must not override them.
-LAUNCHER_ENV = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-)
 # Launch settings that have their own request fields.
 LAUNCH_FLAGS = {
     "--nproc-per-node": "nproc_per_node",
     "--nnodes": "nnodes",
     "--max-restarts": "max_restarts",
 }
-
-
-def _is_number(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
 
 
 def check_request(request: trainer_pb2.StartTrainingRequest, config: TrainerServiceConfig) -> None:
@@ -94,15 +78,8 @@ def check_request(request: trainer_pb2.StartTrainingRequest, config: TrainerServ
             "max_restarts",
             f"must be in [0, {config.max_restarts_limit}], got {request.max_restarts}",
         )
-    for key in request.env:
-        check.require(
-            _ENV_NAME.fullmatch(key) is not None,
-            f"env[{key}]",
-            "is not a valid environment variable name",
-        )
-        check.require(
-            key not in LAUNCHER_ENV, f"env[{key}]", "is set by the launcher for each worker"
-        )
+    for field, reason in env_violations(request.env):
+        check.require(False, field, reason)
     if request.run_name:
         check.require(
             _RUN_NAME.fullmatch(request.run_name) is not None,
@@ -119,9 +96,11 @@ def _require_name(name: str) -> None:
 
 
 def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ...]) -> TrainConfig:
-    """The trainer's own parse of `args` (INVALID_ARGUMENT with its message), paths confined.
+    """The trainer's own parse of `args` (INVALID_ARGUMENT with its message), paths resolved.
 
-    Paths are checked again on the parsed config because a `--config` file can set them too.
+    The returned config holds every path resolved under `roots` (a `--config` file can set them
+    too, so the parsed config is what is confined); its inputs have been checked to exist
+    (NOT_FOUND) and to be readable datasets (INVALID_ARGUMENT).
     """
     from services.trainer.arguments import parse_args
 
@@ -142,19 +121,13 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
         raise InvalidArgument("args", lines[-1] if lines else "not valid training flags") from None
     except ValueError as exc:
         raise InvalidArgument("args", str(exc)) from exc
-    data, run = config.data, config.run
-    paths: dict[str, list[str | None]] = {
-        "--data-path": [p for p in data.data_path if not _is_number(p)],
-        "--tokenizer-model": [data.tokenizer_model],
-        "--tokenizer-name-or-path": [data.tokenizer_name_or_path],
-        "--save": [run.save],
-        "--load": [run.load],
-        "--log-dir": [run.log_dir],
-    }
-    for flag, values in paths.items():
-        for value in values:
-            if value:
-                resolve_under_roots(value, roots, f"args ({flag})")
+    config = confine_config(config, roots)
+    try:
+        check_inputs(config)
+    except FileNotFoundError as exc:
+        raise NotFound(f"args: {exc}") from None
+    except ValueError as exc:
+        raise InvalidArgument("args", str(exc)) from exc
     return config
 
 
@@ -238,7 +211,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             world_size=nproc * nnodes,
         )
         handle = self._store.create(JOB_KIND, metadata)
-        run = TrainingRun(config)
+        env = {**request.env, ROOTS_ENV: roots_env_value(self._config.data_roots)}
+        run = TrainingRun(config, argv=argv_from_config(config), env=env)
         self._runs[handle.name] = run
 
         def job(handle: OperationHandle) -> trainer_pb2.TrainingResult | None:

@@ -19,9 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels import device
+from services.common.errors import PermissionDenied
+from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
 from services.trainer.ckpt.signals import LastGasp
 from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
+from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
 
 
 def format_summary(summary: RunSummary, log_dir: str | None) -> str:
@@ -51,8 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_args(argv)
+        # Under a service ($MESHLINE_DATA_ROOTS) the paths were resolved when the request came
+        # in; one that has become a symlink leaving the roots since then is refused here.
+        for flag, path in path_values(config):
+            check_at_use(path, flag)
     except ValueError as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
+        return 2
+    except PermissionDenied as exc:
+        print(f"meshline train: {PERMISSION_DENIED_TAG} {exc.message}", file=sys.stderr)
         return 2
     info = device.init_distributed()
     last_gasp = LastGasp().install()
@@ -67,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
+        return 2
+    except PermissionDenied as exc:
+        print(f"meshline train: {PERMISSION_DENIED_TAG} {exc.message}", file=sys.stderr)
         return 2
     except NonFiniteLossError as exc:
         print(f"meshline train: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ needs the whole picture (batch divisibility against the data-parallel size).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -67,6 +68,7 @@ class TrainConfig:
         """Check the settings against each other and the job size; returns self."""
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
+        self.check_finite()
         from services.trainer.parallel.parallel_dims import check_seq_length, check_world_size
 
         par = self.parallel
@@ -146,6 +148,17 @@ class TrainConfig:
                 f"--hsdp-shard-size {self.parallel.hsdp_shard_size} does not divide the data-parallel size {dp}"
             )
         return self
+
+    def check_finite(self) -> None:
+        """Every number is finite (`--lr nan` or `--clip-grad inf` passes every range check)."""
+        for name in SECTIONS:
+            section = getattr(self, name)
+            for f in fields(section):
+                value = getattr(section, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(
+                        f"--{f.name.replace('_', '-')} must be a finite number, got {value}"
+                    )
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel size of a job with `world_size` processes."""

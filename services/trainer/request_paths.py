@@ -1,0 +1,120 @@
+"""Every path a training request names, confined to the data roots and passed on resolved.
+
+A request's flags (and any `--config` file it names) can name files through these settings;
+each is resolved once with `services.common.paths.resolve_under_roots` and the *resolved* config
+is what the workers get: `argv_from_config` turns it back into flags, so the workers never see
+the requester's strings nor re-read the `--config` file. Data prefixes and tokenizer folders
+are expanded to the files they stand for, and each of those is confined too, so a `.bin` or a
+`tokenizer.json` that is a symlink leaving the roots is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import typing
+from collections.abc import Sequence
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from services.common.paths import confine_to, resolve_under_roots
+from services.trainer.train_config import SECTIONS, TrainConfig
+
+PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
+    ("data", "data_path", "--data-path"),
+    ("data", "train_data_path", "--train-data-path"),
+    ("data", "valid_data_path", "--valid-data-path"),
+    ("data", "test_data_path", "--test-data-path"),
+    ("data", "data_cache_path", "--data-cache-path"),
+    ("data", "tokenizer_model", "--tokenizer-model"),
+    ("data", "tokenizer_name_or_path", "--tokenizer-name-or-path"),
+    ("run", "save", "--save"),
+    ("run", "load", "--load"),
+    ("run", "log_dir", "--log-dir/--tensorboard-dir"),
+    ("peft", "lora_load", "--lora-load"),
+)
+"""(section, field, flag) of every training setting that names a file or directory."""
+
+PERMISSION_DENIED_TAG = "PERMISSION_DENIED"
+"""A worker's message for a path refused at use time starts with this (the job's status)."""
+
+
+def _is_weight(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _prefix_files(prefix: Path) -> list[Path]:
+    """The files a data prefix stands for (`.bin/.idx`, `_packed_*`, `-NNNNN.arrow`, ...)."""
+    return [Path(p) for p in glob.glob(glob.escape(str(prefix)) + "*")]
+
+
+def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
+    """A copy of `config` with every path resolved under `roots` (PermissionDenied if one leaves).
+
+    Weights in the data-path lists are kept as given. The files behind each data prefix and
+    inside a tokenizer folder are checked as well (a symlink among them may point anywhere).
+    """
+    sections = {name: dataclasses.replace(getattr(config, name)) for name in SECTIONS}
+    for section, name, flag in PATH_SETTINGS:
+        value = getattr(sections[section], name)
+        field = f"args ({flag})"
+        if isinstance(value, list):
+            resolved = []
+            for token in value:
+                if _is_weight(token):
+                    resolved.append(token)
+                    continue
+                prefix = resolve_under_roots(token, roots, field)
+                for path in _prefix_files(prefix):
+                    resolve_under_roots(str(path), roots, field)
+                resolved.append(str(prefix))
+            setattr(sections[section], name, resolved)
+        elif value:
+            path = resolve_under_roots(value, roots, field)
+            if name == "tokenizer_name_or_path" and path.is_dir():
+                for entry in path.iterdir():
+                    confine_to(entry, path, field)
+            setattr(sections[section], name, str(path))
+    return TrainConfig(**sections)
+
+
+def argv_from_config(config: TrainConfig) -> list[str]:
+    """Training flags that `services.trainer.arguments.parse_args` turns back into `config`.
+
+    Only settings that differ from their defaults are written; every setting has a flag of its
+    own name (booleans are store-true flags, all defaulting to False).
+    """
+    argv: list[str] = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            value = getattr(getattr(config, section), f.name)
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            if value == default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if hints[f.name] is bool:
+                assert value is True, f"{flag}: a store-true flag cannot express {value!r}"
+                argv.append(flag)
+            elif isinstance(value, list):
+                argv += [flag, *(str(item) for item in value)]
+            else:
+                assert value is not None, f"{flag}: no flag sets it back to None"
+                argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def path_values(config: TrainConfig) -> list[tuple[str, str]]:
+    """(flag, path) of every path the config names (weights left out), for use-time checks."""
+    out = []
+    for section, name, flag in PATH_SETTINGS:
+        value = getattr(getattr(config, section), name)
+        for item in value if isinstance(value, list) else [value]:
+            if item and not _is_weight(item):
+                out.append((flag, os.fspath(item)))
+    return out

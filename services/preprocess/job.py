@@ -3,15 +3,14 @@
 Called by `meshline preprocess` and by the gRPC servicer. Everything is written inside a hidden
 staging directory next to the outputs and moved into place only when complete, the manifest
 last; an error, a cancellation or a kill leaves no file under a final name (an interrupted run
-leaves at most a hidden `.{name}.partial-*` directory, removed on the next clean exit).
+leaves at most a hidden `.{name}.partial-*` directory, removed by the next job for the same
+output or the next service start: `staging`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.preprocess import staging
 from services.preprocess.arrow_shards import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
 from services.preprocess.handlers.base import INSTRUCTION_KEYS
@@ -225,7 +225,8 @@ def run_preprocess(
     progress = Progress(input_files_total=sum(len(plan.files) for plan in plans))
     printer = ProgressPrinter(config.log_interval)
     bad = _BadRecords(config)
-    stage = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=directory))
+    staging.remove_stale(directory, prefix.name)
+    stage = staging.create(directory, prefix.name)
     sink: Sink | None = None
     try:
         sink = _make_sink(config, stage / prefix.name, handler)
@@ -302,7 +303,7 @@ def run_preprocess(
             sink.abort()
         raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        staging.release(stage)
 
 
 def _handler_options(config: PreprocessConfig) -> HandlerOptions:

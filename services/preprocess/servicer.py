@@ -9,6 +9,7 @@ worker thread, reporting PreprocessMetadata as progress and a PreprocessResult w
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import re
 import threading
@@ -31,6 +32,7 @@ from services.common.operations import OperationHandle, OperationsStore, run_in_
 from services.common.operations_servicer import operations_binding
 from services.common.paths import resolve_under_roots
 from services.common.server import ServiceBinding
+from services.preprocess import staging
 from services.preprocess.config import PreprocessServiceConfig
 from services.preprocess.handlers import handler_choices
 from services.preprocess.job import (
@@ -240,6 +242,41 @@ def job_config(request: preprocess_pb2.StartPreprocessRequest) -> PreprocessConf
         )
 
 
+def confined_job_config(
+    request: preprocess_pb2.StartPreprocessRequest, roots: tuple[Path, ...]
+) -> PreprocessConfig:
+    """`job_config` with every path resolved under `roots`: what the job runs with.
+
+    Local inputs become the resolved files they matched when the request was checked (a file
+    added or swapped for a symlink later is not picked up); the output prefix and tokenizer are
+    the resolved paths, not the requester's strings.
+    """
+    config = job_config(request)
+    inputs: list[str] = []
+    if request.HasField("hf_dataset"):
+        inputs = list(config.input)
+        if request.hf_dataset.path not in HF_BUILDERS:
+            inputs = [str(resolve_under_roots(request.hf_dataset.path, roots, "hf_dataset.path"))]
+    else:
+        for i, spec in enumerate(request.input):
+            plan = resolve_input(spec)
+            if plan.hf_dataset is None:
+                inputs += [str(path) for path in _confined_files(spec, f"input[{i}]", roots)]
+            else:
+                inputs.append(str(resolve_under_roots(spec, roots, f"input[{i}]")))
+
+    def resolved(value: str | None, field: str) -> str | None:
+        return str(resolve_under_roots(value, roots, field)) if value else None
+
+    return dataclasses.replace(
+        config,
+        input=tuple(inputs),
+        output_prefix=str(resolve_under_roots(config.output_prefix, roots, "output_prefix")),
+        tokenizer_model=resolved(config.tokenizer_model, "tokenizer_model"),
+        tokenizer_name_or_path=resolved(config.tokenizer_name_or_path, "tokenizer_name_or_path"),
+    )
+
+
 def _hf_options(request: preprocess_pb2.StartPreprocessRequest) -> dict[str, Any] | None:
     """`datasets.load_dataset` options of the request's hf_dataset (None without one)."""
     if not request.HasField("hf_dataset"):
@@ -295,7 +332,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
     def _start_job(
         self, request: preprocess_pb2.StartPreprocessRequest
     ) -> preprocess_pb2.StartPreprocessResponse:
-        config = job_config(request)
+        config = confined_job_config(request, self._config.data_roots)
         prefix = resolve_under_roots(
             request.output_prefix, self._config.data_roots, "output_prefix"
         )
@@ -361,7 +398,11 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
 
 
 def bindings(config: PreprocessServiceConfig, store: OperationsStore) -> list[ServiceBinding]:
-    """The preprocess service and the OperationsService over the same store."""
+    """The preprocess service and the OperationsService over the same store.
+
+    Staging directories that killed jobs left under the data roots are removed first.
+    """
+    staging.sweep(config.data_roots)
     servicer = PreprocessServicer(config, store)
     return [
         ServiceBinding(

@@ -10,11 +10,14 @@ then the question; multiple-choice continuations are target delimiter + choice.
 from __future__ import annotations
 
 import json
+import os
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.common.paths import confine_to, open_resolved
 
 Doc = dict[str, Any]
 MULTIPLE_CHOICE = "multiple_choice"
@@ -169,32 +172,54 @@ class MissingData(ValueError):
     """The data directory holds no files for a task."""
 
 
-def read_jsonl(path: Path) -> list[Doc]:
-    """Records of a (optionally gzipped) JSON-lines file; ValueError names the bad line."""
-    import gzip
+def task_file(path: Path, data_path: Path) -> Path:
+    """`path` resolved, if it stays inside the task folder (PermissionDenied otherwise).
 
-    opener = gzip.open if path.suffix == ".gz" else open
+    The folder a request names is confined to the service's roots, but a file in it may be a
+    symlink to anywhere (another user's data, the service's own files): every task file found
+    under `data_path` goes through this before it is read.
+    """
+    folder = data_path if data_path.is_dir() else data_path.parent
+    return confine_to(path, Path(os.path.realpath(folder)), "task_data_path")
+
+
+def open_task_file(path: Path, binary: bool = False) -> Any:
+    """Opens a `task_file` result, refusing a symlink swapped in since it was resolved."""
+    fd = open_resolved(path, "task_data_path")
+    return open(fd, "rb") if binary else open(fd, encoding="utf-8", newline="")
+
+
+def read_jsonl(path: Path) -> list[Doc]:
+    """Records of a (optionally gzipped) JSON-lines `task_file`; ValueError names the bad line."""
+    import gzip
+    import io
+
+    with open_task_file(path, binary=True) as raw:
+        stream = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
+        return _parse_jsonl(io.TextIOWrapper(stream, encoding="utf-8"), path)
+
+
+def _parse_jsonl(lines: Any, path: Path) -> list[Doc]:
     docs = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                docs.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            docs.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
     return docs
 
 
 def find_file(data_path: Path, candidates: list[str], task: str, family: str) -> Path:
     """The first of `candidates` under `data_path` or its `family/` folder (or the file given)."""
     if data_path.is_file():
-        return data_path
+        return task_file(data_path, data_path)
     for root in (data_path, data_path / family):
         for name in candidates:
             found = sorted(root.glob(name))
             if found:
-                return found[0]
+                return task_file(found[0], data_path)
     raise MissingData(
         f"--task-data-path {data_path}: no data for task {task}; expected one of "
         f"{', '.join(candidates)} under it or under {family}/"

@@ -12,7 +12,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.evaluator.tasks.base import Doc, find_file, read_jsonl, require_fields
+from services.evaluator.tasks.base import (
+    Doc,
+    find_file,
+    open_task_file,
+    read_jsonl,
+    require_fields,
+)
 from services.evaluator.tasks.catalog import catalog
 from services.evaluator.tasks.generation import GenerationTask
 
@@ -35,7 +41,8 @@ class BBHTask(GenerationTask):
             "bbh",
         )
         if path.suffix == ".json":
-            payload = json.loads(path.read_text(encoding="utf-8"))
+            with open_task_file(path) as fh:
+                payload = json.loads(fh.read())
             if not isinstance(payload, dict) or not isinstance(payload.get("examples"), list):
                 raise ValueError(f'{path}: expected {{"examples": [{{input, target}}, ...]}}')
             docs = payload["examples"]

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.evaluator.tasks.base import Doc, MetricSpec, find_file, read_jsonl, require_fields
+from services.evaluator.tasks.base import (
+    Doc,
+    MetricSpec,
+    find_file,
+    read_jsonl,
+    require_fields,
+    task_file,
+)
 from services.evaluator.tasks.multiple_choice import MultipleChoiceTask
 
 
@@ -33,7 +40,7 @@ class BoolQ(MultipleChoiceTask):
             "boolq",
         )
         docs = [self._normalize(d, f"{path}:{i + 1}") for i, d in enumerate(read_jsonl(path))]
-        train = path.parent / "train.jsonl"
+        train = task_file(path.parent / "train.jsonl", data_path)
         pool = (
             [self._normalize(d, str(train)) for d in read_jsonl(train)] if train.is_file() else []
         )

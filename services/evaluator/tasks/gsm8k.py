@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.evaluator.scoring.filters import RegexFilter
-from services.evaluator.tasks.base import Doc, MissingData, find_file, read_jsonl, require_fields
+from services.evaluator.tasks.base import (
+    Doc,
+    MissingData,
+    find_file,
+    read_jsonl,
+    require_fields,
+    task_file,
+)
 from services.evaluator.tasks.catalog import catalog
 from services.evaluator.tasks.generation import GenerationTask
 
@@ -73,7 +80,7 @@ class GSM8K(GenerationTask):
     def load(self, data_path: Path) -> tuple[list[Doc], list[Doc]]:
         """Test problems, and the train problems beside them as the few-shot pool."""
         test = find_test_file(data_path, self.name)
-        train = test.with_name("train.jsonl")
+        train = task_file(test.with_name("train.jsonl"), data_path)
         if test.name == train.name or not train.is_file():
             raise MissingData(
                 f"--task-data-path {data_path}: task {self.name} draws its few-shot examples "

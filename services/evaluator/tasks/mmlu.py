@@ -12,7 +12,7 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.evaluator.tasks.base import Doc, MetricSpec, MissingData
+from services.evaluator.tasks.base import Doc, MetricSpec, MissingData, open_task_file, task_file
 from services.evaluator.tasks.catalog import catalog
 from services.evaluator.tasks.multiple_choice import MultipleChoiceTask
 
@@ -22,7 +22,7 @@ LETTERS = ["A", "B", "C", "D"]
 def read_choice_csv(path: Path, header: bool, subject: str) -> list[Doc]:
     """Rows of an MMLU (headerless) or C-Eval (with header) csv as question/choices/answer docs."""
     docs = []
-    with path.open(encoding="utf-8", newline="") as fh:
+    with open_task_file(path) as fh:
         reader = csv.reader(fh)
         if header:
             names = next(reader, [])
@@ -62,7 +62,7 @@ def split_file(data_path: Path, split: str, subject: str, task: str, family: str
     for root in (data_path, data_path / "data", data_path / family, data_path / family / "data"):
         path = root / split / f"{subject}_{split}.csv"
         if path.is_file():
-            return path
+            return task_file(path, data_path)
     raise MissingData(
         f"--task-data-path {data_path}: no data for task {task}; it needs "
         f"{split}/{subject}_{split}.csv"

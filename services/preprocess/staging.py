@@ -1,0 +1,119 @@
+"""Hidden staging directories of preprocess jobs, and the cleanup of those a killed job left.
+
+A job writes under `.{name}.partial-XXXX` next to its outputs and removes it when it ends. A job
+that is killed (SIGKILL, OOM, a node lost) cannot, so each staging directory records its owner
+(process id and start time) in an `.owner` file. A directory is stale when no live job of this
+process owns it and its owner process is gone (or it has no owner file and is older than this
+process). Stale directories are removed at service start (`sweep`) and when a job starts for the
+same output (`remove_stale`); a running job's directory, here or in another process, is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+OWNER_FILE = ".owner"
+# `tempfile.mkdtemp`'s names: the prefix, then 8 characters of [a-z0-9_].
+_STAGE_NAME = re.compile(r"\..+\.partial-[a-z0-9_]{8}")
+_PROCESS_STARTED = psutil.Process().create_time()
+_live: set[Path] = set()
+_lock = threading.Lock()
+
+
+def _owner_token() -> str:
+    return f"{os.getpid()} {_PROCESS_STARTED!r}"
+
+
+def create(directory: Path, name: str) -> Path:
+    """A new staging directory for outputs named `name` in `directory`, owned by this process."""
+    stage = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=directory))
+    (stage / OWNER_FILE).write_text(_owner_token())
+    with _lock:
+        _live.add(stage)
+    return stage
+
+
+def release(stage: Path) -> None:
+    """Removes a staging directory once its job has ended (published, failed or cancelled)."""
+    shutil.rmtree(stage, ignore_errors=True)
+    with _lock:
+        _live.discard(stage)
+
+
+def _owner_alive(stage: Path) -> bool:
+    try:
+        pid_text, started_text = (stage / OWNER_FILE).read_text().split()
+        pid, started = int(pid_text), float(started_text)
+    except (OSError, ValueError):
+        # No owner recorded: treat it as live only while it could belong to a job of this run.
+        try:
+            return stage.stat().st_mtime >= _PROCESS_STARTED
+        except OSError:
+            return False
+    if pid == os.getpid() and started == _PROCESS_STARTED:
+        return False  # ours, and not in `_live`: its job has ended
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+def _stale(candidates: Iterable[Path]) -> list[Path]:
+    with _lock:
+        live = set(_live)
+    return [
+        path
+        for path in candidates
+        if path not in live
+        and _STAGE_NAME.fullmatch(path.name) is not None
+        and path.is_dir()
+        and not path.is_symlink()
+        and not _owner_alive(path)
+    ]
+
+
+def remove_stale(directory: Path, name: str | None = None) -> list[Path]:
+    """Removes the stale staging directories for `name` (every name when None) in `directory`."""
+    pattern = f".{name}.partial-*" if name else ".*.partial-*"
+    removed = _stale(directory.glob(pattern))
+    for path in removed:
+        logger.warning("removing %s, left by a preprocess job that did not finish", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def sweep(roots: Sequence[Path], max_depth: int = 4, max_dirs: int = 20_000) -> list[Path]:
+    """`remove_stale` in every directory under `roots` down to `max_depth` (service start).
+
+    Bounded in depth and in directories visited so a huge shared volume does not stall the
+    start; symlinked directories are not followed.
+    """
+    removed: list[Path] = []
+    visited = 0
+    started = time.monotonic()
+    for root in roots:
+        base_depth = len(root.parts)
+        for current, dirs, _ in os.walk(root, followlinks=False):
+            visited += 1
+            here = Path(current)
+            removed += remove_stale(here)
+            dirs[:] = [d for d in dirs if ".partial-" not in d]
+            if len(here.parts) - base_depth >= max_depth:
+                dirs[:] = []
+            if visited >= max_dirs:
+                logger.info("stale staging sweep stopped after %d directories", visited)
+                return removed
+    logger.debug("stale staging sweep: %d dirs in %.2fs", visited, time.monotonic() - started)
+    return removed

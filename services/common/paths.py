@@ -1,8 +1,16 @@
-"""Confine request paths to the storage roots a service may touch.
+"""Confine request paths to the storage roots a service may touch: the one shared helper.
 
-Requests carry paths on shared storage (DESIGN §1.6). A path is resolved with symlinks followed
-(`os.path.realpath`) before it is compared with the roots, so neither `..` nor a symlink that
-points outside can escape.
+Requests carry paths on shared storage (DESIGN §1.6, §5b). A path is resolved with symlinks
+followed (`os.path.realpath`) before it is compared with the roots, so neither `..` nor a
+symlink that points outside can escape, and the *resolved* path is what a service passes on.
+Storage can change after that check, so:
+
+- `confine_to` / `confine_tree`: files found inside a folder a request names (globbed task
+  files, a checkpoint's or tokenizer's contents) are confined too;
+- `check_at_use`: worker processes re-resolve a path right before they use it, against the roots
+  the service handed down in `ROOTS_ENV`;
+- `open_resolved`: a file the service opens itself is opened with O_NOFOLLOW and the opened
+  descriptor's real path compared with the resolved one, closing the check-then-open window.
 """
 
 from __future__ import annotations
@@ -115,3 +123,27 @@ def confine_to(path: Path, base: Path, field: str) -> Path:
     pointing anywhere; anything found by listing or globbing that folder goes through this.
     """
     return resolve_under_roots(str(path), (base,), field)
+
+
+def confine_tree(path: Path, roots: Sequence[Path], field: str, max_entries: int = 100_000) -> None:
+    """Refuses (PermissionDenied) a folder holding a symlink that leads outside `roots`.
+
+    For folders a request names as a whole (a checkpoint, a tokenizer): the folder itself is
+    confined by `resolve_under_roots`, but a `model.safetensors` inside it may be a symlink to
+    another user's data or the service's secrets. Links are not followed while walking; at most
+    `max_entries` entries are looked at (a larger tree is refused, naming the limit).
+    """
+    if not roots or not path.is_dir():
+        return
+    seen = 0
+    for current, dirs, files in os.walk(path, followlinks=False):
+        for name in (*dirs, *files):
+            seen += 1
+            if seen > max_entries:
+                raise PermissionDenied(
+                    f"{field}: {str(path)!r} holds more than {max_entries} entries; "
+                    "point it at a single checkpoint or tokenizer folder"
+                )
+            entry = os.path.join(current, name)
+            if os.path.islink(entry):
+                resolve_under_roots(entry, roots, field)

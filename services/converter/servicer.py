@@ -28,7 +28,7 @@ from services.common.errors import (
 )
 from services.common.operations import OperationHandle, OperationsStore, run_in_thread
 from services.common.operations_servicer import operations_binding
-from services.common.paths import resolve_under_roots
+from services.common.paths import confine_tree, resolve_under_roots
 from services.common.server import ServiceBinding
 from services.converter.config import ConverterServiceConfig
 from services.converter.job import (
@@ -167,6 +167,10 @@ def check_paths(request: converter_pb2.ConvertRequest, config: ConverterServiceC
         raise NotFound(f"load_dir: {request.load_dir!r} is not an existing directory")
     if lora_dir is not None and not lora_dir.is_dir():
         raise NotFound(f"lora_load_dir: {request.lora_load_dir!r} is not an existing directory")
+    # The sources are read whole: a symlink inside them must not lead outside the roots.
+    confine_tree(load_dir, roots, "load_dir")
+    if lora_dir is not None:
+        confine_tree(lora_dir, roots, "lora_load_dir")
     if save_dir.exists() and any(save_dir.iterdir()) and not request.overwrite:
         raise FailedPrecondition(
             f"save_dir: {request.save_dir!r} exists and is not empty; set overwrite=true to "

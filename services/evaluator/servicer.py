@@ -28,7 +28,7 @@ from services.common.errors import (
 from services.common.operation_jobs import OperationHandle, run_in_thread
 from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
-from services.common.paths import resolve_under_roots
+from services.common.paths import confine_tree, resolve_under_roots
 from services.common.server import ServiceBinding
 from services.evaluator.config import EvaluatorServiceConfig
 from services.evaluator.models.base import LanguageModel
@@ -144,6 +144,7 @@ def check_paths(
         load_dir = resolve_under_roots(request.local.load_dir, roots, "local.load_dir")
         if not load_dir.is_dir():
             raise NotFound(f"local.load_dir: {request.local.load_dir!r} is not a directory")
+        confine_tree(load_dir, roots, "local.load_dir")
         if request.local.tokenizer_path:
             tokenizer = resolve_under_roots(
                 request.local.tokenizer_path, roots, "local.tokenizer_path"
@@ -152,6 +153,7 @@ def check_paths(
                 raise NotFound(
                     f"local.tokenizer_path: {request.local.tokenizer_path!r} does not exist"
                 )
+            confine_tree(tokenizer, roots, "local.tokenizer_path")
     if request.output_path:
         resolve_under_roots(request.output_path, roots, "output_path")
 

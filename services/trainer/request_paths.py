@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from services.common.paths import confine_to, resolve_under_roots
+from services.common.paths import confine_tree, resolve_under_roots
 from services.trainer.train_config import SECTIONS, TrainConfig
 
 PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
@@ -35,6 +35,9 @@ PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("peft", "lora_load", "--lora-load"),
 )
 """(section, field, flag) of every training setting that names a file or directory."""
+
+# Folders whose every file the workers read: a symlink inside must not lead outside the roots.
+_FOLDERS_READ_WHOLE = frozenset({"tokenizer_name_or_path", "load", "lora_load"})
 
 PERMISSION_DENIED_TAG = "PERMISSION_DENIED"
 """A worker's message for a path refused at use time starts with this (the job's status)."""
@@ -76,9 +79,8 @@ def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
             setattr(sections[section], name, resolved)
         elif value:
             path = resolve_under_roots(value, roots, field)
-            if name == "tokenizer_name_or_path" and path.is_dir():
-                for entry in path.iterdir():
-                    confine_to(entry, path, field)
+            if name in _FOLDERS_READ_WHOLE:
+                confine_tree(path, roots, field)
             setattr(sections[section], name, str(path))
     return TrainConfig(**sections)
 

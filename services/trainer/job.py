@@ -58,6 +58,13 @@ class TrainingRun:
         self.stop.set()
 
 
+_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+
+def _is_notable(line: str) -> bool:
+    return PERMISSION_DENIED_TAG in line or any(marker in line for marker in _NO_SPACE)
+
+
 class _OutputTail(io.StringIO):
     """The job's console output: forwarded to the server log, the last lines kept for errors."""
 
@@ -65,11 +72,15 @@ class _OutputTail(io.StringIO):
         super().__init__()
         self._name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.notable: list[str] = []
+        """Lines that decide the job's status (a full disk, a refused path), however early."""
 
     def write(self, text: str) -> int:
         """Logs each line of `text` (the launcher writes whole lines)."""
         for line in text.splitlines():
             self.lines.append(line)
+            if len(self.notable) < 5 and _is_notable(line):
+                self.notable.append(line)
             logger.info("%s | %s", self._name, line)
         return len(text)
 
@@ -126,7 +137,6 @@ def latest_checkpoint(save: str | None) -> str:
     return str(Path(save) / f"step-{int(text):06d}") if text.isdigit() else ""
 
 
-_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
 
 
 def failure_status(code: int, lines: list[str], config: TrainConfig) -> tuple[grpc.StatusCode, str]:
@@ -204,7 +214,7 @@ def run_job(
     if handle.cancel_requested.is_set():
         raise Cancelled(f"{handle.name} was cancelled")
     if code != 0:
-        handle.fail(*failure_status(code, list(output.lines), config))
+        handle.fail(*failure_status(code, [*output.notable, *output.lines], config))
         return None
     metrics = run.snapshot()
     return trainer_pb2.TrainingResult(

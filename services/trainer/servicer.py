@@ -11,6 +11,7 @@ and exit (SIGUSR2 with save_checkpoint=false: they exit without saving).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import logging
@@ -153,7 +154,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     ) -> trainer_pb2.StartTrainingResponse:
         """Validates the request, then launches the job and returns its operation."""
         check_request(request, self._config)
-        return self._start_job(request)
+        nproc = request.nproc_per_node if request.HasField("nproc_per_node") else 1
+        nnodes = request.nnodes if request.HasField("nnodes") else 1
+        if nnodes > 1 and not use_kubernetes(self._config.launcher):
+            raise Unimplemented(
+                f"nnodes={nnodes}: multi-node jobs run as Kubernetes workloads; start the trainer "
+                "service in a cluster (or with --launcher kubernetes)"
+            )
+        # Parsing walks folders and opens every shard: off the event loop.
+        config = await asyncio.to_thread(
+            parse_training_flags, list(request.args), nproc * nnodes, self._config.data_roots
+        )
+        return self._start_job(request, config, nproc, nnodes)
 
     async def StopTraining(
         self, request: trainer_pb2.StopTrainingRequest, context: grpc.aio.ServicerContext
@@ -194,16 +206,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 break
 
     def _start_job(
-        self, request: trainer_pb2.StartTrainingRequest
+        self,
+        request: trainer_pb2.StartTrainingRequest,
+        config: TrainConfig,
+        nproc: int,
+        nnodes: int,
     ) -> trainer_pb2.StartTrainingResponse:
-        nproc = request.nproc_per_node if request.HasField("nproc_per_node") else 1
-        nnodes = request.nnodes if request.HasField("nnodes") else 1
-        if nnodes > 1 and not use_kubernetes(self._config.launcher):
-            raise Unimplemented(
-                f"nnodes={nnodes}: multi-node jobs run as Kubernetes workloads; start the trainer "
-                "service in a cluster (or with --launcher kubernetes)"
-            )
-        config = parse_training_flags(list(request.args), nproc * nnodes, self._config.data_roots)
         metadata = trainer_pb2.TrainingMetadata(
             request=request,
             total_steps=config.run.train_iters,

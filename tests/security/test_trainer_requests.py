@@ -327,3 +327,15 @@ def test_allowed_env_runs_with_resolved_paths_only(
     assert result.checkpoint_path.startswith(str(root / "real" / "ckpt"))
     assert (root / "real" / "ckpt" / "latest").read_text().strip() == "3"
     assert list((root / "elsewhere").iterdir()) == []
+
+
+def test_meshline_train_preflights_its_inputs_before_launching(root: Path) -> None:
+    """The CLI shares the preflight: a missing shard ends it with exit code 2, nothing started."""
+    from services.trainer import cli
+
+    save = root / "ckpt"
+    args = ["--nproc-per-node", "1", *(t for t in TINY if t != "--mock-data")]
+    args += ["--data-path", str(root / "absent"), "--tokenizer-type", "SentencePiece"]
+    args += ["--tokenizer-model", str(root / "absent.model"), "--save", str(save)]
+    assert cli.main(args) == 2
+    assert not save.exists()

@@ -137,8 +137,6 @@ def latest_checkpoint(save: str | None) -> str:
     return str(Path(save) / f"step-{int(text):06d}") if text.isdigit() else ""
 
 
-
-
 def failure_status(code: int, lines: list[str], config: TrainConfig) -> tuple[grpc.StatusCode, str]:
     """The status of a job whose workers exited with `code`, from their last output lines.
 

@@ -13,11 +13,12 @@ import glob
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.paths import resolve_under_roots
 from services.preprocess import staging
 from services.preprocess.arrow_shards import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
@@ -198,14 +199,21 @@ def run_preprocess(
     config: PreprocessConfig,
     on_progress: Callable[[Progress], None] | None = None,
     cancel: threading.Event | None = None,
+    *,
+    roots: Sequence[Path] = (),
 ) -> PreprocessResult:
     """Tokenise `config.input` into shards under `config.output_prefix`; see the module docstring.
 
     Raises ValueError with a one-line, actionable message for bad input, and PreprocessCancelled
-    when `cancel` is set; in both cases nothing is published.
+    when `cancel` is set; in both cases nothing is published. With `roots` (a service's data
+    roots) the output directory is re-checked when the staging directory is made and right
+    before publishing: one swapped for a symlink leaving the roots is PermissionDenied, and
+    nothing outside is written, replaced or deleted.
     """
     started = time.monotonic()
     prefix = Path(config.output_prefix)
+    if roots:
+        resolve_under_roots(str(prefix.parent), roots, "output_prefix")
     directory = _check_output_dir(prefix)
     plans = [resolve_input(spec, config.hf_params()) for spec in config.input]
     spec = WorkerSpec(
@@ -229,6 +237,8 @@ def run_preprocess(
     stage = staging.create(directory, prefix.name)
     sink: Sink | None = None
     try:
+        if roots:
+            resolve_under_roots(str(stage), roots, "output_prefix")
         sink = _make_sink(config, stage / prefix.name, handler)
         packer = Packer(config.seq_length if config.pack else None)
         first_key = handler.output_keys()[0]
@@ -279,6 +289,9 @@ def run_preprocess(
             skipped_records=bad.count,
             dropped_records=progress.dropped_records,
         )
+        if roots:
+            resolve_under_roots(str(directory), roots, "output_prefix")
+            resolve_under_roots(str(stage), roots, "output_prefix")
         _publish(shards, stage, directory, existing)
         result.outputs = shards
         result.elapsed_seconds = time.monotonic() - started

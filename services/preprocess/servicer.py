@@ -353,7 +353,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
 
         def job(handle: OperationHandle) -> preprocess_pb2.PreprocessResult:
             try:
-                return self._run(request, config, handle)
+                return self._run(request, config, handle, self._config.data_roots)
             finally:
                 self._release(prefix)
 
@@ -369,6 +369,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         request: preprocess_pb2.StartPreprocessRequest,
         config: PreprocessConfig,
         handle: OperationHandle,
+        roots: tuple[Path, ...],
     ) -> preprocess_pb2.PreprocessResult:
         def on_progress(progress: Progress) -> None:
             metadata = preprocess_pb2.PreprocessMetadata(
@@ -388,7 +389,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             )
 
         try:
-            result = run_preprocess(config, on_progress, handle.cancel_requested)
+            result = run_preprocess(config, on_progress, handle.cancel_requested, roots=roots)
         except PreprocessCancelled as exc:
             raise Cancelled(str(exc)) from exc
         except ValueError as exc:

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -361,3 +362,31 @@ def test_trainer_disk_full_is_found_however_early_it_was_printed() -> None:
     code, message = failure_status(1, lines + ["traceback"] * 30, config)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "/data/ckpt" in message
+
+
+def test_preprocess_output_dir_swapped_for_a_symlink_is_neither_written_nor_replaced(
+    root: Path, outside: Path, sentencepiece_model: Path
+) -> None:
+    """The prefix was checked, then its directory became a symlink out: with `overwrite`, the
+    job would replace (delete) the same-named files there. The sentinel must survive."""
+    from services.preprocess.job import run_preprocess
+    from services.preprocess.job_config import PreprocessConfig
+
+    (root / "in.jsonl").write_text('{"text": "hello world"}\n' * 4)
+    sentinel = outside / "corpus_text_document.idx"
+    sentinel.write_text("not yours")
+    (root / "out").symlink_to(outside, target_is_directory=True)
+    config = PreprocessConfig(
+        input=(str(root / "in.jsonl"),),
+        output_prefix=str(root / "out" / "new" / "corpus"),
+        tokenizer_type="SentencePiece",
+        tokenizer_model=str(sentencepiece_model),
+        overwrite=True,
+        workers=1,
+    )
+    with pytest.raises(PermissionDenied):
+        run_preprocess(config, roots=(root,))
+    with pytest.raises(PermissionDenied):
+        run_preprocess(replace(config, output_prefix=str(root / "out" / "corpus")), roots=(root,))
+    assert sentinel.read_text() == "not yours"
+    assert sorted(p.name for p in outside.iterdir()) == ["corpus_text_document.idx"]

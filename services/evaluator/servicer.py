@@ -291,6 +291,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             handle.progress(req_done, req_total, unit="requests", message=task, metadata=metadata)
 
         try:
+            resolve_under_roots(str(output), self._config.data_roots, "output_path")
             model = self._open_model(request)
             try:
                 outcomes = evaluate(
@@ -320,6 +321,8 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "num_samples": config.num_samples,
             "temperature": config.temperature if config.num_samples > 1 else None,
         }
+        # Re-checked at use: the folder may have become a symlink leaving the roots meanwhile.
+        resolve_under_roots(str(output), self._config.data_roots, "output_path")
         path, _ = write_results(output, outcomes, settings, start)
         return evaluator_pb2.EvaluationResult(
             results=_task_results(outcomes),

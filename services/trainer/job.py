@@ -22,7 +22,7 @@ from meshline.trainer.v1 import trainer_pb2
 from services.common.errors import Cancelled
 from services.common.operations import OperationHandle
 from services.trainer.k8s_launcher import select_launcher
-from services.trainer.request_paths import PERMISSION_DENIED_TAG
+from services.trainer.request_paths import PERMISSION_DENIED_TAG, argv_from_config
 from services.trainer.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def run_job(
     threading.Thread(target=forward_cancel, daemon=True).start()
     output = _OutputTail(handle.name)
     code = launch(
-        list(run.argv),
+        list(run.argv) or argv_from_config(config),
         nproc,
         nnodes=nnodes,
         max_restarts=request.max_restarts,

@@ -105,13 +105,19 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
     """
     from services.trainer.arguments import parse_args
 
-    # The parser reads --config files, so those are confined before it runs.
+    # The parser reads --config files, so those are confined before it runs, and it reads the
+    # resolved path, not the requester's string.
+    args = list(args)
     for i, token in enumerate(args):
         flag, has_value, inline = token.partition("=")
         if flag == "--config":
             path = inline if has_value else (args[i + 1] if i + 1 < len(args) else "")
             if path:
-                resolve_under_roots(path, roots, f"args[{i}] (--config)")
+                resolved = str(resolve_under_roots(path, roots, f"args[{i}] (--config)"))
+                if has_value:
+                    args[i] = f"--config={resolved}"
+                else:
+                    args[i + 1] = resolved
     errors = io.StringIO()
     try:
         # argparse reports a bad flag on stderr and exits; keep its one-line reason.

@@ -82,7 +82,22 @@ def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
             if name in _FOLDERS_READ_WHOLE:
                 confine_tree(path, roots, field)
             setattr(sections[section], name, str(path))
-    return TrainConfig(**sections)
+    confined = TrainConfig(**sections)
+    for flag, path in _default_cache_dirs(confined):
+        resolve_under_roots(path, roots, f"args ({flag})")
+    return confined
+
+
+def _default_cache_dirs(config: TrainConfig) -> list[tuple[str, str]]:
+    """Without --data-cache-path the sample index goes to `cache/` beside each shard."""
+    data = config.data
+    if data.data_cache_path or data.mock_data:
+        return []
+    prefixes = [*data.data_path, *data.train_data_path, *data.valid_data_path]
+    prefixes += data.test_data_path
+    flag = "--data-cache-path (default: cache/ beside the data)"
+    dirs = {str(Path(p).parent / "cache") for p in prefixes if not _is_weight(p)}
+    return [(flag, d) for d in sorted(dirs)]
 
 
 def argv_from_config(config: TrainConfig) -> list[str]:
@@ -119,4 +134,4 @@ def path_values(config: TrainConfig) -> list[tuple[str, str]]:
         for item in value if isinstance(value, list) else [value]:
             if item and not _is_weight(item):
                 out.append((flag, os.fspath(item)))
-    return out
+    return out + _default_cache_dirs(config)

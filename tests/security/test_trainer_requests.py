@@ -219,6 +219,25 @@ def test_data_shard_symlinked_outside_is_refused(
     assert list_operations(trainer_server.address) == []
 
 
+def test_default_cache_dir_symlinked_outside_is_refused(
+    trainer_server, root: Path, outside: Path, sentencepiece_model: Path
+) -> None:
+    """No --data-cache-path: the index cache goes to cache/ beside the shard, here a symlink."""
+    (root / "data").mkdir()
+    _write_shard(root / "data" / "corpus")
+    (root / "data" / "cache").symlink_to(outside, target_is_directory=True)
+    tokenizer = root / "tok.model"
+    tokenizer.write_bytes(sentencepiece_model.read_bytes())
+    args = [t for t in TINY if t != "--mock-data"]
+    args += ["--data-path", str(root / "data" / "corpus"), "--tokenizer-type", "SentencePiece"]
+    args += ["--tokenizer-model", str(tokenizer)]
+    error = _refused(trainer_server.address, args)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "--data-cache-path" in error.details()
+    assert list(outside.iterdir()) == []
+    assert list_operations(trainer_server.address) == []
+
+
 def test_tokenizer_folder_with_a_symlink_outside_is_refused(
     trainer_server, root: Path, outside: Path
 ) -> None:

@@ -41,8 +41,12 @@ from services.trainer.arguments import parse_args
 from services.trainer.job import failure_status
 from services.trainer.request_paths import argv_from_config
 from services.trainer.worker_env import ALLOWED, env_violations
-from tests.security.conftest import wait_operation
+from tests.security import paths_fixtures
+from tests.security.paths_fixtures import wait_operation
 from tests.services.evaluator.servers import ServerThread
+
+# The shared fixtures, bound here so pytest finds them (see paths_fixtures).
+root, outside = paths_fixtures.root, paths_fixtures.outside
 
 SECRET = "SECRET-8d1f3a"
 

@@ -9,6 +9,7 @@ mock-data runs (3 steps, 1 process) cover the launched paths; the rest are refus
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +22,15 @@ import pytest
 from meshline.common.v1 import operations_pb2
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.preprocess.indexed import IndexedDatasetWriter
-from tests.security.conftest import list_operations, wait_operation
+from tests.security import paths_fixtures
+from tests.security.paths_fixtures import list_operations, wait_operation
+
+# The shared fixtures, bound here so pytest finds them (see paths_fixtures).
+root, outside, trainer_server = (
+    paths_fixtures.root,
+    paths_fixtures.outside,
+    paths_fixtures.trainer_server,
+)
 
 TINY = [
     *("--model", "tiny-llama", "--mock-data", "--train-iters", "3", "--log-interval", "1"),
@@ -328,13 +337,21 @@ def test_directory_swapped_for_a_symlink_after_submission_gets_no_checkpoint(
 
 @pytest.mark.slow
 def test_allowed_env_runs_with_resolved_paths_only(
-    trainer_server, root: Path, tmp_path: Path
+    trainer_server, root: Path, sentencepiece_model: Path
 ) -> None:
-    """A permitted request runs; its workers get the resolved --save, not the alias given."""
+    """A permitted request on real shards runs; its workers get the resolved paths (data,
+    tokenizer, --save), not the alias given, which is repointed right after submission."""
     (root / "real").mkdir()
     (root / "alias").symlink_to(root / "real", target_is_directory=True)
+    _write_shard(root / "real" / "corpus", documents=8)
+    shutil.copy(sentencepiece_model, root / "real" / "tok.model")
+    alias = root / "alias"
+    args = [t for t in TINY if t != "--mock-data"]
+    args += ["--data-path", str(alias / "corpus"), "--split", "1,0,0"]
+    args += ["--tokenizer-type", "SentencePiece", "--tokenizer-model", str(alias / "tok.model")]
+    args += ["--save", str(alias / "ckpt")]
     env = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "GLOO_SOCKET_IFNAME": "lo"}
-    started = _start(trainer_server.address, [*TINY, "--save", str(root / "alias" / "ckpt")], env)
+    started = _start(trainer_server.address, args, env)
     # Repoint the alias after submission: the job must keep writing where it was resolved to.
     (root / "elsewhere").mkdir()
     (root / "alias").unlink()

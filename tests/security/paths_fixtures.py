@@ -1,4 +1,5 @@
-"""Shared fixtures of the hostile-input corpus: a data root, a place outside it, servers."""
+"""Fixtures of the path and trainer cases (a data root, a place outside it, a trainer server),
+imported by their test modules; kept out of conftest.py so other corpus files stay independent."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ Storage can change after that check, so:
 from __future__ import annotations
 
 import errno
-import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,11 +108,6 @@ def open_resolved(path: Path, field: str, flags: int = os.O_RDONLY, mode: int = 
             "replaced by a symlink after the request was checked); refusing to use it"
         )
     return fd
-
-
-def open_text_resolved(path: Path, field: str) -> io.TextIOWrapper:
-    """`open_resolved` for reading UTF-8 text (the caller closes the returned file)."""
-    return open(open_resolved(path, field), encoding="utf-8", newline="")
 
 
 def confine_to(path: Path, base: Path, field: str) -> Path:

@@ -65,7 +65,10 @@ def _exec_role(config, role, fds):
         os.dup2(fd, target)  # inheritable
     os.closerange(len(fds), 1 << 16)
     _limits(config)
-    if uid is not None:
+    argv = dict(role["argv"])
+    if uid is not None and not config["isolate"] and not _world_readable(config["python"]):
+        argv["uid"] = uid  # e.g. a pyenv under /root: child.py imports, then drops (see there)
+    elif uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
@@ -74,11 +77,21 @@ def _exec_role(config, role, fds):
     if seccomp is not None:
         namespaces.install_seccomp(seccomp)
     os.chdir(workdir)
-    argv = {k: (f"{sandbox}/{v}" if k in ("program", "prompt", "test") else v)
-            for k, v in role["argv"].items()}  # fmt: skip
+    named = ("program", "prompt", "test")
+    argv = {k: (f"{sandbox}/{v}" if k in named else v) for k, v in argv.items()}
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     python = config["python"]
     os.execve(python, [python, "-I", "-S", f"{sandbox}/child.py", json.dumps(argv)], env)
+
+
+def _world_readable(python):
+    """Whether another uid can reach the interpreter and its stdlib (every parent o+x)."""
+    path = os.path.dirname(os.path.dirname(python))  # the installation prefix
+    while path not in ("/", ""):
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        path = os.path.dirname(path)
+    return True
 
 
 def _supervise(config, role, fds):

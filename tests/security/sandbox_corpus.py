@@ -115,10 +115,12 @@ FORGERIES: dict[str, str] = {
         "class Quit:\n    def __del__(self):\n        raise SystemExit(0)\n\n\nquit_on_exit = Quit()\n"
     ),
     "nonce_from_frames": WRONG + (
-        "import os, sys\nframe = sys._getframe()\nwhile frame is not None:\n"
-        "    for value in [*frame.f_locals.values(), *frame.f_globals.values()]:\n"
+        "import os, sys\nprint('passed')\nleave = os._exit\nframe = sys._getframe()\n"
+        "while frame is not None:\n"
+        "    for name, value in [*frame.f_locals.items(), *frame.f_globals.items()]:\n"
         "        if isinstance(value, str) and len(value) == 32:\n            print('\\n' + value)\n"
-        "    frame = frame.f_back\nsys.stdout.flush()\nos._exit(0)\n"
+        "        if name == 'exit_now':\n            leave = value\n"
+        "    frame = frame.f_back\nsys.stdout.flush()\nleave(0)\n"
     ),
     "patch_assertion_error": WRONG + (
         "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"

@@ -8,6 +8,7 @@ the samples go to `output_path` (default: `<output root>/<operation id>`).
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import threading
 import time
@@ -34,9 +35,16 @@ from services.evaluator.config import EvaluatorServiceConfig
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import TaskOutcome, aggregate_groups, write_results
 from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
-from services.evaluator.sandbox.runner import SandboxError, SandboxUnavailable, require_isolation
+from services.evaluator.sandbox.runner import (
+    UNSAFE_FLAG,
+    SandboxError,
+    SandboxUnavailable,
+    isolation,
+    require_isolation,
+)
 from services.evaluator.tasks import get_task, groups, list_tasks, resolve
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = evaluator_pb2.DESCRIPTOR.services_by_name["EvaluatorService"].full_name
 JOB_KIND = "evaluate"
 DEFAULT_BATCH_SIZE = 8
@@ -439,7 +447,19 @@ def _task_results(outcomes: list[TaskOutcome]) -> list[evaluator_pb2.TaskResult]
 
 
 def bindings(config: EvaluatorServiceConfig, store: OperationsStore) -> list[ServiceBinding]:
-    """The evaluator service and the OperationsService over the same store."""
+    """The evaluator service and the OperationsService over the same store.
+
+    Probes the HumanEval sandbox now, so the log says at startup whether generated code can run.
+    """
+    state = isolation()
+    if not state.available:
+        logger.warning(
+            "HumanEval sandbox unavailable (%s): humaneval requests are %s",
+            state.reason,
+            f"run UNSAFELY ({UNSAFE_FLAG})"
+            if config.allow_unsafe_code_execution
+            else f"refused (start with {UNSAFE_FLAG} to run them without isolation)",
+        )
     servicer = EvaluatorServicer(config, store)
     return [
         ServiceBinding(

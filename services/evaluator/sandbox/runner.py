@@ -11,7 +11,8 @@ itself could fake: meant for programs that are not adversarial, such as tests' o
 Each run is one `launcher.py` process (see its docstring for the isolation: namespaces, a
 read-only minimal root, a uid of its own, rlimits, no_new_privs, seccomp). `isolation()` probes
 once whether the host allows it; without it code runs only if the operator allowed unsafe
-execution (`--allow-unsafe-code-execution`), and then with rlimits and a separate uid alone.
+execution (`--allow-unsafe-code-execution`), and then with rlimits, seccomp and (as root) a
+separate uid alone.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ def _run(roles: list[dict], verdict: str, limits: SandboxLimits, isolate: bool) 
                 _stage_unsafe(directory, role)
         config = {
             "isolate": isolate, "python": python, "expose": _expose(python), "roles": roles,
-            "verdict_role": verdict, "seccomp": isolate, "timeout_s": limits.timeout_s,
+            "verdict_role": verdict, "seccomp": True, "timeout_s": limits.timeout_s,
             "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
             "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
             "open_files": limits.open_files,

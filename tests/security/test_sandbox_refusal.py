@@ -109,9 +109,9 @@ def test_unprivileged_service_user_is_contained_too(tmp_path):
     os.chmod(tmp_path, 0o777)
     marker = tmp_path / "marker"
     script = f"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("r", {str(ROOT / "services/evaluator/sandbox/runner.py")!r})
-r = importlib.util.module_from_spec(spec); sys.modules["r"] = r; spec.loader.exec_module(r)
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import services.evaluator.sandbox.runner as r
 if not r.isolation().available:
     print("NO-USERNS", r.isolation().reason); raise SystemExit(0)
 p, t = {DOC["prompt"]!r}, {DOC["test"]!r}

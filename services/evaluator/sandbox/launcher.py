@@ -120,8 +120,7 @@ def _supervise(config, role, fds):
     except BaseException as exc:
         os.write(fds[2], f"sandbox setup: {type(exc).__name__}: {exc}\n".encode())
         os._exit(125)
-    for fd in set(fds):
-        os.close(fd)
+    os.closerange(3, 1 << 16)  # no pipe end stays open here (its reader would miss EOF)
 
     def stop(signum, frame):
         _kill(pid, pgroup=not config["isolate"])

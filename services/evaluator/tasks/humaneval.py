@@ -106,9 +106,7 @@ class HumanEval(Task):
 
     def process_many(self, docs: list[Doc], answers: list[Any]) -> list[dict[str, float]]:
         """pass@k of many problems, their programs run `workers` at a time."""
-        checks = [
-            self.check(d, c) for d, cs in zip(docs, answers, strict=True) for c in cs
-        ]
+        checks = [self.check(d, c) for d, cs in zip(docs, answers, strict=True) for c in cs]
         runs = iter(run_checks(checks, self.limits, self.workers, allow_unsafe=self.allow_unsafe))
         results = []
         for completions in answers:

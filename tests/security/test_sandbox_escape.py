@@ -22,7 +22,7 @@ from string import Template
 
 import pytest
 
-from services.evaluator.sandbox.runner import SandboxLimits, isolation, run_check
+from services.evaluator.sandbox.runner import SandboxLimits, isolation, run_check, run_program
 from services.evaluator.tasks.humaneval import HumanEval
 from tests.security.sandbox_corpus import DOC, ESCAPES, FORGERIES, UNSANDBOXED
 
@@ -181,3 +181,37 @@ def test_parent_of_the_sandbox_survives_signals():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert got == []
+
+
+SELF_REPORT = """
+import ctypes, errno, os, resource, socket
+fields = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())
+assert os.getpid() == 1, 'PID 1 of a new PID namespace'
+assert fields['NoNewPrivs'].strip() == '1'
+assert fields['Seccomp'].strip() == '2', 'a seccomp filter is loaded'
+assert int(fields['CapEff'], 16) == int(fields['CapPrm'], 16) == 0, 'no capabilities'
+assert os.getuid() != 0 and os.geteuid() != 0 and os.getgroups() == []
+assert socket.gethostname() == 'sandbox'
+for hidden in ('/etc', '/home', '/var', '/run', '/root/.ssh'):
+    assert not os.path.exists(hidden), hidden
+try:
+    open('/usr/escape', 'w')
+    raise AssertionError('the root is writable')
+except OSError as exc:
+    assert exc.errno in (errno.EROFS, errno.EACCES), exc
+open('/work/scratch', 'w').write('ok')
+interfaces = [line.split(':')[0].strip() for line in open('/proc/net/dev').read().splitlines()[2:]]
+assert interfaces == ['lo'], interfaces
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.ptrace(0, 0, 0, 0) == -1 and ctypes.get_errno() == errno.EPERM, 'ptrace refused'
+assert resource.getrlimit(resource.RLIMIT_NOFILE) == (64, 64)
+assert resource.getrlimit(resource.RLIMIT_NPROC) == (8, 8)
+assert resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)
+assert set(os.environ) <= {'PATH', 'LANG', 'HOME', 'TMPDIR', 'LC_CTYPE'}, sorted(os.environ)
+"""
+
+
+def test_the_sandbox_reports_its_own_confinement():
+    """From the inside: PID 1, no_new_privs, seccomp, no capabilities, no host files, lo only."""
+    result = run_program(SELF_REPORT, LIMITS)
+    assert (result.passed, result.network) == (True, "namespace"), result.detail

@@ -196,10 +196,7 @@ def main():
         if pid == 0:
             _supervise(config, role, fds)
         supervisors[pid] = role["name"]
-        for fd in set(fds):
-            os.close(fd)
-    for fd in {fd for chan in channels.values() for fd in chan} - {marker_r}:
-        with contextlib.suppress(OSError):
+        for fd in set(fds):  # the role's pipe ends included: only its processes hold them
             os.close(fd)
     verdict = next(pid for pid, name in supervisors.items() if name == config["verdict_role"])
     ended, timed_out = {}, False

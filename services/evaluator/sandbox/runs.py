@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,8 @@ LAUNCHER = HERE / "launcher.py"
 HARNESS = ("child.py", "wire.py")
 _UID_BASE, _UID_SPAN = 200_000, 100_000
 OUTPUT_LIMIT = 64 * 1024
+_uids_lock = threading.Lock()
+_uids_in_use: set[int] = set()
 
 
 class SandboxError(RuntimeError):
@@ -91,7 +94,7 @@ def _tail(path: Path) -> str:
 def run(roles: list[dict], verdict: str, limits: SandboxLimits, isolate: bool) -> Execution:
     directory = Path(tempfile.mkdtemp(prefix="meshline-sandbox-"))
     python = os.path.realpath(sys.executable)
-    uid_base = _UID_BASE + 2 * secrets.randbelow(_UID_SPAN // 2) if os.geteuid() == 0 else None
+    uid_base = _take_uids() if os.geteuid() == 0 else None
     try:
         for index, role in enumerate(roles):
             name = role["name"]
@@ -119,6 +122,19 @@ def run(roles: list[dict], verdict: str, limits: SandboxLimits, isolate: bool) -
         return _judge(report, roles, verdict, limits, isolate)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        if uid_base is not None:
+            with _uids_lock:
+                _uids_in_use.discard(uid_base)
+
+
+def _take_uids() -> int:
+    """A random pair of uids (one per role) no other run of this process is using."""
+    with _uids_lock:
+        while True:
+            base = _UID_BASE + 2 * secrets.randbelow(_UID_SPAN // 2)
+            if base not in _uids_in_use:
+                _uids_in_use.add(base)
+                return base
 
 
 def _stage_unsafe(directory: Path, role: dict) -> None:

@@ -46,8 +46,10 @@ class SandboxLimits:
     file_size_bytes: int = 16 << 20
     """RLIMIT_FSIZE: largest file it may write (its captured output included); its private
     /work holds four times this."""
-    max_processes: int = 16
-    """RLIMIT_NPROC of the run's uid (in its own user namespace, or its own uid as root)."""
+    max_processes: int = 4
+    """RLIMIT_NPROC of the run's uid (in its own user namespace, or its own uid as root),
+    threads included. With no cgroup, a role's memory is bounded by max_processes ×
+    memory_bytes, so this stays small: HumanEval code needs one process."""
     open_files: int = 64
     """RLIMIT_NOFILE."""
 

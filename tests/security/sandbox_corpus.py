@@ -156,4 +156,5 @@ FORGERIES: dict[str, str] = {
         "    if getattr(obj, '__name__', '') == 'check':\n        obj.__code__ = (lambda c: None).__code__\n"
     ),
     "generator_instead_of_value": "    yield a + b\n",
+    "stop_iteration_from_call": "    raise StopIteration\n",
 }  # fmt: skip

@@ -215,3 +215,16 @@ def test_the_sandbox_reports_its_own_confinement():
     """From the inside: PID 1, no_new_privs, seccomp, no capabilities, no host files, lo only."""
     result = run_program(SELF_REPORT, LIMITS)
     assert (result.passed, result.network) == (True, "namespace"), result.detail
+
+
+def test_stop_iteration_cannot_end_the_tests_loop_early():
+    """`for r in map(candidate, ...)` ends silently on StopIteration in one process (lm-eval);
+    here the candidate's StopIteration arrives as RuntimeError and fails the test."""
+    test = "def check(candidate):\n    for result in map(candidate, [2, 3], [3, 4]):\n        assert result == 99\n"
+    check = HumanEval().check({**DOC, "test": test}, "    raise StopIteration\n")
+    native = subprocess.run(
+        [sys.executable, "-I", "-c", HumanEval().program({**DOC, "test": test}, check.completion)],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert native.returncode == 0  # the one-process harness would have passed it
+    assert not run_check(check, LIMITS).passed

@@ -24,13 +24,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import wire
 
-# Builtin exception types a candidate's error may come back as (anything else: RuntimeError).
+# Builtin exception types a candidate's error may come back as (anything else: RuntimeError;
+# SystemExit, KeyboardInterrupt and GeneratorExit are not Exceptions).
 _RERAISE = {
     name: value
     for name, value in vars(builtins).items()
     if isinstance(value, type)
     and issubclass(value, Exception)
-    and not issubclass(value, (SystemExit, KeyboardInterrupt, GeneratorExit))
+    and not issubclass(value, (StopIteration, StopAsyncIteration))  # would end a test's loop early
 }
 
 

@@ -18,7 +18,12 @@ from pathlib import Path
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
-from services.evaluator.sandbox.runner import UNSAFE_FLAG, SandboxUnavailable, require_isolation
+from services.evaluator.sandbox.runner import (
+    UNSAFE_FLAG,
+    SandboxError,
+    SandboxUnavailable,
+    require_isolation,
+)
 from services.evaluator.tasks import groups, list_tasks, resolve
 
 LOAD_FORMATS = ("auto", "hf", "native", "megatron")
@@ -127,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
+    except SandboxError as exc:
+        print(f"meshline evaluate: error: the HumanEval sandbox failed: {exc}", file=sys.stderr)
+        return 1
     finally:
         model.close()
     settings = {

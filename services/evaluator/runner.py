@@ -103,8 +103,6 @@ def prepare_task(task: Task, config: EvalConfig) -> PreparedTask:
     task.reset_sampler(config.seed)
     repeats = 1
     if isinstance(task, HumanEval):
-        # Refuse before any completion is generated where the code could not be contained.
-        require_isolation(config.allow_unsafe_code_execution)
         task.allow_unsafe = config.allow_unsafe_code_execution
         task.set_samples(config.num_samples)
         repeats = config.num_samples
@@ -192,6 +190,9 @@ def evaluate(
             "%s: %d subtask(s) without data under %s are left out of the group (%s)",
             group, len(names), config.task_data_path, shown,
         )  # fmt: skip
+    if any(isinstance(item.task, HumanEval) for item in prepared):
+        # Refuse before any completion is generated where the code could not be contained.
+        require_isolation(config.allow_unsafe_code_execution)
     if not prepared:
         raise ValueError(
             f"--task-data-path {config.task_data_path}: no data for any task of "

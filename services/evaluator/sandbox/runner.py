@@ -107,12 +107,13 @@ def require_isolation(allow_unsafe: bool) -> bool:
     raise SandboxUnavailable(
         "this host cannot isolate generated code in user/PID/mount/network namespaces "
         f"({state.reason}), so HumanEval will not run it; run where unprivileged namespaces are "
-        f"allowed, or restart with {UNSAFE_FLAG} to run it with rlimits and a separate uid only"
+        f"allowed, or pass {UNSAFE_FLAG} (to `meshline serve evaluator` or `meshline "
+        "evaluate`) to run it with rlimits, seccomp and a separate uid only"
     )
 
 
 def run_check(
-    check: Check, limits: SandboxLimits | None = None, *, allow_unsafe=False
+    check: Check, limits: SandboxLimits | None = None, *, allow_unsafe: bool = False
 ) -> Execution:
     """Judge `check.completion`: passed only when the test's `check` returned in the checker."""
     isolate = require_isolation(allow_unsafe)
@@ -127,7 +128,7 @@ def run_check(
 
 
 def run_program(
-    program: str, limits: SandboxLimits | None = None, *, allow_unsafe=False
+    program: str, limits: SandboxLimits | None = None, *, allow_unsafe: bool = False
 ) -> Execution:
     """Execute `program` (Python source) in the sandbox and say whether it ran to its end."""
     isolate = require_isolation(allow_unsafe)
@@ -146,7 +147,7 @@ def run_checks(
     limits: SandboxLimits | None = None,
     workers: int = 2,
     *,
-    allow_unsafe=False,
+    allow_unsafe: bool = False,
 ) -> list[Execution]:
     """`run_check` over many checks, `workers` at a time; results in order."""
     require_isolation(allow_unsafe)
@@ -159,7 +160,7 @@ def run_programs(
     limits: SandboxLimits | None = None,
     workers: int = 2,
     *,
-    allow_unsafe=False,
+    allow_unsafe: bool = False,
 ) -> list[Execution]:
     """`run_program` over many programs, `workers` at a time; results in order."""
     require_isolation(allow_unsafe)

@@ -228,3 +228,15 @@ def test_stop_iteration_cannot_end_the_tests_loop_early():
     )  # fmt: skip
     assert native.returncode == 0  # the one-process harness would have passed it
     assert not run_check(check, LIMITS).passed
+
+
+def test_leftover_probe_sees_a_process_outside_the_sandbox():
+    """Control for the "leftover" escapes: the /proc scan does find such a sleeper."""
+    token = f"{900 + secrets.randbelow(99)}.{secrets.randbelow(10**6):06d}"
+    sleeper = subprocess.Popen(["sleep", token])
+    try:
+        time.sleep(0.2)
+        assert _processes_with(token) == [str(sleeper.pid)]
+    finally:
+        sleeper.kill()
+        sleeper.wait()

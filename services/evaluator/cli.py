@@ -18,6 +18,12 @@ from pathlib import Path
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
+from services.evaluator.sandbox.runner import (
+    UNSAFE_FLAG,
+    SandboxError,
+    SandboxUnavailable,
+    require_isolation,
+)
 from services.evaluator.tasks import groups, list_tasks, resolve
 
 LOAD_FORMATS = ("auto", "hf", "native", "megatron")
@@ -54,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampling temperature if --num-samples > 1",
     )
     parser.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    parser.add_argument(
+        UNSAFE_FLAG,
+        dest="allow_unsafe_code_execution",
+        action="store_true",
+        help="run HumanEval's generated code even where this host cannot sandbox it in "
+        "namespaces (then only rlimits and a separate uid contain it); see docs/security.md",
+    )
     return parser
 
 
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             num_samples=args.num_samples,
             temperature=args.temperature,
+            allow_unsafe_code_execution=args.allow_unsafe_code_execution,
         )
         selected = resolve(list(config.tasks))  # unknown names fail before a model is opened
         if config.num_samples > 1 and all(task.name != "humaneval" for task in selected):
@@ -107,15 +121,20 @@ def main(argv: list[str] | None = None) -> int:
                 "only, which is not among --tasks; they are ignored",
                 file=sys.stderr,
             )
+        if any(task.name == "humaneval" for task in selected):
+            require_isolation(config.allow_unsafe_code_execution)
         model = open_model(args)
-    except (ValueError, ConnectionError) as exc:
+    except (ValueError, ConnectionError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
     try:
         outcomes = evaluate(config, model, show_bar=False if args.no_progress else None)
-    except ValueError as exc:
+    except (ValueError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
+    except SandboxError as exc:
+        print(f"meshline evaluate: error: the HumanEval sandbox failed: {exc}", file=sys.stderr)
+        return 1
     finally:
         model.close()
     settings = {

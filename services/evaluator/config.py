@@ -25,6 +25,8 @@ class EvaluatorServiceConfig:
     """Largest `batch_size` a request may ask for."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
+    allow_unsafe_code_execution: bool = False
+    """Run HumanEval's generated code even where the host cannot sandbox it in namespaces."""
 
     def __post_init__(self) -> None:
         if not self.data_roots:
@@ -79,6 +81,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=4096,
         help="largest max_new_tokens a request may ask for (default 4096)",
     )
+    group.add_argument(
+        "--allow-unsafe-code-execution",
+        action="store_true",
+        help="run HumanEval's generated code even where this host cannot sandbox it in "
+        "namespaces (then only rlimits and a separate uid contain it); see docs/security.md",
+    )
 
 
 def from_args(args: argparse.Namespace) -> EvaluatorServiceConfig:
@@ -89,4 +97,5 @@ def from_args(args: argparse.Namespace) -> EvaluatorServiceConfig:
         output_root=Path(args.output_root) if args.output_root else None,
         max_batch_size=args.max_batch_size,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        allow_unsafe_code_execution=args.allow_unsafe_code_execution,
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 from services.evaluator.models.grpc_client import GrpcLanguageModel
 from services.evaluator.results import atomic_write, format_table, write_results
 from services.evaluator.runner import EvalConfig, evaluate
+from services.evaluator.sandbox.runner import UNSAFE_FLAG, isolation
 
 FIXTURES = Path(__file__).parents[2] / "tests" / "fixtures" / "evaluator"
 TASKS = ("boolq", "mmlu", "ceval-valid", "agieval", "gsm8k", "gsm8k_cot", "bbh", "humaneval")
@@ -120,7 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="samples per task at most")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="generation cap")
     parser.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored")
+    parser.add_argument(
+        UNSAFE_FLAG,
+        dest="allow_unsafe_code_execution",
+        action="store_true",
+        help="run HumanEval even where this host cannot sandbox generated code (docs/security.md)",
+    )
     args = parser.parse_args(argv)
+    tasks = TASKS
+    if not isolation().available and not args.allow_unsafe_code_execution:
+        tasks = tuple(t for t in TASKS if t != "humaneval")
+        print(
+            f"[eval] humaneval left out: this host cannot sandbox generated code "
+            f"({isolation().reason}); pass {UNSAFE_FLAG} to run it anyway",
+            flush=True,
+        )
     checkpoint = args.run_dir / "checkpoints"
     if not (checkpoint / "latest").is_file():
         print(
@@ -141,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[eval] inference service on {server.address}", flush=True)
         model = GrpcLanguageModel(server.address, batch_size=8)
         config = EvalConfig(
-            tasks=TASKS,
+            tasks=tasks,
             task_data_path=args.task_data_path,
             output_path=output,
             limit=args.limit,
             max_new_tokens=args.max_new_tokens,
+            allow_unsafe_code_execution=args.allow_unsafe_code_execution,
         )
         outcomes = evaluate(config, model)
         settings = {

@@ -19,6 +19,7 @@ from typing import Any
 from services.evaluator.cache import ResponseCache, request_key
 from services.evaluator.models.base import GenerationRequest, LanguageModel
 from services.evaluator.results import TaskOutcome, aggregate_task
+from services.evaluator.sandbox.runner import require_isolation
 from services.evaluator.tasks import resolve_with_origin
 from services.evaluator.tasks.base import MULTIPLE_CHOICE, MissingData, Task
 from services.evaluator.tasks.humaneval import HumanEval
@@ -55,6 +56,9 @@ class EvalConfig:
     """Completions per HumanEval problem (n of pass@k); above 1 they are sampled."""
     temperature: float = DEFAULT_TEMPERATURE
     """Sampling temperature when num_samples > 1."""
+    allow_unsafe_code_execution: bool = False
+    """Run HumanEval completions even where the host cannot sandbox them (lm-eval's
+    `confirm_run_unsafe_code`); only the operator sets it."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings echoed into results.json's "config"."""
 
@@ -99,6 +103,7 @@ def prepare_task(task: Task, config: EvalConfig) -> PreparedTask:
     task.reset_sampler(config.seed)
     repeats = 1
     if isinstance(task, HumanEval):
+        task.allow_unsafe = config.allow_unsafe_code_execution
         task.set_samples(config.num_samples)
         repeats = config.num_samples
     requests: list[list[tuple[str, Any]]] = []
@@ -185,6 +190,9 @@ def evaluate(
             "%s: %d subtask(s) without data under %s are left out of the group (%s)",
             group, len(names), config.task_data_path, shown,
         )  # fmt: skip
+    if any(isinstance(item.task, HumanEval) for item in prepared):
+        # Refuse before any completion is generated where the code could not be contained.
+        require_isolation(config.allow_unsafe_code_execution)
     if not prepared:
         raise ValueError(
             f"--task-data-path {config.task_data_path}: no data for any task of "

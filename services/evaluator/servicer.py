@@ -8,6 +8,7 @@ the samples go to `output_path` (default: `<output root>/<operation id>`).
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import threading
 import time
@@ -34,8 +35,16 @@ from services.evaluator.config import EvaluatorServiceConfig
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import TaskOutcome, aggregate_groups, write_results
 from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
-from services.evaluator.tasks import get_task, groups, list_tasks
+from services.evaluator.sandbox.runner import (
+    UNSAFE_FLAG,
+    SandboxError,
+    SandboxUnavailable,
+    isolation,
+    require_isolation,
+)
+from services.evaluator.tasks import get_task, groups, list_tasks, resolve
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = evaluator_pb2.DESCRIPTOR.services_by_name["EvaluatorService"].full_name
 JOB_KIND = "evaluate"
 DEFAULT_BATCH_SIZE = 8
@@ -124,11 +133,14 @@ def check_fields(
         )
     else:
         check.require(bool(request.local.load_dir), "local.load_dir", "must not be empty")
+        load_format = request.local.load_format
         check.require(
-            request.local.load_format != evaluator_pb2.LOAD_FORMAT_UNSPECIFIED,
+            load_format in _LOAD_FORMATS,
             "local.load_format",
-            "set HF, NATIVE or MEGATRON",
-        )
+            "set LOAD_FORMAT_HF, LOAD_FORMAT_NATIVE or LOAD_FORMAT_MEGATRON"
+            + ("" if load_format == evaluator_pb2.LOAD_FORMAT_UNSPECIFIED
+               else f" ({load_format} is not a LoadFormat value)"),
+        )  # fmt: skip
     check.raise_if_any()
 
 
@@ -231,6 +243,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
                 + f"; known groups: {', '.join(sorted(known_groups))}; other tasks: "
                 f"{', '.join(sorted(known - grouped))}; ListTasks lists all {len(known)} names",
             )
+        self._require_sandbox(list(request.tasks))
         explicit = (
             resolve_under_roots(request.output_path, self._config.data_roots, "output_path")
             if request.output_path
@@ -258,6 +271,14 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         run_in_thread(self._store, handle, job)
         return evaluator_pb2.StartEvaluationResponse(operation=self._store.get(handle.name))
 
+    def _require_sandbox(self, tasks: list[str]) -> None:
+        """FAILED_PRECONDITION before any work when HumanEval could not sandbox its code."""
+        if any(task.name == "humaneval" for task in resolve(tasks)):
+            try:
+                require_isolation(self._config.allow_unsafe_code_execution)
+            except SandboxUnavailable as exc:
+                raise FailedPrecondition(f"tasks: {exc}") from None
+
     def _run(
         self, request: evaluator_pb2.StartEvaluationRequest, output: Path, handle: OperationHandle
     ) -> evaluator_pb2.EvaluationResult:
@@ -277,6 +298,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             temperature=request.temperature
             if request.HasField("temperature")
             else DEFAULT_TEMPERATURE,
+            allow_unsafe_code_execution=self._config.allow_unsafe_code_execution,
         )
 
         def on_progress(task: str, done: int, total: int, req_done: int, req_total: int) -> None:
@@ -305,6 +327,12 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
                 model.close()
         except InterruptedError:
             raise Cancelled(f"{handle.name} was cancelled") from None
+        except SandboxUnavailable as exc:
+            handle.fail(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return evaluator_pb2.EvaluationResult()
+        except SandboxError as exc:
+            handle.fail(grpc.StatusCode.INTERNAL, f"the HumanEval sandbox failed: {exc}")
+            return evaluator_pb2.EvaluationResult()
         except ValueError as exc:
             handle.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return evaluator_pb2.EvaluationResult()
@@ -424,7 +452,19 @@ def _task_results(outcomes: list[TaskOutcome]) -> list[evaluator_pb2.TaskResult]
 
 
 def bindings(config: EvaluatorServiceConfig, store: OperationsStore) -> list[ServiceBinding]:
-    """The evaluator service and the OperationsService over the same store."""
+    """The evaluator service and the OperationsService over the same store.
+
+    Probes the HumanEval sandbox now, so the log says at startup whether generated code can run.
+    """
+    state = isolation()
+    if not state.available:
+        logger.warning(
+            "HumanEval sandbox unavailable (%s): humaneval requests are %s",
+            state.reason,
+            f"run UNSAFELY ({UNSAFE_FLAG})"
+            if config.allow_unsafe_code_execution
+            else f"refused (start with {UNSAFE_FLAG} to run them without isolation)",
+        )
     servicer = EvaluatorServicer(config, store)
     return [
         ServiceBinding(

@@ -1,1 +1,2 @@
-"""Sandboxed execution of generated code (HumanEval): one separate, limited process per program."""
+"""OS-level sandbox for generated code (HumanEval): namespaces, rlimits, seccomp; the verdict comes
+from a process the completion never runs in (`runner.run_check`, docs/security.md)."""

@@ -1,150 +1,139 @@
-"""Sandbox bootstrap, run as `python -I child.py CONFIG_JSON` in the program's own process.
+"""The interpreter-side harness: `python -I -S child.py CONFIG_JSON`, already inside the sandbox.
 
-Trusted code that runs before the untrusted program, in this order: read the success nonce from
-stdin; set resource limits (CPU seconds, address space, file size, processes, no core dumps);
-enter a new network namespace when permitted (root or CAP_SYS_ADMIN: only a down loopback
-remains); when running as root, drop to the sandbox's own unprivileged uid/gid; move into the
-work directory; disable dangerous calls; execute the program. The program passed when it ran
-to its end without raising: the bootstrap then prints the nonce. Imports nothing from Meshline.
+`launcher.py` execs this after the namespaces, the read-only root, the unprivileged uid, the
+rlimits, no_new_privs and seccomp are in place, so nothing here is a security boundary: the
+untrusted code runs in this same interpreter and may do anything to it. There is no secret in
+this process to steal. Roles (CONFIG_JSON's "role"):
+
+- "program": run one program; exit 0 and write b"done" to fd 3 if it ran to its end.
+- "serve": run the candidate's source (prompt + completion), then answer calls of its entry
+  point read from fd 3 (`wire` messages), one reply each on fd 4, until fd 3 ends.
+- "check": run the prompt (helpers such as HumanEval's `poly`) and the test code with the
+  entry point replaced by a proxy that forwards each call to the "serve" process, then
+  `check(candidate)`; exit 0 only if it returned. The completion never runs in this process,
+  so its exit status - which the parent reads - is the verdict.
+
+Imports nothing from Meshline.
 """
 
 import builtins
-import ctypes
-import faulthandler
 import json
 import os
-import resource
-import shutil
-import socket
-import subprocess
 import sys
 
-CLONE_NEWNET = 0x40000000
-# Imported before privileges drop: the interpreter's stdlib may be unreadable to the sandbox uid
-# (e.g. a pyenv under /root). These are what HumanEval-style solutions and tests use.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wire
+
+# Builtin exception types a candidate's error may come back as (anything else: RuntimeError;
+# SystemExit, KeyboardInterrupt and GeneratorExit are not Exceptions).
+_RERAISE = {
+    name: value
+    for name, value in vars(builtins).items()
+    if isinstance(value, type)
+    and issubclass(value, Exception)
+    and not issubclass(value, (StopIteration, StopAsyncIteration))  # would end a test's loop early
+}
+
+
+def _run_source(path, namespace):
+    with open(path, encoding="utf-8") as fh:
+        source = fh.read()
+    exec(compile(source, os.path.basename(path), "exec"), namespace)
+
+
+def _fail(exc, prefix=""):
+    sys.stdout.flush()
+    sys.stderr.write(f"{prefix}{type(exc).__name__}: {exc}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run_program(config):
+    """The whole program; the marker on fd 3 says it reached its end (the program could forge it:
+    only use this verdict for programs that do not try to)."""
+    try:
+        _run_source(config["program"], {"__name__": "__main__", "__builtins__": builtins})
+    except BaseException as exc:  # SystemExit too: leaving early is not passing
+        _fail(exc)
+    sys.stdout.flush()
+    os.write(3, b"done")
+    os._exit(0)
+
+
+def serve(config):
+    """Run the candidate, then answer calls of its entry point until the checker hangs up."""
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        _run_source(config["program"], namespace)
+        function = namespace[config["entry_point"]]
+    except BaseException as exc:
+        _fail(exc, "completion: ")
+    requests, replies = os.fdopen(3, "rb"), os.fdopen(4, "wb", buffering=0)
+    while True:
+        try:
+            message = wire.read_message(requests)
+        except EOFError:
+            os._exit(0)
+        args, kwargs = (wire.decode(part) for part in message["call"])
+        try:
+            reply = {"ok": wire.encode(function(*args, **kwargs))}
+        except BaseException as exc:  # the checker sees it as the call's exception
+            reply = {"error": [type(exc).__name__, str(exc)[:1000]]}
+        sys.stdout.flush()
+        replies.write(wire.dumps(reply))
+
+
+def check(config):
+    """The test code against a proxy of the candidate; exits 0 only when `check` returned."""
+    replies, requests = os.fdopen(3, "rb"), os.fdopen(4, "wb", buffering=0)
+
+    def candidate(*args, **kwargs):
+        requests.write(wire.dumps({"call": [wire.encode(list(args)), wire.encode(kwargs)]}))
+        try:
+            message = wire.read_message(replies)
+        except EOFError:
+            raise RuntimeError("the completion's process ended (see its error)") from None
+        if "error" in message:
+            name, text = message["error"]
+            raise _RERAISE.get(name, RuntimeError)(f"{name} in the completion: {text}")
+        return wire.decode(message["ok"])
+
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        _run_source(config["prompt"], namespace)
+        namespace[config["entry_point"]] = candidate
+        _run_source(config["test"], namespace)
+        namespace["check"](candidate)
+    except BaseException as exc:
+        _fail(exc)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# Only when the launcher could not exec the interpreter as the run's uid (no namespaces, root,
+# an interpreter under a private home): what HumanEval code imports, loaded before the drop.
 PRELOAD = (
     "typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect",
     "string", "hashlib", "random", "statistics", "fractions", "decimal", "copy", "operator",
-    "json", "datetime", "array", "numbers", "dataclasses", "enum", "abc", "textwrap", "cmath",
-    "unicodedata", "struct", "time", "sys", "os", "queue", "contextlib", "io", "inspect",
+    "datetime", "array", "numbers", "dataclasses", "enum", "abc", "textwrap", "cmath",
+    "unicodedata", "struct", "time", "queue", "contextlib", "io", "inspect", "traceback",
 )  # fmt: skip
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-
-def set_limits(config):
-    """Kernel-enforced limits: they hold even when the Python-level guard is bypassed."""
-    cpu = int(config["cpu_seconds"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    memory = int(config["memory_bytes"])
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_DATA, (memory, memory))
-    size = int(config["file_size_bytes"])
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    procs = int(config["max_processes"])
-    resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def isolate_network():
-    """A new, empty network namespace when the kernel allows it; reports which mode holds."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return "namespace"
-    return "guard"
 
 
 def drop_privileges(uid):
-    """Root only: become an unprivileged uid of our own (RLIMIT_NPROC then applies)."""
-    if os.geteuid() != 0 or uid is None:
-        return
+    """Unsafe mode as root only: preload, then become the run's own uid before any program."""
+    for module in PRELOAD:
+        __import__(module)
     os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-
-
-def _refuse(name):
-    def refused(*args, **kwargs):
-        raise PermissionError(f"{name} is disabled in the evaluation sandbox")
-
-    return refused
-
-
-def _inside(path, root):
-    try:
-        resolved = os.path.realpath(os.fspath(path))
-    except TypeError:
-        return True  # file descriptors: already opened under the same rules
-    return resolved == root or resolved.startswith(root + os.sep)
-
-
-def guard(workdir):
-    """Disable process creation, signals, deletion, networking and writes outside `workdir`."""
-    root = os.path.realpath(workdir)
-    real_open, real_os_open = builtins.open, os.open
-
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if any(c in mode for c in "wax+") and not _inside(file, root):
-            raise PermissionError(f"writing {file!r} outside the sandbox directory")
-        return real_open(file, mode, *args, **kwargs)
-
-    def guarded_os_open(path, flags, *args, **kwargs):
-        if flags & _WRITE_FLAGS and not _inside(path, root):
-            raise PermissionError(f"writing {path!r} outside the sandbox directory")
-        return real_os_open(path, flags, *args, **kwargs)
-
-    builtins.open = guarded_open
-    os.open = guarded_os_open
-    faulthandler.disable()
-    for name in (
-        "system", "popen", "fork", "forkpty", "kill", "killpg", "putenv", "unsetenv",
-        "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate",
-        "chmod", "fchmod", "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir",
-        "symlink", "link", "setuid", "setgid", "setsid", "execv", "execve", "execl", "execle",
-        "execlp", "execlpe", "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
-        "spawnv", "spawnve", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "_exit",
-        "register_at_fork", "sched_setaffinity", "nice",
-    ):  # fmt: skip
-        if hasattr(os, name):
-            setattr(os, name, _refuse(f"os.{name}"))
-    for name in ("rmtree", "move", "chown", "copy", "copy2", "copyfile", "copytree"):
-        setattr(shutil, name, _refuse(f"shutil.{name}"))
-    subprocess.Popen = _refuse("subprocess.Popen")
-    for name in ("run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
-        setattr(subprocess, name, _refuse(f"subprocess.{name}"))
-    for name in ("socket", "create_connection", "create_server", "socketpair", "fromfd"):
-        setattr(socket, name, _refuse(f"socket.{name}"))
-    builtins.exit = builtins.quit = _refuse("exit")
-    for module in ("ctypes", "_ctypes", "multiprocessing", "_posixsubprocess", "pty", "resource",
-                   "psutil", "signal", "_socket", "select", "selectors", "asyncio"):  # fmt: skip
-        sys.modules[module] = None
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
 
 
 def main():
-    """Bootstrap, then run the program; exit code 0 and the nonce mean it passed."""
     config = json.loads(sys.argv[1])
-    nonce = sys.stdin.readline().strip()
-    sys.stdin.close()
-    exit_now = os._exit
-    for module in PRELOAD:
-        __import__(module)
-    set_limits(config)
-    mode = isolate_network()
-    drop_privileges(config.get("uid"))
-    os.chdir(config["workdir"])
-    with open(config["program"], encoding="utf-8") as fh:
-        source = fh.read()
-    code = compile(source, "<completion>", "exec")
-    sys.stderr.write(f"network isolation: {mode}\n")
-    guard(config["workdir"])
-    try:
-        exec(code, {"__name__": "__main__", "__builtins__": builtins})
-    except BaseException as exc:  # any escape from the program (SystemExit too) is a failure
-        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
-        sys.stderr.flush()
-        exit_now(1)
-    sys.stdout.write("\n" + nonce + "\n")
-    sys.stdout.flush()
-    exit_now(0)
+    if config.get("uid") is not None:
+        drop_privileges(config["uid"])
+    {"program": run_program, "serve": serve, "check": check}[config["role"]](config)
 
 
 if __name__ == "__main__":

@@ -1,161 +1,168 @@
-"""Run untrusted programs one process each, with limits, a timeout and cleanup of every child.
+"""Run untrusted code in an OS-level sandbox and decide the verdict outside it.
 
-Each program gets a fresh temporary directory (its working directory, the only place it may
-write), a process of its own started in a new session (`services/evaluator/sandbox/child.py`
-bootstraps the limits and guards), and a wall-clock timeout after which its whole process group
-is killed. When the evaluator runs as root the program runs under a uid of its own, so that
-RLIMIT_NPROC bounds a fork bomb and every leftover process of that uid can be killed afterwards.
+`run_check` judges a completion the way HumanEval does (the test's `check(candidate)` must
+return) but in two sandboxes: the completion runs alone in one ("serve"), the test code in the
+other ("check"), and calls of the entry point travel between them as plain values
+(`sandbox/wire.py`). The verdict is the checker's exit status, read by the launcher; the
+completion never runs in the process that decides it and cannot print, forge or reach it.
+`run_program` runs one program and says whether it reached its end (a verdict the program
+itself could fake: meant for programs that are not adversarial, such as tests' own probes).
+
+Each run is one `launcher.py` process (see its docstring for the isolation: namespaces, a
+read-only minimal root, a uid of its own, rlimits, no_new_privs, seccomp). `isolation()` probes
+once whether the host allows it; without it code runs only if the operator allowed unsafe
+execution (`--allow-unsafe-code-execution`), and then with rlimits, seccomp and (as root) a
+separate uid alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-CHILD = Path(__file__).with_name("child.py")
-_UID_BASE, _UID_SPAN = 200_000, 100_000
-OUTPUT_LIMIT = 64 * 1024
+from services.evaluator.sandbox.runs import (
+    Execution,
+    SandboxError,
+    SandboxLimits,
+    run,
+)
+
+__all__ = [
+    "Check", "Execution", "Isolation", "SandboxError", "SandboxLimits", "SandboxUnavailable",
+    "isolation", "require_isolation", "run_check", "run_checks", "run_program", "run_programs",
+]  # fmt: skip
+ISOLATION_ENV = "MESHLINE_SANDBOX_ISOLATION"
+"""Set to "off" to behave as on a host without namespaces (tests of the refusal path)."""
+UNSAFE_FLAG = "--allow-unsafe-code-execution"
 
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    """What one program may use."""
-
-    timeout_s: float = 5.0
-    """Wall-clock seconds before the process group is killed."""
-    cpu_seconds: int = 5
-    """RLIMIT_CPU (SIGXCPU, then SIGKILL a second later)."""
-    memory_bytes: int = 1 << 30
-    """RLIMIT_AS and RLIMIT_DATA: address space of the program's process."""
-    file_size_bytes: int = 16 << 20
-    """RLIMIT_FSIZE: largest file it may write (its captured output included)."""
-    max_processes: int = 16
-    """RLIMIT_NPROC for the sandbox uid (binding when the evaluator is root, see module doc)."""
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_seconds", "memory_bytes", "file_size_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
-        if self.max_processes < 1:
-            raise ValueError(f"sandbox max_processes must be >= 1, got {self.max_processes}")
+class SandboxUnavailable(RuntimeError):
+    """The host cannot isolate generated code and the operator did not allow running it anyway."""
 
 
 @dataclass(frozen=True)
-class Execution:
-    """Outcome of one program."""
+class Check:
+    """One HumanEval-style judgement: `test` defines `check(candidate)` for `entry_point`."""
 
-    passed: bool
-    """Ran to its end without raising, within the limits."""
-    status: str
-    """"passed", "failed" (raised or was refused), "timeout" or "killed" (by a signal)."""
-    detail: str
-    """The end of its stderr (the exception), or why it was stopped."""
-    network: str
-    """How networking was cut: "namespace" (new empty net namespace) or "guard" (calls refused)."""
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process still owned by `uid` (children that left the process group)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid == uid:
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
+    prompt: str
+    """Trusted task text run before the completion (and alone in the checker, for helpers)."""
+    completion: str
+    """Untrusted generated code."""
+    test: str
+    """Trusted test code defining `check(candidate)`."""
+    entry_point: str
+    """Name of the function under test."""
 
 
-def _tail(path: Path) -> str:
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - OUTPUT_LIMIT))
-            return fh.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return ""
+@dataclass(frozen=True)
+class Isolation:
+    """Whether this host can isolate generated code, and why not."""
+
+    available: bool
+    reason: str
 
 
-def run_program(program: str, limits: SandboxLimits | None = None) -> Execution:
-    """Execute `program` (Python source) in the sandbox and say whether it passed."""
-    limits = limits or SandboxLimits()
-    workdir = Path(tempfile.mkdtemp(prefix="meshline-sandbox-"))
-    as_root = os.geteuid() == 0
-    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if as_root else None
-    try:
-        program_path = workdir / "program.py"
-        program_path.write_text(program, encoding="utf-8")
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chown(program_path, uid, uid)
-        config = {
-            "workdir": str(workdir),
-            "program": str(program_path),
-            "uid": uid,
-            "cpu_seconds": limits.cpu_seconds,
-            "memory_bytes": limits.memory_bytes,
-            "file_size_bytes": limits.file_size_bytes,
-            "max_processes": limits.max_processes,
-        }
-        nonce = secrets.token_hex(16)
-        stdout_path, stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
-        with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-            process = subprocess.Popen(
-                [sys.executable, "-I", str(CHILD), json.dumps(config)],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=err,
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True,
-            )
-            assert process.stdin is not None
-            process.stdin.write(nonce.encode() + b"\n")
-            process.stdin.close()
-            deadline = time.monotonic() + limits.timeout_s
-            timed_out = False
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill_group(process.pid)
-            if uid is not None:
-                _kill_uid(uid)
-            process.wait()
-        stderr = _tail(stderr_path)
-        network = "namespace" if "network isolation: namespace" in stderr else "guard"
-        detail = stderr.replace("network isolation: namespace\n", "").replace(
-            "network isolation: guard\n", ""
-        )
-        if timed_out:
-            return Execution(False, "timeout", f"killed after {limits.timeout_s}s", network)
-        if process.returncode < 0:
-            name = signal.Signals(-process.returncode).name
-            return Execution(False, "killed", f"killed by {name}", network)
-        passed = process.returncode == 0 and _tail(stdout_path).rstrip().endswith(nonce)
-        return Execution(passed, "passed" if passed else "failed", detail.strip()[-2000:], network)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+_probe_lock = threading.Lock()
+_probed: dict[str, Isolation] = {}
+_PROBE = (
+    "import os, socket\n"
+    "assert os.getpid() == 1, 'not PID 1 of a new PID namespace'\n"
+    "assert not os.path.exists('/etc'), 'the host root is visible'\n"
+    "try:\n"
+    "    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+    "except OSError as exc:\n"
+    "    assert exc.errno == 101, f'network reachable: {exc}'\n"
+)
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+def isolation() -> Isolation:
+    """Probes (once per process) by running a program that checks its own confinement."""
+    override = os.environ.get(ISOLATION_ENV, "")
+    with _probe_lock:
+        if override not in _probed:
+            if override == "off":
+                result = Isolation(False, f"{ISOLATION_ENV}=off disables namespace isolation")
+            else:
+                try:
+                    probe = run(
+                        _program_roles(_PROBE), "program", SandboxLimits(timeout_s=30), True
+                    )
+                    ok = probe.passed
+                    result = Isolation(ok, "" if ok else f"the probe failed: {probe.detail[-500:]}")
+                except (OSError, SandboxError) as exc:
+                    result = Isolation(False, f"the probe could not start: {exc}")
+            _probed[override] = result
+        return _probed[override]
+
+
+def require_isolation(allow_unsafe: bool) -> bool:
+    """True to isolate; False when the host cannot and `allow_unsafe`; SandboxUnavailable else."""
+    state = isolation()
+    if state.available:
+        return True
+    if allow_unsafe:
+        return False
+    raise SandboxUnavailable(
+        "this host cannot isolate generated code in user/PID/mount/network namespaces "
+        f"({state.reason}), so HumanEval will not run it; run where unprivileged namespaces are "
+        f"allowed, or pass {UNSAFE_FLAG} (to `meshline serve evaluator` or `meshline "
+        "evaluate`) to run it with rlimits, seccomp and a separate uid only"
+    )
+
+
+def run_check(
+    check: Check, limits: SandboxLimits | None = None, *, allow_unsafe: bool = False
+) -> Execution:
+    """Judge `check.completion`: passed only when the test's `check` returned in the checker."""
+    isolate = require_isolation(allow_unsafe)
+    common = {"entry_point": check.entry_point}
+    roles = [
+        {"name": "serve", "files": {"candidate.py": check.prompt + check.completion + "\n"},
+         "argv": {"role": "serve", "program": "candidate.py", **common}},
+        {"name": "check", "files": {"prompt.py": check.prompt, "test.py": check.test},
+         "argv": {"role": "check", "prompt": "prompt.py", "test": "test.py", **common}},
+    ]  # fmt: skip
+    return run(roles, "check", limits or SandboxLimits(), isolate)
+
+
+def run_program(
+    program: str, limits: SandboxLimits | None = None, *, allow_unsafe: bool = False
+) -> Execution:
+    """Execute `program` (Python source) in the sandbox and say whether it ran to its end."""
+    isolate = require_isolation(allow_unsafe)
+    return run(_program_roles(program), "program", limits or SandboxLimits(), isolate)
+
+
+def _program_roles(program: str) -> list[dict]:
+    files = {"program.py": program}
+    return [
+        {"name": "program", "files": files, "argv": {"role": "program", "program": "program.py"}}
+    ]
+
+
+def run_checks(
+    checks: list[Check],
+    limits: SandboxLimits | None = None,
+    workers: int = 2,
+    *,
+    allow_unsafe: bool = False,
+) -> list[Execution]:
+    """`run_check` over many checks, `workers` at a time; results in order."""
+    require_isolation(allow_unsafe)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda c: run_check(c, limits, allow_unsafe=allow_unsafe), checks))
 
 
 def run_programs(
-    programs: list[str], limits: SandboxLimits | None = None, workers: int = 2
+    programs: list[str],
+    limits: SandboxLimits | None = None,
+    workers: int = 2,
+    *,
+    allow_unsafe: bool = False,
 ) -> list[Execution]:
     """`run_program` over many programs, `workers` at a time; results in order."""
+    require_isolation(allow_unsafe)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda p: run_program(p, limits), programs))
+        return list(pool.map(lambda p: run_program(p, limits, allow_unsafe=allow_unsafe), programs))

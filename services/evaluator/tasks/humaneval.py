@@ -3,8 +3,10 @@
 Data: the published `HumanEval.jsonl(.gz)` (fields `task_id`, `prompt`, `canonical_solution`,
 `test`, `entry_point`). As lm-eval's `humaneval`: the prompt is the function header and
 docstring, generation stops at a new top-level statement ("\\nclass", "\\ndef", "\\n#", "\\nif",
-"\\nprint"), and the program run is prompt + completion + "\\n" + test + "\\ncheck(entry_point)",
-each in its own sandboxed process (`services.evaluator.sandbox`).
+"\\nprint"). Where lm-eval runs prompt + completion + "\\n" + test + "\\ncheck(entry_point)" in
+one process, the completion here runs alone in one OS-level sandbox and the test in another,
+the calls of the entry point crossing between them as plain values; the test's process decides
+the verdict (`services.evaluator.sandbox.runner.run_check`, docs/security.md).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.evaluator.sandbox.runner import SandboxLimits, run_programs
+from services.evaluator.sandbox.runner import Check, SandboxLimits, run_checks
 from services.evaluator.scoring.metrics import pass_at_k
 from services.evaluator.tasks.base import (
     GENERATE_UNTIL,
@@ -43,6 +45,9 @@ class HumanEval(Task):
     """What each test program may use."""
     workers: int = 2
     """Programs run at the same time."""
+    allow_unsafe: bool = False
+    """Run completions even where the host cannot isolate them (rlimits and a uid only); the
+    operator's `--allow-unsafe-code-execution`."""
     output_type: str = GENERATE_UNTIL
 
     def __post_init__(self) -> None:
@@ -83,8 +88,17 @@ class HumanEval(Task):
         return GenerationSpec(("\nclass", "\ndef", "\n#", "\nif", "\nprint"), 1024)
 
     def program(self, doc: Doc, completion: str) -> str:
-        """The file one completion is judged by."""
+        """The single file lm-eval would run for one completion (prompt, completion, test)."""
         return doc["prompt"] + completion + "\n" + self.doc_to_target(doc)
+
+    def check(self, doc: Doc, completion: str) -> Check:
+        """What one completion is judged by: its code apart from the test that judges it."""
+        return Check(
+            prompt=str(doc["prompt"]),
+            completion=str(completion),
+            test=str(doc["test"]),
+            entry_point=str(doc["entry_point"]),
+        )
 
     def process(self, doc: Doc, answers: Any) -> dict[str, float]:
         """pass@k of one problem from its completions, each run in the sandbox."""
@@ -92,8 +106,8 @@ class HumanEval(Task):
 
     def process_many(self, docs: list[Doc], answers: list[Any]) -> list[dict[str, float]]:
         """pass@k of many problems, their programs run `workers` at a time."""
-        programs = [self.program(d, c) for d, cs in zip(docs, answers, strict=True) for c in cs]
-        runs = iter(run_programs(programs, self.limits, self.workers))
+        checks = [self.check(d, c) for d, cs in zip(docs, answers, strict=True) for c in cs]
+        runs = iter(run_checks(checks, self.limits, self.workers, allow_unsafe=self.allow_unsafe))
         results = []
         for completions in answers:
             passed = sum(next(runs).passed for _ in completions)

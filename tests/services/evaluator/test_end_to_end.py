@@ -19,7 +19,12 @@ from services.evaluator.models.grpc_client import GrpcLanguageModel
 from services.evaluator.models.local import LocalLanguageModel
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import EvalConfig, evaluate
+from services.evaluator.sandbox.runner import isolation
 from tests.services.evaluator.lm_eval_ref import FIXTURES
+
+UNSAFE_OK = not isolation().available
+"""The tiny model's completions are the tests' own: on a host without namespaces they run in
+the sandbox's unsafe mode (--allow-unsafe-code-execution) instead of being refused."""
 
 TASKS = (
     "boolq", "mmlu_anatomy", "mmlu_astronomy", "ceval-valid_accountant", "agieval_lsat_ar",
@@ -48,8 +53,9 @@ def test_fixture_subsets_through_the_service(served, tmp_path):
     checkpoint, server = served
     model = GrpcLanguageModel(server.address, batch_size=4)
     config = EvalConfig(
-        tasks=TASKS, task_data_path=FIXTURES, output_path=tmp_path, limit=3, max_new_tokens=12
-    )
+        tasks=TASKS, task_data_path=FIXTURES, output_path=tmp_path, limit=3, max_new_tokens=12,
+        allow_unsafe_code_execution=UNSAFE_OK,
+    )  # fmt: skip
     outcomes = evaluate(config, model)
     path, document = write_results(tmp_path, outcomes, {"model": "meshline-grpc"}, 0.0)
 
@@ -175,7 +181,7 @@ def test_humaneval_pass_at_k_from_sampled_completions(served, tmp_path):
     model = GrpcLanguageModel(server.address, batch_size=4)
     config = EvalConfig(
         tasks=("humaneval",), task_data_path=FIXTURES, output_path=tmp_path,
-        max_new_tokens=12, num_samples=4, temperature=1.0,
+        max_new_tokens=12, num_samples=4, temperature=1.0, allow_unsafe_code_execution=UNSAFE_OK,
     )  # fmt: skip
     (outcome,) = evaluate(config, model)
     assert set(outcome.scores) == {"pass@1,create_test", "pass@4,create_test"}
@@ -185,7 +191,10 @@ def test_humaneval_pass_at_k_from_sampled_completions(served, tmp_path):
         completions = sample["resps"]
         assert len(completions) == 4
         assert len({json.dumps(a, sort_keys=True) for a in sample["arguments"]}) == 4  # seeds
-        passed = sum(run_program(task.program(sample["doc"], c)).passed for c in completions)
+        passed = sum(
+            run_program(task.program(sample["doc"], c), allow_unsafe=UNSAFE_OK).passed
+            for c in completions
+        )
         per_doc.append(passed)
         assert sample["metrics"]["pass@1,create_test"] == pytest.approx(passed / 4)
         assert sample["metrics"]["pass@4,create_test"] == pass_at_k(4, passed, 4)

@@ -12,6 +12,7 @@ from meshline.common.v1 import operations_pb2, operations_pb2_grpc
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from services.common.operations import OperationsStore
 from services.evaluator.config import EvaluatorServiceConfig
+from services.evaluator.sandbox.runner import isolation
 from services.evaluator.servicer import bindings
 from tests.services.evaluator.lm_eval_ref import FIXTURES
 from tests.services.evaluator.servers import ServerThread
@@ -19,7 +20,11 @@ from tests.services.evaluator.servers import ServerThread
 
 @pytest.fixture
 def evaluator(tmp_path):
-    config = EvaluatorServiceConfig(data_roots=(tmp_path, FIXTURES))
+    # The tiny model's HumanEval completions are the tests' own: where the host has no
+    # namespaces, the server runs them in unsafe mode instead of refusing (tests/security).
+    config = EvaluatorServiceConfig(
+        data_roots=(tmp_path, FIXTURES), allow_unsafe_code_execution=not isolation().available
+    )
     server = ServerThread(bindings(config, OperationsStore(None)))
     channel = grpc.insecure_channel(server.address)
     yield (

@@ -454,18 +454,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.TokenizeResponse:
         tokens = engine.tokens
 
-        def tokenize() -> tuple[list[int], list[str]]:
+        def tokenize() -> inference_pb2.TokenizeResponse:
             if request.add_special_tokens:
                 ids = tokens.encode_prompt(request.text)
             else:
                 ids = tokens.require().encode(request.text)
-            return ids, tokens.pieces(ids)
+            # Built here too: a response of millions of pieces takes a while to assemble.
+            return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens.pieces(ids))
 
         try:
-            ids, pieces = await off_loop(tokenize)
+            return await off_loop(tokenize)
         except ValueError as exc:
             raise FailedPrecondition(str(exc)) from None
-        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=pieces)
 
     async def _run_detokenize(
         self, engine: ServingEngine, request: inference_pb2.DetokenizeRequest

@@ -1,6 +1,6 @@
 """Load test: 32 concurrent streaming clients against a localhost inference server.
 
-    python -m bench.load_inference [--clients 32] [--duration 60] [--quick]
+    python -m bench.load_inference [--clients 32] [--duration 60] [--quick] [--hostile 9]
 
 Builds a small random Llama checkpoint (HF format) in a temporary directory, starts
 `python -m services.inference serve --load DIR --port 0` as a child process, and runs `--clients`
@@ -9,6 +9,9 @@ prompts and lengths (greedy, sampled and beam requests); every fifth call cancel
 messages. The server's RSS is sampled every second. The report gives calls, streamed tokens,
 errors by status code, cancellations, and RSS at start / 25% / end with the growth after warm-up.
 The script stops the server and itself after the duration (plus a bounded drain).
+`--hostile N` also sends N hostile Generate calls (seed 2**64 - 1, sampling, two sequences: the
+request that used to overflow inside the shared engine step) a third of the way in; their
+statuses are reported apart, and the clients' errors must stay 0.
 """
 
 from __future__ import annotations
@@ -117,6 +120,26 @@ async def client(
                     errors[exc.code().name] += 1
 
 
+async def hostile_calls(port: int, vocab: int, count: int, delay: float, codes: Counter) -> None:
+    """`count` concurrent overflow-seed Generate calls after `delay` seconds; their statuses."""
+    await asyncio.sleep(delay)
+    params = pb.SamplingParams(
+        max_new_tokens=8, do_sample=True, seed=2**64 - 1, num_return_sequences=2
+    )
+    request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7 % vocab], params=params)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+
+        async def one() -> None:
+            try:
+                await stub.Generate(request, timeout=60)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as exc:
+                codes[exc.code().name] += 1
+
+        await asyncio.gather(*(one() for _ in range(count)))
+
+
 async def sample_rss(pid: int, stop_at: float, samples: list[tuple[float, float]]) -> None:
     """RSS of the server process (MiB) once per second."""
     process = psutil.Process(pid)
@@ -126,14 +149,20 @@ async def sample_rss(pid: int, stop_at: float, samples: list[tuple[float, float]
         await asyncio.sleep(1.0)
 
 
-async def run_load(port: int, pid: int, vocab: int, clients: int, duration: float) -> int:
-    """Run the clients and print the report; returns the number of errors."""
+async def run_load(
+    port: int, pid: int, vocab: int, clients: int, duration: float, hostile: int = 0
+) -> int:
+    """Run the clients (and `hostile` bad calls) and print the report; returns the clients'
+    number of errors."""
     stats: Counter = Counter()
     errors: Counter = Counter()
+    hostile_codes: Counter = Counter()
     samples: list[tuple[float, float]] = []
     stop_at = time.monotonic() + duration
     start = time.monotonic()
     tasks = [client(i, port, vocab, stop_at, stats, errors) for i in range(clients)]
+    if hostile:
+        tasks.append(hostile_calls(port, vocab, hostile, duration / 3, hostile_codes))
     await asyncio.gather(sample_rss(pid, stop_at, samples), *tasks)
     elapsed = time.monotonic() - start
     quarter = samples[len(samples) // 4][1]
@@ -143,6 +172,8 @@ async def run_load(port: int, pid: int, vocab: int, clients: int, duration: floa
         f"({stats['tokens'] / elapsed:.0f} tok/s streamed)"
     )
     print(f"errors={sum(errors.values())} {dict(errors)}")
+    if hostile:
+        print(f"hostile calls={hostile} statuses={dict(hostile_codes)}")
     print(
         f"server RSS MiB: start={samples[0][1]:.0f} at25%={quarter:.0f} end={samples[-1][1]:.0f} "
         f"max={max(s[1] for s in samples):.0f} growth-after-warmup={samples[-1][1] - quarter:+.0f}"
@@ -160,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="10 s instead of --duration")
+    parser.add_argument(
+        "--hostile", type=int, default=0, help="overflow-seed Generate calls sent mid-run"
+    )
     args = parser.parse_args(argv)
     duration = 10.0 if args.quick else args.duration
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = write_checkpoint(directory)
         server, port = start_server(directory)
         try:
-            errors = asyncio.run(run_load(port, server.pid, vocab, args.clients, duration))
+            errors = asyncio.run(
+                run_load(port, server.pid, vocab, args.clients, duration, args.hostile)
+            )
         finally:
             server.send_signal(signal.SIGTERM)
             try:

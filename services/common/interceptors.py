@@ -35,13 +35,53 @@ def _kind(handler: grpc.RpcMethodHandler) -> str:
     raise ValueError(f"method handler {handler!r} has no behaviour")
 
 
+class Undecodable:
+    """Stands in for a unary request whose bytes did not parse (the call answers
+    INVALID_ARGUMENT instead of grpc's UNKNOWN for an exception in the deserializer)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name = type_name
+        self.error = error
+
+    def message(self) -> str:
+        """The status message: what was expected and what the parser said."""
+        return (
+            f"request body: not a valid {self.type_name} message "
+            f"({type(self.error).__name__}: {self.error}); send a serialized {self.type_name}"
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, returning `Undecodable` instead of raising on bad bytes."""
+    if deserializer is None:
+        return None
+    owner = getattr(deserializer, "__self__", None)
+    type_name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request")
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return Undecodable(type_name, exc)
+
+    return deserialize
+
+
 def _rebuild(handler: grpc.RpcMethodHandler, kind: str, behavior: Callable[..., Any]) -> Any:
     factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    deserializer = handler.request_deserializer
+    if kind.startswith("unary_"):
+        deserializer = _tolerant(deserializer)
     return factory(
         behavior,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
 
 
 async def abort_with(context: grpc.aio.ServicerContext, status: status_pb2.Status) -> None:
@@ -146,6 +186,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         if kind.endswith("_stream") and inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await _refuse_undecodable(request, context)
                 if counted:
                     await self._acquire(method, context)
                 try:
@@ -162,6 +203,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             return _rebuild(handler, kind, stream)
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if kind.startswith("unary_"):
+                await _refuse_undecodable(request, context)
             if counted:
                 await self._acquire(method, context)
             try:

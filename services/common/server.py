@@ -44,6 +44,10 @@ class ServiceBinding:
     on_stop: Callable[[float], None] | None = None
     """Called (in a worker thread) with the grace period when the server stops, e.g. to cancel
     and record running jobs; it should return within that many seconds."""
+    max_request_bytes: int | None = None
+    """Largest request message this service needs (None: the server's --max-message-mb); the
+    server receives at most the smallest bound of its bindings, so an oversized request is
+    refused by gRPC (RESOURCE_EXHAUSTED) before it is read into memory."""
 
 
 def format_address(host: str, port: int) -> str:
@@ -68,11 +72,13 @@ async def create_server(
     auth = None
     if config.auth_token_file is not None:
         auth = BearerAuth(read_token_file(config.auth_token_file))
+    receive_limits = [b.max_request_bytes for b in bindings if b.max_request_bytes is not None]
+    max_receive = min([config.max_message_bytes, *receive_limits])
     server = grpc.aio.server(
         interceptors=[GuardInterceptor(config.max_concurrent_rpcs, auth)],
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", max_receive),
             # Two servers must never share a port silently.
             ("grpc.so_reuseport", 0),
         ],

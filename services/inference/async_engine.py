@@ -54,6 +54,9 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # this request alone failed in the engine
+                    open_sequences = 0
+                    raise item.error
                 if item.finish is not None:
                     open_sequences -= 1
                 yield item

@@ -44,6 +44,15 @@ class InferenceServiceConfig:
     """Most items one Score request may carry."""
     max_stop_strings: int = 16
     """Most stop strings one request may carry."""
+    max_stop_string_chars: int = 256
+    """Longest stop string, in characters."""
+    max_text_chars: int = 1_000_000
+    """Longest text field (prompt, Tokenize text, a Score context or continuation) in
+    characters; Detokenize takes at most this many ids."""
+    max_score_tokens: int = 65536
+    """Most tokens (contexts + continuations) one Score request may carry."""
+    max_request_mb: int = 16
+    """Largest request message in MiB (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
 
     def __post_init__(self) -> None:
         if self.load is not None:
@@ -80,6 +89,10 @@ class InferenceServiceConfig:
             ("--max-num-beams", self.max_num_beams),
             ("--max-score-items", self.max_score_items),
             ("--max-stop-strings", self.max_stop_strings),
+            ("--max-stop-string-chars", self.max_stop_string_chars),
+            ("--max-text-chars", self.max_text_chars),
+            ("--max-score-tokens", self.max_score_tokens),
+            ("--max-request-mb", self.max_request_mb),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -177,6 +190,32 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=d.max_stop_strings,
         help=f"most stop strings one request may carry (default {d.max_stop_strings})",
     )
+    group.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=d.max_stop_string_chars,
+        help=f"longest stop string in characters (default {d.max_stop_string_chars})",
+    )
+    group.add_argument(
+        "--max-text-chars",
+        type=int,
+        default=d.max_text_chars,
+        help="longest prompt / Tokenize text / Score text in characters, and most ids one "
+        f"Detokenize takes (default {d.max_text_chars})",
+    )
+    group.add_argument(
+        "--max-score-tokens",
+        type=int,
+        default=d.max_score_tokens,
+        help=f"most tokens one Score request may carry in all (default {d.max_score_tokens})",
+    )
+    group.add_argument(
+        "--max-request-mb",
+        type=int,
+        default=d.max_request_mb,
+        help=f"largest request message in MiB (default {d.max_request_mb}; "
+        "--max-message-mb still bounds it)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
@@ -196,4 +235,8 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,
         max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_text_chars=args.max_text_chars,
+        max_score_tokens=args.max_score_tokens,
+        max_request_mb=args.max_request_mb,
     )

@@ -13,8 +13,9 @@ the pool packs the surviving rows. Everything is synchronous and single-threaded
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,15 +30,26 @@ from services.inference.detokenize import TextTracker
 from services.inference.requests import (
     Finish,
     GenerationRequest,
+    RequestError,
     ScoreResult,
     SequenceResult,
     StepEvent,
 )
 from services.inference.requests import collect as collect_events
-from services.inference.sampling import SamplingConfig, apply_repetition_penalty, sample_rows, warp
+from services.inference.sampling import (
+    NEG_INF,
+    SamplingConfig,
+    apply_repetition_penalty,
+    sample_rows,
+    warp,
+)
 from services.inference.scoring import score_batch
 from services.inference.slots import SlotPool
 from services.inference.tokens import TokenizerInfo
+
+log = logging.getLogger(__name__)
+TOKENS_COMPUTED_KEPT = 1024
+"""Requests whose `tokens_computed` count the engine remembers (oldest forgotten first)."""
 
 
 def hidden_states(model: CausalLM, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -159,7 +171,9 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.steps = 0
-        self.tokens_computed: dict[int, int] = {}
+        # Tokens fed to the model per request (tests check cancellation stops work); bounded,
+        # so a long-running server does not keep one entry per request ever served.
+        self.tokens_computed: OrderedDict[int, int] = OrderedDict()
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -219,19 +233,24 @@ class Engine:
         self._waiting.extend(inbox)
         if cancelled:
             self._drop_cancelled(cancelled, events)
+        # Whatever goes wrong with one request's part of the step lands here; it fails alone.
+        failed: dict[int, RequestError] = {}
         logits: list[torch.Tensor] = []
         if self._rows:
-            logits.append(self._decode())
-        logits += self._admit()
+            logits += self._decode(failed)
+        logits += self._admit(failed)
         if not self._rows:
+            self._report_failures(failed, events)
             return events
         self.steps += 1
         logits_BV = torch.cat(logits).float()
-        plain = self._pick_plain(logits_BV, events)
-        beams = self._pick_beams(logits_BV, events)
+        plain = self._pick_plain(logits_BV, events, failed)
+        beams = self._pick_beams(logits_BV, events, failed)
         keep: list[int] = []
         kept_rows: list[_Row] = []
         for i, row in enumerate(self._rows):
+            if row.request.request_id in failed:
+                continue
             token = plain.get(i)
             if row.seq is not None and token is not None:
                 keep.append(i)
@@ -243,15 +262,34 @@ class Engine:
                     kept_rows.append(_Row(token, row.request, beam=row.beam))
         self.pool.gather(keep)
         self._rows = kept_rows
+        self._report_failures(failed, events)
         self._finish_requests(events)
         return events
 
-    def _decode(self) -> torch.Tensor:
-        """One new token for every active row; logits [B, V]."""
+    def _decode(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
+        """One new token for every active row; logits [B, V] (as a list of at most one tensor).
+
+        When the batched forward fails, each row runs alone: rows that fail again fail their
+        request (its rows leave), the others go on. The cache is safe to retry: a failed
+        forward never commits its rows' lengths, so the retry rewrites the same slots.
+        """
         n = len(self._rows)
         ids_B1 = torch.tensor([[row.pending] for row in self._rows], device=self.device)
-        view = self.pool.view(0, n)
-        if self._compiled_model is None:
+        try:
+            logits = [self._decode_rows(ids_B1, 0, n, compiled=True)]
+        except Exception as exc:  # isolated per row below
+            log.warning("batched decode of %d rows failed (%s); retrying row by row", n, exc)
+            logits = self._decode_row_by_row(ids_B1, failed)
+        for row in self._rows:
+            self._count_tokens(row.request.request_id, 1)
+        return logits
+
+    def _decode_rows(
+        self, ids_B1: torch.Tensor, start: int, stop: int, compiled: bool = False
+    ) -> torch.Tensor:
+        """Logits [B, V] of rows [start, stop) fed `ids_B1` (the compiled forward if asked)."""
+        view = self.pool.view(start, stop)
+        if self._compiled_model is None or not compiled:
             logits_BV = self._last_logits(ids_B1, view)
         else:
             # The cache's host-side planning (begin/commit) stays outside the compiled graph.
@@ -260,22 +298,44 @@ class Engine:
                 ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
             )[:, -1]
             view.commit(step)
-        self.pool.sync(view, 0)
-        for row in self._rows:
-            rid = row.request.request_id
-            self.tokens_computed[rid] = self.tokens_computed.get(rid, 0) + 1
+        self.pool.sync(view, start)
         return logits_BV
+
+    def _decode_row_by_row(
+        self, ids_B1: torch.Tensor, failed: dict[int, RequestError]
+    ) -> list[torch.Tensor]:
+        by_row: dict[int, torch.Tensor] = {}
+        for i, row in enumerate(self._rows):
+            rid = row.request.request_id
+            if rid in failed:
+                continue
+            try:
+                by_row[i] = self._decode_rows(ids_B1[i : i + 1], i, i + 1)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "decoding (the model forward)", exc)
+        keep = [i for i in by_row if self._rows[i].request.request_id not in failed]
+        self.pool.gather(keep)
+        self._rows = [self._rows[i] for i in keep]
+        return [torch.cat([by_row[i] for i in keep])] if keep else []
+
+    def _count_tokens(self, request_id: int, count: int) -> None:
+        self.tokens_computed[request_id] = self.tokens_computed.get(request_id, 0) + count
+        self.tokens_computed.move_to_end(request_id)
+        while len(self.tokens_computed) > TOKENS_COMPUTED_KEPT:
+            self.tokens_computed.popitem(last=False)
 
     def _last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
         """Logits [B, V] of each row's last position only: the final norm and head run on B
         vectors, not B·S (a prefill's other positions need no logits)."""
         return self.model(ids_BS, kv_cache=view, logits_to_keep=1)[:, -1]
 
-    def _admit(self) -> list[torch.Tensor]:
+    def _admit(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
         """Prefill waiting requests while rows are free; their first-token logits.
 
         Requests admitted together with equal prompt lengths share one forward (their rows are
         allocated next to each other), so a burst of same-length prompts prefills as a batch.
+        When a shared prefill fails, each request of it runs alone; a request whose prefill or
+        set-up (seeding, stop strings, beam state) fails leaves, and its rows are freed.
         """
         admitted: list[tuple[GenerationRequest, int]] = []
         while self._waiting:
@@ -285,19 +345,62 @@ class Engine:
             request = self._waiting.popleft()
             self.pool.allocate(rows)
             admitted.append((request, rows))
-        out = []
+        if not admitted:
+            return []
+        placed: list[tuple[GenerationRequest, int, int, torch.Tensor | None]] = []
         start = len(self._rows)
         for _, group in itertools.groupby(admitted, key=lambda item: len(item[0].prompt_ids)):
             members = list(group)
-            prompts = [r.prompt_ids for r, rows in members for _ in range(rows)]
-            view = self.pool.view(start, start + len(prompts))
-            out.append(self._last_logits(torch.tensor(prompts, device=self.device), view))
-            self.pool.sync(view, start)
-            start += len(prompts)
-            for request, rows in members:
-                self.tokens_computed[request.request_id] = len(request.prompt_ids)
-                self._rows += self._new_rows(request, rows)
+            try:
+                logits = self._prefill(members, start)
+                chunks: list[torch.Tensor | None] = list(logits.split([n for _, n in members]))
+            except Exception as exc:  # retried per request
+                log.warning("batched prefill of %d requests failed (%s)", len(members), exc)
+                chunks = []
+                first = start
+                for request, rows in members:
+                    chunks.append(self._prefill_alone(request, rows, first, failed))
+                    first += rows
+            for (request, rows), chunk in zip(members, chunks, strict=True):
+                placed.append((request, rows, start, chunk))
+                start += rows
+        out: list[torch.Tensor] = []
+        keep = list(range(len(self._rows)))
+        for request, rows, first, chunk in placed:
+            if chunk is None:
+                continue
+            rid = request.request_id
+            try:
+                new_rows = self._new_rows(request, rows)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(
+                    rid, "setting up its sequences (seed, stop strings)", exc
+                )
+                continue
+            self._count_tokens(rid, len(request.prompt_ids))
+            self._rows += new_rows
+            keep += range(first, first + rows)
+            out.append(chunk)
+        self.pool.gather(keep)
         return out
+
+    def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
+        """First-token logits of same-length prompts prefilled together from pool row `start`."""
+        prompts = [r.prompt_ids for r, rows in members for _ in range(rows)]
+        view = self.pool.view(start, start + len(prompts))
+        logits = self._last_logits(torch.tensor(prompts, device=self.device), view)
+        self.pool.sync(view, start)
+        return logits
+
+    def _prefill_alone(
+        self, request: GenerationRequest, rows: int, start: int, failed: dict[int, RequestError]
+    ) -> torch.Tensor | None:
+        try:
+            return self._prefill([(request, rows)], start)
+        except Exception as exc:  # this request fails, not the step
+            rid = request.request_id
+            failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)
+            return None
 
     @staticmethod
     def _rows_needed(config: SamplingConfig) -> int:
@@ -328,16 +431,55 @@ class Engine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _pick_plain(
-        self, logits_BV: torch.Tensor, events: list[StepEvent]
+        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
     ) -> dict[int, int | None]:
         """Next token of every greedy/sampled row (batched) and its event; per row the token it
-        feeds next, or None when its sequence ended."""
+        feeds next, or None when its sequence ended (or its request failed).
+
+        When the batched pick fails, each row picks alone and a row that fails again fails its
+        request; a sequence whose text update (detokenisation, stop strings) fails does too.
+        """
         index = [i for i, row in enumerate(self._rows) if row.seq is not None]
         picks: dict[int, int | None] = {}
         if not index:
             return picks
         seqs = [row.seq for row in self._rows if row.seq is not None]
         logits_PV = logits_BV[index]
+        next_P: list[int | None]
+        try:
+            next_P, picked_P = self._choose(logits_PV, seqs)  # type: ignore[assignment]
+        except Exception as exc:  # retried per row
+            log.warning("batched sampling of %d rows failed (%s); row by row", len(seqs), exc)
+            next_P, picked_P = [], []
+            for p, seq in enumerate(seqs):
+                rid = seq.request.request_id
+                try:
+                    tokens, logprobs = self._choose(logits_PV[p : p + 1], [seq])
+                    next_P.append(tokens[0])
+                    picked_P.append(logprobs[0])
+                except Exception as row_exc:  # this request fails
+                    failed.setdefault(rid, RequestError(rid, "sampling its next token", row_exc))
+                    next_P.append(None)
+                    picked_P.append(0.0)
+        for row_i, seq, token, lp in zip(index, seqs, next_P, picked_P, strict=True):
+            rid = seq.request.request_id
+            if token is None or rid in failed:
+                picks[row_i] = None
+                continue
+            try:
+                finish = self._advance(seq, token, lp, events)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "detokenising its text (stop strings)", exc)
+                picks[row_i] = None
+                continue
+            picks[row_i] = token if finish is None else None
+        return picks
+
+    def _choose(
+        self, logits_PV: torch.Tensor, seqs: list[_Sequence]
+    ) -> tuple[list[int], list[float]]:
+        """Token and its log-probability per row: repetition penalty, warping, then greedy or a
+        draw. Raises before any generator draws when a sampled row has nothing to draw from."""
         logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
         configs = [s.request.config for s in seqs]
         processed_PV = apply_repetition_penalty(
@@ -346,12 +488,18 @@ class Engine:
             [c.repetition_penalty for c in configs],
         )
         processed_PV = warp(processed_PV, configs)
-        next_P = sample_rows(processed_PV, [s.generator for s in seqs]).tolist()
+        generators = [s.generator for s in seqs]
+        sampled = [g is not None for g in generators]
+        if any(sampled):
+            rows_SV = processed_PV[torch.tensor(sampled, device=processed_PV.device)]
+            drawable_S = (~rows_SV.isnan().any(-1) & (rows_SV < float("inf")).all(-1)) & (
+                rows_SV > NEG_INF
+            ).any(-1)
+            if not bool(drawable_S.all()):
+                raise ValueError("the processed logits of a sampled row have no finite value")
+        next_P = sample_rows(processed_PV, generators).tolist()
         picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
-        for row_i, seq, token, lp in zip(index, seqs, next_P, picked_P.tolist(), strict=True):
-            finish = self._advance(seq, token, lp, events)
-            picks[row_i] = token if finish is None else None
-        return picks
+        return next_P, picked_P.tolist()
 
     def _advance(
         self, seq: _Sequence, token: int, logprob: float, events: list[StepEvent]
@@ -381,10 +529,11 @@ class Engine:
         return finish
 
     def _pick_beams(
-        self, logits_BV: torch.Tensor, events: list[StepEvent]
+        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
     ) -> dict[int, list[tuple[int, int]]]:
         """One beam-search step per beam request. Per first row of a block: (source beam, token)
-        of each next beam, empty when the request finished."""
+        of each next beam, empty when the request finished (or failed: it is added to
+        `failed` and the other requests go on)."""
         picks: dict[int, list[tuple[int, int]]] = {}
         i = 0
         while i < len(self._rows):
@@ -393,22 +542,39 @@ class Engine:
                 i += 1
                 continue
             beam, n = row.beam, row.beam.num_beams
-            cfg = row.request.config
-            stop_check = None
-            if cfg.stop and self.tokens.decode is not None:
-                tracker = TextTracker(self.tokens.decode, cfg.stop)
-
-                def stop_check(ids: list[int], tracker: TextTracker = tracker) -> bool:
-                    return tracker.stop_index(ids) is not None
-
-            sources, next_tokens = beam.step(logits_BV[i : i + n], stop_check)
-            if beam.done:
-                self._emit_beam_results(row.request, beam, events)
+            rid = row.request.request_id
+            try:
+                picks[i] = self._beam_step(row.request, beam, logits_BV[i : i + n], events)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "taking a beam-search step", exc)
                 picks[i] = []
-            else:
-                picks[i] = list(zip(sources, next_tokens, strict=True))
             i += n
         return picks
+
+    def _beam_step(
+        self,
+        request: GenerationRequest,
+        beam: BeamSearch,
+        logits_NV: torch.Tensor,
+        events: list[StepEvent],
+    ) -> list[tuple[int, int]]:
+        """One step of one beam request: (source beam, token) of each next beam, or [] once
+        done (its results are then appended to `events`)."""
+        cfg = request.config
+        stop_check = None
+        if cfg.stop and self.tokens.decode is not None:
+            tracker = TextTracker(self.tokens.decode, cfg.stop)
+
+            def stop_check(ids: list[int], tracker: TextTracker = tracker) -> bool:
+                return tracker.stop_index(ids) is not None
+
+        sources, next_tokens = beam.step(logits_NV, stop_check)
+        if not beam.done:
+            return list(zip(sources, next_tokens, strict=True))
+        results: list[StepEvent] = []
+        self._emit_beam_results(request, beam, results)
+        events += results
+        return []
 
     def _emit_beam_results(
         self, request: GenerationRequest, beam: BeamSearch, events: list[StepEvent]
@@ -474,6 +640,16 @@ class Engine:
         self._rows = kept_rows
         with self._lock:
             self._live -= cancelled
+
+    def _report_failures(self, failed: dict[int, RequestError], events: list[StepEvent]) -> None:
+        """One error event per failed request (its rows are already gone); it is forgotten."""
+        if not failed:
+            return
+        for rid, error in failed.items():
+            log.warning("%s", error, exc_info=error.cause)
+            events.append(StepEvent(rid, 0, [], "", 0.0, 0, None, error=error))
+        with self._lock:
+            self._live -= failed.keys()
 
     def _finish_requests(self, events: list[StepEvent]) -> None:
         """Forget requests that hold no row and wait for nothing."""

@@ -17,6 +17,22 @@ class Finish(enum.Enum):
     CANCELLED = "cancelled"
 
 
+class RequestError(Exception):
+    """One request failed inside the engine (while `stage`); only that request ends.
+
+    The engine catches anything raised while it handles one request's part of a batched step,
+    drops that request's rows and reports this error to it; the other requests go on.
+    """
+
+    def __init__(self, request_id: int, stage: str, cause: BaseException) -> None:
+        super().__init__(
+            f"request {request_id} failed while {stage}: {type(cause).__name__}: {cause}"
+        )
+        self.request_id = request_id
+        self.stage = stage
+        self.cause = cause
+
+
 @dataclass
 class GenerationRequest:
     """One Generate call: prompt token ids and its decoding settings."""
@@ -37,6 +53,8 @@ class StepEvent:
     cumulative_logprob: float
     seed: int
     finish: Finish | None = None
+    error: RequestError | None = None
+    """Set on the one event of a request that failed in the engine (it gets no other events)."""
 
 
 @dataclass
@@ -65,6 +83,8 @@ def collect(events: list[StepEvent], num_sequences: int) -> list[SequenceResult]
     texts = [""] * num_sequences
     results: list[SequenceResult | None] = [None] * num_sequences
     for event in events:
+        if event.error is not None:
+            raise event.error
         tokens[event.index].extend(event.token_ids)
         texts[event.index] += event.text
         if event.finish is not None:

@@ -9,12 +9,17 @@ top-k, top-p. A filtered logit becomes -inf, so softmax gives it probability exa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 NEG_INF = float("-inf")
+MAX_SEED = 2**63 - 1
+"""Largest request seed: sequence i of a request seeds its generator with seed + i, which must
+stay inside the 64-bit range `torch.Generator.manual_seed` accepts (and inside int64, what JSON
+clients and other languages' gRPC stubs can carry)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class SamplingConfig:
     """Seed of the request's sampler (sequence i of a request uses seed + i)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        if not math.isfinite(self.repetition_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(
+                f"repetition_penalty and length_penalty must be finite, got "
+                f"{self.repetition_penalty} and {self.length_penalty}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature <= 2:

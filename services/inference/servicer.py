@@ -8,9 +8,11 @@ answers well-formed model calls with FAILED_PRECONDITION "no model loaded".
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -18,13 +20,14 @@ from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
+    MeshlineError,
     OutOfRange,
     Validator,
 )
 from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
-from services.inference.requests import Finish, StepEvent
-from services.inference.sampling import SamplingConfig
+from services.inference.requests import Finish, RequestError, StepEvent
+from services.inference.sampling import MAX_SEED, SamplingConfig
 from services.inference.serving import ServingEngine, build_serving_engine
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -36,6 +39,27 @@ FINISH_REASONS = {
 }
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_TEMPERATURE = 2.0
+T = TypeVar("T")
+MAX_REPORTED_VIOLATIONS = 20
+"""A Score request stops being checked after this many bad fields (the error stays readable)."""
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """Run CPU-heavy request work (tokenising, detokenising) in a worker thread, so the event
+    loop — health checks, other streams — keeps answering while it runs."""
+    return await asyncio.to_thread(fn)
+
+
+def request_failed(error: RequestError) -> MeshlineError:
+    """The status of a request that failed inside the engine (the others went on): a value its
+    fields led to (ValueError, overflow) is INVALID_ARGUMENT on `params`, anything else INTERNAL."""
+    message = (
+        f"the request failed in the engine while {error.stage} "
+        f"({type(error.cause).__name__}: {error.cause}); other requests were not affected"
+    )
+    if isinstance(error.cause, (ValueError, ArithmeticError)):
+        return InvalidArgument("params", message)
+    return MeshlineError(message + "; the server log has the traceback")
 
 
 def load_engine(config: InferenceServiceConfig) -> ServingEngine | None:
@@ -101,6 +125,18 @@ def check_sampling_params(
         f"at most {config.max_stop_strings} stop strings, got {len(params.stop)}",
     )
     check.require(all(params.stop), "params.stop", "stop strings must not be empty")
+    longest = max((len(s) for s in params.stop), default=0)
+    check.require(
+        longest <= config.max_stop_string_chars,
+        "params.stop",
+        f"stop strings must be at most {config.max_stop_string_chars} characters, got {longest}",
+    )
+    if params.HasField("seed"):
+        check.require(
+            params.seed <= MAX_SEED,
+            "params.seed",
+            f"must be in [0, 2**63 - 1] (sequence i uses seed + i), got {params.seed}",
+        )
     n = params.num_return_sequences if params.HasField("num_return_sequences") else 1
     if check.require(
         1 <= n <= config.max_num_beams,
@@ -134,10 +170,20 @@ def check_generate_request(
         + (" (both are set)" if has_text else " (neither is set)"),
     )
     check.require(
-        all(t >= 0 for t in request.prompt_token_ids),
-        "prompt_token_ids",
-        "token ids must be >= 0",
+        len(request.prompt) <= config.max_text_chars,
+        "prompt",
+        f"at most {config.max_text_chars} characters (--max-text-chars), got {len(request.prompt)}",
     )
+    if check.require(
+        len(request.prompt_token_ids) <= config.max_text_chars,
+        "prompt_token_ids",
+        f"at most {config.max_text_chars} ids, got {len(request.prompt_token_ids)}",
+    ):
+        check.require(
+            min(request.prompt_token_ids, default=0) >= 0,
+            "prompt_token_ids",
+            "token ids must be >= 0",
+        )
     check_sampling_params(request.params, config, check)
     check.raise_if_any()
 
@@ -153,7 +199,20 @@ def check_score_request(
         "items",
         f"at most {config.max_score_items} items per request, got {len(request.items)}",
     )
+    if check.violations:
+        check.raise_if_any()
     for i, item in enumerate(request.items):
+        check.require(
+            len(item.context) + len(item.continuation) <= config.max_text_chars,
+            f"items[{i}]",
+            f"context + continuation must be at most {config.max_text_chars} characters",
+        )
+        check.require(
+            len(item.context_token_ids) + len(item.continuation_token_ids)
+            <= config.max_score_tokens,
+            f"items[{i}]",
+            f"at most {config.max_score_tokens} token ids per request (--max-score-tokens)",
+        )
         check.require(
             not (item.context and item.context_token_ids),
             f"items[{i}].context",
@@ -166,10 +225,13 @@ def check_score_request(
             "give exactly one of continuation and continuation_token_ids (non-empty)",
         )
         check.require(
-            all(t >= 0 for t in (*item.context_token_ids, *item.continuation_token_ids)),
+            min(item.context_token_ids, default=0) >= 0
+            and min(item.continuation_token_ids, default=0) >= 0,
             f"items[{i}]",
             "token ids must be >= 0",
         )
+        if len(check.violations) >= MAX_REPORTED_VIOLATIONS:
+            break
     check.raise_if_any()
 
 
@@ -216,6 +278,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.TokenizeResponse:
         """Token ids of the text under the loaded model's tokenizer."""
+        check = Validator()
+        check.require(
+            len(request.text) <= self._config.max_text_chars,
+            "text",
+            f"at most {self._config.max_text_chars} characters (--max-text-chars), "
+            f"got {len(request.text)}",
+        )
+        check.raise_if_any()
         return await self._run_tokenize(self._require_engine(), request)
 
     async def Detokenize(
@@ -223,7 +293,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.DetokenizeResponse:
         """Text of the token ids under the loaded model's tokenizer."""
         check = Validator()
-        check.require(all(t >= 0 for t in request.token_ids), "token_ids", "must be >= 0")
+        if check.require(
+            len(request.token_ids) <= self._config.max_text_chars,
+            "token_ids",
+            f"at most {self._config.max_text_chars} ids (--max-text-chars), "
+            f"got {len(request.token_ids)}",
+        ):
+            check.require(min(request.token_ids, default=0) >= 0, "token_ids", "must be >= 0")
         check.raise_if_any()
         return await self._run_detokenize(self._require_engine(), request)
 
@@ -236,26 +312,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def _run_generate(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> inference_pb2.GenerateResponse:
-        prompt_ids, config = self._prepare(engine, request)
+        prompt_ids, config = await self._prepare(engine, request)
         sequences = [inference_pb2.Sequence() for _ in range(config.num_return_sequences)]
-        async for event in engine.front.stream(prompt_ids, config):
-            seq = sequences[event.index]
-            seq.token_ids.extend(event.token_ids)
-            seq.text += event.text
-            seq.cumulative_logprob = event.cumulative_logprob
-            seq.seed = event.seed
-            if event.finish is not None:
-                seq.finish_reason = FINISH_REASONS[event.finish]
+        try:
+            async for event in engine.front.stream(prompt_ids, config):
+                seq = sequences[event.index]
+                seq.token_ids.extend(event.token_ids)
+                seq.text += event.text
+                seq.cumulative_logprob = event.cumulative_logprob
+                seq.seed = event.seed
+                if event.finish is not None:
+                    seq.finish_reason = FINISH_REASONS[event.finish]
+        except RequestError as exc:
+            raise request_failed(exc) from exc
         return inference_pb2.GenerateResponse(sequences=sequences)
 
     async def _run_generate_stream(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
-        prompt_ids, config = self._prepare(engine, request)
-        async for event in engine.front.stream(prompt_ids, config):
-            yield _stream_message(event)
+        prompt_ids, config = await self._prepare(engine, request)
+        try:
+            async for event in engine.front.stream(prompt_ids, config):
+                yield _stream_message(event)
+        except RequestError as exc:
+            raise request_failed(exc) from exc
 
-    def _prepare(
+    async def _prepare(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> tuple[list[int], SamplingConfig]:
         """Prompt ids and decoding settings, checked against the loaded model."""
@@ -266,26 +348,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     "prompt: this server has no tokenizer; send prompt_token_ids or restart it "
                     "with --tokenizer PATH"
                 )
-            prompt_ids = tokens.encode_prompt(request.prompt)
+            prompt_ids = await off_loop(lambda: tokens.encode_prompt(request.prompt))
             field = "prompt"
         else:
             prompt_ids = list(request.prompt_token_ids)
             field = "prompt_token_ids"
-        bad = [t for t in prompt_ids if t >= tokens.vocab_size]
-        if bad:
+        if not prompt_ids:
+            raise InvalidArgument(field, "the prompt encodes to no tokens")
+        limit = engine.engine.max_seq_len
+        if len(prompt_ids) >= limit:
+            raise OutOfRange(
+                f"{field}: the prompt is {len(prompt_ids)} tokens, the context length is {limit}; "
+                "shorten it"
+            )
+        if max(prompt_ids) >= tokens.vocab_size:
+            bad = [t for t in prompt_ids if t >= tokens.vocab_size]
             raise InvalidArgument(
                 field, f"token ids {bad[:5]} are outside the vocabulary [0, {tokens.vocab_size})"
             )
-        if not prompt_ids:
-            raise InvalidArgument(field, "the prompt encodes to no tokens")
-        config = sampling_config(request.params)
+        try:
+            config = sampling_config(request.params)
+        except ValueError as exc:  # a combination the field checks let through
+            raise InvalidArgument("params", str(exc)) from exc
         rows = config.num_beams if config.num_beams > 1 else config.num_return_sequences
         if rows > engine.engine.pool.max_rows:
             raise OutOfRange(
                 f"params.num_beams: the request needs {rows} cache rows, the server has "
                 f"{engine.engine.pool.max_rows} (--max-batch-rows)"
             )
-        limit = engine.engine.max_seq_len
         if len(prompt_ids) + config.max_new_tokens > limit:
             raise OutOfRange(
                 f"params.max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
@@ -297,6 +387,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def _run_score(
         self, engine: ServingEngine, request: inference_pb2.ScoreRequest
     ) -> inference_pb2.ScoreResponse:
+        items = await off_loop(lambda: self._score_items(engine, request))
+        limit = engine.engine.context_length
+        for i, (context, continuation) in enumerate(items):
+            if len(context) + len(continuation) > limit:
+                raise OutOfRange(
+                    f"items[{i}]: context + continuation is {len(context) + len(continuation)} "
+                    f"tokens, over the context length {limit}"
+                )
+        total = sum(len(c) + len(x) for c, x in items)
+        if total > self._config.max_score_tokens:
+            raise InvalidArgument(
+                "items",
+                f"the items hold {total} tokens in all, at most {self._config.max_score_tokens} "
+                "per request (--max-score-tokens); split them over several requests",
+            )
+        pad = engine.tokens.pad_id or 0
+        results = await engine.front.run(lambda: engine.engine.score(items, pad))
+        return inference_pb2.ScoreResponse(
+            results=[
+                inference_pb2.ScoreResult(
+                    logprob=r.logprob, is_greedy=r.is_greedy, token_logprobs=r.token_logprobs
+                )
+                for r in results
+            ]
+        )
+
+    def _score_items(
+        self, engine: ServingEngine, request: inference_pb2.ScoreRequest
+    ) -> list[tuple[list[int], list[int]]]:
+        """(context ids, continuation ids) per item, tokenised and checked (a worker thread)."""
         tokens = engine.tokens
         items = []
         check = Validator()
@@ -324,50 +444,41 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 f"token ids must be < the vocabulary size {tokens.vocab_size}",
             )
             items.append((context, continuation))
+            if len(check.violations) >= MAX_REPORTED_VIOLATIONS:
+                break
         check.raise_if_any()
-        limit = engine.engine.context_length
-        for i, (context, continuation) in enumerate(items):
-            if len(context) + len(continuation) > limit:
-                raise OutOfRange(
-                    f"items[{i}]: context + continuation is {len(context) + len(continuation)} "
-                    f"tokens, over the context length {limit}"
-                )
-        pad = tokens.pad_id or 0
-        results = await engine.front.run(lambda: engine.engine.score(items, pad))
-        return inference_pb2.ScoreResponse(
-            results=[
-                inference_pb2.ScoreResult(
-                    logprob=r.logprob, is_greedy=r.is_greedy, token_logprobs=r.token_logprobs
-                )
-                for r in results
-            ]
-        )
+        return items
 
     async def _run_tokenize(
         self, engine: ServingEngine, request: inference_pb2.TokenizeRequest
     ) -> inference_pb2.TokenizeResponse:
         tokens = engine.tokens
-        try:
+
+        def tokenize() -> inference_pb2.TokenizeResponse:
             if request.add_special_tokens:
                 ids = tokens.encode_prompt(request.text)
             else:
                 ids = tokens.require().encode(request.text)
-            pieces = tokens.pieces(ids)
+            # Built here too: a response of millions of pieces takes a while to assemble.
+            return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens.pieces(ids))
+
+        try:
+            return await off_loop(tokenize)
         except ValueError as exc:
             raise FailedPrecondition(str(exc)) from None
-        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=pieces)
 
     async def _run_detokenize(
         self, engine: ServingEngine, request: inference_pb2.DetokenizeRequest
     ) -> inference_pb2.DetokenizeResponse:
         tokens = engine.tokens
-        bad = [t for t in request.token_ids if t >= tokens.vocab_size]
-        if bad:
+        if max(request.token_ids, default=0) >= tokens.vocab_size:
+            bad = [t for t in request.token_ids if t >= tokens.vocab_size]
             raise InvalidArgument(
                 "token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {tokens.vocab_size})"
             )
+        ids = list(request.token_ids)
         try:
-            text = tokens.detokenize(list(request.token_ids), request.skip_special_tokens)
+            text = await off_loop(lambda: tokens.detokenize(ids, request.skip_special_tokens))
         except ValueError as exc:
             raise FailedPrecondition(str(exc)) from None
         return inference_pb2.DetokenizeResponse(text=text)
@@ -445,5 +556,6 @@ def bindings(config: InferenceServiceConfig, engine: ServingEngine | None) -> li
             servicer,
             inference_pb2_grpc.add_InferenceServiceServicer_to_server,
             on_stop=None if engine is None else engine.stop,
+            max_request_bytes=config.max_request_mb * 2**20,
         )
     ]

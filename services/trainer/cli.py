@@ -5,20 +5,23 @@
 
 Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint,
 --max-restarts; every other flag is a training flag (`meshline train --help-train` lists them).
-The training flags are checked before any worker starts.
+The training flags, and every path and tokenizer they name, are checked before any worker starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launcher import launch
+from services.trainer.megatron_flags import WARNED_ENV
+from services.trainer.preflight import check_paths
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshline train", add_help=False)
+    parser = argparse.ArgumentParser(prog="meshline train", add_help=False, allow_abbrev=False)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
     parser.add_argument("--nnodes", default="1")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(train_argv)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
         config.validate((launch_args.nproc_per_node or 1) * nodes)
+        check_paths(config)  # one line before any worker starts
+        os.environ[WARNED_ENV] = "1"  # the workers need not repeat the no-effect flag warning
         return launch(
             train_argv,
             launch_args.nproc_per_node or 1,

@@ -12,26 +12,69 @@ from services.trainer.mock_data import MockDataset
 from services.trainer.precision import PrecisionPlan
 from services.trainer.train_config import TrainConfig
 
-# Megatron's --make-vocab-size-divisible-by default: vocabularies are padded up to a multiple.
-VOCAB_MULTIPLE = 128
-
 
 def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) -> Any:
-    """`models` config for --model (or the shape flags), grown to cover the tokenizer's vocabulary."""
+    """`models` config for --model or Megatron's architecture flags, covering the tokenizer.
+
+    With --model, the registry config plus the shape flags; an architecture flag that contradicts
+    the registry value is an error naming both. Without it, Megatron's defaults plus the flags
+    (`services.trainer.model_arch`), the vocabulary being the tokenizer's padded up to
+    --make-vocab-size-divisible-by.
+    """
     from models.registry import get_config, list_configs
+    from services.trainer.model_arch import (
+        MEGATRON_DEFAULTS,
+        megatron_ffn_size,
+        pad_vocab,
+    )
 
     name = config.model.model or "tiny-llama"
     overrides = config.model.overrides()
-    if config.model.model is not None and name not in list_configs():
-        raise ValueError(f"--model {name!r} is unknown; known models: {', '.join(list_configs())}")
+    arch = config.arch
+    from_flags = arch.fields_set()
+    multiple = arch.make_vocab_size_divisible_by
+    if config.model.model is not None:
+        if name not in list_configs():
+            raise ValueError(
+                f"--model {name!r} is unknown; known models: {', '.join(list_configs())}"
+            )
+        base = get_config(name)
+        for key, (flag, value) in from_flags.items():
+            if getattr(base, key) != value:
+                raise ValueError(
+                    f"{flag} conflicts with --model {name} (its {key} is {getattr(base, key)!r}); "
+                    f"drop {flag.split()[0]} or choose a model that has it"
+                )
+    else:
+        overrides = _megatron_fields(config, from_flags, tokenizer_vocab)
+        overrides = {**MEGATRON_DEFAULTS, **overrides}
+        if "position_embedding" not in overrides:
+            raise ValueError(
+                "no --model and no --position-embedding-type: Megatron's default (learned "
+                "absolute positions) is not supported; pass --position-embedding-type rope "
+                "(Llama) or alibi (Bloom), or --model NAME"
+            )
+        overrides.setdefault(
+            "ffn_hidden_size", megatron_ffn_size(overrides["hidden_size"], arch.swiglu)
+        )
+        overrides.setdefault("max_position_embeddings", config.model.seq_length)
+    if arch.group_query_attention and config.model.num_query_groups is None:
+        if config.model.model is None:
+            overrides["num_kv_heads"] = 1  # Megatron's --num-query-groups default
     model_config = get_config(name, **overrides)
+    if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
+        raise ValueError(
+            f"--kv-channels {arch.kv_channels} differs from --hidden-size / "
+            f"--num-attention-heads = {model_config.head_dim}; Meshline's head width is always "
+            "that ratio: drop --kv-channels or change the sizes"
+        )
     if tokenizer_vocab is not None and model_config.vocab_size < tokenizer_vocab:
         if config.model.vocab_size is not None:
             raise ValueError(
                 f"--vocab-size {config.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"({tokenizer_vocab}); drop --vocab-size or raise it"
             )
-        padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        padded = pad_vocab(tokenizer_vocab, multiple)
         model_config = get_config(name, **{**overrides, "vocab_size": padded})
     moe = config.model.moe_overrides()
     if moe:
@@ -51,6 +94,20 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
             f"{model_config.max_position_embeddings}; shorten one or raise the other"
         )
     return model_config
+
+
+def _megatron_fields(
+    config: TrainConfig, from_flags: dict[str, tuple[str, Any]], tokenizer_vocab: int | None
+) -> dict[str, Any]:
+    """ModelConfig fields of a model given by Megatron's flags alone (no --model)."""
+    from services.trainer.model_arch import pad_vocab
+
+    fields = {key: value for key, (_, value) in from_flags.items()}
+    fields.update(config.model.overrides())
+    if "vocab_size" not in fields and tokenizer_vocab is not None:
+        fields["vocab_size"] = pad_vocab(tokenizer_vocab, config.arch.make_vocab_size_divisible_by)
+    fields["extra"] = {"megatron_flags": True}
+    return fields
 
 
 def _moe_flags(config: TrainConfig) -> list[str]:
@@ -93,7 +150,9 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
         raise ValueError(
             f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model or --tokenizer-name-or-path"
         )
-    tokenizer = build_tokenizer(data.tokenizer_type, source)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type, source, use_fast=not data.tokenizer_not_use_fast
+    )
     data_config = DataConfig(
         data_path=list(data.data_path),
         split=data.split,

@@ -22,6 +22,7 @@ from kernels import device
 from services.trainer.arguments import parse_args
 from services.trainer.ckpt.signals import LastGasp
 from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
+from services.trainer.preflight import check_paths, load_action
 
 
 def format_summary(summary: RunSummary, log_dir: str | None) -> str:
@@ -51,14 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_args(argv)
+        check_paths(config)
+        load = load_action(config)
     except ValueError as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2
     info = device.init_distributed()
+    if load == "fresh" and info.is_main:
+        print(
+            f"meshline train: no checkpoint in --load {config.run.load} yet: starting from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
     last_gasp = LastGasp().install()
     try:
         trainer = Trainer(config)
-        if config.run.load:
+        if load == "resume":
             trainer.load()
         # The launch-time policy ($MESHLINE_SAVE_ON_STOP), then the signal that stopped the run.
         save_default = os.environ.get(SAVE_ON_STOP_ENV, "1") != "0"

@@ -58,9 +58,9 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
             "ffn_hidden_size", megatron_ffn_size(overrides["hidden_size"], arch.swiglu)
         )
         overrides.setdefault("max_position_embeddings", config.model.seq_length)
-    if arch.group_query_attention and config.model.num_query_groups is None:
-        if config.model.model is None:
-            overrides["num_kv_heads"] = 1  # Megatron's --num-query-groups default
+    no_groups = config.model.num_query_groups is None
+    if arch.group_query_attention and no_groups and config.model.model is None:
+        overrides["num_kv_heads"] = 1  # Megatron's --num-query-groups default
     model_config = get_config(name, **overrides)
     if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
         raise ValueError(

@@ -51,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         config.validate((launch_args.nproc_per_node or 1) * nodes)
         check_paths(config)  # one line before any worker starts
         os.environ[WARNED_ENV] = "1"  # the workers need not repeat the no-effect flag warning
-        return launch(
-            train_argv,
-            launch_args.nproc_per_node or 1,
-            nnodes=launch_args.nnodes,
-            node_rank=launch_args.node_rank,
-            rdzv_endpoint=launch_args.rdzv_endpoint,
-            max_restarts=launch_args.max_restarts,
-        )
+        try:
+            return launch(
+                train_argv,
+                launch_args.nproc_per_node or 1,
+                nnodes=launch_args.nnodes,
+                node_rank=launch_args.node_rank,
+                rdzv_endpoint=launch_args.rdzv_endpoint,
+                max_restarts=launch_args.max_restarts,
+            )
+        finally:
+            os.environ.pop(WARNED_ENV, None)
     except ValueError as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2

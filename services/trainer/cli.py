@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train.main(train_argv)
     try:
-        config = parse_args(train_argv)
+        config = parse_args(train_argv, read_files=True)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
         config.validate((launch_args.nproc_per_node or 1) * nodes)
         check_paths(config)  # one line before any worker starts

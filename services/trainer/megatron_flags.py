@@ -46,6 +46,8 @@ class CompatFlag:
     """map flags with a value: (value, fields given so far) -> fields to set."""
     aliases: tuple[str, ...] = ()
     """Other spellings (underscores, older names)."""
+    reads_file: bool = False
+    """The value is a file read at parse time (only where the caller allows it: the CLI)."""
 
     @property
     def dest(self) -> str:
@@ -195,7 +197,7 @@ TABLE: tuple[CompatFlag, ...] = (
     CompatFlag("--deepspeed", "ignore", "ZeRO is built in: --zero-stage N or --deepspeed-config"),
     CompatFlag("--deepspeed-config", "map", "zero_optimization.stage -> --zero-stage, "
                "fp16/bf16.enabled, train_micro_batch_size_per_gpu, gradient_clipping", nargs=1,
-               convert=_deepspeed_config, aliases=("--deepspeed_config",)),
+               convert=_deepspeed_config, aliases=("--deepspeed_config",), reads_file=True),
     CompatFlag("--deepspeed-activation-checkpointing", "ignore", "use --checkpoint-activations "
                "(recompute is built in)"),
     CompatFlag("--partition-activations", "ignore", "use --sequence-parallel to shard "
@@ -308,12 +310,13 @@ def add_flags(parser: Any) -> None:
             group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
 
 
-def apply(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def apply(given: dict[str, Any], *, read_files: bool = False) -> tuple[dict[str, Any], list[str]]:
     """Resolve compat flags in parsed `given` values: (field values, no-effect notes).
 
     `given` holds field values plus `megatron__*` entries; the latter are removed, refused flags
     raise ValueError naming the equivalent, and a mapped value that contradicts an explicit flag
-    raises ValueError naming both.
+    raises ValueError naming both. Flags whose value is a file to read (--deepspeed-config) are
+    refused unless `read_files` (the command line; a service request's paths are untrusted).
     """
     rows = {row.dest: row for row in TABLE}
     values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
@@ -328,6 +331,11 @@ def apply(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             continue
         if row.kind == "same":
             continue
+        if row.reads_file and not read_files:
+            raise ValueError(
+                f"{row.flag} names a file, which only the `meshline train` command line reads; "
+                "give its settings as flags (--zero-stage N, --bf16, --micro-batch-size)"
+            )
         mapped = dict(row.sets) if row.convert is None else row.convert(value, values)
         for field, new in mapped.items():
             if field in explicit and explicit[field] != new:

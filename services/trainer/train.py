@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse flags, train, print the summary; 2 on a configuration error, 3 on a NaN stop."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, read_files=True)
         check_paths(config)
         load = load_action(config)
     except ValueError as exc:

@@ -202,11 +202,14 @@ def test_deepspeed_config_maps_its_zero_stage_and_precision(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
                               "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5}))  # fmt: skip
-    config = parse_args([*BASE, "--deepspeed", "--deepspeed_config", str(ds)])
+    config = parse_args([*BASE, "--deepspeed", "--deepspeed_config", str(ds)], read_files=True)
     assert config.parallel.zero_stage == 2 and config.precision.bf16
     assert config.batch.micro_batch_size == 2 and config.optim.clip_grad == 0.5
     with pytest.raises(ValueError, match=r"--deepspeed-config .*no such file"):
-        parse_args([*BASE, "--deepspeed-config", str(tmp_path / "missing.json")])
+        parse_args([*BASE, "--deepspeed-config", str(tmp_path / "missing.json")], read_files=True)
+    # Not read where paths are untrusted (the trainer service parses with read_files=False).
+    with pytest.raises(ValueError, match=r"--deepspeed-config names a file.*--zero-stage"):
+        parse_args([*BASE, "--deepspeed-config", str(ds)])
 
 
 def test_a_mapped_flag_contradicting_an_explicit_one_names_both():

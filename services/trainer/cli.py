@@ -4,7 +4,8 @@
     meshline train --nproc-per-node 2 --max-restarts 1 --config run.yaml --lr 1e-4
 
 Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint,
---max-restarts; every other flag is a training flag (`meshline train --help-train` lists them).
+--max-restarts (and torch.distributed.launch's --master-addr/--master-port, the rendezvous of a
+multi-node job); every other flag is a training flag (`meshline train --help-train` lists them).
 The training flags, and every path and tokenizer they name, are checked before any worker starts.
 """
 
@@ -27,6 +28,9 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None)
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    # torch.distributed.launch's $DISTRIBUTED_ARGS: where node 0 listens (a c10d rendezvous).
+    parser.add_argument("--master-addr", "--master_addr", default=None)
+    parser.add_argument("--master-port", "--master_port", default=None)
     parser.add_argument("--help-train", action="store_true")
     return parser
 
@@ -38,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     launch_args, train_argv = _launcher_parser().parse_known_args(argv)
+    if launch_args.rdzv_endpoint is None and launch_args.master_addr and launch_args.nnodes != "1":
+        port = launch_args.master_port or "29500"
+        launch_args.rdzv_endpoint = f"{launch_args.master_addr}:{port}"
     if launch_args.help_train:
         build_parser().print_help()
         return 0

@@ -194,7 +194,7 @@ def test_evaluate_with_modellink_flags_writes_results(work, pretrained, capsys):
     _, ckpt = pretrained
     out = work["root"] / "eval"
     code, stdout, err = _run([
-        "evaluate", "--task-data-path", str(FIXTURES), "--task", "boolq",
+        "evaluate", "--task-data-path", str(FIXTURES / "boolq"), "--task", "boolq",
         "--seq-length", "32", "--max-new-tokens", "1", "--evaluation-batch-size", "1",
         "--max-position-embeddings", "32", "--tensor-model-parallel-size", "1",
         "--pipeline-model-parallel-size", "1", "--num-layers", "2", "--hidden-size", "64",
@@ -279,3 +279,13 @@ def test_two_process_pretrain_through_torchrun(work, shards, capfd):
     assert code == 0, err[-3000:]
     assert (save / "latest").read_text().strip() == "2"
     assert err.count("accepted without effect") == 1, err[-3000:]  # launcher only, not workers
+
+
+def test_torch_distributed_launch_args_are_launcher_flags(work, shards, capsys):
+    # DISTRIBUTED_ARGS of ModelLink's scripts, in front of the training flags.
+    launch = ["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0",
+              "--master_addr", "localhost", "--master_port", "6000"]  # fmt: skip
+    code, _, err = _run(["train", *launch, *LLAMA_MODEL, *LLAMA_RUN, "--global-batch-size", "4",
+                         "--data-path", str(shards) + "_x", *_tokenizer_flags(work["tok"])],
+                        capsys)  # fmt: skip
+    assert code == 2 and "unrecognized" not in err and "--data-path" in err, err

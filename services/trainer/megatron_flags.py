@@ -322,6 +322,7 @@ def apply(given: dict[str, Any], *, read_files: bool = False) -> tuple[dict[str,
     values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
     explicit = dict(values)
     notes: list[str] = []
+    origin: dict[str, str] = {}  # field -> the compat flag that set it
     for dest in [k for k in given if k.startswith(DEST_PREFIX)]:
         row, value = rows[dest], given[dest]
         if row.kind == "refuse":
@@ -345,6 +346,13 @@ def apply(given: dict[str, Any], *, read_files: bool = False) -> tuple[dict[str,
                     "drop one of them"
                 )
             values[field] = new
+            origin[field] = row.flag
+    if "auto_recompute_device_size" in values and "recompute_granularity" in origin:
+        raise ValueError(
+            f"{origin['recompute_granularity']} and --auto-recompute-device-size are exclusive: "
+            f"the adaptive recompute chooses the layers itself; drop "
+            f"{origin['recompute_granularity']}"
+        )
     return values, notes
 
 

@@ -217,6 +217,11 @@ def test_a_mapped_flag_contradicting_an_explicit_one_names_both():
         parse_args([*BASE, "--checkpoint-activations", "--recompute-granularity", "selective"])
 
 
+def test_checkpoint_activations_with_adaptive_recompute_names_the_flag_to_drop():
+    with pytest.raises(ValueError, match=r"drop --checkpoint-activations"):
+        parse_args([*BASE, "--checkpoint-activations", "--auto-recompute-device-size", "1024"])
+
+
 def test_no_effect_flags_warn_once(capsys):
     megatron_flags._WARNED.clear()
     parse_args([*BASE, "--no-masked-softmax-fusion", "--optimized-pipeline"])

@@ -144,6 +144,42 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
 }
 
 
+def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, Any]]) -> None:
+    """ValueError naming both when an architecture flag contradicts the `--model` config."""
+    for key, (flag, value) in from_flags.items():
+        if getattr(base, key) != value:
+            raise ValueError(
+                f"{flag} conflicts with --model {name} (its {key} is {getattr(base, key)!r}); "
+                f"drop {flag.split()[0]} or choose a model that has it"
+            )
+
+
+def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
+    """ModelConfig fields of a model given by Megatron's flags alone (no --model).
+
+    Megatron's defaults for what is left out; the vocabulary is the tokenizer's padded up to
+    --make-vocab-size-divisible-by; the FFN width and the position limit default as Megatron's.
+    """
+    arch: ArchSection = config.arch
+    fields = {**MEGATRON_DEFAULTS}
+    fields.update({key: value for key, (_, value) in arch.fields_set().items()})
+    fields.update(config.model.overrides())
+    if "position_embedding" not in fields:
+        raise ValueError(
+            "no --model and no --position-embedding-type: Megatron's default (learned "
+            "absolute positions) is not supported; pass --position-embedding-type rope "
+            "(Llama) or alibi (Bloom), or --model NAME"
+        )
+    if "vocab_size" not in fields and tokenizer_vocab is not None:
+        fields["vocab_size"] = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
+    fields.setdefault("ffn_hidden_size", megatron_ffn_size(fields["hidden_size"], arch.swiglu))
+    fields.setdefault("max_position_embeddings", config.model.seq_length)
+    if arch.group_query_attention and config.model.num_query_groups is None:
+        fields["num_kv_heads"] = 1  # Megatron's --num-query-groups default
+    fields["extra"] = {"megatron_flags": True}
+    return fields
+
+
 def megatron_ffn_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron's --ffn-hidden-size default: 4h, or 2/3 of that rounded up to 64 with SwiGLU."""
     if not swiglu:

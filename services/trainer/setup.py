@@ -22,45 +22,19 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
     --make-vocab-size-divisible-by.
     """
     from models.registry import get_config, list_configs
-    from services.trainer.model_arch import (
-        MEGATRON_DEFAULTS,
-        megatron_ffn_size,
-        pad_vocab,
-    )
+    from services.trainer.model_arch import check_against_model, megatron_fields, pad_vocab
 
     name = config.model.model or "tiny-llama"
     overrides = config.model.overrides()
     arch = config.arch
-    from_flags = arch.fields_set()
-    multiple = arch.make_vocab_size_divisible_by
     if config.model.model is not None:
         if name not in list_configs():
             raise ValueError(
                 f"--model {name!r} is unknown; known models: {', '.join(list_configs())}"
             )
-        base = get_config(name)
-        for key, (flag, value) in from_flags.items():
-            if getattr(base, key) != value:
-                raise ValueError(
-                    f"{flag} conflicts with --model {name} (its {key} is {getattr(base, key)!r}); "
-                    f"drop {flag.split()[0]} or choose a model that has it"
-                )
+        check_against_model(name, get_config(name), arch.fields_set())
     else:
-        overrides = _megatron_fields(config, from_flags, tokenizer_vocab)
-        overrides = {**MEGATRON_DEFAULTS, **overrides}
-        if "position_embedding" not in overrides:
-            raise ValueError(
-                "no --model and no --position-embedding-type: Megatron's default (learned "
-                "absolute positions) is not supported; pass --position-embedding-type rope "
-                "(Llama) or alibi (Bloom), or --model NAME"
-            )
-        overrides.setdefault(
-            "ffn_hidden_size", megatron_ffn_size(overrides["hidden_size"], arch.swiglu)
-        )
-        overrides.setdefault("max_position_embeddings", config.model.seq_length)
-    no_groups = config.model.num_query_groups is None
-    if arch.group_query_attention and no_groups and config.model.model is None:
-        overrides["num_kv_heads"] = 1  # Megatron's --num-query-groups default
+        overrides = megatron_fields(config, tokenizer_vocab)
     model_config = get_config(name, **overrides)
     if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
         raise ValueError(
@@ -74,7 +48,7 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
                 f"--vocab-size {config.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"({tokenizer_vocab}); drop --vocab-size or raise it"
             )
-        padded = pad_vocab(tokenizer_vocab, multiple)
+        padded = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
         model_config = get_config(name, **{**overrides, "vocab_size": padded})
     moe = config.model.moe_overrides()
     if moe:
@@ -94,20 +68,6 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
             f"{model_config.max_position_embeddings}; shorten one or raise the other"
         )
     return model_config
-
-
-def _megatron_fields(
-    config: TrainConfig, from_flags: dict[str, tuple[str, Any]], tokenizer_vocab: int | None
-) -> dict[str, Any]:
-    """ModelConfig fields of a model given by Megatron's flags alone (no --model)."""
-    from services.trainer.model_arch import pad_vocab
-
-    fields = {key: value for key, (_, value) in from_flags.items()}
-    fields.update(config.model.overrides())
-    if "vocab_size" not in fields and tokenizer_vocab is not None:
-        fields["vocab_size"] = pad_vocab(tokenizer_vocab, config.arch.make_vocab_size_divisible_by)
-    fields["extra"] = {"megatron_flags": True}
-    return fields
 
 
 def _moe_flags(config: TrainConfig) -> list[str]:

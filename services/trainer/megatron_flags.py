@@ -310,7 +310,9 @@ def add_flags(parser: Any) -> None:
             group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
 
 
-def apply(given: dict[str, Any], *, read_files: bool = False) -> tuple[dict[str, Any], list[str]]:
+def apply(
+    given: dict[str, Any], *, read_files: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """Resolve compat flags in parsed `given` values: (field values, no-effect notes).
 
     `given` holds field values plus `megatron__*` entries; the latter are removed, refused flags
@@ -321,14 +323,14 @@ def apply(given: dict[str, Any], *, read_files: bool = False) -> tuple[dict[str,
     rows = {row.dest: row for row in TABLE}
     values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
     explicit = dict(values)
-    notes: list[str] = []
+    notes: list[tuple[str, str]] = []
     origin: dict[str, str] = {}  # field -> the compat flag that set it
     for dest in [k for k in given if k.startswith(DEST_PREFIX)]:
         row, value = rows[dest], given[dest]
         if row.kind == "refuse":
             raise ValueError(f"{row.flag} is not supported: {row.note}")
         if row.kind == "ignore":
-            notes.append(f"{row.flag} ({row.note})")
+            notes.append((row.flag, row.note))
             continue
         if row.kind == "same":
             continue
@@ -361,10 +363,15 @@ _WARNED: set[str] = set()
 WARNED_ENV = "MESHLINE_MEGATRON_FLAGS_WARNED"
 
 
-def warn_once(notes: list[str], prog: str = "meshline train") -> None:
-    """Print one warning line for the no-effect flags not yet reported (rank 0 only)."""
-    fresh = [n for n in notes if n not in _WARNED]
+def warn_once(notes: list[tuple[str, str]], prog: str = "meshline train") -> None:
+    """Print one warning line for the no-effect (flag, reason) pairs not yet reported (rank 0
+    only); flags sharing a reason are listed together."""
+    fresh = [(flag, why) for flag, why in notes if flag not in _WARNED]
     if not fresh or os.environ.get("RANK", "0") != "0" or os.environ.get(WARNED_ENV):
         return
-    _WARNED.update(fresh)
-    print(f"{prog}: warning: accepted without effect: {'; '.join(fresh)}", file=sys.stderr)
+    _WARNED.update(flag for flag, _ in fresh)
+    by_reason: dict[str, list[str]] = {}
+    for flag, why in fresh:
+        by_reason.setdefault(why, []).append(flag)
+    parts = [f"{', '.join(flags)} ({why})" for why, flags in by_reason.items()]
+    print(f"{prog}: warning: accepted without effect: {'; '.join(parts)}", file=sys.stderr)

@@ -22,7 +22,7 @@ from kernels import device
 from services.trainer.arguments import parse_args
 from services.trainer.ckpt.signals import LastGasp
 from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
-from services.trainer.preflight import check_paths, load_action
+from services.trainer.launch_checks import check_paths, load_action
 
 
 def format_summary(summary: RunSummary, log_dir: str | None) -> str:

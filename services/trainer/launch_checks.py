@@ -4,7 +4,9 @@
 train` calls it before torchrun (or the in-process run) so a wrong `--data-path` is reported at
 once instead of by every worker under a traceback. `load_action(config)` tells how `--load` is
 honoured under Megatron's resume rules. Both read only the parsed config, so a service can reuse
-them on a request's config.
+them on a request's config. (Helper sec-paths' `preflight.check_inputs`, written in parallel,
+opens the datasets more deeply; its `--load` existence check must follow `load_action` so that
+`--load X --save X` on a fresh directory keeps working.)
 """
 
 from __future__ import annotations

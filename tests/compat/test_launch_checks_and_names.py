@@ -9,7 +9,7 @@ from models.lora import LoraConfig, apply_lora, resolve_targets
 from models.mixtral import build_causal_lm
 from models.registry import get_config
 from services.trainer.arguments import parse_args
-from services.trainer.preflight import check_paths, load_action
+from services.trainer.launch_checks import check_paths, load_action
 
 MOCK = ["--model", "tiny-llama", "--mock-data", "--train-iters", "2"]
 

@@ -16,9 +16,9 @@ import os
 import sys
 
 from services.trainer.arguments import build_parser, parse_args
+from services.trainer.launch_checks import check_paths
 from services.trainer.launcher import launch
 from services.trainer.megatron_flags import WARNED_ENV
-from services.trainer.launch_checks import check_paths
 
 
 def _launcher_parser() -> argparse.ArgumentParser:

@@ -21,8 +21,8 @@ from pathlib import Path
 from kernels import device
 from services.trainer.arguments import parse_args
 from services.trainer.ckpt.signals import LastGasp
-from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 from services.trainer.launch_checks import check_paths, load_action
+from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 
 
 def format_summary(summary: RunSummary, log_dir: str | None) -> str:

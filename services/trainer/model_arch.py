@@ -57,7 +57,8 @@ class ArchSection:
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary (tokenizer size) up to a multiple of this."""
     kv_channels: int | None = None
-    """Per-head width; must equal --hidden-size / --num-attention-heads."""
+    """Per-head width (ModelConfig.kv_channels where the models have it, else it must equal
+    --hidden-size / --num-attention-heads)."""
     attention_backend: (
         Literal[
             "auto", "flash", "fused", "unfused", "local", "sdpa", "blockwise", "npu", "reference"
@@ -115,13 +116,19 @@ class ArchSection:
             out["rope_theta"] = (f"--rotary-base {self.rotary_base:g}", float(self.rotary_base))
         if self.add_qkv_bias:
             out.update(_qkv_bias(self.disable_bias_linear))
+        if self.kv_channels is not None and "kv_channels" in _model_fields():
+            out["kv_channels"] = (f"--kv-channels {self.kv_channels}", self.kv_channels)
         return out
 
 
-def _qkv_bias(disable_bias_linear: bool) -> dict[str, tuple[str, Any]]:
+def _model_fields() -> set[str]:
     from models.config import ModelConfig
 
-    if "qkv_bias" in {f.name for f in dataclasses.fields(ModelConfig)}:
+    return {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _qkv_bias(disable_bias_linear: bool) -> dict[str, tuple[str, Any]]:
+    if "qkv_bias" in _model_fields():
         return {"qkv_bias": ("--add-qkv-bias", True)}
     if not disable_bias_linear:
         return {"attention_bias": ("--add-qkv-bias", True)}  # all linears have biases anyway
@@ -147,9 +154,10 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
 def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, Any]]) -> None:
     """ValueError naming both when an architecture flag contradicts the `--model` config."""
     for key, (flag, value) in from_flags.items():
-        if getattr(base, key) != value:
+        have = base.head_dim if key == "kv_channels" else getattr(base, key)
+        if have != value:
             raise ValueError(
-                f"{flag} conflicts with --model {name} (its {key} is {getattr(base, key)!r}); "
+                f"{flag} conflicts with --model {name} (its {key} is {have!r}); "
                 f"drop {flag.split()[0]} or choose a model that has it"
             )
 

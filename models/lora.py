@@ -41,6 +41,12 @@ LINEAR_NAMES = (
     "down_proj",
     "lm_head",
 )
+# Megatron/ModelLink names of modules for --lora-modules-to-save -> Meshline leaf names.
+MODULE_ALIASES: dict[str, str] = {
+    "word_embeddings": "embed_tokens",
+    "output_layer": "lm_head",
+    "final_layernorm": "norm",
+}
 # A target naming part of a fused projection, and the fused module that holds it.
 _FUSED_PARTS = {
     "q_proj": "qkv_proj",
@@ -75,6 +81,7 @@ class LoraConfig:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise ValueError("--lora-target-modules is empty; name at least one linear layer")
+        self.modules_to_save = [MODULE_ALIASES.get(m, m) for m in self.modules_to_save]
         known = set(LINEAR_NAMES) | set(TARGET_ALIASES)
         unknown = [t for t in self.target_modules if t not in known]
         if unknown:
@@ -138,7 +145,13 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> list[str]:
     }
     leaves = {name.rpartition(".")[2] for name in present}
     wanted: set[str] = set()
+    # Parts of a fused projection (HF's q_proj ... up_proj, ModelLink's gate_proj beside
+    # dense_h_to_4h) select it when every part, or the fused module itself, is targeted.
+    fused_targets = _fused_targets(targets, leaves)
     for target in targets:
+        if target in _FUSED_PARTS and _FUSED_PARTS[target] in fused_targets:
+            wanted.add(_FUSED_PARTS[target])
+            continue
         if target in TARGET_ALIASES:
             hits = [leaf for leaf in TARGET_ALIASES[target] if leaf in leaves]
             # The fused module wins over its parts when both spellings could apply.
@@ -158,6 +171,17 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> list[str]:
             f"layers are {sorted(leaves - {'lora_A', 'lora_B'})}"
         )
     return names
+
+
+def _fused_targets(targets: list[str], leaves: set[str]) -> set[str]:
+    """Fused modules of the model that `targets` select as a whole (by name, alias or all parts)."""
+    out = set()
+    for fused in {"qkv_proj", "gate_up_proj"} & leaves:
+        parts = {part for part, owner in _FUSED_PARTS.items() if owner == fused}
+        by_alias = any(fused in TARGET_ALIASES.get(t, ()) for t in targets)
+        if fused in targets or by_alias or parts <= set(targets):
+            out.add(fused)
+    return out
 
 
 def apply_lora(model: nn.Module, config: LoraConfig, seed: int | None = None) -> list[str]:

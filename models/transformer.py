@@ -54,6 +54,9 @@ class Attention(nn.Module):
         self.num_heads_total = h
         self.head_offset = 0
         self._slopes: dict[torch.device, torch.Tensor] = {}
+        # kernels.attention backend for training/prefill (None: the device's default); the
+        # trainer sets it from --attention-backend / --triangle-attn / --use-flash-attn.
+        self.attention_backend: str | None = None
 
     def alibi_slopes_H(self, local_heads: int, device: torch.device) -> torch.Tensor:
         """fp32 ALiBi slopes of the heads this module holds (computed, never stored as state)."""
@@ -89,6 +92,7 @@ class Attention(nn.Module):
             key_padding_mask_BS=key_padding_mask_BS,
             segment_ids_BS=segment_ids_BS,
             dropout_p=self.dropout if self.training else 0.0,
+            backend=self.attention_backend,
         )
         assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
         return self.o_proj(out_BSHD.flatten(2))

@@ -55,13 +55,14 @@ class ServiceCli:
 def build_parser(spec: ServiceCli) -> argparse.ArgumentParser:
     """`python -m services.<name>` parser: one `serve` subcommand with server + service flags."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m services.{spec.name}", description=spec.description
+        prog=f"python -m services.{spec.name}", description=spec.description, allow_abbrev=False
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="serve")
     serve = commands.add_parser(
         "serve",
         help=f"run the {spec.name} gRPC server until SIGINT/SIGTERM",
         description=f"{spec.description} Prints 'serving <services> on HOST:PORT' once listening.",
+        allow_abbrev=False,
     )
     add_server_flags(serve, spec.default_port)
     spec.add_flags(serve)
@@ -88,6 +89,7 @@ def _all_parser() -> argparse.ArgumentParser:
         "--base-port (" + ", ".join(f"{n} +{i}" for i, n in enumerate(SERVICES)) + "). "
         "SIGINT/SIGTERM stops them all. The inference service starts without a model; run "
         "`meshline serve inference --load DIR` separately to serve one.",
+        allow_abbrev=False,
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface every service binds")
     parser.add_argument(

@@ -2,7 +2,9 @@
 
 Flags keep ModelLink's names as aliases (`--input-model-dir`, `--output-model-dir`,
 `--tensor-model-parallel-size`, `--pipeline-model-parallel-size`, `--type 7B`,
-`--params-dtype`), so its conversion scripts run with few edits. Exit codes: 0 done, 1 the conversion failed (a message
+`--params-dtype`, `--deepspeed`, `--load`/`--save`, LoRA merge flags) and Megatron-LM's
+`tools/checkpoint/convert.py` flags (`--loader`, `--saver`, `--model-type GPT`, `--model-size`),
+so their conversion scripts run with the entry point renamed (`modellink_flags`). Exit codes: 0 done, 1 the conversion failed (a message
 names the input and the fix), 2 bad flags, 3 the parity check failed (nothing was written).
 """
 
@@ -13,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from services.converter import modellink_flags
 from services.converter.job import (
     FORMATS,
     LOAD_FORMATS,
@@ -24,7 +27,6 @@ from services.converter.job import (
 from services.converter.units import DTYPES
 
 EXIT_FAILED, EXIT_USAGE, EXIT_VERIFY = 1, 2, 3
-_TYPE_FAMILY = "llama2"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,20 +41,28 @@ def build_parser() -> argparse.ArgumentParser:
             "adapter and checking logit parity. Works one layer at a time; the output appears "
             "only when complete."
         ),
+        allow_abbrev=False,
     )
     p = parser.add_argument
     p(
         "--load-format",
         choices=LOAD_FORMATS,
-        required=True,
-        help="format of the source checkpoint (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
+        default=None,
+        help="format of the source checkpoint (default with ModelLink's flags: hf, or megatron "
+        "for a --lora-load merge) (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
         "to fp32 like zero_to_fp32.py; fsdp: an FSDP SHARDED_STATE_DICT DCP directory or "
         "FULL_STATE_DICT file of an HF model)",
     )
-    p("--save-format", choices=FORMATS, required=True, help="format to write")
+    p(
+        "--save-format",
+        choices=FORMATS,
+        default=None,
+        help="format to write (default: megatron; native with --deepspeed)",
+    )
     p(
         "--load-dir",
         "--input-model-dir",
+        "--load",
         dest="load_dir",
         required=True,
         metavar="DIR",
@@ -64,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p(
         "--save-dir",
         "--output-model-dir",
+        "--save",
         dest="save_dir",
         required=True,
         metavar="DIR",
@@ -78,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p(
         "--type",
-        dest="model_size",
+        dest="model_size_type",
         metavar="SIZE",
-        help="ModelLink alias: --type 7B means --model llama2-7B (other families: use --model)",
+        help="ModelLink alias: --type 7B/13B means --model llama2-7B/13B, 30B/65B the LLaMA-1 "
+        "llama-33B/65B (other families: use --model)",
     )
     p(
         "--target-tensor-parallel-size",
@@ -149,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p(
         "--merge-lora",
         action="store_true",
-        help="fold the --lora-load adapter into the weights: W + (alpha/r)·B·A",
+        help="fold the --lora-load adapter into the weights: W + (alpha/r)·B·A (implied by "
+        "--lora-load, as in ModelLink's merge script)",
     )
     p(
         "--dtype",
@@ -181,18 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="HF outputs larger than this are split into shards with an index (default 2048)",
     )
+    modellink_flags.add_flags(parser)
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> ConvertOptions:
     """Validated ConvertOptions from parsed flags (ValueError names the flag)."""
-    if args.merge_lora != bool(args.lora_dir):
-        raise ValueError("--merge-lora and --lora-load go together (the adapter is merged)")
+    if args.merge_lora and not args.lora_dir:
+        raise ValueError("--merge-lora needs --lora-load DIR (the adapter to merge)")
+    notes = modellink_flags.resolve(args)
+    if notes:
+        print(
+            f"meshline convert: warning: accepted without effect: {' '.join(notes)}",
+            file=sys.stderr,
+        )
     model = args.model
-    if args.model_size:
-        if model:
-            raise ValueError("give either --model or --type, not both")
-        model = f"{_TYPE_FAMILY}-{args.model_size}"
     if args.max_shard_size_mb < 1:
         raise ValueError("--max-shard-size-mb must be >= 1")
     return ConvertOptions(

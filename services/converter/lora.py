@@ -7,7 +7,9 @@ The adapter is a peft directory (`adapter_config.json` + `adapter_model.safetens
 `.bin` read with `weights_only=True`); its keys name HF modules
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). Each unit is mapped to HF
 names, merged there and mapped back, so fused projections (Bloom's `query_key_value`, our
-`qkv_proj`) receive the delta exactly where peft would put it. The merge runs on whole
+`qkv_proj`) receive the delta exactly where peft would put it. Modules saved whole
+(`modules_to_save`, e.g. a re-trained `embed_tokens` / `lm_head` after a vocabulary change) replace
+the base weight, as peft's `merge_and_unload` keeps them. The merge runs on whole
 (un-split) tensors before any resharding, so a Megatron source of any TP size and any target
 layout get the same merged weights. scale = lora_alpha / r (lora_alpha / √r with `use_rslora`);
 the delta is computed in the adapter's dtype and added in the weight's dtype, as peft does.
@@ -28,6 +30,7 @@ from services.converter.megatron_lora import MegatronLoraAdapter, is_megatron_lo
 from services.converter.units import Tensors
 
 _PREFIX = "base_model.model."
+_SAVED = ".modules_to_save.default."
 
 
 class LoraAdapter:
@@ -49,17 +52,21 @@ class LoraAdapter:
         for unsupported in ("rank_pattern", "alpha_pattern"):
             if config.get(unsupported):
                 raise ValueError(f"{config_path}: per-module {unsupported} is not supported")
-        if config.get("modules_to_save"):
-            raise ValueError(
-                f"{config_path}: modules_to_save {config['modules_to_save']} replace whole "
-                "modules; merging them is not supported"
-            )
         r, alpha = int(config["r"]), float(config["lora_alpha"])
         self.scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         self.fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
         weights = self._load(directory)
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # modules_to_save (e.g. embed_tokens, lm_head): trained copies that replace the weight.
+        self.saved: dict[str, torch.Tensor] = {}
+        to_save = tuple(config.get("modules_to_save") or ())
         for key, tensor in weights.items():
+            # peft saves them under the module's own name (`base_model.model.lm_head.weight`);
+            # the in-memory form `...lm_head.modules_to_save.default.weight` is accepted too.
+            name = key.removeprefix(_PREFIX).replace(_SAVED, ".")
+            if ".lora_" not in key and name.rsplit(".", 2)[-2] in to_save:
+                self.saved[name] = tensor
+                continue
             if ".lora_A." not in key:
                 if ".lora_B." not in key:
                     raise ValueError(f"{directory}: unexpected adapter tensor {key!r}")
@@ -69,8 +76,13 @@ class LoraAdapter:
             if b_key not in weights:
                 raise ValueError(f"{directory}: {key} has no matching {b_key}")
             self.pairs[module] = (tensor, weights[b_key])
-        if not self.pairs:
+        if not self.pairs and not self.saved:
             raise ValueError(f"{directory}: the adapter holds no lora_A/lora_B tensors")
+        if config.get("modules_to_save") and not self.saved:
+            raise ValueError(
+                f"{config_path}: modules_to_save {config['modules_to_save']} but the adapter "
+                "holds none of their tensors"
+            )
         self.merged: set[str] = set()
 
     @staticmethod
@@ -97,6 +109,17 @@ class LoraAdapter:
         hf = to_hf(tensors, config)
         touched = False
         for name in list(hf):
+            if name in self.saved:
+                saved = self.saved[name]
+                if saved.shape != hf[name].shape:
+                    raise ValueError(
+                        f"modules_to_save tensor {name} has shape {tuple(saved.shape)}, the "
+                        f"model's {tuple(hf[name].shape)}: the adapter was trained on another model"
+                    )
+                hf[name] = saved.to(hf[name].dtype)
+                self.merged.add(name)
+                touched = True
+                continue
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module in self.pairs:
                 weight = hf[name]
@@ -118,7 +141,7 @@ class LoraAdapter:
 
     def check_all_merged(self) -> None:
         """Raises ValueError listing adapter modules that matched no weight of the model."""
-        left = sorted(set(self.pairs) - self.merged)
+        left = sorted((set(self.pairs) | set(self.saved)) - self.merged)
         if left:
             raise ValueError(
                 f"LoRA modules {left[:5]} (of {len(left)}) match no weight of the model; the "

@@ -4,6 +4,11 @@
         --endpoint localhost:50054 --output-path runs/eval [--num-fewshot N] [--limit N]
     meshline evaluate --tasks boolq --task-data-path data/eval --load ckpt --load-format hf
 
+ModelLink's evaluation command runs with the entry point renamed: `--task` is `--tasks`, its task
+names (`human_eval`, `ceval`) are aliases, `--evaluation-batch-size` is `--batch-size`,
+`--tokenizer-name-or-path` is `--tokenizer`, and its model / parallel flags are accepted without
+effect (the checkpoint defines the model; see docs/coming-from-modellink.md).
+
 Writes results.json and samples_{task}.jsonl under --output-path and prints a table. A rerun
 with the same --output-path reuses every answer already computed (per-request cache).
 """
@@ -15,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from services.common import megatron_compat
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
@@ -27,13 +33,18 @@ from services.evaluator.sandbox.runner import (
 from services.evaluator.tasks import groups, list_tasks, resolve
 
 LOAD_FORMATS = ("auto", "hf", "native", "megatron")
+# ModelLink's TASK names -> Meshline task or group names.
+TASK_ALIASES = {"human_eval": "humaneval", "ceval": "ceval-valid"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's flags."""
-    parser = argparse.ArgumentParser(prog="meshline evaluate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="meshline evaluate", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument(
         "--tasks",
+        "--task",
         required=False,
         help="comma-separated task or group names (--list-tasks shows them)",
     )
@@ -43,11 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--endpoint", help="host:port of a running meshline InferenceService")
     model.add_argument("--load", type=Path, help="checkpoint directory to load in-process")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer when the checkpoint has none")
+    parser.add_argument(
+        "--tokenizer",
+        "--tokenizer-name-or-path",
+        "--tokenizer-model",
+        type=Path,
+        help="tokenizer when the checkpoint has none",
+    )
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: per task)")
     parser.add_argument("--limit", type=int, help="samples per task at most")
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per batch")
-    parser.add_argument("--max-new-tokens", type=int, help="generation cap (default: per task)")
+    parser.add_argument(
+        "--batch-size",
+        "--evaluation-batch-size",
+        type=int,
+        default=8,
+        help="requests per batch",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        "--max-new-token",
+        type=int,
+        help="generation cap (default: per task)",
+    )
     parser.add_argument("--output-path", type=Path, default=Path("runs/eval"))
     parser.add_argument("--seed", type=int, default=1234, help="few-shot and sampling seed")
     parser.add_argument(
@@ -67,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run HumanEval's generated code even where this host cannot sandbox it in "
         "namespaces (then only rlimits and a separate uid contain it); see docs/security.md",
     )
+    megatron_compat.add_flags(parser)
     return parser
+
+
+def task_names(text: str) -> tuple[str, ...]:
+    """--tasks value (comma- or space-separated) with ModelLink's names mapped."""
+    names = [t.strip() for t in text.replace(" ", ",").split(",") if t.strip()]
+    return tuple(TASK_ALIASES.get(n, n) for n in names)
 
 
 def open_model(args: argparse.Namespace) -> LanguageModel:
@@ -99,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tasks and --task-data-path are required")
     if not args.endpoint and not args.load:
         parser.error("give --endpoint host:port or --load DIR")
+    megatron_compat.report(args, "meshline evaluate")
     start = time.time()
     try:
         config = EvalConfig(
-            tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+            tasks=task_names(args.tasks),
             task_data_path=args.task_data_path,
             output_path=args.output_path,
             num_fewshot=args.num_fewshot,

@@ -7,6 +7,10 @@
 Sampling flags carry Hugging Face's names and defaults (greedy unless --do-sample). Output is the
 text (or token ids without a tokenizer); `--output-json PATH` (`-` for stdout) writes every
 sequence with its ids, text, finish reason, log-probability and seed.
+
+ModelLink's generation scripts run with the entry point renamed: `--fp16`/`--bf16` pick the
+dtype, `--tokenizer-name-or-path` is `--tokenizer`, and the model / parallel flags are accepted
+without effect (the checkpoint defines the model; see docs/coming-from-modellink.md).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from services.common import megatron_compat
 from services.inference.config import DTYPES, LOAD_FORMATS
 
 PROG = "meshline generate"
@@ -25,13 +30,23 @@ PROG = "meshline generate"
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of `meshline generate`."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     load = parser.add_argument_group("model")
     load.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
     load.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     load.add_argument("--lora-load", default=None, metavar="DIR", help="LoRA adapter to merge")
-    load.add_argument("--tokenizer", default=None, help="tokenizer dir or .model file")
+    load.add_argument(
+        "--tokenizer",
+        "--tokenizer-name-or-path",
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer dir or .model file",
+    )
     load.add_argument("--dtype", default="auto", choices=DTYPES)
+    load.add_argument("--fp16", dest="dtype", action="store_const", const="float16")
+    load.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16")
     what = parser.add_argument_group("input (one of)")
     what.add_argument("--prompt", default=None, help="prompt text (BOS added)")
     what.add_argument("--input-ids", default=None, help="prompt token ids, comma separated")
@@ -39,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--prompt-template", default="plain", help="chat template (--chat)")
     what.add_argument("--system", default="", help="system message for --chat")
     sampling = parser.add_argument_group("decoding (HF names)")
-    sampling.add_argument("--max-new-tokens", type=int, default=64)
+    sampling.add_argument("--max-new-tokens", "--max-new-token", type=int, default=64)
     sampling.add_argument("--do-sample", action="store_true")
     sampling.add_argument("--temperature", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0)
@@ -52,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--seed", type=int, default=None, help="sampler seed (default: random)")
     parser.add_argument("--output-json", default=None, metavar="PATH", help="results as JSON")
+    megatron_compat.add_flags(parser, skip=("--fp16", "--bf16"))
     return parser
 
 
@@ -149,6 +165,7 @@ def chat(engine: Any, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -
 def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
     """Entry point of `meshline generate`; returns the exit code."""
     args = build_parser().parse_args(argv)
+    megatron_compat.report(args, PROG)
     given = sum(x is not None and x is not False for x in (args.prompt, args.input_ids, args.chat))
     if given != 1:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)

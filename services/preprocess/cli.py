@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenise corpora or instruction data into Megatron .bin/.idx or Arrow shards.",
         epilog=__doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     data = parser.add_argument_group("input")
     data.add_argument(
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument(
         "--json-keys",
+        "--json-key",
         nargs="+",
         default=["text"],
         metavar="KEY",

@@ -23,11 +23,11 @@ from typing import Any
 import tomllib
 import yaml
 
-from services.trainer import config_sections, finetune, run_sections
+from services.trainer import config_sections, finetune, megatron_flags, model_arch, run_sections
 from services.trainer.train_config import SECTIONS, TrainConfig
 
 # Older spellings that scripts still use, mapped to the field they set.
-ALIASES: dict[str, str] = {"--tensorboard-dir": "log_dir", "--num-kv-heads": "num_query_groups"}
+ALIASES: dict[str, str] = megatron_flags.FIELD_ALIASES
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,7 +36,7 @@ def field_docs() -> dict[str, str]:
     docs: dict[str, str] = {}
     body = [
         node
-        for m in (config_sections, run_sections, finetune)
+        for m in (config_sections, run_sections, finetune, model_arch)
         for node in ast.parse(inspect.getsource(m)).body
     ]
     for node in body:
@@ -102,6 +102,7 @@ def build_parser(prog: str = "meshline train") -> argparse.ArgumentParser:
         prog=prog,
         description="Train or fine-tune a model (Megatron/ModelLink flag names).",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config", help="YAML or TOML file of settings; flags on the command line override it"
@@ -120,6 +121,7 @@ def build_parser(prog: str = "meshline train") -> argparse.ArgumentParser:
         const="selective",
         help="Same as --recompute-granularity selective.",
     )
+    megatron_flags.add_flags(parser)
     return parser
 
 
@@ -170,18 +172,28 @@ def config_from_values(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**{name: SECTIONS[name](**vals) for name, vals in per_section.items()})
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(
+    argv: list[str] | None = None, *, warn: bool = True, read_files: bool = False
+) -> TrainConfig:
     """Parse flags (and `--config FILE`) into a TrainConfig; bad values raise ValueError naming the flag.
 
-    The result is checked section by section; call `config.validate(world_size)` once the job
-    size is known for the cross-flag checks.
+    Megatron/ModelLink flags that are not fields are resolved by `megatron_flags.apply`; with
+    `warn`, the ones accepted without effect are reported once on stderr; `read_files` lets
+    flags whose value is a file to read at parse time (--deepspeed-config) through (the command
+    line does; a service request's paths are untrusted). The result is checked
+    section by section; call `config.validate(world_size)` once the job size is known for the
+    cross-flag checks.
     """
     namespace = build_parser().parse_args(argv)
     given = vars(namespace)
     config_path = given.pop("config", None)
     values = load_config_file(config_path) if config_path else {}
     values.update(given)
-    return config_from_values(values)
+    values, notes = megatron_flags.apply(values, read_files=read_files)
+    config = config_from_values(values)
+    if warn:
+        megatron_flags.warn_once(notes)
+    return config
 
 
 def defaults() -> dict[str, Any]:

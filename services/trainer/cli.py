@@ -4,28 +4,35 @@
     meshline train --nproc-per-node 2 --max-restarts 1 --config run.yaml --lr 1e-4
 
 Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint,
---max-restarts; every other flag is a training flag (`meshline train --help-train` lists them).
-The training flags, and the data and tokenizer they name (`preflight`), are checked before any
-worker starts.
+--max-restarts (and torch.distributed.launch's --master-addr/--master-port, the rendezvous of a
+multi-node job); every other flag is a training flag (`meshline train --help-train` lists them).
+The training flags, and every path and tokenizer they name (`launch_checks`, then `preflight`
+opens the data and tokenizer), are checked before any worker starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from services.trainer.arguments import build_parser, parse_args
+from services.trainer.launch_checks import check_paths
 from services.trainer.launcher import launch
+from services.trainer.megatron_flags import WARNED_ENV
 from services.trainer.preflight import check_inputs
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshline train", add_help=False)
+    parser = argparse.ArgumentParser(prog="meshline train", add_help=False, allow_abbrev=False)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
     parser.add_argument("--nnodes", default="1")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None)
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    # torch.distributed.launch's $DISTRIBUTED_ARGS: where node 0 listens (a c10d rendezvous).
+    parser.add_argument("--master-addr", "--master_addr", default=None)
+    parser.add_argument("--master-port", "--master_port", default=None)
     parser.add_argument("--help-train", action="store_true")
     return parser
 
@@ -37,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     launch_args, train_argv = _launcher_parser().parse_known_args(argv)
+    if launch_args.rdzv_endpoint is None and launch_args.master_addr and launch_args.nnodes != "1":
+        port = launch_args.master_port or "29500"
+        launch_args.rdzv_endpoint = f"{launch_args.master_addr}:{port}"
     if launch_args.help_train:
         build_parser().print_help()
         return 0
@@ -45,18 +55,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return train.main(train_argv)
     try:
-        config = parse_args(train_argv)
+        config = parse_args(train_argv, read_files=True)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
         config.validate((launch_args.nproc_per_node or 1) * nodes)
+        check_paths(config)  # one line before any worker starts
         check_inputs(config)
-        return launch(
-            train_argv,
-            launch_args.nproc_per_node or 1,
-            nnodes=launch_args.nnodes,
-            node_rank=launch_args.node_rank,
-            rdzv_endpoint=launch_args.rdzv_endpoint,
-            max_restarts=launch_args.max_restarts,
-        )
+        os.environ[WARNED_ENV] = "1"  # the workers need not repeat the no-effect flag warning
+        try:
+            return launch(
+                train_argv,
+                launch_args.nproc_per_node or 1,
+                nnodes=launch_args.nnodes,
+                node_rank=launch_args.node_rank,
+                rdzv_endpoint=launch_args.rdzv_endpoint,
+                max_restarts=launch_args.max_restarts,
+            )
+        finally:
+            os.environ.pop(WARNED_ENV, None)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2

@@ -109,6 +109,14 @@ class ModelSection:
         }
 
 
+# Megatron-LM's tokenizer type names -> Meshline's.
+TOKENIZER_ALIASES = {
+    "HuggingFaceTokenizer": "PretrainedFromHF",
+    "Llama2Tokenizer": "SentencePiece",
+    "GPTSentencePieceTokenizer": "SentencePiece",
+}
+
+
 @dataclass
 class DataSection:
     """Where the token shards are and how they are split and batched."""
@@ -147,6 +155,8 @@ class DataSection:
     """Path of the sentencepiece .model file (SentencePiece tokenizers)."""
     tokenizer_name_or_path: str | None = None
     """Local HF tokenizer directory (PretrainedFromHF tokenizers)."""
+    tokenizer_not_use_fast: bool = False
+    """Load HF's slow (Python) tokenizer instead of the fast one (PretrainedFromHF)."""
 
     def __post_init__(self) -> None:
         parts = self.split.replace("/", ",").split(",")
@@ -169,6 +179,13 @@ class DataSection:
             raise ValueError(
                 "--data-path and --train-data-path are exclusive: give --data-path with --split, "
                 "or --train-data-path (and --valid-data-path / --test-data-path)"
+            )
+        # Megatron-LM's names for the same two kinds.
+        self.tokenizer_type = TOKENIZER_ALIASES.get(self.tokenizer_type, self.tokenizer_type)
+        if self.tokenizer_type == "GPT2BPETokenizer":
+            raise ValueError(
+                "--tokenizer-type GPT2BPETokenizer (--vocab-file/--merge-file) is not supported: "
+                "use --tokenizer-type PretrainedFromHF --tokenizer-name-or-path DIR"
             )
         if self.tokenizer_type not in (None, "SentencePiece", "PretrainedFromHF"):
             raise ValueError(

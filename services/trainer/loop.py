@@ -139,6 +139,9 @@ class Trainer:
         if model is None:
             model = create_model(self.model_config, self.device, config.run.seed)
         model = model.to(self.plan.model_dtype)
+        from services.trainer.model_arch import apply_attention_backend
+
+        apply_attention_backend(model, config.arch.kernel_backend())
         self.model, self.mesh, wrap_inner = build_parallel(
             model,
             config,

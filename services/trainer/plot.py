@@ -59,7 +59,7 @@ def plot_run(log_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: `meshline plot LOG_DIR [--out DIR]`."""
-    parser = argparse.ArgumentParser(prog="meshline plot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="meshline plot", description=__doc__, allow_abbrev=False)
     parser.add_argument("log_dir", help="a training run's --log-dir (holds metrics.csv)")
     parser.add_argument("--out", help="where to write the PNGs (default LOG_DIR/plots)")
     args = parser.parse_args(argv)

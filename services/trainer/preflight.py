@@ -62,10 +62,18 @@ def check_tokenizer(config: TrainConfig) -> None:
 
 
 def check_checkpoints(config: TrainConfig) -> None:
-    """--load and --lora-load name existing folders."""
-    for flag, value in (("--load", config.run.load), ("--lora-load", config.peft.lora_load)):
-        if value and not Path(value).is_dir():
-            raise FileNotFoundError(f"{flag} {value}: no such checkpoint folder")
+    """--load follows Megatron's rule (`launch_checks.load_action`: a missing or empty folder
+    starts fresh when it is also --save); --lora-load names an existing folder."""
+    from services.trainer.launch_checks import load_action
+
+    try:
+        load_action(config)
+    except ValueError as exc:
+        missing = config.run.load is not None and not Path(config.run.load).exists()
+        raise (FileNotFoundError if missing else ValueError)(str(exc)) from None
+    lora = config.peft.lora_load
+    if lora and not Path(lora).is_dir():
+        raise FileNotFoundError(f"--lora-load {lora}: no such checkpoint folder")
 
 
 def check_inputs(config: TrainConfig) -> None:

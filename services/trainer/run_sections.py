@@ -84,6 +84,8 @@ class RunSection:
     """Do not restore RNG states when loading."""
     finetune: bool = False
     """Load only the weights and start counting from step 0."""
+    exit_on_missing_checkpoint: bool = False
+    """With --load: stop with an error when it holds no checkpoint (default: start fresh)."""
     seed: int = 1234
     """Random seed for weights, data order and dropout."""
     log_interval: int = 10
@@ -109,8 +111,15 @@ class RunSection:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.save_interval and not self.save:
             raise ValueError("--save-interval needs --save DIR (where to write checkpoints)")
-        if (self.no_load_optim or self.no_load_rng or self.finetune) and not self.load:
-            raise ValueError("--no-load-optim/--no-load-rng/--finetune need --load DIR")
+        if (
+            self.no_load_optim
+            or self.no_load_rng
+            or self.finetune
+            or self.exit_on_missing_checkpoint
+        ) and not self.load:
+            raise ValueError(
+                "--no-load-optim/--no-load-rng/--finetune/--exit-on-missing-checkpoint need --load DIR"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
 

@@ -12,26 +12,43 @@ from services.trainer.mock_data import MockDataset
 from services.trainer.precision import PrecisionPlan
 from services.trainer.train_config import TrainConfig
 
-# Megatron's --make-vocab-size-divisible-by default: vocabularies are padded up to a multiple.
-VOCAB_MULTIPLE = 128
-
 
 def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) -> Any:
-    """`models` config for --model (or the shape flags), grown to cover the tokenizer's vocabulary."""
+    """`models` config for --model or Megatron's architecture flags, covering the tokenizer.
+
+    With --model, the registry config plus the shape flags; an architecture flag that contradicts
+    the registry value is an error naming both. Without it, Megatron's defaults plus the flags
+    (`services.trainer.model_arch`), the vocabulary being the tokenizer's padded up to
+    --make-vocab-size-divisible-by.
+    """
     from models.registry import get_config, list_configs
+    from services.trainer.model_arch import check_against_model, megatron_fields, pad_vocab
 
     name = config.model.model or "tiny-llama"
     overrides = config.model.overrides()
-    if config.model.model is not None and name not in list_configs():
-        raise ValueError(f"--model {name!r} is unknown; known models: {', '.join(list_configs())}")
+    arch = config.arch
+    if config.model.model is not None:
+        if name not in list_configs():
+            raise ValueError(
+                f"--model {name!r} is unknown; known models: {', '.join(list_configs())}"
+            )
+        check_against_model(name, get_config(name), arch.fields_set())
+    else:
+        overrides = megatron_fields(config, tokenizer_vocab)
     model_config = get_config(name, **overrides)
+    if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
+        raise ValueError(
+            f"--kv-channels {arch.kv_channels} differs from --hidden-size / "
+            f"--num-attention-heads = {model_config.head_dim}; these models' head width is "
+            "that ratio: drop --kv-channels or change the sizes"
+        )
     if tokenizer_vocab is not None and model_config.vocab_size < tokenizer_vocab:
         if config.model.vocab_size is not None:
             raise ValueError(
                 f"--vocab-size {config.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"({tokenizer_vocab}); drop --vocab-size or raise it"
             )
-        padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        padded = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
         model_config = get_config(name, **{**overrides, "vocab_size": padded})
     moe = config.model.moe_overrides()
     if moe:
@@ -93,7 +110,9 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
         raise ValueError(
             f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model or --tokenizer-name-or-path"
         )
-    tokenizer = build_tokenizer(data.tokenizer_type, source)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type, source, use_fast=not data.tokenizer_not_use_fast
+    )
     data_config = DataConfig(
         data_path=list(data.data_path),
         split=data.split,

@@ -23,6 +23,7 @@ from services.common.errors import PermissionDenied
 from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
 from services.trainer.ckpt.signals import LastGasp
+from services.trainer.launch_checks import check_paths, load_action
 from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
 
@@ -53,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse flags, train, print the summary; 2 on a configuration error, 3 on a NaN stop."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, read_files=True)
         # Under a service ($MESHLINE_DATA_ROOTS) the paths were resolved when the request came
         # in; one that has become a symlink leaving the roots since then is refused here.
         for flag, path in path_values(config):
             check_at_use(path, flag)
+        check_paths(config)
+        load = load_action(config)
     except ValueError as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2
@@ -65,10 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshline train: {PERMISSION_DENIED_TAG} {exc.message}", file=sys.stderr)
         return 2
     info = device.init_distributed()
+    if load == "fresh" and info.is_main:
+        print(
+            f"meshline train: no checkpoint in --load {config.run.load} yet: starting from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
     last_gasp = LastGasp().install()
     try:
         trainer = Trainer(config)
-        if config.run.load:
+        if load == "resume":
             trainer.load()
         # The launch-time policy ($MESHLINE_SAVE_ON_STOP), then the signal that stopped the run.
         save_default = os.environ.get(SAVE_ON_STOP_ENV, "1") != "0"

@@ -16,10 +16,12 @@ from typing import Any
 
 from services.trainer.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from services.trainer.finetune import PeftSection
+from services.trainer.model_arch import ArchSection
 from services.trainer.run_sections import ParallelSection, PrecisionSection, RunSection
 
 __all__ = [
     "SECTIONS",
+    "ArchSection",
     "BatchSection",
     "DataSection",
     "ModelSection",
@@ -33,6 +35,7 @@ __all__ = [
 
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
+    "arch": ArchSection,
     "data": DataSection,
     "batch": BatchSection,
     "optim": OptimSection,
@@ -49,6 +52,8 @@ class TrainConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     """Network to train."""
+    arch: ArchSection = field(default_factory=ArchSection)
+    """Megatron's architecture flags (a model without --model)."""
     data: DataSection = field(default_factory=DataSection)
     """Token shards and tokenizer."""
     batch: BatchSection = field(default_factory=BatchSection)

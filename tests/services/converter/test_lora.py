@@ -89,3 +89,25 @@ def test_adapter_for_another_model_is_refused(llama_dir, bloom_dir, tmp_path):
             ConvertOptions("hf", "hf", llama_dir, tmp_path / "out", lora_dir=tmp_path / "adapter")
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_modules_to_save_replace_their_weights_as_peft_merges_them(llama_dir, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(llama_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                        modules_to_save=["lm_head", "embed_tokens"])  # fmt: skip
+    torch.manual_seed(0)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "modules_to_save" in name:  # the trained copies differ from the base
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    merged_by_peft = model.merge_and_unload().eval()
+    out = tmp_path / "merged"
+    convert(ConvertOptions("hf", "hf", llama_dir, out, lora_dir=tmp_path / "adapter"))
+    ours = load_file(out / "model.safetensors")
+    base_weights = load_file(llama_dir / "model.safetensors")
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        assert not torch.equal(ours[name], base_weights[name]), name
+    for name, tensor in merged_by_peft.state_dict().items():
+        torch.testing.assert_close(ours[name], tensor, atol=ATOL, rtol=0)

@@ -1,0 +1,377 @@
+"""Megatron-LM / ModelLink flags that are not Meshline config fields: the table, as data.
+
+Every flag of ModelLink's README scripts and Megatron-LM's GPT/Llama pretraining examples is
+either a training field (`arguments.field_index()`, same name and meaning) or one row here:
+
+- `map`: accepted and translated onto fields (`--checkpoint-activations` -> full recompute);
+- `same`: accepted, nothing to do: Meshline always behaves as the flag asks (fused kernels are
+  chosen per device, the pipeline's send/recv are not overlapped, ...);
+- `ignore`: accepted without effect (logging, profiling, performance knobs of other runtimes);
+  one warning line lists them when the run starts;
+- `refuse`: an error of one line naming the Meshline equivalent.
+
+`apply(given)` turns the parsed compat flags into field values (a mapped value that contradicts
+an explicit flag is an error naming both) and returns the warnings to print.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Kind = Literal["map", "same", "ignore", "refuse"]
+DEST_PREFIX = "megatron__"
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One Megatron/ModelLink flag that is not a Meshline field."""
+
+    flag: str
+    """Main spelling, e.g. --checkpoint-activations."""
+    kind: Kind
+    """map, same, ignore or refuse (see the module docstring)."""
+    note: str
+    """map/same: what Meshline does; ignore: why it has no effect; refuse: the equivalent."""
+    nargs: int | str = 0
+    """0 for a switch, 1 for one value, "*"/"+" for a list."""
+    sets: tuple[tuple[str, Any], ...] = ()
+    """map switches: the (field, value) pairs the flag sets."""
+    convert: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    """map flags with a value: (value, fields given so far) -> fields to set."""
+    aliases: tuple[str, ...] = ()
+    """Other spellings (underscores, older names)."""
+    reads_file: bool = False
+    """The value is a file read at parse time (only where the caller allows it: the CLI)."""
+
+    @property
+    def dest(self) -> str:
+        return DEST_PREFIX + self.flag.lstrip("-").replace("-", "_")
+
+
+def _recompute_policy(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform"}
+    if value == "block":
+        return {"recompute_granularity": "full", "recompute_method": "block"}
+    raise ValueError(
+        f"--checkpoint-policy {value}: use --checkpoint-policy full/block, or "
+        "--recompute-granularity selective (Meshline's per-op policy) instead of custom"
+    )
+
+
+def _data_impl(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value in ("mmap", "infer"):
+        return {"data_format": "mmap" if value == "mmap" else "auto"}
+    raise ValueError(
+        f"--data-impl {value}: Meshline reads mmap .bin/.idx shards (or Arrow); re-run "
+        "`meshline preprocess` to write mmap shards and pass --data-impl mmap"
+    )
+
+
+def _per_batch(flag: str, field: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    def convert(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+        gbs = given.get("global_batch_size")
+        if not gbs:
+            raise ValueError(
+                f"{flag} counts samples; give --global-batch-size too (iterations = samples / "
+                f"global batch), or use --{field.replace('_', '-')}"
+            )
+        return {field: max(1, -(-int(value) // int(gbs)))}
+
+    return convert
+
+
+def _deepspeed_config(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--deepspeed-config {value}: no such file")
+    try:
+        ds = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--deepspeed-config {value}: not valid JSON ({exc})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"--deepspeed-config {value}: expected a JSON object")
+    out: dict[str, Any] = {}
+    stage = (ds.get("zero_optimization") or {}).get("stage")
+    if stage is not None:
+        out["zero_stage"] = int(stage)
+    for key in ("fp16", "bf16"):
+        if (ds.get(key) or {}).get("enabled") is True:
+            out[key] = True
+    if isinstance(ds.get("train_micro_batch_size_per_gpu"), int):
+        out["micro_batch_size"] = ds["train_micro_batch_size_per_gpu"]
+    if isinstance(ds.get("gradient_clipping"), (int, float)):
+        out["clip_grad"] = float(ds["gradient_clipping"])
+    return out
+
+
+def _rotary_percent(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if float(value) != 1.0:
+        raise ValueError(
+            f"--rotary-percent {value}: Meshline rotates the whole head (1.0); partial rotary "
+            "embeddings are not supported"
+        )
+    return {}
+
+
+def _virtual_stages(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    layers, pp = given.get("num_layers"), given.get("pipeline_model_parallel_size", 1)
+    if not layers or int(layers) % (int(pp) * int(value)):
+        raise ValueError(
+            f"--virtual-pipeline-model-parallel-size {value}: give --num-layers divisible by "
+            "pipeline x virtual size, or use --num-layers-per-virtual-pipeline-stage"
+        )
+    return {"num_layers_per_virtual_pipeline_stage": int(layers) // (int(pp) * int(value))}
+
+
+_SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
+_NO_FUSION = "kernel fusion is chosen per device by kernels/; results are the same"
+_LOGGING = "Meshline logs loss, lr, grad norm and tokens/s to --log-dir (metrics.csv, TensorBoard)"
+_PERF = "a performance option of Ascend/DeepSpeed runtimes; training is the same without it"
+
+TABLE: tuple[CompatFlag, ...] = (
+    # --- recompute and attention
+    CompatFlag("--checkpoint-activations", "map", "full activation recompute of every layer",
+               sets=(("recompute_granularity", "full"), ("recompute_method", "uniform"))),
+    CompatFlag("--checkpoint-policy", "map", "full -> full recompute, block -> "
+               "--recompute-method block", nargs=1, convert=_recompute_policy),
+    CompatFlag("--checkpoint-block-layer", "map", "--recompute-num-layers", nargs=1,
+               convert=lambda v, g: {"recompute_num_layers": int(v)}),
+    CompatFlag("--triangle-attn", "map", "--attention-backend blockwise (skips blocks above "
+               "the causal diagonal)", sets=(("attention_backend", "blockwise"),)),
+    CompatFlag("--use-flash-attn", "map", "--attention-backend auto: the device's flash kernel "
+               "(flash-attn on CUDA, npu_fusion_attention on NPU, sdpa on CPU)",
+               sets=(("attention_backend", "auto"),)),
+    CompatFlag("--use-rotary-position-embeddings", "map", "--position-embedding-type rope",
+               sets=(("position_embedding_type", "rope"),)),
+    CompatFlag("--rotary-percent", "map", "1.0 only (whole-head rotary)", nargs=1,
+               convert=_rotary_percent),
+    CompatFlag("--use-fused-rmsnorm", "same", _SAME_KERNEL),
+    CompatFlag("--use-fused-rotary-pos-emb", "same", _SAME_KERNEL),
+    CompatFlag("--use-fused-swiglu", "same", _SAME_KERNEL),
+    CompatFlag("--mlp-layer-fusion", "same", "gate and up projections are one fused GEMM "
+               "(gate_up_proj) in every gated model"),
+    CompatFlag("--attention-softmax-in-fp32", "same", "attention softmax is computed in fp32"),
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", "same", "gradients are fp32 masters"),
+    CompatFlag("--use-mcore-models", "same", "one model implementation (models/)"),
+    CompatFlag("--transformer-impl", "same", "one model implementation (models/)", nargs=1),
+    CompatFlag("--no-position-embedding", "same", "no learned position table with rope/alibi"),
+    CompatFlag("--no-create-attention-mask-in-dataloader", "same", "masks are built per kernel"),
+    CompatFlag("--use-cpu-initialization", "same", "weights are initialised deterministically "
+               "from --seed on any device"),
+    CompatFlag("--no-overlap-p2p-communication", "same", "pipeline send/recv are not overlapped"),
+    CompatFlag("--lora-register-forward-hook", "same", "pipeline stages keep the gradient "
+               "chain of LoRA runs without hooks", nargs="*"),
+    CompatFlag("--exit-signal-handler", "same", "SIGTERM ends the run at a step boundary and "
+               "saves when --save is given"),
+    CompatFlag("--distributed-backend", "same", "nccl/hccl/gloo are chosen per device", nargs=1),
+    CompatFlag("--DDP-impl", "same", "data parallelism is torch DDP/FSDP2 (--zero-stage)",
+               nargs=1),
+    CompatFlag("--local-rank", "same", "torchrun's environment gives the rank", nargs=1,
+               aliases=("--local_rank",)),
+    CompatFlag("--use-dist-ckpt", "same", "checkpoints are torch.distributed.checkpoint"),
+    CompatFlag("--ckpt-format", "same", "checkpoints are torch.distributed.checkpoint; "
+               "`meshline convert` reads and writes Megatron's torch format", nargs=1),
+    CompatFlag("--log-throughput", "same", _LOGGING),
+    # --- data and schedule
+    CompatFlag("--data-impl", "map", "--data-format mmap (infer -> auto)", nargs=1,
+               convert=_data_impl, aliases=("--dataset-impl",)),
+    CompatFlag("--train-samples", "map", "--train-iters = samples / --global-batch-size",
+               nargs=1, convert=_per_batch("--train-samples", "train_iters")),
+    CompatFlag("--lr-decay-samples", "map", "--lr-decay-iters = samples / --global-batch-size",
+               nargs=1, convert=_per_batch("--lr-decay-samples", "lr_decay_iters")),
+    CompatFlag("--lr-warmup-samples", "map", "--lr-warmup-iters = samples / "
+               "--global-batch-size", nargs=1,
+               convert=_per_batch("--lr-warmup-samples", "lr_warmup_iters")),
+    CompatFlag("--pad-vocab-size-to", "map", "--vocab-size", nargs=1,
+               convert=lambda v, g: {"vocab_size": int(v)}),
+    CompatFlag("--virtual-pipeline-model-parallel-size", "map", "--num-layers-per-virtual-"
+               "pipeline-stage = layers / (pipeline x virtual)", nargs=1, convert=_virtual_stages),
+    # --- DeepSpeed (ModelLink's deepspeed branch)
+    CompatFlag("--deepspeed", "ignore", "ZeRO is built in: --zero-stage N or --deepspeed-config"),
+    CompatFlag("--deepspeed-config", "map", "zero_optimization.stage -> --zero-stage, "
+               "fp16/bf16.enabled, train_micro_batch_size_per_gpu, gradient_clipping", nargs=1,
+               convert=_deepspeed_config, aliases=("--deepspeed_config",), reads_file=True),
+    CompatFlag("--deepspeed-activation-checkpointing", "ignore", "use --checkpoint-activations "
+               "(recompute is built in)"),
+    CompatFlag("--partition-activations", "ignore", "use --sequence-parallel to shard "
+               "activations"),
+    # --- performance knobs with no effect here
+    CompatFlag("--optimized-pipeline", "ignore", _PERF),
+    CompatFlag("--manual-mbs", "ignore", _PERF, nargs=1),
+    CompatFlag("--fold-mode", "ignore", _PERF, nargs=1),
+    CompatFlag("--use-mc2", "ignore", _PERF),
+    CompatFlag("--reuse-fp32-param", "ignore", _PERF),
+    CompatFlag("--jit-compile", "ignore", _PERF),
+    CompatFlag("--overlap-param-gather", "ignore", "parameter all-gathers follow FSDP2's "
+               "prefetch (--zero3-prefetch-layers)"),
+    CompatFlag("--overlap-p2p-communication", "ignore", "pipeline send/recv are not overlapped"),
+    CompatFlag("--grad-reduce-in-bf16", "ignore", "gradients are reduced in fp32"),
+    CompatFlag("--no-masked-softmax-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-bias-gelu-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-bias-dropout-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-rope-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--cross-entropy-loss-fusion", "ignore", _NO_FUSION),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", "ignore", _NO_FUSION),
+    CompatFlag("--fp16-lm-cross-entropy", "ignore", "the cross entropy is computed in fp32"),
+    CompatFlag("--calculate-per-token-loss", "ignore", "the loss is already the mean over "
+               "every counted token of the global batch"),
+    CompatFlag("--no-shared-storage", "ignore", "each node builds its own index cache"),
+    CompatFlag("--num-workers", "ignore", "samples come from memory-mapped shards in-process",
+               nargs=1),
+    CompatFlag("--manual-gc", "ignore", _PERF),
+    CompatFlag("--manual-gc-interval", "ignore", _PERF, nargs=1),
+    CompatFlag("--empty-unused-memory-level", "ignore", _PERF, nargs=1),
+    CompatFlag("--distributed-timeout-minutes", "ignore", "torchrun's default timeout applies",
+               nargs=1),
+    CompatFlag("--no-check-for-nan-in-loss-and-grad", "ignore", "NaN handling is --nan-policy"),
+    # --- logging and profiling
+    CompatFlag("--log-params-norm", "ignore", _LOGGING),
+    CompatFlag("--log-num-zeros-in-grad", "ignore", _LOGGING),
+    CompatFlag("--log-timers-to-tensorboard", "ignore", _LOGGING),
+    CompatFlag("--log-validation-ppl-to-tensorboard", "ignore", _LOGGING),
+    CompatFlag("--log-memory-to-tensorboard", "ignore", _LOGGING),
+    CompatFlag("--log-batch-size-to-tensorboard", "ignore", _LOGGING),
+    CompatFlag("--timing-log-level", "ignore", _LOGGING, nargs=1),
+    CompatFlag("--tensorboard-log-interval", "ignore", "TensorBoard is written every "
+               "--log-interval", nargs=1),
+    CompatFlag("--tensorboard-queue-size", "ignore", _LOGGING, nargs=1),
+    CompatFlag("--wandb-project", "ignore", _LOGGING, nargs=1),
+    CompatFlag("--wandb-exp-name", "ignore", _LOGGING, nargs=1),
+    CompatFlag("--profile", "ignore", "profile with torch.profiler around `meshline train`"),
+    CompatFlag("--profile-step-start", "ignore", "see --profile", nargs=1),
+    CompatFlag("--profile-step-end", "ignore", "see --profile", nargs=1),
+    CompatFlag("--profile-ranks", "ignore", "see --profile", nargs="+"),
+    CompatFlag("--exit-interval", "ignore", "the run ends at --train-iters", nargs=1),
+    CompatFlag("--exit-duration-in-mins", "ignore", "the run ends at --train-iters; stop it "
+               "early with SIGTERM (it saves)", nargs=1),
+    CompatFlag("--no-save-optim", "ignore", "checkpoints always hold the optimizer state "
+               "(skip it when loading with --no-load-optim)"),
+    CompatFlag("--no-save-rng", "ignore", "checkpoints always hold the RNG state (skip it when "
+               "loading with --no-load-rng)"),
+    CompatFlag("--use-checkpoint-args", "ignore", "the model comes from the flags; checkpoints "
+               "hold model_config.json for `meshline convert` and `generate`"),
+    # --- refused: no equivalent behaviour
+    CompatFlag("--vocab-file", "refuse", "use --tokenizer-type PretrainedFromHF "
+               "--tokenizer-name-or-path DIR (a HF tokenizer directory)", nargs=1),
+    CompatFlag("--merge-file", "refuse", "use --tokenizer-type PretrainedFromHF "
+               "--tokenizer-name-or-path DIR (a HF tokenizer directory)", nargs=1),
+    CompatFlag("--decoupled-lr", "refuse", "one learning rate for every parameter: --lr",
+               nargs=1),
+    CompatFlag("--decoupled-min-lr", "refuse", "one learning rate for every parameter: "
+               "--min-lr", nargs=1),
+    CompatFlag("--apply-layernorm-1p", "refuse", "norm weights are plain (not 1 + w); drop "
+               "the flag (convert such checkpoints with `meshline convert`)"),
+    CompatFlag("--fp8-format", "refuse", "no FP8 training; use --bf16", nargs=1),
+    CompatFlag("--fp8-amax-history-len", "refuse", "no FP8 training; use --bf16", nargs=1),
+    CompatFlag("--fp8-amax-compute-algo", "refuse", "no FP8 training; use --bf16", nargs=1),
+    CompatFlag("--fp8-param-gather", "refuse", "no FP8 training; use --bf16"),
+)  # fmt: skip
+
+# Other spellings of training fields.
+FIELD_ALIASES: dict[str, str] = {
+    "--layernorm-epsilon": "norm_epsilon",
+    "--tensorboard-dir": "log_dir",
+    "--num-kv-heads": "num_query_groups",
+}
+
+
+def by_flag() -> dict[str, CompatFlag]:
+    """Every spelling -> its row."""
+    out: dict[str, CompatFlag] = {}
+    for row in TABLE:
+        for name in (row.flag, *row.aliases):
+            assert name not in out, f"{name} appears twice in the Megatron flag table"
+            out[name] = row
+    return out
+
+
+def add_flags(parser: Any) -> None:
+    """Add every row to an argparse parser (values land under `megatron__<name>`)."""
+    group = parser.add_argument_group(
+        "Megatron/ModelLink compatibility",
+        "accepted for unchanged scripts (docs/coming-from-modellink.md)",
+    )
+    for row in TABLE:
+        names = [row.flag, *row.aliases]
+        help_text = f"[{row.kind}] {row.note}"
+        if row.nargs == 0:
+            group.add_argument(*names, dest=row.dest, action="store_true", help=help_text)
+        else:
+            nargs = None if row.nargs == 1 else row.nargs
+            group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
+
+
+def apply(
+    given: dict[str, Any], *, read_files: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Resolve compat flags in parsed `given` values: (field values, no-effect notes).
+
+    `given` holds field values plus `megatron__*` entries; the latter are removed, refused flags
+    raise ValueError naming the equivalent, and a mapped value that contradicts an explicit flag
+    raises ValueError naming both. Flags whose value is a file to read (--deepspeed-config) are
+    refused unless `read_files` (the command line; a service request's paths are untrusted).
+    """
+    rows = {row.dest: row for row in TABLE}
+    values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
+    explicit = dict(values)
+    notes: list[tuple[str, str]] = []
+    origin: dict[str, str] = {}  # field -> the compat flag that set it
+    for dest in [k for k in given if k.startswith(DEST_PREFIX)]:
+        row, value = rows[dest], given[dest]
+        if row.kind == "refuse":
+            raise ValueError(f"{row.flag} is not supported: {row.note}")
+        if row.kind == "ignore":
+            notes.append((row.flag, row.note))
+            continue
+        if row.kind == "same":
+            continue
+        if row.reads_file and not read_files:
+            raise ValueError(
+                f"{row.flag} names a file, which only the `meshline train` command line reads; "
+                "give its settings as flags (--zero-stage N, --bf16, --micro-batch-size)"
+            )
+        mapped = dict(row.sets) if row.convert is None else row.convert(value, values)
+        for field, new in mapped.items():
+            if field in explicit and explicit[field] != new:
+                flag = "--" + field.replace("_", "-")
+                raise ValueError(
+                    f"{row.flag} means {flag} {new} but {flag} {explicit[field]} is also given; "
+                    "drop one of them"
+                )
+            values[field] = new
+            origin[field] = row.flag
+    if "auto_recompute_device_size" in values and "recompute_granularity" in origin:
+        raise ValueError(
+            f"{origin['recompute_granularity']} and --auto-recompute-device-size are exclusive: "
+            f"the adaptive recompute chooses the layers itself; drop "
+            f"{origin['recompute_granularity']}"
+        )
+    return values, notes
+
+
+_WARNED: set[str] = set()
+# Set by `meshline train` before torchrun: the launcher already printed the warning.
+WARNED_ENV = "MESHLINE_MEGATRON_FLAGS_WARNED"
+
+
+def warn_once(notes: list[tuple[str, str]], prog: str = "meshline train") -> None:
+    """Print one warning line for the no-effect (flag, reason) pairs not yet reported (rank 0
+    only); flags sharing a reason are listed together."""
+    fresh = [(flag, why) for flag, why in notes if flag not in _WARNED]
+    if not fresh or os.environ.get("RANK", "0") != "0" or os.environ.get(WARNED_ENV):
+        return
+    _WARNED.update(flag for flag, _ in fresh)
+    by_reason: dict[str, list[str]] = {}
+    for flag, why in fresh:
+        by_reason.setdefault(why, []).append(flag)
+    parts = [f"{', '.join(flags)} ({why})" for why, flags in by_reason.items()]
+    print(f"{prog}: warning: accepted without effect: {'; '.join(parts)}", file=sys.stderr)

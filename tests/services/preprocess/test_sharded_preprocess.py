@@ -255,3 +255,40 @@ def test_merge_refuses_missing_changed_or_reordered_parts(tmp_path, sentencepiec
         bin_path(f"{whole}_text_document").read_bytes()
         == Path(result.outputs[0].files[0]).read_bytes()
     )
+
+
+def test_grpc_requests_carry_the_shard_and_are_validated(tmp_path, sentencepiece_model):
+    import shutil
+
+    import grpc
+
+    from meshline.common.v1 import operations_pb2
+    from tests.services.preprocess.test_servicer import _request, _run
+
+    corpus = write_corpus(tmp_path, files=4)
+    model = Path(shutil.copy(sentencepiece_model, tmp_path / "sp.model"))
+    prefix = tmp_path / "out" / "c"
+    prefix.parent.mkdir()
+    inputs = [str(corpus)]
+    requests = [
+        *(_request(model, prefix, input=inputs, num_shards=2, shard_index=i) for i in range(2)),
+        _request(model, tmp_path / "one", input=inputs),
+        _request(model, prefix, input=inputs, num_shards=2, shard_index=2),
+        _request(model, prefix, input=inputs, num_shards=2),
+        _request(model, prefix, input=inputs, num_shards=0, shard_index=0),
+    ]
+    outcomes = _run(tmp_path, requests)
+    for done in outcomes[:3]:
+        assert isinstance(done, operations_pb2.Operation) and done.done, done
+        assert not done.HasField("error"), done.error
+    for error, field in zip(
+        outcomes[3:], ("shard_index", "shard_index", "num_shards"), strict=True
+    ):
+        assert isinstance(error, grpc.aio.AioRpcError), error
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in error.details(), error.details()
+    assert "out of range for num_shards 2" in outcomes[3].details()
+    merge_preprocessed(shard_prefixes(prefix, 2), str(prefix))
+    for suffix in (".bin", ".idx"):
+        merged = Path(f"{prefix}_text_document{suffix}").read_bytes()
+        assert merged == Path(f"{tmp_path / 'one'}_text_document{suffix}").read_bytes()

@@ -260,12 +260,15 @@ def run_preprocess(
         emit(packer.flush())
         if cancel is not None and cancel.is_set():
             raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
-        if progress.records == 0:
+        # A shard of a sharded mmap run may hold no documents (say, only empty files): it writes
+        # an empty dataset, which adds nothing to the merge, instead of failing the whole job.
+        empty_shard_ok = config.num_shards > 1 and config.output_format == "mmap"
+        if progress.records == 0 and not empty_shard_ok:
             raise ValueError(
                 f"--input {' '.join(config.input)}: no records found (empty input); "
                 "point --input at data with at least one record"
             )
-        if progress.documents == 0:
+        if progress.documents == 0 and not empty_shard_ok:
             raise ValueError(
                 f"--input {' '.join(config.input)}: all {progress.records} records were skipped or "
                 f"empty, nothing to write; check --json-keys {list(config.json_keys)} and "

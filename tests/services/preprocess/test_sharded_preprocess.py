@@ -292,3 +292,27 @@ def test_grpc_requests_carry_the_shard_and_are_validated(tmp_path, sentencepiece
     for suffix in (".bin", ".idx"):
         merged = Path(f"{prefix}_text_document{suffix}").read_bytes()
         assert merged == Path(f"{tmp_path / 'one'}_text_document{suffix}").read_bytes()
+
+
+def test_a_shard_of_only_empty_files_writes_an_empty_dataset(tmp_path, sentencepiece_model):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "00-empty.jsonl").write_text("")
+    fx.write_jsonl(corpus / "01.jsonl", [{"text": f"{fx.PLAIN[i % 5]} {i}"} for i in range(60)])
+    fx.write_jsonl(corpus / "02.jsonl", [{"text": fx.PLAIN[0]}])
+    fx.write_jsonl(corpus / "03.jsonl", [{"text": fx.PLAIN[1]}])
+    prefix, single = tmp_path / "s" / "c", tmp_path / "one" / "c"
+    for i in range(3):
+        _run(corpus, prefix, sp_args(sentencepiece_model), "--num-shards", "3", "--shard-index", str(i))  # fmt: skip
+    first = read_manifest(manifest_path(shard_prefixes(prefix, 3)[0]))
+    assert [Path(e["path"]).name for e in first["inputs"]] == ["00-empty.jsonl"]
+    assert first["counts"]["documents"] == 0 and first["outputs"][0]["documents"] == 0
+    assert len(IndexedDataset(f"{shard_prefixes(prefix, 3)[0]}_text_document")) == 0
+    merge_preprocessed(shard_prefixes(prefix, 3), str(prefix))
+    _run(corpus, single, sp_args(sentencepiece_model))
+    for suffix in (".bin", ".idx"):
+        merged = Path(f"{prefix}_text_document{suffix}").read_bytes()
+        assert merged == Path(f"{single}_text_document{suffix}").read_bytes()
+    # Unsharded, an empty input is still an error.
+    assert main(["--input", str(corpus / "00-empty.jsonl"), "--output-prefix", str(tmp_path / "e"),
+                 *sp_args(sentencepiece_model)]) == 1  # fmt: skip

@@ -35,6 +35,13 @@ from services.preprocess.outputs import OutputShard
 
 _COUNTS = ("records", "documents", "tokens", "bytes_read", "skipped_records", "dropped_records")
 _MAX_BAD_EXAMPLES = 20
+# Flags that change the tokens written; parts of one merge must agree on them.
+_TOKEN_FLAGS = ("json_keys", "append_eod", "seq_length", "pack", "prompt_template")
+_DIFFER = {
+    "tokenizer": "tokenizer differs",
+    "handler": "handler differs",
+    "flags": "token flags (--json-keys, --append-eod, ...) differ",
+}
 
 
 @dataclass
@@ -116,15 +123,29 @@ def _load_part(spec: str) -> _Part:
     return part
 
 
+def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between parts: tokenizer (by content, not path), handler, token flags."""
+    config = manifest["config"]
+    if "merge" in config:  # a merged dataset carries the flags of its parts
+        config = config.get("parts_config", {})
+    return {
+        "tokenizer": {k: v for k, v in manifest["tokenizer"].items() if k != "path"},
+        "handler": manifest["handler"],
+        "flags": {k: config.get(k) for k in _TOKEN_FLAGS},
+    }
+
+
 def _check_compatible(parts: list[_Part]) -> None:
     first = parts[0]
+    reference = _identity(first.manifest)
     for part in parts[1:]:
-        for what in ("tokenizer", "handler"):
-            if part.manifest[what] != first.manifest[what]:
+        identity = _identity(part.manifest)
+        for what in ("tokenizer", "handler", "flags"):
+            if identity[what] != reference[what]:
                 raise ValueError(
-                    f"--input {part.prefix}: {what} differs from --input {first.prefix} "
-                    f"({json.dumps(part.manifest[what], sort_keys=True)} vs "
-                    f"{json.dumps(first.manifest[what], sort_keys=True)}); merge only parts "
+                    f"--input {part.prefix}: {_DIFFER[what]} from --input {first.prefix} "
+                    f"({json.dumps(identity[what], sort_keys=True)} vs "
+                    f"{json.dumps(reference[what], sort_keys=True)}); merge only parts "
                     "tokenised the same way"
                 )
         if list(part.outputs) != list(first.outputs):
@@ -216,7 +237,10 @@ def merge_preprocessed(
             entries.append(entry)
         counts = {k: sum(p.manifest["counts"].get(k, 0) for p in parts) for k in _COUNTS}
         document = build_manifest(
-            config={"merge": {"inputs": specs, "output_prefix": output_prefix}},
+            config={
+                "merge": {"inputs": specs, "output_prefix": output_prefix},
+                "parts_config": _identity(parts[0].manifest)["flags"],
+            },
             inputs=[entry for part in parts for entry in part.manifest["inputs"]],
             tokenizer=parts[0].manifest["tokenizer"],
             handler=parts[0].manifest["handler"],

@@ -200,6 +200,17 @@ def test_merge_refuses_mismatched_tokenizers(tmp_path, sentencepiece_model, hf_t
     with pytest.raises(ValueError, match=rf"--input {b}: tokenizer differs from --input {a}"):
         merge_preprocessed([a, b], str(tmp_path / "ab"))
     assert not list(tmp_path.glob("ab*")), "nothing published"
+    # The same tokenizer file elsewhere (another node's mount) is the same tokenizer ...
+    moved = tmp_path / "elsewhere" / "sp.model"
+    moved.parent.mkdir()
+    moved.write_bytes(Path(sentencepiece_model).read_bytes())
+    c = _run(corpus, tmp_path / "c", sp_args(moved))
+    merge_preprocessed([a, c], str(tmp_path / "ac"))
+    # ... and a merged dataset merges again; but other token flags (no --append-eod) do not mix.
+    merge_preprocessed([str(tmp_path / "ac"), a], str(tmp_path / "aca"))
+    d = _run(corpus, tmp_path / "d", sp_args(sentencepiece_model)[:-1])
+    with pytest.raises(ValueError, match=rf"--input {d}: token flags .* differ from --input {a}"):
+        merge_preprocessed([a, d], str(tmp_path / "ad"))
 
 
 def test_merge_refuses_mismatched_dtypes(tmp_path, sentencepiece_model):

@@ -7,6 +7,10 @@ Examples:
     meshline preprocess --input alpaca_data.json --output-prefix data/alpaca \\
         --tokenizer-type PretrainedFromHF --tokenizer-name-or-path ./llama-tokenizer \\
         --handler-name GeneralInstructionHandler
+    # one pod of an Indexed Job (shard index from $JOB_COMPLETION_INDEX), then the merge
+    meshline preprocess --input corpus/ --output-prefix data/corpus --num-shards 3 \\
+        --tokenizer-type SentencePiece --tokenizer-model tok.model --append-eod
+    meshline preprocess merge --output-prefix data/corpus --num-shards 3
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from models.templates import TEMPLATES
 from services.preprocess.handlers import handler_choices
 from services.preprocess.job import PreprocessCancelled, run_preprocess
 from services.preprocess.job_config import OUTPUT_FORMATS, PreprocessConfig
+from services.preprocess.merge_cli import main as merge_main
+from services.preprocess.sharding import SHARD_INDEX_ENV, default_shard_index
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--overwrite", action="store_true", help="replace existing outputs of the same prefix"
     )
+    shard = parser.add_argument_group(
+        "sharding (one pod of many; join with `meshline preprocess merge`)"
+    )
+    shard.add_argument(
+        "--num-shards",
+        type=int,
+        default=1,
+        help="split the sorted input files into N contiguous, size-balanced shards; this run "
+        "writes one, under {prefix}-shard-IIIII-of-NNNNN",
+    )
+    shard.add_argument(
+        "--shard-index",
+        type=int,
+        help=f"the shard to write, 0..N-1 (default: ${SHARD_INDEX_ENV}, set in every pod of a "
+        "Kubernetes Indexed Job)",
+    )
     return parser
 
 
@@ -176,11 +198,19 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         skip_bad_records=args.skip_bad_records,
         max_bad_records=args.max_bad_records,
         overwrite=args.overwrite,
+        num_shards=args.num_shards,
+        shard_index=default_shard_index(args.shard_index, args.num_shards),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `meshline preprocess`; returns the exit code (0 ok, 1 bad input, 130 cancelled)."""
+    """Entry point of `meshline preprocess`; returns the exit code (0 ok, 1 bad input, 130 cancelled).
+
+    `meshline preprocess merge ...` is handed to `services.preprocess.merge_cli`.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:

@@ -48,6 +48,7 @@ from services.preprocess.readers import (
     read_records,
     resolve_input,
 )
+from services.preprocess.sharding import shard_plans, shard_range
 from services.preprocess.workers import OrderedWorkers, WorkerSpec, build_handler, chunked
 
 __all__ = [
@@ -133,7 +134,7 @@ def existing_outputs(config: PreprocessConfig) -> list[Path]:
     """
     handler_class = get_handler_class(config.handler_name)
     keys = INSTRUCTION_KEYS if handler_class.is_instruction else tuple(config.json_keys)
-    return _existing_outputs(Path(config.output_prefix), keys)
+    return _existing_outputs(Path(config.shard_output_prefix), keys)
 
 
 def _records(plans: list[InputPlan], progress: Progress) -> Iterator[Record]:
@@ -211,11 +212,12 @@ def run_preprocess(
     nothing outside is written, replaced or deleted.
     """
     started = time.monotonic()
-    prefix = Path(config.output_prefix)
+    prefix = Path(config.shard_output_prefix)
     if roots:
         resolve_under_roots(str(prefix.parent), roots, "output_prefix")
     directory = _check_output_dir(prefix)
-    plans = [resolve_input(spec, config.hf_params()) for spec in config.input]
+    resolved = [resolve_input(spec, config.hf_params()) for spec in config.input]
+    plans = shard_plans(resolved, config.shard_index, config.num_shards)
     spec = WorkerSpec(
         tokenizer_type=config.tokenizer_type,
         tokenizer_path=config.tokenizer_path,
@@ -269,12 +271,15 @@ def run_preprocess(
         emit(packer.flush())
         if cancel is not None and cancel.is_set():
             raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
-        if progress.records == 0:
+        # A shard of a sharded mmap run may hold no documents (say, only empty files): it writes
+        # an empty dataset, which adds nothing to the merge, instead of failing the whole job.
+        empty_shard_ok = config.num_shards > 1 and config.output_format == "mmap"
+        if progress.records == 0 and not empty_shard_ok:
             raise ValueError(
                 f"--input {' '.join(config.input)}: no records found (empty input); "
                 "point --input at data with at least one record"
             )
-        if progress.documents == 0:
+        if progress.documents == 0 and not empty_shard_ok:
             raise ValueError(
                 f"--input {' '.join(config.input)}: all {progress.records} records were skipped or "
                 f"empty, nothing to write; check --json-keys {list(config.json_keys)} and "
@@ -304,6 +309,7 @@ def run_preprocess(
             outputs=outputs,
             counts=counts,
             bad_records=bad.examples,
+            shard=_shard_entry(config, resolved),
         )
         staged_manifest = stage / manifest_path(prefix).name
         write_manifest(document, staged_manifest)
@@ -326,6 +332,21 @@ def _handler_options(config: PreprocessConfig) -> HandlerOptions:
         seq_length=config.seq_length,
         prompt_template=config.prompt_template,
     )
+
+
+def _shard_entry(config: PreprocessConfig, resolved: list[InputPlan]) -> dict[str, Any] | None:
+    """Which part of the whole input this run read (None for an unsharded run)."""
+    if config.num_shards == 1:
+        return None
+    start, stop = shard_range(resolved, config.shard_index, config.num_shards)
+    return {
+        "index": config.shard_index,
+        "num_shards": config.num_shards,
+        "output_prefix": config.output_prefix,
+        "input_files": [start, stop],
+        "input_files_total": sum(len(plan.files) for plan in resolved),
+        "input_bytes_total": sum(plan.total_bytes() for plan in resolved),
+    }
 
 
 def _input_entries(plans: list[InputPlan]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from models.templates import TEMPLATES
 from models.tokenizer import TOKENIZER_TYPES
+from services.preprocess.sharding import check_shard, shard_prefix
 
 OUTPUT_FORMATS = ("mmap", "arrow")
 DATASET_IMPLS = ("mmap",)
@@ -66,6 +67,10 @@ class PreprocessConfig:
     """--max-bad-records: with --skip-bad-records, fail once more than this many were skipped."""
     overwrite: bool = False
     """--overwrite: replace existing outputs of the same prefix (otherwise refuse)."""
+    num_shards: int = 1
+    """--num-shards: split the input files into this many contiguous shards (one per pod)."""
+    shard_index: int = 0
+    """--shard-index: which shard this run writes (0-based; default $JOB_COMPLETION_INDEX)."""
 
     def __post_init__(self) -> None:
         def fail(flag: str, message: str) -> None:
@@ -110,11 +115,17 @@ class PreprocessConfig:
             fail("--arrow-shard-mb", f"must be >= 1, got {self.arrow_shard_mb}")
         if self.hf_datasets_options is not None and not isinstance(self.hf_datasets_options, dict):
             fail("--hf-datasets-params", "inline options must be a mapping of name/split/...")
+        check_shard(self.shard_index, self.num_shards)
         if self.max_bad_records is not None:
             if self.max_bad_records < 0:
                 fail("--max-bad-records", f"must be >= 0, got {self.max_bad_records}")
             if not self.skip_bad_records:
                 fail("--max-bad-records", "only applies with --skip-bad-records; add that flag")
+
+    @property
+    def shard_output_prefix(self) -> str:
+        """Where this run's outputs go: --output-prefix, or its `-shard-I-of-N` form when sharded."""
+        return shard_prefix(self.output_prefix, self.shard_index, self.num_shards)
 
     @property
     def tokenizer_path(self) -> str:

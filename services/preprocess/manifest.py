@@ -51,9 +51,10 @@ def build_manifest(
     outputs: list[dict[str, Any]],
     counts: dict[str, Any],
     bad_records: list[dict[str, str]],
+    shard: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest document (all arguments already JSON-safe)."""
-    return {
+    """The manifest document (all arguments already JSON-safe); `shard` only for a sharded run."""
+    document = {
         "format": MANIFEST_FORMAT,
         "tool": {"name": "meshline preprocess", "version": tool_version()},
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -65,6 +66,9 @@ def build_manifest(
         "counts": counts,
         "bad_records": bad_records,
     }
+    if shard is not None:
+        document["shard"] = shard
+    return document
 
 
 def write_manifest(document: dict[str, Any], path: Path) -> Path:

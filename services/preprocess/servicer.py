@@ -49,6 +49,7 @@ SERVICE_NAME = preprocess_pb2.DESCRIPTOR.services_by_name["PreprocessService"].f
 JOB_KIND = "preprocess"
 _JSON_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _MAX_SEQ_LENGTH = 1 << 20
+_MAX_SHARDS = 100_000  # shard names carry 5 digits
 # Files a finished job publishes beside its manifest (Megatron .bin/.idx or Arrow shards).
 OUTPUT_SUFFIXES = (".bin", ".idx", ".arrow")
 TokenizerType = preprocess_pb2.TokenizerType
@@ -137,7 +138,25 @@ def check_fields(
         )
     if request.HasField("log_interval"):
         check.require(request.log_interval >= 1, "log_interval", "must be >= 1")
+    _check_shard_fields(request, check)
     check.raise_if_any()
+
+
+def _check_shard_fields(request: preprocess_pb2.StartPreprocessRequest, check: Validator) -> None:
+    """num_shards >= 1; shard_index in 0..num_shards-1, required when sharded (no env default)."""
+    shards = request.num_shards if request.HasField("num_shards") else 1
+    check.require(
+        1 <= shards <= _MAX_SHARDS, "num_shards", f"must be in [1, {_MAX_SHARDS}], got {shards}"
+    )
+    if request.HasField("shard_index"):
+        check.require(
+            0 <= request.shard_index < max(shards, 1),
+            "shard_index",
+            f"{request.shard_index} is out of range for num_shards {shards}; "
+            f"use 0..{max(shards, 1) - 1}",
+        )
+    else:
+        check.require(shards <= 1, "shard_index", f"required with num_shards {shards}")
 
 
 def _confined_files(spec: str, field: str, roots: tuple[Path, ...]) -> list[Path]:
@@ -214,7 +233,14 @@ def job_config(request: preprocess_pb2.StartPreprocessRequest) -> PreprocessConf
     }
     optional = {
         name: getattr(request, name)
-        for name in ("workers", "seq_length", "max_bad_records", "log_interval")
+        for name in (
+            "workers",
+            "seq_length",
+            "max_bad_records",
+            "log_interval",
+            "num_shards",
+            "shard_index",
+        )
         if request.HasField(name)
     }
     with invalid_argument_from(ValueError, field="request"):

@@ -245,11 +245,12 @@ def test_pytorchjob_training_passes_operator_ranks_to_torchrun():
         assert container["resources"]["limits"]["nvidia.com/gpu"] == job["spec"]["nprocPerNode"]
 
 
-def test_pipeline_runs_four_ordered_stages_on_one_volume():
+def test_pipeline_runs_ordered_stages_on_one_volume():
     objects = render("pipeline")
     jobs = {j["metadata"]["name"]: j for j in find(objects, "Job")}
     stage_of = {
-        "meshline-pipeline-preprocess": "preprocess",
+        "meshline-pipeline-preprocess": "preprocess-part-$(JOB_COMPLETION_INDEX)",
+        "meshline-pipeline-preprocess-merge": "preprocess",
         "meshline-train": "train",
         "meshline-pipeline-convert": "convert",
         "meshline-pipeline-evaluate": "evaluate",
@@ -262,7 +263,7 @@ def test_pipeline_runs_four_ordered_stages_on_one_volume():
         (main,) = spec["containers"]
         assert main["args"][:4] == ["sh", "/opt/meshline/pipeline/stage.sh", "run", stage]
         inits = spec.get("initContainers", [])
-        waits[stage] = [c["args"][-1] for c in inits if c["args"][2] == "wait"]
+        waits[stage] = [s for c in inits if c["args"][2] == "wait" for s in c["args"][3:]]
         claims = {
             v["persistentVolumeClaim"]["claimName"]
             for v in spec["volumes"]
@@ -271,18 +272,52 @@ def test_pipeline_runs_four_ordered_stages_on_one_volume():
         assert claims == {"meshline-data"}
         assert job["spec"]["backoffLimit"] == 0, "a failed stage must stop the ones after it"
     assert waits == {
-        "preprocess": [],
+        "preprocess-part-$(JOB_COMPLETION_INDEX)": [],
+        "preprocess": ["preprocess-part-0", "preprocess-part-1", "preprocess-part-2"],
         "train": ["preprocess"],
         "convert": ["train"],
         "evaluate": ["convert"],
     }
     scripts = next(c for c in find(objects, "ConfigMap") if "stage.sh" in c.get("data", {}))
-    assert {"stage.sh", "preprocess.sh", "demo_data.py", "train.yaml"} <= scripts["data"].keys()
+    assert {"stage.sh", "preprocess.sh", "preprocess_merge.sh", "demo_data.py", "train.yaml"} <= (
+        scripts["data"].keys()
+    )
     train = jobs["meshline-train"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--config=/opt/meshline/pipeline/train.yaml" in train
+    assert "--data-path=$(PIPELINE_DIR)/shards/corpus_text_document" in train, "the merged shard"
     convert = jobs["meshline-pipeline-convert"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--load-dir=$(PIPELINE_DIR)/checkpoints" in convert
     assert "--save=$(PIPELINE_DIR)/checkpoints" in train
+
+
+def test_pipeline_preprocess_is_an_indexed_job_of_shards_then_a_merge():
+    objects = render("pipeline")
+    jobs = {j["metadata"]["name"]: j for j in find(objects, "Job")}
+    config = next(c for c in find(objects, "ConfigMap") if "PIPELINE_DIR" in c.get("data", {}))
+    shards = int(config["data"]["MESHLINE_PREPROCESS_SHARDS"])
+    assert shards > 1
+    job = jobs["meshline-pipeline-preprocess"]["spec"]
+    assert job["completionMode"] == "Indexed"
+    assert job["completions"] == job["parallelism"] == shards, "one pod per shard, all at once"
+    (pod,) = job["template"]["spec"]["containers"]
+    # Every pod marks its own stage, named by the index the Job controller sets in its env.
+    assert container_env(pod)["STAGE_EVERY_POD"] == "1"
+    assert pod["args"][3] == "preprocess-part-$(JOB_COMPLETION_INDEX)"
+    assert pod["args"][4:] == ["sh", "/opt/meshline/pipeline/preprocess.sh"]
+    merge = jobs["meshline-pipeline-preprocess-merge"]["spec"]
+    assert merge.get("completions", 1) == 1 and "completionMode" not in merge
+    (wait,) = merge["template"]["spec"]["initContainers"]
+    assert wait["args"][3:] == [f"preprocess-part-{i}" for i in range(shards)]
+    (main,) = merge["template"]["spec"]["containers"]
+    assert main["args"][-1] == "/opt/meshline/pipeline/preprocess_merge.sh"
+    scripts = next(c for c in find(objects, "ConfigMap") if "stage.sh" in c.get("data", {}))
+    preprocess = scripts["data"]["preprocess.sh"]
+    assert '--num-shards "${MESHLINE_PREPROCESS_SHARDS:-1}"' in preprocess
+    assert "--shard-index" not in preprocess, "the index comes from JOB_COMPLETION_INDEX"
+    merge_script = scripts["data"]["preprocess_merge.sh"]
+    assert "meshline preprocess merge" in merge_script
+    assert '--output-prefix "$PIPELINE_DIR/shards/corpus"' in merge_script
+    assert '--output-prefix "$PIPELINE_DIR/shards/corpus"' in preprocess
 
 
 def test_pipeline_train_config_is_valid_for_the_trainer():

@@ -19,6 +19,7 @@ from tests.k8s.helpers import K8S, ROOT, container_env, expand, render
 
 STAGES = (
     "meshline-pipeline-preprocess",
+    "meshline-pipeline-preprocess-merge",
     "meshline-train",
     "meshline-pipeline-convert",
     "meshline-pipeline-evaluate",
@@ -98,8 +99,11 @@ def test_rendered_pipeline_runs_end_to_end(tmp_path):
         assert codes == [0] * pods, f"{name}: {codes}\n{kubelet.log.read_text()[-3000:]}"
     run = volume / "pipeline" / "demo"
     assert sorted(p.name for p in (run / "stages").iterdir()) == [
-        "convert.done", "evaluate.done", "preprocess.done", "train.done"
+        "convert.done", "corpus.done", "evaluate.done", "preprocess-part-0.done",
+        "preprocess-part-1.done", "preprocess-part-2.done", "preprocess.done", "train.done"
     ]  # fmt: skip
+    merged = json.loads((run / "shards" / "corpus.manifest.json").read_text())
+    assert [part["shard"]["index"] for part in merged["parts"]] == [0, 1, 2]
     assert (run / "checkpoints" / "latest").read_text().strip() == "4"
     assert (run / "hf" / "config.json").is_file()
     results = json.loads((run / "eval" / "results.json").read_text())
@@ -107,3 +111,40 @@ def test_rendered_pipeline_runs_end_to_end(tmp_path):
     log = kubelet.log.read_text()
     assert "max |logit difference|" in log and "(passed)" in log
     assert log.count("MESHLINE_METRICS ") >= 2, "rank 0 prints metrics for the launcher"
+
+
+@pytest.mark.slow
+def test_rendered_preprocess_shards_on_three_pods_then_merges_to_one_process(tmp_path):
+    """The preprocess Indexed Job's pods (all at once, as the Job runs them) and the merge Job,
+    from the rendered manifests: the merged shard equals one `meshline preprocess` over the corpus."""
+    objects = render("pipeline")
+    config = next(o for o in objects if o["kind"] == "ConfigMap" and "PIPELINE_DIR" in o["data"])
+    volume = tmp_path / "volume"
+    overrides = {"MESHLINE_DEMO_CORPUS_MB": "0.3", "MESHLINE_PREPROCESS_WORKERS": "1"}
+    kubelet = LocalKubelet(volume, {**config["data"], **overrides}, "localhost:1")
+    jobs = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Job"}
+    for name in STAGES[:2]:
+        spec = jobs[name]["spec"]["template"]["spec"]
+        (main,) = spec["containers"]
+        pods = jobs[name]["spec"].get("completions", 1)
+        for init in spec.get("initContainers", []):
+            assert kubelet.start(init, {}).wait(timeout=60) == 0, kubelet.log.read_text()[-3000:]
+        procs = [kubelet.start(main, {"JOB_COMPLETION_INDEX": str(i)}) for i in range(pods)]
+        codes = [p.wait(timeout=300) for p in procs]
+        assert codes == [0] * pods, f"{name}: {codes}\n{kubelet.log.read_text()[-3000:]}"
+    corpus = volume / "corpus" / "stdlib" / "corpus"
+    assert len(list(corpus.glob("part-*.jsonl"))) == int(
+        config["data"]["MESHLINE_DEMO_CORPUS_PARTS"]
+    )
+    single = tmp_path / "single" / "corpus"
+    subprocess.run(
+        [sys.executable, "-m", "services.cli", "preprocess", "--input", str(corpus),
+         "--tokenizer-type", "SentencePiece", "--append-eod", "--output-prefix", str(single),
+         "--tokenizer-model", str(volume / "corpus" / "stdlib" / "tokenizer.model")],
+        check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
+    )  # fmt: skip
+    merged = volume / "pipeline" / "demo" / "shards" / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        assert Path(f"{merged}{suffix}").read_bytes() == Path(f"{single}_text_document{suffix}").read_bytes()  # fmt: skip
+    manifest = json.loads((merged.parent / "corpus.manifest.json").read_text())
+    assert len(manifest["parts"]) == int(config["data"]["MESHLINE_PREPROCESS_SHARDS"])

@@ -62,10 +62,14 @@ def test_entrypoint_explains_missing_or_misplaced_service(fake_path):
     assert result.returncode == 2 and "service name first" in result.stderr
 
 
-def _stage(run_dir: Path, *args: str, index: str | None = None) -> subprocess.CompletedProcess:
+def _stage(
+    run_dir: Path, *args: str, index: str | None = None, every_pod: bool = False
+) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "PIPELINE_DIR": str(run_dir), "STAGE_POLL_SECONDS": "1"}
     if index is not None:
         env["JOB_COMPLETION_INDEX"] = index
+    if every_pod:
+        env["STAGE_EVERY_POD"] = "1"
     return subprocess.run(
         ["sh", str(STAGE), *args], env=env, capture_output=True, text=True, timeout=30
     )
@@ -87,6 +91,27 @@ def test_only_pod_zero_marks_a_multi_pod_stage_done(tmp_path):
     assert not (tmp_path / "stages" / "train.done").exists()
     assert _stage(tmp_path, "run", "train", "true", index="0").returncode == 0
     assert (tmp_path / "stages" / "train.done").exists()
+
+
+def test_per_pod_stages_are_marked_by_every_pod_and_awaited_together(tmp_path):
+    for index in ("2", "1"):
+        stage = f"preprocess-part-{index}"
+        assert _stage(tmp_path, "run", stage, "true", index=index, every_pod=True).returncode == 0
+        assert (tmp_path / "stages" / f"{stage}.done").exists()
+    parts = [f"preprocess-part-{i}" for i in range(3)]
+    result: list[subprocess.CompletedProcess] = []
+    waiter = threading.Thread(target=lambda: result.append(_stage(tmp_path, "wait", *parts)))
+    waiter.start()
+    time.sleep(1.5)
+    assert waiter.is_alive(), "part 0 is not done yet"
+    _stage(tmp_path, "run", "preprocess-part-0", "true", index="0", every_pod=True)
+    waiter.join(timeout=30)
+    assert result[0].returncode == 0
+    assert result[0].stdout.count("is done") == 3
+    failed = _stage(tmp_path, "run", "x-1", "false", index="1", every_pod=True)
+    assert failed.returncode == 1
+    waiting = _stage(tmp_path, "wait", "preprocess-part-0", "x-1")
+    assert waiting.returncode == 1 and "stage x-1 failed" in waiting.stderr
 
 
 def test_failed_stage_is_marked_and_stops_the_waiting_stage(tmp_path):

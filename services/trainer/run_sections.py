@@ -91,7 +91,8 @@ class RunSection:
     log_dir: str | None = None
     """Directory for metrics.csv and TensorBoard events."""
     peak_tflops: float | None = None
-    """Peak TFLOP/s of one device for MFU (default: a per-device table, see docs/training.md)."""
+    """Peak TFLOP/s of one device for MFU (default: the device model's table entry, or a CPU
+    measured at start-up; see docs/training.md)."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss or gradient: stop with a message, or skip the step and count it."""
     spike_factor: float = 3.0

@@ -169,6 +169,9 @@ class ParallelSection:
     """How layers are grouped for full recompute."""
     recompute_num_layers: int | None = None
     """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
+    compile: bool = False
+    """torch.compile each decoder layer (after TP and recompute, before FSDP): fused kernels, fewer
+    launches; the first steps pay the compile time (about a minute per distinct layer on CPU)."""
     auto_recompute_device_size: int | None = None
     """Adaptive recompute: device memory budget in MB; profile, then recompute layers to fit it."""
     auto_recompute_profiling_step: int = 10
@@ -227,6 +230,11 @@ class ParallelSection:
     def _check_recompute(self) -> None:
         if self.auto_recompute_device_size is None:
             return
+        if self.compile:
+            raise ValueError(
+                "--auto-recompute-device-size rewraps layers after profiling, which would "
+                "discard --compile's graphs; use --recompute-granularity with --compile"
+            )
         if self.recompute_granularity is not None:
             raise ValueError(
                 "--auto-recompute-device-size chooses the recomputed layers itself; drop "

@@ -20,7 +20,7 @@ DATA_DIR ?= data
 RUN_DIR ?= runs/make-train
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto lint test test-fast train eval serve bench clean
+.PHONY: help setup proto lint test test-fast train eval serve bench device-check clean
 
 help: ## List the targets
 	@echo "Meshline targets (each sets itself up on a fresh machine):"
@@ -63,6 +63,13 @@ serve: setup ## All five services on localhost (ports in README); Ctrl-C stops t
 
 bench: setup ## Benchmarks: each prints ours / baseline ratios
 	$(PY) -m bench
+
+# A GPU machine brings its own torch and has no network: use its python3 unless a venv exists.
+DEVICE_PY := $(if $(wildcard $(PY)),$(PY),python3)
+OUT ?= bench/out/device-check
+
+device-check: ## GPU: gpu tests + training/decode benchmarks vs HF, report in OUT= (CPU: smoke run)
+	$(DEVICE_PY) -m bench.device_check --out $(OUT)
 
 clean: ## Remove the venv, generated stubs and caches (keeps data/ and runs/)
 	rm -rf $(VENV) meshline .pytest_cache .ruff_cache .mypy_cache build *.egg-info

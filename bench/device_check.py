@@ -225,11 +225,7 @@ def _child(args: list[str], timeout: float) -> dict[str, Any]:
 def run_gpu_tests(out_dir: Path, mode: str, timeout: float) -> dict[str, Any]:
     """The `gpu`-marked tests (smoke mode: the peak-FLOP/s tests, to exercise the reporting)."""
     junit = out_dir / "gpu-tests.xml"
-    selection = (
-        ["-m", "gpu", "tests/"]
-        if mode == "gpu"
-        else ["tests/kernels/test_peak_flops.py"]
-    )
+    selection = ["-m", "gpu", "tests/"] if mode == "gpu" else ["tests/kernels/test_peak_flops.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
     cmd += ["--junitxml", str(junit), *selection]
     try:
@@ -284,7 +280,8 @@ def markdown(report: dict[str, Any]) -> str:
     elif tests:
         lines.append(
             f"Tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
-            f"{tests['skipped']} skipped" + (f" — failed: {tests['failed']}" if tests["failed"] else "")
+            f"{tests['skipped']} skipped"
+            + (f" — failed: {tests['failed']}" if tests["failed"] else "")
         )
     lines += ["", "| training | tokens/s | TFLOP/s | MFU | peak GiB | warm-up s | vs HF |"]
     lines.append("|---|---|---|---|---|---|---|")
@@ -299,7 +296,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{row['peak_memory_gib']:.2f} | {row['warmup_s']:.1f} | {ratio:.2f}x |"
         )
     decode = report["decode"]
-    lines += ["", "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio |",
+        "|---|---|---|---|",
+    ]
     if "error" in decode:
         lines.append(f"| {decode['error']} | | | |")
     else:
@@ -324,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
-        result = decode_worker(shape, bf16) if args.worker == "decode" else train_worker(
-            args.worker, shape, bf16
+        result = (
+            decode_worker(shape, bf16)
+            if args.worker == "decode"
+            else train_worker(args.worker, shape, bf16)
         )
         print(json.dumps(result))
         return 0

@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 # CPU build by default (no CUDA wheels). GPU / Ascend machines override, e.g.
 #   make setup TORCH_SPEC="torch==2.6.0"   (then install the matching torch_npu by hand)
 TORCH_SPEC ?= torch==2.13.0
+# torch_npu release that pairs with TORCH_SPEC. Installed beside the venv's site-packages (never
+# imported here: no CANN) so tests can bind every torch_npu call to the wheel's documented ops.
+TORCH_NPU_SPEC ?= torch_npu==2.13.0
+TORCH_NPU_DOCS := $(VENV)/torch_npu-reference
 STAMP := $(VENV)/.meshline-setup
 PROTOS := $(shell find proto -name '*.proto' 2>/dev/null)
 PROTO_STAMP := meshline/.generated
@@ -16,7 +20,7 @@ DATA_DIR ?= data
 RUN_DIR ?= runs/make-train
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto lint test test-fast train eval serve bench clean
+.PHONY: help setup proto lint test test-fast train eval serve bench device-check clean
 
 help: ## List the targets
 	@echo "Meshline targets (each sets itself up on a fresh machine):"
@@ -28,6 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]" --config-settings editable_mode=compat
+	$(PY) -m pip install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) "$(TORCH_NPU_SPEC)"
 	touch $(STAMP)
 
 proto: $(PROTO_STAMP) ## Generate Python gRPC stubs from proto/ into the git-ignored package meshline/
@@ -58,6 +63,13 @@ serve: setup ## All five services on localhost (ports in README); Ctrl-C stops t
 
 bench: setup ## Benchmarks: each prints ours / baseline ratios
 	$(PY) -m bench
+
+# A GPU machine brings its own torch and has no network: use its python3 unless a venv exists.
+DEVICE_PY := $(if $(wildcard $(PY)),$(PY),python3)
+OUT ?= bench/out/device-check
+
+device-check: ## GPU: gpu tests + training/decode benchmarks vs HF, report in OUT= (CPU: smoke run)
+	$(DEVICE_PY) -m bench.device_check --out $(OUT)
 
 clean: ## Remove the venv, generated stubs and caches (keeps data/ and runs/)
 	rm -rf $(VENV) meshline .pytest_cache .ruff_cache .mypy_cache build *.egg-info

@@ -5,3 +5,7 @@ and device, `MESHLINE_KERNELS` override), `attention`, `norm`, `rotary`, `activa
 `cross_entropy`, `optim`, `quantization`; vendor backends in `cuda/` and `npu/`. See
 docs/kernels.md.
 """
+
+from kernels.torch_support import check_torch_version
+
+check_torch_version()

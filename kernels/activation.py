@@ -43,6 +43,8 @@ def swiglu_packed_reference(gate_up: torch.Tensor) -> torch.Tensor:
 SWIGLU = registry.define("swiglu", swiglu_reference)
 SWIGLU_PACKED = registry.define("swiglu_packed", swiglu_packed_reference)
 SWIGLU_PACKED.register("npu", ("npu",), "kernels.npu.activation:swiglu_packed")
+SWIGLU_PACKED.register("compiled", ("cuda",), "kernels.cuda.compiled:swiglu_packed")
+SWIGLU.register("compiled", ("cuda",), "kernels.cuda.compiled:swiglu")
 
 
 def _split_packed(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

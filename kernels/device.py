@@ -83,6 +83,11 @@ class Platform:
         """Seed the current device's generator (no device generator on CPU)."""
         del seed
 
+    def device_name(self) -> str:
+        """The model name of the current device ("NVIDIA H100 80GB HBM3", "Ascend910B2", the
+        CPU model), used to look up its peak FLOP/s (kernels.peak_flops)."""
+        return _cpu_model_name()
+
 
 class CpuPlatform(Platform):
     type = "cpu"
@@ -126,6 +131,9 @@ class _AcceleratorPlatform(Platform):
     def manual_seed(self, seed: int) -> None:
         self.module.manual_seed(seed)
 
+    def device_name(self) -> str:
+        return str(self.module.get_device_name(self.module.current_device()))
+
 
 class CudaPlatform(_AcceleratorPlatform):
     type = "cuda"
@@ -159,6 +167,20 @@ def _import_torch_npu() -> bool:
         log.warning("torch_npu is installed but failed to import (%s); not using the NPU", exc)
         return False
     return True
+
+
+def _cpu_model_name() -> str:
+    """/proc/cpuinfo's "model name" (Linux), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
 
 
 def _peak_rss_bytes() -> int:

@@ -51,6 +51,7 @@ def layer_norm_torch(
 
 RMS_NORM = registry.define("rms_norm", rms_norm_reference)
 RMS_NORM.register("npu", ("npu",), "kernels.npu.norm:rms_norm")
+RMS_NORM.register("compiled", ("cuda",), "kernels.cuda.compiled:rms_norm")
 
 LAYER_NORM = registry.define("layer_norm", layer_norm_reference)
 LAYER_NORM.register("torch", ("cpu", "cuda", "npu"), layer_norm_torch)

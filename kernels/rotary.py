@@ -107,6 +107,7 @@ def apply_rotary_reference(
 
 APPLY_ROTARY = registry.define("apply_rotary", apply_rotary_reference)
 APPLY_ROTARY.register("npu", ("npu",), "kernels.npu.rotary:apply_rotary")
+APPLY_ROTARY.register("compiled", ("cuda",), "kernels.cuda.compiled:apply_rotary")
 
 
 def apply_rotary(

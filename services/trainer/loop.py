@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import device
+from kernels import device, peak_flops
 from services.trainer.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
 from services.trainer.loss_scaler import build_loss_scaler
 from services.trainer.lr_schedule import LRScheduler
 from services.trainer.metrics import (
-    DEFAULT_PEAK_TFLOPS,
     MetricsWriter,
     StepMetrics,
     format_line,
@@ -183,9 +182,10 @@ class Trainer:
         self.stream = self._train_stream()
         self.writer = MetricsWriter(config.run.log_dir, enabled=self.rank == 0)
         self.flops_per_token = _flops_per_token(self.model_config, config.model.seq_length)
-        self.peak_tflops = config.run.peak_tflops or DEFAULT_PEAK_TFLOPS.get(
-            self.platform.type, 1.0
-        )
+        peak = peak_flops.peak_tflops(config.run.peak_tflops)
+        self.peak_tflops = peak.tflops
+        if self.rank == 0:
+            log.info("MFU against %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
         self._loss_ema: float | None = None
         self.checkpoints: Any = None
         # Dropout differs across data/context/pipeline ranks but not within a TP group, whose

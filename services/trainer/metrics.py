@@ -3,7 +3,8 @@
 Throughput is per device: tokens this rank processed divided by wall time. FLOPs per token come
 from `models.accounting.flops_per_token` (6N + 12·L·H·Q·T, no causal halving), so TFLOP/s and
 MFU are comparable with Megatron/torchtitan reports. MFU divides by the device's peak
-(--peak-tflops, else `DEFAULT_PEAK_TFLOPS`).
+(`kernels.peak_flops`: --peak-tflops, else the device model's table entry, else a CPU measured
+once at start-up).
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-# Dense peak TFLOP/s per device used for MFU when --peak-tflops is not given. CPU: roughly one
-# process's fp32 FMA throughput on a few cores — a nominal figure; pass --peak-tflops for yours.
-DEFAULT_PEAK_TFLOPS = {"cpu": 0.1, "cuda": 989.0, "npu": 313.0}
 
 CSV_COLUMNS = (
     "step",

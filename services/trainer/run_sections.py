@@ -93,7 +93,8 @@ class RunSection:
     log_dir: str | None = None
     """Directory for metrics.csv and TensorBoard events."""
     peak_tflops: float | None = None
-    """Peak TFLOP/s of one device for MFU (default: a per-device table, see docs/training.md)."""
+    """Peak TFLOP/s of one device for MFU (default: the device model's table entry, or a CPU
+    measured at start-up; see docs/training.md)."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss or gradient: stop with a message, or skip the step and count it."""
     spike_factor: float = 3.0
@@ -177,6 +178,9 @@ class ParallelSection:
     """How layers are grouped for full recompute."""
     recompute_num_layers: int | None = None
     """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
+    compile: bool = False
+    """torch.compile each decoder layer (after TP and recompute, before FSDP): fused kernels, fewer
+    launches; the first steps pay the compile time (about a minute per distinct layer on CPU)."""
     auto_recompute_device_size: int | None = None
     """Adaptive recompute: device memory budget in MB; profile, then recompute layers to fit it."""
     auto_recompute_profiling_step: int = 10
@@ -235,6 +239,11 @@ class ParallelSection:
     def _check_recompute(self) -> None:
         if self.auto_recompute_device_size is None:
             return
+        if self.compile:
+            raise ValueError(
+                "--auto-recompute-device-size rewraps layers after profiling, which would "
+                "discard --compile's graphs; use --recompute-granularity with --compile"
+            )
         if self.recompute_granularity is not None:
             raise ValueError(
                 "--auto-recompute-device-size chooses the recomputed layers itself; drop "

@@ -175,6 +175,10 @@ def build_parallel(
         apply_recompute(
             model, par.recompute_granularity, par.recompute_method, par.recompute_num_layers
         )
+    if par.compile and par.model_parallel_size() == 1:
+        from services.trainer.parallel.compile import apply_compile
+
+        apply_compile(model)
     if world_size == 1:
         return model, None, None
     if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:

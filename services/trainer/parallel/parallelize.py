@@ -333,7 +333,8 @@ def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_st
 def _apply_within_replica(
     chunk: nn.Module, model_config: Any, par: Any, dims: ParallelDims
 ) -> None:
-    """TP/SP, then CP, then recompute on one model chunk (DESIGN §1.5's order, FSDP after)."""
+    """TP/SP, then CP, recompute and compile on one model chunk (DESIGN §1.5's order, FSDP
+    after)."""
     from services.trainer.parallel.recompute import apply_recompute
 
     if dims.tp > 1:
@@ -352,6 +353,10 @@ def _apply_within_replica(
             chunk, par.recompute_granularity, par.recompute_method, par.recompute_num_layers
         )
         log.info("recompute (%s): layers %s", par.recompute_granularity, chosen)
+    if par.compile:
+        from services.trainer.parallel.compile import apply_compile
+
+        apply_compile(chunk)
 
 
 def _format(plan: dict[str, str]) -> str:

@@ -126,6 +126,7 @@ NON_DEFAULT = {
     "recompute_granularity": ("--recompute-granularity", "full"),
     "recompute_method": ("--recompute-method", "block"),
     "recompute_num_layers": ("--recompute-num-layers", "2"),
+    "compile": ("--compile",),
 }
 
 

@@ -1,0 +1,365 @@
+"""One prepared accelerator check: gpu tests, a training and a decode benchmark, one report.
+
+    python -m bench.device_check --out DIR [--smoke] [--skip-tests]
+    make device-check OUT=DIR
+
+Uses the torch already installed (a GPU machine's own image; nothing is downloaded). On a CUDA
+device it runs, within about 8 minutes on one H100/H200:
+
+1. the `gpu`-marked tests (every kernel backend against its reference, forward and backward,
+   bf16/fp16 tolerances as written in each test), summarised from pytest's JUnit XML;
+2. training: a Llama-family model of ~1.2B parameters (hidden 2048, 16 layers, GQA 16/8 heads,
+   SwiGLU 5632, vocab 32000), bf16, sequence 2048, Meshline's Trainer eager and with
+   `--compile` against HF `LlamaForCausalLM` + torch fused AdamW on the same shapes: tokens/s,
+   TFLOP/s (6N + 12·L·H·Q·T per token), MFU against the device's peak (kernels.peak_flops);
+3. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
+   against HF `generate` on the same weights (outputs checked identical first).
+
+Each measurement runs in its own child process, so memory and compile caches do not carry
+over. Without a GPU (or with --smoke) the same steps run on tiny shapes in seconds — what CI
+runs (tests/bench/test_device_check.py) to keep the script working. Writes `report.json` and
+`report.md` under --out and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    "gpu": dict(
+        hidden=2048, layers=16, heads=16, kv=8, ffn=5632, vocab=32000, seq=2048, mbs=2,
+        warmup=3, steps=10, prompt=128, new=128,
+    ),
+    "smoke": dict(
+        hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=64, mbs=2,
+        warmup=1, steps=2, prompt=8, new=8,
+    ),
+}  # fmt: skip
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train_flags(shape: dict[str, int], bf16: bool, compile_layers: bool) -> list[str]:
+    flags = [
+        "--model", "tiny-llama", "--num-layers", str(shape["layers"]),
+        "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
+        "--num-query-groups", str(shape["kv"]), "--ffn-hidden-size", str(shape["ffn"]),
+        "--vocab-size", str(shape["vocab"]), "--max-position-embeddings", str(shape["seq"]),
+        "--seq-length", str(shape["seq"]), "--micro-batch-size", str(shape["mbs"]),
+        "--mock-data", "--train-iters", str(shape["warmup"] + shape["steps"]), "--lr", "1e-4",
+        "--lr-decay-style", "constant", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--eval-interval", "0", "--optimizer", "fused_adam", "--log-interval", "1000",
+    ]  # fmt: skip
+    if bf16:
+        flags.append("--bf16")
+    if compile_layers:
+        flags.append("--compile")
+    return flags
+
+
+def _hf_train_step(config: Any, bf16: bool) -> Any:
+    """HF LlamaForCausalLM on the same batches, torch fused AdamW, same clipping."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kernels import device
+    from models.hf_adapters import hf_config
+    from services.trainer.batching import MicroBatchStream
+    from services.trainer.setup import build_data, build_model_config
+
+    (train, _), _, _ = build_data(config, dp_size=1)
+    target = device.current().torch_device()
+    hf = LlamaForCausalLM._from_config(
+        LlamaConfig(**hf_config(build_model_config(config))), attn_implementation="sdpa"
+    ).to(target)
+    if bf16:
+        hf = hf.to(torch.bfloat16)
+    stream = MicroBatchStream(
+        train, consumed_samples=0, micro_batch_size=config.batch.micro_batch_size,
+        dp_rank=0, dp_size=1,
+    )  # fmt: skip
+    decay = [p for p in hf.parameters() if p.ndim >= 2]
+    no_decay = [p for p in hf.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4,
+        fused=True,
+    )
+
+    def step() -> None:
+        batch = {k: v.to(target) for k, v in stream.next().items()}
+        out = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        loss = torch.nn.functional.cross_entropy(
+            out.logits.flatten(0, 1).float(), batch["labels"].flatten()
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def train_worker(side: str, shape: dict[str, int], bf16: bool) -> dict[str, Any]:
+    """One training side in this process: tokens/s, TFLOP/s, MFU, peak memory, compile time."""
+    import torch
+
+    from kernels import device, peak_flops
+    from models.accounting import flops_per_token
+    from services.trainer.arguments import parse_args
+    from services.trainer.loop import Trainer
+    from services.trainer.setup import build_model_config
+
+    torch.manual_seed(0)
+    config = parse_args(_train_flags(shape, bf16, compile_layers=side == "ours-compile"))
+    step = Trainer(config).train_step if side.startswith("ours") else _hf_train_step(config, bf16)
+    start = time.perf_counter()
+    for _ in range(shape["warmup"]):
+        step()
+    device.synchronize()
+    warmup_s = time.perf_counter() - start
+    device.reset_peak_memory_stats()
+    begin = time.perf_counter()
+    for _ in range(shape["steps"]):
+        step()
+    device.synchronize()
+    elapsed = time.perf_counter() - begin
+    tokens_per_s = shape["mbs"] * shape["seq"] * shape["steps"] / elapsed
+    tflops = tokens_per_s * flops_per_token(build_model_config(config), shape["seq"]) / 1e12
+    peak = peak_flops.peak_tflops()
+    return {
+        "side": side,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops / peak.tflops,
+        "peak_memory_gib": device.memory_stats().peak / 2**30,
+        "warmup_s": warmup_s,
+    }
+
+
+def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
+    """Greedy decode, batch 1 and 8: Meshline's engine vs HF generate on the same weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kernels import device
+    from models import build_model
+    from models.hf_adapters import from_hf, hf_config
+    from models.registry import get_config
+    from services.inference.engine import Engine, EngineConfig
+    from services.inference.sampling import SamplingConfig
+    from services.inference.tokens import TokenizerInfo
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    target = device.current().torch_device()
+    config = get_config(
+        "tiny-llama-gqa", vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+        num_layers=shape["layers"], num_attention_heads=shape["heads"], num_kv_heads=shape["kv"],
+        ffn_hidden_size=shape["ffn"], max_position_embeddings=shape["prompt"] + shape["new"] + 8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM._from_config(LlamaConfig(**hf_config(config)), attn_implementation="sdpa")
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0, 0.02)
+    hf = hf.to(device=target, dtype=dtype).eval()
+    ours = build_model(config, device=target, dtype=dtype).eval()
+    ours.load_state_dict(from_hf(hf.state_dict(), config))
+    engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=8))
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, config.vocab_size, (8, shape["prompt"]), generator=gen).tolist()
+
+    def hf_run(batch: list[list[int]]) -> list[list[int]]:
+        ids = torch.tensor(batch, device=target)
+        with torch.inference_mode():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=shape["new"],
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+                top_k=None, top_p=None, temperature=None,
+            )  # fmt: skip
+        return out[:, shape["prompt"] :].tolist()
+
+    def ours_run(batch: list[list[int]]) -> list[list[int]]:
+        settings = [SamplingConfig(max_new_tokens=shape["new"]) for _ in batch]
+        return [r[0].token_ids for r in engine.generate(batch, settings)]
+
+    result: dict[str, Any] = {"identical_greedy": ours_run(prompts[:1]) == hf_run(prompts[:1])}
+    for rows in (1, 8):
+        batch = prompts[:rows]
+        times: dict[str, list[float]] = {"hf": [], "ours": []}
+        for _ in range(3):
+            for name, fn in (("hf", hf_run), ("ours", ours_run)):
+                device.synchronize()
+                begin = time.perf_counter()
+                fn(batch)
+                device.synchronize()
+                times[name].append(time.perf_counter() - begin)
+        tokens = rows * shape["new"]
+        hf_tps, ours_tps = (tokens / min(times[name]) for name in ("hf", "ours"))
+        result[f"batch{rows}"] = {"hf_tokens_per_s": hf_tps, "ours_tokens_per_s": ours_tps}
+    return result
+
+
+def _child(args: list[str], timeout: float) -> dict[str, Any]:
+    """Run `python -m bench.device_check --worker ...` and parse its last JSON line."""
+    cmd = [sys.executable, "-m", "bench.device_check", *args]
+    try:
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_gpu_tests(out_dir: Path, mode: str, timeout: float) -> dict[str, Any]:
+    """The `gpu`-marked tests (smoke mode: the peak-FLOP/s tests, to exercise the reporting)."""
+    junit = out_dir / "gpu-tests.xml"
+    selection = ["-m", "gpu", "tests/"] if mode == "gpu" else ["tests/kernels/test_peak_flops.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
+    cmd += ["--junitxml", str(junit), *selection]
+    try:
+        subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if not junit.exists():
+        return {"error": "pytest wrote no report"}
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root[0]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"]
+            - counts["skipped"], "failed": failed}  # fmt: skip
+
+
+def environment() -> dict[str, Any]:
+    """Torch version, device model and peak FLOP/s of this machine."""
+    import torch
+
+    from kernels import device, peak_flops
+
+    platform_ = device.current()
+    peak = peak_flops.peak_tflops()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device_type": platform_.type,
+        "device": platform_.device_name(),
+        "peak_tflops": peak.tflops,
+        "peak_source": peak.source,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown page (what bench/RESULTS.md quotes)."""
+    env = report["environment"]
+    lines = [
+        f"# Device check ({report['mode']}) — {report['date']}",
+        "",
+        f"{env['device']} ({env['device_type']}), torch {env['torch']}, peak "
+        f"{env['peak_tflops']:.4g} TFLOP/s ({env['peak_source']}); shape {report['shape']}",
+        "",
+    ]
+    tests = report.get("tests", {})
+    if "error" in tests:
+        lines.append(f"Tests: {tests['error']}")
+    elif tests:
+        lines.append(
+            f"Tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+            f"{tests['skipped']} skipped"
+            + (f" — failed: {tests['failed']}" if tests["failed"] else "")
+        )
+    lines += ["", "| training | tokens/s | TFLOP/s | MFU | peak GiB | warm-up s | vs HF |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    hf = report["train"].get("hf", {})
+    for side, row in report["train"].items():
+        if "error" in row:
+            lines.append(f"| {side} | {row['error']} | | | | | |")
+            continue
+        ratio = row["tokens_per_s"] / hf["tokens_per_s"] if "tokens_per_s" in hf else float("nan")
+        lines.append(
+            f"| {side} | {row['tokens_per_s']:,.0f} | {row['tflops']:.4g} | {row['mfu']:.1%} | "
+            f"{row['peak_memory_gib']:.2f} | {row['warmup_s']:.1f} | {ratio:.2f}x |"
+        )
+    decode = report["decode"]
+    lines += [
+        "",
+        "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    if "error" in decode:
+        lines.append(f"| {decode['error']} | | | |")
+    else:
+        for rows in (1, 8):
+            row = decode[f"batch{rows}"]
+            lines.append(
+                f"| batch {rows} | {row['hf_tokens_per_s']:,.0f} | {row['ours_tokens_per_s']:,.0f} "
+                f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x |"
+            )
+        lines.append(f"\ngreedy tokens identical to HF: {decode['identical_greedy']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check and write the report; returns 1 if any step failed."""
+    parser = argparse.ArgumentParser(prog="python -m bench.device_check", description=__doc__)
+    parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes even on a GPU")
+    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
+        result = (
+            decode_worker(shape, bf16)
+            if args.worker == "decode"
+            else train_worker(args.worker, shape, bf16)
+        )
+        print(json.dumps(result))
+        return 0
+    if args.out is None:
+        parser.error("--out DIR is required (where report.json and report.md go)")
+    from kernels import device
+
+    mode = "gpu" if device.current().type == "cuda" and not args.smoke else "smoke"
+    timeout = 240.0 if mode == "gpu" else 120.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "mode": mode,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "shape": SHAPES[mode],
+        "environment": environment(),
+    }
+    if not args.skip_tests:
+        report["tests"] = run_gpu_tests(args.out, mode, timeout=180.0)
+    sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
+    report["train"] = {side: _child(["--worker", side, "--mode", mode], timeout) for side in sides}
+    report["decode"] = _child(["--worker", "decode", "--mode", mode], timeout)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    page = markdown(report)
+    (args.out / "report.md").write_text(page)
+    print(page)
+    failed = any("error" in row for row in report["train"].values()) or "error" in report["decode"]
+    tests = report.get("tests", {})
+    failed = failed or "error" in tests or bool(tests.get("failed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -32,7 +32,7 @@ from models.model_states import (
     rank_elements,
     state_bytes,
 )
-from models.pipeline import split_stages
+from models.pipeline import StageRange, split_stages
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
@@ -72,6 +72,20 @@ class TrainingLayout:
     """--optimizer (its state bytes per element: models.model_states.OPTIMIZER_STATE_BYTES)."""
     release_fp32_grad: bool = False
     """--release-fp32-grad: no persistent fp32 gradient copy under master precision."""
+    first_stage_layers: int | None = None
+    """--decoder-first-pipeline-num-layers (uneven split; the other stages share the rest)."""
+    last_stage_layers: int | None = None
+    """--decoder-last-pipeline-num-layers."""
+
+    def stages(self, num_layers: int) -> list[StageRange]:
+        """The pipeline stages of a model of `num_layers` under this layout."""
+        return split_stages(
+            num_layers,
+            self.pipeline_parallel,
+            self.virtual_stages,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
 
     def __post_init__(self) -> None:
         for name in (
@@ -217,7 +231,7 @@ def rank_state_bytes(
 ) -> tuple[int, StateBytes]:
     """(parameter elements, state bytes) of the rank at `pp_rank` and data x context-parallel
     index `shard_index` — the counting `meshline train --dry-run` reads off the built model."""
-    stages = split_stages(config.num_layers, layout.pipeline_parallel, layout.virtual_stages)
+    stages = layout.stages(config.num_layers)
     mine = [stage for stage in stages if stage.pp_rank == pp_rank]
     mode = layout.mode
     shards = layout.data_parallel * layout.context_parallel
@@ -246,7 +260,7 @@ def rank_state_bytes(
 def rank_activation_bytes(config: ModelConfig, layout: TrainingLayout, pp_rank: int) -> float:
     """Activation bytes held at the 1F1B peak by pipeline rank `pp_rank` (each context-parallel
     rank holds 1/cp of the sequence)."""
-    stages = split_stages(config.num_layers, layout.pipeline_parallel, layout.virtual_stages)
+    stages = layout.stages(config.num_layers)
     per_micro = sum(
         stage_activation_bytes(
             config, layout, stage.num_layers, stage.has_embedding, stage.has_head

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -59,6 +60,10 @@ class RankReport:
     cp: int
     ep: int
     parameters: int
+    """Elements of the parameters this rank stores."""
+    unique_parameters: int
+    """Of those, the elements it adds to the model's count when all ranks' are summed (copies
+    held by several ranks, and a tied head's embedding copy, counted once)."""
     bytes: dict[str, int]
 
 
@@ -79,6 +84,96 @@ def _rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_rank_isolated(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
+    """`build_rank` in a forked child: every rank starts from clean torch.distributed state.
+
+    One process cannot simply build rank after rank: DTensor's caches and meshes outlive
+    `destroy_process_group`, and the next rank's meshes (equal shape and names) would pick up
+    the previous rank's, whose groups are gone. A fork costs milliseconds and nothing is shared.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        code = 0
+        try:
+            payload = {"ok": build_rank(config, world_size, rank)}
+        except BaseException as exc:
+            payload = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "value_error": isinstance(exc, ValueError),
+            }
+            code = 1
+        with os.fdopen(write_fd, "w") as out:
+            json.dump(payload, out)
+        os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as inp:
+        text = inp.read()
+    os.waitpid(pid, 0)
+    payload = (
+        json.loads(text)
+        if text
+        else {"error": "the rank's build process died", "value_error": False}
+    )
+    if "error" in payload:
+        if payload["value_error"]:
+            raise ValueError(payload["error"].removeprefix("ValueError: "))
+        raise RuntimeError(f"building rank {rank} failed: {payload['error']}")
+    return payload["ok"]
+
+
+def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
+    """Whether `p` is a DTensor over mesh axis `axis` (and, with `sharded`, split along it)."""
+    if not isinstance(p, DTensor) or axis not in (p.device_mesh.mesh_dim_names or ()):
+        return False
+    if not sharded:
+        return True
+    index = p.device_mesh.mesh_dim_names.index(axis)
+    return not p.placements[index].is_replicate()
+
+
+def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, world_size: int) -> bool:
+
+    pp_rank = _coordinates(rank, _sizes(config, world_size))["pp"]
+    layout = _layout(config, world_size)
+    stages = layout.stages(model_config.num_layers)
+    return any(s.has_embedding for s in stages if s.pp_rank == pp_rank)
+
+
+def _sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
+    """Sizes of the mesh axes, outermost first (services.trainer.parallel.parallel_dims.AXES)."""
+    par = config.parallel
+    dp = config.dp_size(world_size)
+    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
+    return {
+        "pp": par.pipeline_model_parallel_size,
+        "dp_replicate": replicate,
+        "dp_shard": dp // replicate,
+        "cp": par.context_parallel_size,
+        "tp": par.tensor_model_parallel_size,
+    }
+
+
+def unique_elements(counts: dict[str, int], coords: dict[str, int], config: TrainConfig) -> int:
+    """Elements rank `coords` adds to the model's total when all ranks' are summed: copies held
+    alike by several ranks (replicated over tp, over data/context-parallel ranks, a tied head's
+    copy of the embedding) are counted once."""
+    par = config.parallel
+    fsdp = par.zero_stage >= 2
+    ep = par.expert_model_parallel_size
+    dense = counts["parameters"] - counts["experts"]
+    experts = counts["experts"]
+    if coords["tp"] != 0:
+        dense -= counts["tp_replicated"]
+        experts -= counts["experts_tp_replicated"]
+    first_replica = coords["dp_replicate"] == 0 and (
+        fsdp or (coords["dp_shard"] == 0 and coords["cp"] == 0)
+    )
+    expert_owner = coords["dp_replicate"] == 0 and coords["cp"] == 0 and coords["dp_shard"] < ep
+    return (dense - counts["tied_copy"] if first_replica else 0) + (experts if expert_owner else 0)
 
 
 def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
@@ -106,6 +201,20 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
         optimizer = build_training_optimizer(model, config.optim, plan, wrap_inner=wrap)
         params = list(model.parameters())
         parameters = sum(_local(p).numel() for p in params)
+        kinds = {"tp_replicated": 0, "experts": 0, "experts_tp_replicated": 0}
+        for p in params:
+            expert = _on_axis(p, "ep")
+            if not _on_axis(p, "tp", sharded=True):
+                kinds["experts_tp_replicated" if expert else "tp_replicated"] += _local(p).numel()
+            if expert:
+                kinds["experts"] += _local(p).numel()
+        tied_copy = 0
+        if model_config.tie_word_embeddings:
+            named = dict(model.named_parameters())
+            if "embed_tokens.weight" in named and not _holds_first_stage(
+                config, model_config, rank, world_size
+            ):
+                tied_copy = _local(named["embed_tokens.weight"]).numel()
         param_bytes = sum(_local(p).numel() * p.element_size() for p in params)
         grad_bytes = param_bytes
         inner = getattr(optimizer, "inner", optimizer)
@@ -128,6 +237,8 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
             per_state = 0
         return {
             "parameters": parameters,
+            **kinds,
+            "tied_copy": tied_copy,
             "param_bytes": param_bytes,
             "grad_bytes": grad_bytes,
             "optimizer_bytes": per_state * state_elements + master_bytes,
@@ -162,6 +273,8 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
         cpu_offload=par.cpu_offload,
         optimizer=config.optim.optimizer,
         release_fp32_grad=config.precision.release_fp32_grad,
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
     )
 
 
@@ -173,26 +286,15 @@ def _model_config(config: TrainConfig) -> Any:
 
 def representatives(config: TrainConfig, world_size: int) -> dict[int, int]:
     """Every rank → the rank built for it (same pipeline rank and ZeRO shard index)."""
-    par = config.parallel
-    dp = config.dp_size(world_size)
-    replicate = 1
-    if par.hsdp:
-        replicate = dp // (par.hsdp_shard_size or dp)
-    sizes = {
-        "pp": par.pipeline_model_parallel_size,
-        "dp_replicate": replicate,
-        "dp_shard": dp // replicate,
-        "cp": par.context_parallel_size,
-        "tp": par.tensor_model_parallel_size,
-    }
-    sharded = par.zero_stage >= 1
+    zero = config.parallel.zero_stage
+    sizes = _sizes(config, world_size)
     mapping = {}
     for rank in range(world_size):
         coords = _coordinates(rank, sizes)
         coords["tp"] = 0
-        if not sharded:
+        if zero == 0:
             coords.update(dp_replicate=0, dp_shard=0, cp=0)
-        elif par.zero_stage >= 2:
+        elif zero >= 2:
             coords["dp_replicate"] = 0  # FSDP2 shards within dp_shard x cp, replicas alike
         mapping[rank] = _rank_of(coords, sizes)
     return mapping
@@ -202,22 +304,11 @@ def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> 
     """The report: per-rank parameters and bytes, the layout, whether it fits."""
     config.validate(world_size)
     par = config.parallel
-    built = {
-        r: build_rank(config, world_size, r)
-        for r in sorted(set(representatives(config, world_size).values()))
-    }
     mapping = representatives(config, world_size)
+    built = {r: build_rank_isolated(config, world_size, r) for r in sorted(set(mapping.values()))}
     layout = _layout(config, world_size)
     model_config = _model_config(config)
-    dp = config.dp_size(world_size)
-    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
-    sizes = {
-        "pp": par.pipeline_model_parallel_size,
-        "dp_replicate": replicate,
-        "dp_shard": dp // replicate,
-        "cp": par.context_parallel_size,
-        "tp": par.tensor_model_parallel_size,
-    }
+    sizes = _sizes(config, world_size)
     ep = par.expert_model_parallel_size
     ranks = []
     for rank in range(world_size):
@@ -235,6 +326,7 @@ def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> 
             by_kind.update(parameters=0, gradients=0, optimizer=0)
         by_kind["total"] = sum(v for k, v in by_kind.items() if k != "host")
         dp_index = coords["dp_replicate"] * sizes["dp_shard"] + coords["dp_shard"]
+        unique = unique_elements(counts, coords, config)
         ranks.append(
             RankReport(
                 rank=rank,
@@ -244,6 +336,7 @@ def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> 
                 cp=coords["cp"],
                 ep=coords["dp_shard"] % ep,
                 parameters=counts["parameters"],
+                unique_parameters=unique,
                 bytes=by_kind,
             )
         )
@@ -255,8 +348,8 @@ def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> 
             "tp": par.tensor_model_parallel_size,
             "pp": par.pipeline_model_parallel_size,
             "virtual_pp": layout.virtual_stages,
-            "dp": dp,
-            "dp_replicate": replicate,
+            "dp": config.dp_size(world_size),
+            "dp_replicate": sizes["dp_replicate"],
             "cp": par.context_parallel_size,
             "ep": ep,
             "zero_stage": par.zero_stage,
@@ -318,19 +411,14 @@ def main(
         print(f"meshline train --dry-run: {exc}", file=sys.stderr)
         return 2
     layout = report["layout"]
-    total_params = (
-        sum(r["parameters"] for r in report["ranks"] if r["dp"] == 0 and r["cp"] == 0)
-        if not layout["zero_stage"] >= 2
-        else None
-    )
+    total_params = sum(r["unique_parameters"] for r in report["ranks"])
     print(
         f"dry run: {world_size} ranks, TP={layout['tp']} PP={layout['pp']} (virtual "
         f"{layout['virtual_pp']}) DP={layout['dp']} CP={layout['cp']} EP={layout['ep']} "
         f"ZeRO-{layout['zero_stage']} {layout['precision']}; {layout['ranks_built']} distinct "
         "ranks built on the meta device"
     )
-    if total_params is not None:
-        print(f"parameters over one replica: {total_params:,}")
+    print(f"model parameters (the ranks' unique elements added up): {total_params:,}")
     print(format_table(report))
     fits = report["fits"]
     if fits["ok"] is not None:

@@ -20,6 +20,7 @@ first rank's count by (1 + (P-1)/(P·V)) (Megatron's rule, applied to every rank
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,19 @@ from models.model_states import (
 from models.pipeline import StageRange, split_stages
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `64 GB`, `1.5TiB` or a plain byte count → bytes (--device-memory)."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"--device-memory {text!r}: give a size such as 64GiB, 80GB or 1.5TiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 RECOMPUTE = ("none", "selective", "full")
 
 

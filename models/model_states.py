@@ -26,8 +26,9 @@ S is the optimizer's state per element: 8 for Adam/AdamW (two fp32 moments; the 
 counter is not counted), 4 for SGD with momentum, 1 for Cadam's int8 momentum (its per-row
 scales are not counted). Tensor-parallel sharding: a plan style shards dim 0 (colwise, the
 vocabulary-parallel embedding and head, the packed qkv with KV heads split up to their number
-and replicated beyond) or dim 1 (rowwise; the stacked experts' projections shard their
-hidden/FFN dims, keeping dim 0 = experts); biases of rowwise layers and norms are replicated.
+and replicated beyond) or dim 1 (rowwise); the stacked experts keep dim 0 = experts and split the down projection's
+FFN dim, while their packed gate_up stays whole on every TP rank; biases of rowwise layers and
+norms are replicated.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def tp_local_shape(
     dims = list(shape)
     if tp == 1 or style is None or style in ("sequence_parallel", "alibi_heads"):
         return tuple(dims)
-    if style == "moe_experts":  # [X, 2F, E] and [X, E, F]: FFN dim split, experts kept
-        dims[1 if leaf == "gate_up_proj" else 2] //= tp
+    if style == "moe_experts":
+        # [X, E, F] down projection split over F; the packed [X, 2F, E] gate_up stays whole
+        # (each rank computes its slice of it: services/trainer/parallel/expert_parallel.py).
+        if leaf == "down_proj":
+            dims[2] //= tp
     elif style == "rowwise":
         if leaf != "bias":
             dims[1] //= tp

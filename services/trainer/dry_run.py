@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,24 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models.memory import TrainingLayout, rank_activation_bytes
+from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
 from services.trainer.train_config import TrainConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """`80GiB`, `64 GB`, `1.5TiB` or a plain byte count → bytes."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"--device-memory {text!r}: give a size such as 64GiB, 80GB or 1.5TiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 @dataclass(frozen=True)
 class RankReport:
     """What one rank holds."""

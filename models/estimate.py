@@ -6,7 +6,14 @@
 
 Prints one row per pipeline rank kind (first / middle / last stage) with parameters, gradients,
 optimizer states, activations and their total, in the spirit of DeepSpeed's
-`estimate_zero3_model_states_mem_needs`. Formulas: `models/memory.py`.
+`estimate_zero3_model_states_mem_needs`. Formulas: `models/memory.py`; the model-state bytes
+are the counting `meshline train --dry-run` checks on the built model, rank by rank.
+
+    meshline estimate --model llama2-70B --auto --world-size 64 --device-memory 64GiB \
+        --global-batch-size 512 --seq-length 4096
+
+ranks the layouts that fit (TP, PP, virtual PP, DP/ZeRO, recompute, micro-batch) by the cost
+model of `models/auto_config.py` and prints the `meshline train` command of the best.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import argparse
 import sys
 
 from models.accounting import count_parameters, format_count
+from models.auto_config import Hardware, candidates, command_line
 from models.config import ModelConfig
-from models.memory import RECOMPUTE, DeviceEstimate, TrainingLayout, estimate
+from models.memory import RECOMPUTE, DeviceEstimate, TrainingLayout, estimate, parse_bytes
+from models.model_states import OPTIMIZER_STATE_BYTES
 from models.registry import get_config, list_configs
 
 
@@ -47,6 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--micro-batch-size", type=int, default=1)
     run.add_argument("--seq-length", type=int, default=2048)
     run.add_argument("--no-flash-attention", action="store_true", help="store s×s scores")
+    run.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw",
+        help="optimizer (state bytes per element)",
+    )  # fmt: skip
+    run.add_argument("--release-fp32-grad", action="store_true")
+    auto = parser.add_argument_group("auto-configuration (--auto)")
+    auto.add_argument("--auto", action="store_true", help="rank the layouts that fit")
+    auto.add_argument("--device-memory", help="memory per device, e.g. 64GiB (needed by --auto)")
+    auto.add_argument("--global-batch-size", type=int, help="sequences per step (default 8·DP)")
+    auto.add_argument("--devices-per-node", type=int, default=8)
+    auto.add_argument("--peak-tflops", type=float, default=989.0, help="per-device 16-bit peak")
+    auto.add_argument("--top", type=int, default=5, help="layouts to list")
     prec = run.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
@@ -113,6 +134,8 @@ def _layout(args: argparse.Namespace, config: ModelConfig) -> TrainingLayout:
         sequence_parallel=args.sequence_parallel,
         cpu_offload=args.cpu_offload,
         flash_attention=not args.no_flash_attention,
+        optimizer=args.optimizer,
+        release_fp32_grad=args.release_fp32_grad,
     )
 
 
@@ -130,9 +153,53 @@ def format_table(rows: list[DeviceEstimate]) -> str:
     return "\n".join(lines)
 
 
+def auto(args: argparse.Namespace) -> int:
+    """`--auto`: list the fastest layouts that fit and the command of the best."""
+    if not (args.world_size and args.device_memory):
+        raise ValueError("--auto needs --world-size N and --device-memory SIZE (e.g. 64GiB)")
+    config = _config(args)
+    hw = Hardware(
+        device_memory=parse_bytes(args.device_memory),
+        devices_per_node=args.devices_per_node,
+        peak_tflops=args.peak_tflops,
+    )
+    precision = "fp16" if args.fp16 else "bf16"
+    batch = args.global_batch_size or 8 * args.world_size
+    found = candidates(config, args.world_size, batch, args.seq_length, hw, precision=precision)
+    if not found:
+        print(
+            f"no layout of {args.world_size} devices fits {args.device_memory} per device "
+            "(tried TP, PP, virtual PP, ZeRO 0-3, recompute, micro-batch 1-8); add devices "
+            "or memory, or shorten --seq-length"
+        )
+        return 1
+    head = f"{'#':>3} {'TP':>3} {'PP':>3} {'VPP':>4} {'DP':>4} {'ZeRO':>5} {'recompute':>10}"
+    head += f" {'mbs':>4} {'peak GiB':>9} {'step s':>8} {'tokens/s':>12}"
+    print(head)
+    print("-" * len(head))
+    for i, c in enumerate(found[: args.top], 1):
+        lo = c.layout
+        print(
+            f"{i:>3} {lo.tensor_parallel:>3} {lo.pipeline_parallel:>3} {lo.virtual_stages:>4} "
+            f"{lo.data_parallel:>4} {lo.zero_stage:>5} {lo.recompute:>10} "
+            f"{lo.micro_batch_size:>4} {c.peak_bytes / 2**30:>9.2f} {c.step_seconds:>8.3f} "
+            f"{c.tokens_per_second:>12,.0f}"
+        )
+    name = args.model or "MODEL"
+    print("best:")
+    print(command_line(name, config.num_layers, found[0], args.world_size, args.devices_per_node))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshline estimate`."""
     args = build_parser().parse_args(argv)
+    if args.auto:
+        try:
+            return auto(args)
+        except ValueError as exc:
+            print(f"meshline estimate: {exc}", file=sys.stderr)
+            return 2
     try:
         config = _config(args)
         layout = _layout(args, config)

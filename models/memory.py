@@ -2,10 +2,14 @@
 
 Shapes: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel size, V vocab.
 
-Model states follow the ZeRO paper: fp32 training keeps 4 B params + 4 B grads + 8 B Adam
-moments per parameter; mixed precision keeps 2 B half params + 2 B half grads + 12 B fp32 master
-weights and moments. ZeRO-1/2/3 divide the optimizer / + grads / + params by the data-parallel
-size; CPU offload moves optimizer states (and ZeRO-3 params) to host memory.
+Model states count what Meshline's trainer holds (`models.model_states`, the counting
+`meshline train --dry-run` reads off the built model): the elements each rank stores after
+tensor/pipeline splitting and ZeRO sharding, times the bytes the run's precision mode keeps per
+element (fp32: 4 + 4 + 8 for AdamW; master precision: 2 B params, 2 B + 4 B fp32 gradients, 4 B
+master + 8 B moments; ZeRO-1 and ZeRO-2/3 under 16-bit train fp32 parameters, with
+autocast or FSDP2's mixed-precision policy). ZeRO-1 chunks the optimizer state, ZeRO-2/3
+(FSDP2) the parameters, gradients and state, over the data x context-parallel ranks; CPU offload
+moves the ZeRO-3 states to host memory.
 
 Activations per layer generalise Korthikanti et al.'s table to GQA, gated MLPs and optional
 dropout; with GPT's shape (GeLU, F = 4h, K = H, dropout, 16-bit, no flash attention) they reduce
@@ -16,13 +20,35 @@ first rank's count by (1 + (P-1)/(P·V)) (Megatron's rule, applied to every rank
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from models.accounting import norm_parameters, parameter_breakdown
+import torch
+
 from models.config import ModelConfig
+from models.model_states import (
+    OPTIMIZER_STATE_BYTES,
+    StateBytes,
+    precision_mode,
+    rank_elements,
+    state_bytes,
+)
 from models.pipeline import StageRange, split_stages
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `64 GB`, `1.5TiB` or a plain byte count → bytes (--device-memory)."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"--device-memory {text!r}: give a size such as 64GiB, 80GB or 1.5TiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -54,9 +80,35 @@ class TrainingLayout:
     """Optimizer states (and ZeRO-3 parameters) live in host memory."""
     flash_attention: bool = True
     """Fused attention that never stores the s×s probabilities (SDPA, flash, NPU FA)."""
+    context_parallel: int = 1
+    """--context-parallel-size: each rank holds 1/cp of the sequence (and ZeRO shards over dp·cp)."""
+    optimizer: str = "adamw"
+    """--optimizer (its state bytes per element: models.model_states.OPTIMIZER_STATE_BYTES)."""
+    release_fp32_grad: bool = False
+    """--release-fp32-grad: no persistent fp32 gradient copy under master precision."""
+    first_stage_layers: int | None = None
+    """--decoder-first-pipeline-num-layers (uneven split; the other stages share the rest)."""
+    last_stage_layers: int | None = None
+    """--decoder-last-pipeline-num-layers."""
+
+    def stages(self, num_layers: int) -> list[StageRange]:
+        """The pipeline stages of a model of `num_layers` under this layout."""
+        return split_stages(
+            num_layers,
+            self.pipeline_parallel,
+            self.virtual_stages,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_stages"):
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "data_parallel",
+            "virtual_stages",
+            "context_parallel",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainingLayout.{name}={getattr(self, name)}: must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -71,6 +123,17 @@ class TrainingLayout:
             raise ValueError("--micro-batch-size and --seq-length must be >= 1")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(
+                f"--optimizer {self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATE_BYTES)}"
+            )
+
+    @property
+    def mode(self) -> str:
+        """The trainer's precision mode for this layout (models.model_states.precision_mode)."""
+        return precision_mode(
+            self.precision, self.zero_stage, self.data_parallel * self.context_parallel
+        )
 
 
 @dataclass(frozen=True)
@@ -165,57 +228,81 @@ def in_flight_microbatches(layout: TrainingLayout, pp_rank: int) -> float:
     return count
 
 
-def _state_bytes(
-    config: ModelConfig, layout: TrainingLayout, stages: list[StageRange]
-) -> tuple[int, int, int, int]:
-    """(params, grads, optimizer, host) bytes for the rank holding `stages`."""
-    parts = parameter_breakdown(config)
-    t = layout.tensor_parallel
-    params = 0.0
-    for stage in stages:
-        replicated_per_layer = parts.per_layer - parts.layer_matrices
-        params += stage.num_layers * (parts.layer_matrices / t + replicated_per_layer)
-        if stage.has_embedding:
-            params += config.vocab_size * config.hidden_size / t
-            params += parts.embedding - config.vocab_size * config.hidden_size
-        if stage.has_head:
-            params += norm_parameters(config)
-            if parts.head or not stage.has_embedding:
-                params += config.vocab_size * config.hidden_size / t
-    mixed = layout.precision != "fp32"
-    param_b, grad_b, optim_b = (2, 2, 12) if mixed else (4, 4, 8)
-    dp = layout.data_parallel
-    optimizer = params * optim_b / (dp if layout.zero_stage >= 1 else 1)
-    grads = params * grad_b / (dp if layout.zero_stage >= 2 else 1)
-    weights = params * param_b / (dp if layout.zero_stage >= 3 else 1)
-    host = 0.0
-    if layout.cpu_offload:
-        host, optimizer = optimizer, 0.0
-        if layout.zero_stage == 3:
-            host, weights = host + weights, 0.0
-    return int(weights), int(grads), int(optimizer), int(host)
+def model_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of every parameter of the model `config` builds (built on meta: free)."""
+    from models.mixtral import build_causal_lm
+
+    model = build_causal_lm(config, device="meta")
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+def rank_state_bytes(
+    config: ModelConfig,
+    layout: TrainingLayout,
+    pp_rank: int,
+    shard_index: int = 0,
+    shapes: list[tuple[str, torch.Size]] | None = None,
+) -> tuple[int, StateBytes]:
+    """(parameter elements, state bytes) of the rank at `pp_rank` and data x context-parallel
+    index `shard_index` — the counting `meshline train --dry-run` reads off the built model."""
+    stages = layout.stages(config.num_layers)
+    mine = [stage for stage in stages if stage.pp_rank == pp_rank]
+    mode = layout.mode
+    shards = layout.data_parallel * layout.context_parallel
+    fsdp = mode == "fsdp" or (layout.zero_stage >= 2 and layout.precision == "fp32" and shards > 1)
+    elements = rank_elements(
+        shapes if shapes is not None else model_shapes(config),
+        config,
+        mine,
+        tp=layout.tensor_parallel,
+        sequence_parallel=layout.sequence_parallel,
+        fsdp_ranks=shards if fsdp else 1,
+        fsdp_index=shard_index,
+        zero1_ranks=shards if layout.zero_stage == 1 else 1,
+        zero1_index=shard_index,
+    )
+    return elements.parameters, state_bytes(
+        elements.parameters,
+        elements.optimizer,
+        mode=mode,
+        optimizer=layout.optimizer,
+        release_fp32_grad=layout.release_fp32_grad,
+        cpu_offload=layout.cpu_offload,
+    )
+
+
+def rank_activation_bytes(config: ModelConfig, layout: TrainingLayout, pp_rank: int) -> float:
+    """Activation bytes held at the 1F1B peak by pipeline rank `pp_rank` (each context-parallel
+    rank holds 1/cp of the sequence)."""
+    stages = layout.stages(config.num_layers)
+    per_micro = sum(
+        stage_activation_bytes(
+            config, layout, stage.num_layers, stage.has_embedding, stage.has_head
+        )
+        for stage in stages
+        if stage.pp_rank == pp_rank
+    )
+    return per_micro * in_flight_microbatches(layout, pp_rank) / layout.context_parallel
 
 
 def estimate(config: ModelConfig, layout: TrainingLayout) -> list[DeviceEstimate]:
-    """Per-device estimates: one row per pipeline rank kind (first / middle / last)."""
+    """Per-device estimates: one row per pipeline rank kind (first / middle / last), for the
+    first data-parallel shard (under ZeRO the last shards may hold a little less)."""
     pp = layout.pipeline_parallel
-    stages = split_stages(config.num_layers, pp, layout.virtual_stages)
     ranks = [0] if pp == 1 else ([0, 1, pp - 1] if pp > 2 else [0, pp - 1])
     kinds = {0: "first stage", pp - 1: "last stage"} if pp > 1 else {0: "all"}
+    shapes = model_shapes(config)
     rows = []
     for rank in ranks:
-        mine = [stage for stage in stages if stage.pp_rank == rank]
-        weights, grads, optimizer, host = _state_bytes(config, layout, mine)
-        per_micro = sum(
-            stage_activation_bytes(
-                config, layout, stage.num_layers, stage.has_embedding, stage.has_head
-            )
-            for stage in mine
-        )
-        activations = per_micro * in_flight_microbatches(layout, rank)
+        _, states = rank_state_bytes(config, layout, rank, shapes=shapes)
         rows.append(
             DeviceEstimate(
-                kinds.get(rank, "middle stage"), weights, grads, optimizer, int(activations), host
+                kinds.get(rank, "middle stage"),
+                states.parameters,
+                states.gradients,
+                states.optimizer,
+                int(rank_activation_bytes(config, layout, rank)),
+                states.host,
             )
         )
     return rows

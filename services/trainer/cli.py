@@ -8,6 +8,12 @@ Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rd
 multi-node job); every other flag is a training flag (`meshline train --help-train` lists them).
 The training flags, and every path and tokenizer they name (`launch_checks`, then `preflight`
 opens the data and tokenizer), are checked before any worker starts.
+
+Dry run (no devices, no weights): `meshline train … --dry-run --world-size N
+[--dry-run-report FILE] [--device-memory 80GiB]` checks the command line, builds every rank's
+part of the model on the meta device through the same parallelize code on a fake process group,
+and prints per-rank parameters and memory (JSON with --dry-run-report; exit 1 if a rank does
+not fit --device-memory).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import os
 import sys
 
+from services.trainer import dry_run
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launch_checks import check_paths
 from services.trainer.launcher import launch
@@ -34,6 +41,7 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", "--master_addr", default=None)
     parser.add_argument("--master-port", "--master_port", default=None)
     parser.add_argument("--help-train", action="store_true")
+    dry_run.add_flags(parser)
     return parser
 
 
@@ -50,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     if launch_args.help_train:
         build_parser().print_help()
         return 0
+    if launch_args.dry_run:
+        try:
+            world_size = dry_run.check_world_size(launch_args.world_size)
+        except ValueError as exc:
+            print(f"meshline train: {exc}", file=sys.stderr)
+            return 2
+        return dry_run.main(
+            train_argv, world_size, launch_args.dry_run_report, launch_args.device_memory
+        )
     if launch_args.nproc_per_node is None and launch_args.nnodes == "1":
         from services.trainer import train
 

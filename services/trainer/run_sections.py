@@ -153,6 +153,11 @@ class ParallelSection:
     """Pipeline-parallel size."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per virtual pipeline stage (interleaved 1F1B)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers of the first pipeline stage (it also holds the embedding); the others split the
+    rest evenly (Megatron's flag; e.g. BLOOM-176B's 70 layers over 12 stages: 5, 6 x 10, 5)."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers of the last pipeline stage (it also holds the final norm, head and loss)."""
     context_parallel_size: int = 1
     """Context-parallel (ring attention) size."""
     expert_model_parallel_size: int = 1
@@ -228,6 +233,19 @@ class ParallelSection:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         self._check_recompute()
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < 0:
+                raise ValueError(f"{flag_name(name)} must be >= 0, got {value}")
+            if self.pipeline_model_parallel_size < 2:
+                raise ValueError(f"{flag_name(name)} needs --pipeline-model-parallel-size >= 2")
+            if self.num_layers_per_virtual_pipeline_stage is not None:
+                raise ValueError(
+                    f"{flag_name(name)} sets uneven stages, which interleaved virtual stages do not "
+                    "take; drop --num-layers-per-virtual-pipeline-stage or the uneven split"
+                )
         if (
             self.num_layers_per_virtual_pipeline_stage is not None
             and self.pipeline_model_parallel_size < 2

@@ -60,3 +60,33 @@ def test_bad_layouts_fail_with_the_flag(capsys):
     assert "missing --hidden-size, --num-attention-heads" in capsys.readouterr().err
     assert main(["--model", "tiny-llama", "--sequence-parallel"]) == 2
     assert "--sequence-parallel needs" in capsys.readouterr().err
+
+
+def test_auto_ranks_layouts_that_fit_and_the_dry_run_agrees(capsys, tmp_path):
+    """--auto's best layout for LLaMA2-70B on 64 x 64 GiB, then that very command dry-run."""
+    import shlex
+
+    from services.trainer.arguments import parse_args
+    from services.trainer.dry_run import dry_run
+
+    argv = [
+        "--model", "llama2-70B", "--auto", "--world-size", "64", "--device-memory", "64GiB",
+        "--global-batch-size", "64", "--seq-length", "4096", "--top", "3",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    command = out.strip().splitlines()[-1]
+    assert command.startswith("meshline train --nproc-per-node 8 --nnodes 8 --model llama2-70B")
+    rows = [line for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(rows) == 3
+    assert all(float(row.split()[8]) <= 64 for row in rows)  # peak GiB column
+    train_flags = shlex.split(command)[6:]  # after "meshline train --nproc-per-node 8 --nnodes 8"
+    report = dry_run(parse_args(["--mock-data", *train_flags]), 64, 64 * 2**30)
+    assert report["fits"]["ok"] is True
+
+
+def test_auto_says_when_nothing_fits(capsys):
+    argv = ["--model", "llama2-70B", "--auto", "--world-size", "2", "--device-memory", "16GiB"]
+    assert main(argv) == 1
+    assert "no layout of 2 devices fits 16GiB" in capsys.readouterr().out
+    assert main(["--model", "llama2-70B", "--auto"]) == 2

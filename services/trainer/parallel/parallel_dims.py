@@ -90,14 +90,15 @@ class ParallelDims:
     def check_model(
         self,
         *,
-        num_layers: int,
+        num_layers: int | None,
         num_heads: int,
         num_kv_heads: int,
         ffn: int,
         vocab: int,
         seq_length: int | None = None,
     ) -> None:
-        """Raise ValueError naming the flag and the numbers that this layout cannot split."""
+        """Raise ValueError naming the flag and the numbers that this layout cannot split
+        (`num_layers` None: an uneven pipeline split the caller checked itself)."""
         for what, value in (
             ("num_attention_heads", num_heads),
             ("ffn_hidden_size", ffn),
@@ -116,7 +117,7 @@ class ParallelDims:
                 f"{num_kv_heads}"
             )
         stages = self.pp * self.virtual_pp
-        if num_layers % stages:
+        if num_layers is not None and num_layers % stages:
             chunks = f" × {self.virtual_pp} virtual chunks" if self.virtual_pp > 1 else ""
             raise ValueError(
                 f"num_layers {num_layers} is not divisible by --pipeline-model-parallel-size "

@@ -48,13 +48,15 @@ def build_dims(config: Any, world_size: int) -> ParallelDims:
     )
 
 
-def check_model(dims: ParallelDims, model_config: Any) -> None:
+def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
-    experts."""
+    experts (the layer split against `par`'s uneven first/last stage sizes, when given)."""
     from models.mixtral import moe_config
+    from services.trainer.parallel import pipeline
 
+    uneven = par is not None and pipeline.layer_counts(par, model_config.num_layers) is not None
     dims.check_model(
-        num_layers=model_config.num_layers,
+        num_layers=None if uneven else model_config.num_layers,
         num_heads=model_config.num_attention_heads,
         num_kv_heads=model_config.kv_heads,
         ffn=model_config.ffn_hidden_size,
@@ -169,7 +171,7 @@ def parallelize_model(
     dims.virtual_pp = pipeline.virtual_chunks(
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
-    check_model(dims, model_config)
+    check_model(dims, model_config, par)
     if dims.ep > 1:
         return _parallelize_expert_model(model, model_config, par, dims, param_dtype)
     mesh = dims.grad_sync_mesh()
@@ -184,7 +186,11 @@ def parallelize_model(
         model_config, schedule, mesh is not None and not own_sync, par.zero_stage
     )
     chunks = (
-        pipeline.build_chunks(model, dims, v_shaped=v_shaped) if dims.pp > 1 else [(None, model)]
+        pipeline.build_chunks(
+            model, dims, pipeline.layer_counts(par, model_config.num_layers), v_shaped=v_shaped
+        )
+        if dims.pp > 1
+        else [(None, model)]
     )
     for _, chunk in chunks:
         _apply_within_replica(chunk, model_config, par, dims)
@@ -236,7 +242,11 @@ def _parallelize_expert_model(
     v_shaped = schedule in pipeline.V_SHAPED
     # Chunks are cut from the whole model before any sharding (a deep copy per stage).
     chunks = (
-        pipeline.build_chunks(model, dims, v_shaped=v_shaped) if dims.pp > 1 else [(None, model)]
+        pipeline.build_chunks(
+            model, dims, pipeline.layer_counts(par, model_config.num_layers), v_shaped=v_shaped
+        )
+        if dims.pp > 1
+        else [(None, model)]
     )
     dp_mesh = dims.grad_sync_mesh()
     assert dp_mesh is not None, "ep > 1 implies a data-parallel size > 1"

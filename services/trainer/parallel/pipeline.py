@@ -61,6 +61,30 @@ def default_schedule(virtual: int) -> str:
     return "1f1b" if virtual == 1 else "interleaved_1f1b"
 
 
+def layer_counts(par: Any, num_layers: int) -> list[int] | None:
+    """Per-stage layer counts of an uneven split (--decoder-first/last-pipeline-num-layers), or
+    None for the even split; ValueError naming the flags when the rest cannot be even."""
+    first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return None
+    from models.pipeline import split_stages
+
+    try:
+        stages = split_stages(
+            num_layers,
+            par.pipeline_model_parallel_size,
+            first_stage_layers=first,
+            last_stage_layers=last,
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers "
+            f"{last} with {num_layers} layers over --pipeline-model-parallel-size "
+            f"{par.pipeline_model_parallel_size}: {exc}"
+        ) from None
+    return [stage.num_layers for stage in stages]
+
+
 def virtual_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
     """Chunks per pipeline rank from --num-layers-per-virtual-pipeline-stage (Megatron's rule)."""
     if layers_per_virtual_stage is None:

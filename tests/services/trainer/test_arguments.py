@@ -117,6 +117,8 @@ NON_DEFAULT = {
     "sequence_parallel": ("--sequence-parallel",),
     "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", "4"),
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage", "1"),
+    "decoder_first_pipeline_num_layers": None,  # needs PP without virtual stages: test_dry_run.py
+    "decoder_last_pipeline_num_layers": None,
     "context_parallel_size": ("--context-parallel-size", "2"),
     "expert_model_parallel_size": None,  # excludes TP/PP/CP: tests/finetune/test_expert_parallel.py
     "num_experts": ("--num-experts", "4"),

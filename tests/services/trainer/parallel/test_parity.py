@@ -47,6 +47,13 @@ TWO_RANK_LAYOUTS = {
         "--pipeline-schedule",
         "dualpipev",
     ],
+    # Uneven stages (Megatron's --decoder-first-pipeline-num-layers): 1 layer, then the rest.
+    "pp2-uneven": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--decoder-first-pipeline-num-layers",
+        "1",
+    ],
     "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "cp2": ["--context-parallel-size", "2"],

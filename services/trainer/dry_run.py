@@ -1,0 +1,436 @@
+"""`meshline train … --dry-run --world-size N`: build every rank's part of a real-size layout.
+
+The training command line is parsed and validated as for a real run. Then, for each rank that
+is not identical to another by symmetry, this process joins a fake process group as that rank
+(PyTorch's test backend: collectives return at once, no data moves), builds the model on the
+meta device and runs the trainer's own setup on it — precision plan, `build_parallel` (TP/SP, PP
+stages incl. virtual, CP, EP, ZeRO-1/2/3, recompute) and `build_training_optimizer` — then counts
+what the rank holds. No weights are allocated: a 70B layout over 64 ranks takes seconds.
+
+Ranks differ only by pipeline rank and, where ZeRO shards over them, by data/context-parallel
+index; tensor-parallel and expert-parallel ranks hold equal shares (the layout checks enforce
+divisibility), as do HSDP replicas. One rank of each class is built and reported for all.
+
+Bytes: parameters and their gradients as the built model stores them (the fp32 gradient copies
+of master precision included), optimizer state from the elements the built optimizer steps
+(models.model_states' per-element rule, since states are created at the first step),
+activations from the estimator's formula (`models.memory`; a meta build cannot measure them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
+from models.model_states import OPTIMIZER_STATE_BYTES
+from services.trainer.train_config import TrainConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank holds."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    parameters: int
+    """Elements of the parameters this rank stores."""
+    unique_parameters: int
+    """Of those, the elements it adds to the model's count when all ranks' are summed (copies
+    held by several ranks, and a tied head's embedding copy, counted once)."""
+    bytes: dict[str, int]
+
+
+def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    coords = {}
+    for axis in reversed(AXES):
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def _rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    rank = 0
+    for axis in AXES:
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_rank_isolated(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
+    """`build_rank` in a forked child: every rank starts from clean torch.distributed state.
+
+    One process cannot simply build rank after rank: DTensor's caches and meshes outlive
+    `destroy_process_group`, and the next rank's meshes (equal shape and names) would pick up
+    the previous rank's, whose groups are gone. A fork costs milliseconds and nothing is shared.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        code = 0
+        try:
+            payload = {"ok": build_rank(config, world_size, rank)}
+        except BaseException as exc:
+            payload = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "value_error": isinstance(exc, ValueError),
+            }
+            code = 1
+        with os.fdopen(write_fd, "w") as out:
+            json.dump(payload, out)
+        os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as inp:
+        text = inp.read()
+    os.waitpid(pid, 0)
+    payload = (
+        json.loads(text)
+        if text
+        else {"error": "the rank's build process died", "value_error": False}
+    )
+    if "error" in payload:
+        if payload["value_error"]:
+            raise ValueError(payload["error"].removeprefix("ValueError: "))
+        raise RuntimeError(f"building rank {rank} failed: {payload['error']}")
+    return payload["ok"]
+
+
+def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
+    """Whether `p` is a DTensor over mesh axis `axis` (and, with `sharded`, split along it)."""
+    if not isinstance(p, DTensor) or axis not in (p.device_mesh.mesh_dim_names or ()):
+        return False
+    if not sharded:
+        return True
+    index = p.device_mesh.mesh_dim_names.index(axis)
+    return not p.placements[index].is_replicate()
+
+
+def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, world_size: int) -> bool:
+
+    pp_rank = _coordinates(rank, _sizes(config, world_size))["pp"]
+    layout = _layout(config, world_size)
+    stages = layout.stages(model_config.num_layers)
+    return any(s.has_embedding for s in stages if s.pp_rank == pp_rank)
+
+
+def _sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
+    """Sizes of the mesh axes, outermost first (services.trainer.parallel.parallel_dims.AXES)."""
+    par = config.parallel
+    dp = config.dp_size(world_size)
+    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
+    return {
+        "pp": par.pipeline_model_parallel_size,
+        "dp_replicate": replicate,
+        "dp_shard": dp // replicate,
+        "cp": par.context_parallel_size,
+        "tp": par.tensor_model_parallel_size,
+    }
+
+
+def unique_elements(counts: dict[str, int], coords: dict[str, int], config: TrainConfig) -> int:
+    """Elements rank `coords` adds to the model's total when all ranks' are summed: copies held
+    alike by several ranks (replicated over tp, over data/context-parallel ranks, a tied head's
+    copy of the embedding) are counted once."""
+    par = config.parallel
+    fsdp = par.zero_stage >= 2
+    ep = par.expert_model_parallel_size
+    dense = counts["parameters"] - counts["experts"]
+    experts = counts["experts"]
+    if coords["tp"] != 0:
+        dense -= counts["tp_replicated"]
+        experts -= counts["experts_tp_replicated"]
+    first_replica = coords["dp_replicate"] == 0 and (
+        fsdp or (coords["dp_shard"] == 0 and coords["cp"] == 0)
+    )
+    expert_owner = coords["dp_replicate"] == 0 and coords["cp"] == 0 and coords["dp_shard"] < ep
+    return (dense - counts["tied_copy"] if first_replica else 0) + (experts if expert_owner else 0)
+
+
+def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
+    """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from models.mixtral import build_causal_lm
+    from services.trainer.optimizer import build_training_optimizer
+    from services.trainer.parallel.parallelize import build_dims
+    from services.trainer.precision import plan_precision
+    from services.trainer.setup import build_model_config, build_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        par = config.parallel
+        dims = None
+        if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
+            dims = build_dims(config, world_size)
+        plan = plan_precision(
+            config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
+        )
+        model_config = build_model_config(config)
+        model = build_causal_lm(model_config, device="meta").to(plan.model_dtype)
+        model, _, wrap = build_parallel(model, config, plan, world_size, dims=dims)
+        optimizer = build_training_optimizer(model, config.optim, plan, wrap_inner=wrap)
+        params = list(model.parameters())
+        parameters = sum(_local(p).numel() for p in params)
+        kinds = {"tp_replicated": 0, "experts": 0, "experts_tp_replicated": 0}
+        for p in params:
+            expert = _on_axis(p, "ep")
+            if not _on_axis(p, "tp", sharded=True):
+                kinds["experts_tp_replicated" if expert else "tp_replicated"] += _local(p).numel()
+            if expert:
+                kinds["experts"] += _local(p).numel()
+        tied_copy = 0
+        if model_config.tie_word_embeddings:
+            named = dict(model.named_parameters())
+            if "embed_tokens.weight" in named and not _holds_first_stage(
+                config, model_config, rank, world_size
+            ):
+                tied_copy = _local(named["embed_tokens.weight"]).numel()
+        param_bytes = sum(_local(p).numel() * p.element_size() for p in params)
+        grad_bytes = param_bytes
+        inner = getattr(optimizer, "inner", optimizer)
+        slots = getattr(inner, "slots", None)
+        state_elements = (
+            sum(slot.shard.numel() for slot in slots)
+            if slots is not None
+            else sum(_local(p).numel() for g in inner.param_groups for p in g["params"])
+        )
+        if plan.mode == "master":
+            # fp32 master copies; and the persistent fp32 gradient buffer unless released.
+            masters = sum(_local(m).numel() for m in optimizer.master_params)
+            master_bytes = 4 * masters
+            if not plan.release_fp32_grad:
+                grad_bytes += 4 * masters
+        else:
+            master_bytes = 0
+        per_state = OPTIMIZER_STATE_BYTES[config.optim.optimizer]
+        if config.optim.optimizer == "sgd" and config.optim.sgd_momentum == 0:
+            per_state = 0
+        return {
+            "parameters": parameters,
+            **kinds,
+            "tied_copy": tied_copy,
+            "param_bytes": param_bytes,
+            "grad_bytes": grad_bytes,
+            "optimizer_bytes": per_state * state_elements + master_bytes,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
+    """The estimator's view of this run (for activations)."""
+    from services.trainer.parallel import pipeline
+
+    par = config.parallel
+    precision = config.precision.dtype_name
+    model_config = _model_config(config)
+    return TrainingLayout(
+        tensor_parallel=par.tensor_model_parallel_size,
+        pipeline_parallel=par.pipeline_model_parallel_size,
+        data_parallel=config.dp_size(world_size),
+        virtual_stages=pipeline.virtual_chunks(
+            model_config.num_layers,
+            par.pipeline_model_parallel_size,
+            par.num_layers_per_virtual_pipeline_stage,
+        ),
+        context_parallel=par.context_parallel_size,
+        zero_stage=par.zero_stage,
+        recompute=par.recompute_granularity or "none",
+        precision=precision,
+        micro_batch_size=config.batch.micro_batch_size,
+        seq_length=config.model.seq_length,
+        sequence_parallel=par.sequence_parallel,
+        cpu_offload=par.cpu_offload,
+        optimizer=config.optim.optimizer,
+        release_fp32_grad=config.precision.release_fp32_grad,
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+    )
+
+
+def _model_config(config: TrainConfig) -> Any:
+    from services.trainer.setup import build_model_config
+
+    return build_model_config(config)
+
+
+def representatives(config: TrainConfig, world_size: int) -> dict[int, int]:
+    """Every rank → the rank built for it (same pipeline rank and ZeRO shard index)."""
+    zero = config.parallel.zero_stage
+    sizes = _sizes(config, world_size)
+    mapping = {}
+    for rank in range(world_size):
+        coords = _coordinates(rank, sizes)
+        coords["tp"] = 0
+        if zero == 0:
+            coords.update(dp_replicate=0, dp_shard=0, cp=0)
+        elif zero >= 2:
+            coords["dp_replicate"] = 0  # FSDP2 shards within dp_shard x cp, replicas alike
+        mapping[rank] = _rank_of(coords, sizes)
+    return mapping
+
+
+def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> dict[str, Any]:
+    """The report: per-rank parameters and bytes, the layout, whether it fits."""
+    config.validate(world_size)
+    par = config.parallel
+    mapping = representatives(config, world_size)
+    built = {r: build_rank_isolated(config, world_size, r) for r in sorted(set(mapping.values()))}
+    layout = _layout(config, world_size)
+    model_config = _model_config(config)
+    sizes = _sizes(config, world_size)
+    ep = par.expert_model_parallel_size
+    ranks = []
+    for rank in range(world_size):
+        coords = _coordinates(rank, sizes)
+        counts = built[mapping[rank]]
+        activations = int(rank_activation_bytes(model_config, layout, coords["pp"]))
+        by_kind = {
+            "parameters": counts["param_bytes"],
+            "gradients": counts["grad_bytes"],
+            "optimizer": counts["optimizer_bytes"],
+            "activations": activations,
+        }
+        if par.cpu_offload:
+            by_kind["host"] = by_kind["parameters"] + by_kind["gradients"] + by_kind["optimizer"]
+            by_kind.update(parameters=0, gradients=0, optimizer=0)
+        by_kind["total"] = sum(v for k, v in by_kind.items() if k != "host")
+        dp_index = coords["dp_replicate"] * sizes["dp_shard"] + coords["dp_shard"]
+        unique = unique_elements(counts, coords, config)
+        ranks.append(
+            RankReport(
+                rank=rank,
+                tp=coords["tp"],
+                pp=coords["pp"],
+                dp=dp_index,
+                cp=coords["cp"],
+                ep=coords["dp_shard"] % ep,
+                parameters=counts["parameters"],
+                unique_parameters=unique,
+                bytes=by_kind,
+            )
+        )
+    peak = max(r.bytes["total"] for r in ranks)
+    return {
+        "world_size": world_size,
+        "layout": {
+            "model": config.model.model,
+            "tp": par.tensor_model_parallel_size,
+            "pp": par.pipeline_model_parallel_size,
+            "virtual_pp": layout.virtual_stages,
+            "dp": config.dp_size(world_size),
+            "dp_replicate": sizes["dp_replicate"],
+            "cp": par.context_parallel_size,
+            "ep": ep,
+            "zero_stage": par.zero_stage,
+            "sequence_parallel": par.sequence_parallel,
+            "precision": layout.precision,
+            "recompute": layout.recompute,
+            "micro_batch_size": config.batch.micro_batch_size,
+            "seq_length": config.model.seq_length,
+            "ranks_built": len(built),
+        },
+        "ranks": [asdict(r) for r in ranks],
+        "fits": {
+            "device_memory_bytes": device_memory,
+            "peak_rank_bytes": peak,
+            "ok": None if device_memory is None else peak <= device_memory,
+        },
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """One line per distinct rank class (GiB), as printed by the CLI."""
+    gib = 2**30
+    head = f"{'ranks':<18}{'tp':>4}{'pp':>4}{'dp':>4}{'params':>16}{'param':>9}{'grad':>9}"
+    head += f"{'optim':>9}{'activ':>9}{'total':>9}"
+    lines = [head, "-" * len(head)]
+    groups: dict[tuple, list[int]] = {}
+    for r in report["ranks"]:
+        key = (r["pp"], r["dp"] if report["layout"]["zero_stage"] else 0, tuple(r["bytes"].items()))
+        groups.setdefault(key, []).append(r["rank"])
+    for (_, _, items), members in groups.items():
+        first = report["ranks"][members[0]]
+        b = dict(items)
+        label = (
+            f"{members[0]}"
+            if len(members) == 1
+            else f"{members[0]}..{members[-1]} ({len(members)})"
+        )
+        lines.append(
+            f"{label:<18}{first['tp']:>4}{first['pp']:>4}{first['dp']:>4}{first['parameters']:>16,}"
+            + "".join(
+                f"{b[k] / gib:>9.2f}"
+                for k in ("parameters", "gradients", "optimizer", "activations", "total")
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(
+    train_argv: list[str], world_size: int, report_path: str | None, device_memory: str | None
+) -> int:
+    """Entry point from `meshline train --dry-run`."""
+    from services.trainer.arguments import parse_args
+
+    try:
+        config = parse_args(train_argv, read_files=True)
+        memory = parse_bytes(device_memory) if device_memory else None
+        report = dry_run(config, world_size, memory)
+    except ValueError as exc:
+        print(f"meshline train --dry-run: {exc}", file=sys.stderr)
+        return 2
+    layout = report["layout"]
+    total_params = sum(r["unique_parameters"] for r in report["ranks"])
+    print(
+        f"dry run: {world_size} ranks, TP={layout['tp']} PP={layout['pp']} (virtual "
+        f"{layout['virtual_pp']}) DP={layout['dp']} CP={layout['cp']} EP={layout['ep']} "
+        f"ZeRO-{layout['zero_stage']} {layout['precision']}; {layout['ranks_built']} distinct "
+        "ranks built on the meta device"
+    )
+    print(f"model parameters (the ranks' unique elements added up): {total_params:,}")
+    print(format_table(report))
+    fits = report["fits"]
+    if fits["ok"] is not None:
+        verdict = "fits" if fits["ok"] else "does NOT fit"
+        print(
+            f"peak rank {fits['peak_rank_bytes'] / 2**30:.2f} GiB {verdict} in "
+            f"{fits['device_memory_bytes'] / 2**30:.2f} GiB per device"
+        )
+    if report_path:
+        with open(report_path, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=2)
+            out.write("\n")
+        print(f"report written to {report_path}")
+    return 0 if fits["ok"] in (None, True) else 1
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The launcher-level flags of a dry run (`meshline train --help` lists them)."""
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--world-size", type=int, default=None)
+    parser.add_argument("--dry-run-report", default=None)
+    parser.add_argument("--device-memory", default=None)
+
+
+def check_world_size(world_size: int | None) -> int:
+    """The --world-size of a dry run (required, positive)."""
+    if world_size is None or world_size < 1:
+        raise ValueError("--dry-run needs --world-size N (the number of ranks to simulate)")
+    return world_size

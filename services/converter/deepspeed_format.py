@@ -56,6 +56,7 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf
+from services.converter.bounds import check_declared_size
 from services.converter.hf_format import hf_unit, tokenizer_files
 from services.converter.megatron_format import safe_globals as megatron_safe_globals
 from services.converter.units import Tensors, Unit, reconcile, units
@@ -249,6 +250,9 @@ class DeepSpeedSource:
         self.ds_version = str(model_state.get("ds_version", "unknown"))
         steps = _TAG_STEP.search(self.tag_dir.name)
         self.iteration = int(steps.group(1)) if steps else int(model_state.get("global_steps", 0))
+        check_declared_size(
+            self.config, [*self._optim_files, *self._model_files], str(self.tag_dir)
+        )
         self._recipes = self._plan(model_state, world)
         del model_state
         self._by_unit: dict[Unit, list[str]] = {u: [] for u in units(self.config)}
@@ -276,7 +280,7 @@ class DeepSpeedSource:
         try:
             hf = json.loads(path.read_text())
             own = config_from_hf(hf)
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path} is not a readable HF config ({exc})") from exc
         return reconcile(own, named, str(path)), hf
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
+from services.converter.bounds import check_declared_size
 from services.converter.megatron_layout import (
     Shards,
     StageLayout,
@@ -36,6 +37,8 @@ from services.converter.units import POST, PRE, Tensors, Unit, reconcile, unit_l
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+MAX_PARALLEL_SIZE = 4096
+"""Largest TP or PP size a checkpoint's args may declare."""
 _MEGATRON_ENUMS = (
     ("megatron.core.enums", "ModelType"),
     ("megatron.core.transformer.enums", "AttnBackend"),
@@ -109,6 +112,20 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
+def _parallel_size(args: Any, kind: str, path: Path) -> int:
+    """`args.<kind>_model_parallel_size` (1 when absent), checked to be a sane integer."""
+    name = f"{kind}_model_parallel_size"
+    value = getattr(args, name, None)
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= MAX_PARALLEL_SIZE:
+        raise ValueError(
+            f"{path}: args.{name}={value!r} is not an integer in [1, {MAX_PARALLEL_SIZE}]; the "
+            "file is corrupted or not trusted"
+        )
+    return value
+
+
 def _resolve_iteration(directory: Path, iteration: int | None) -> Path:
     if iteration is not None:
         path = directory / f"iter_{iteration:07d}"
@@ -136,8 +153,15 @@ class MegatronSource:
     """A Megatron legacy checkpoint opened for per-unit reads (any TP/PP/virtual layout)."""
 
     def __init__(
-        self, directory: Path, config: ModelConfig | None, iteration: int | None = None
+        self,
+        directory: Path,
+        config: ModelConfig | None,
+        iteration: int | None = None,
+        full_weights: bool = True,
     ) -> None:
+        """`full_weights=False` opens an adapter-only checkpoint (Megatron LoRA), whose files
+        hold no full weights: its size is then not checked against `config` (which the source
+        being converted has already checked)."""
         self.iter_dir = _resolve_iteration(directory, iteration)
         ranks: dict[tuple[int, int], Path] = {}
         for path in self.iter_dir.iterdir():
@@ -152,10 +176,8 @@ class MegatronSource:
         first = load_file(present[0])
         args = first.get("args")
         # The saved sizes, when present, catch a whole missing rank directory at the edge.
-        self.tp = max(1 + max(t for t, _ in ranks), getattr(args, "tensor_model_parallel_size", 1))
-        self.pp = max(
-            1 + max(p for _, p in ranks), getattr(args, "pipeline_model_parallel_size", 1)
-        )
+        self.tp = max(1 + max(t for t, _ in ranks), _parallel_size(args, "tensor", present[0]))
+        self.pp = max(1 + max(p for _, p in ranks), _parallel_size(args, "pipeline", present[0]))
         for t in range(self.tp):
             for p in range(self.pp):
                 if (t, p) not in ranks or not ranks[(t, p)].is_file():
@@ -168,6 +190,8 @@ class MegatronSource:
         """The `args` Namespace of the first file (None when the checkpoint has none)."""
         self.iteration = int(first.get("iteration", 0) or 0)
         self.config = self._config(config, args)
+        if full_weights:
+            check_declared_size(self.config, present, str(self.iter_dir))
         chunks = sorted(k for k in first if re.fullmatch(r"model\d+", k))
         self._chunk_keys = chunks or ["model"]
         self.layout = StageLayout(self.config.num_layers, self.pp, len(self._chunk_keys))
@@ -177,7 +201,13 @@ class MegatronSource:
     def _config(self, config: ModelConfig | None, args: Any) -> ModelConfig:
         saved = getattr(args, "meshline_model_config", None)
         if saved is not None:
-            own = ModelConfig.from_dict(json.loads(saved))
+            try:
+                own = ModelConfig.from_dict(json.loads(saved))
+            except (TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(
+                    f"{self.iter_dir}: args.meshline_model_config is not a valid model config "
+                    f"({exc})"
+                ) from exc
             config = reconcile(own, config, f"{self.iter_dir} (args.meshline_model_config)")
         elif config is None:
             raise ValueError(

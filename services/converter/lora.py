@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -83,7 +84,16 @@ class LoraAdapter:
                 raise ValueError(f"{safetensors} is not readable safetensors ({exc})") from exc
         binary = directory / "adapter_model.bin"
         if binary.is_file():
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(binary, map_location="cpu", weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ValueError(
+                    f"{binary}: refused to load; not a weights-only state dict of tensors ({first})"
+                ) from exc
+            if not isinstance(state, dict):
+                raise ValueError(f"{binary} holds a {type(state).__name__}, not a state dict")
+            return state
         raise FileNotFoundError(f"{directory} has neither adapter_model.safetensors nor .bin")
 
     def delta(self, module: str) -> torch.Tensor:

@@ -188,7 +188,10 @@ class MegatronSource:
         self._files = ranks
         self.args = args
         """The `args` Namespace of the first file (None when the checkpoint has none)."""
-        self.iteration = int(first.get("iteration", 0) or 0)
+        iteration = first.get("iteration", 0) or 0
+        if type(iteration) is not int or iteration < 0:
+            raise ValueError(f"{present[0]}: iteration {iteration!r} is not a step number")
+        self.iteration = iteration
         self.config = self._config(config, args)
         if full_weights:
             check_declared_size(self.config, present, str(self.iter_dir))

@@ -240,10 +240,15 @@ def test_oversized_config_over_grpc_writes_nothing(root):
     assert _digest(root) == before and not (root / "out").exists()
 
 
-def test_safetensors_header_declaring_a_huge_tensor_is_refused(root):
+@pytest.mark.parametrize(
+    ("shape", "end"),
+    [([2**20, 2**20], 4 * 2**40), ([-1, -4], 16), ([2**62, 4], 0)],
+    ids=["huge", "negative", "overflowing"],
+)
+def test_safetensors_header_with_a_hostile_shape_is_refused(root, shape, end):
     source = root / "models" / "hf"
-    header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [2**20, 2**20]}}
-    header["model.embed_tokens.weight"]["data_offsets"] = [0, 4 * 2**40]
+    header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": shape}}
+    header["model.embed_tokens.weight"]["data_offsets"] = [0, end]
     raw = json.dumps(header).encode()
     (source / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 64)
     outcome = _load_with_capped_memory(source)

@@ -114,7 +114,8 @@ def _check_tensor(fqn: str, item: TensorStorageMetadata, lengths: dict[Any, int]
         )
         numel = math.prod(sizes)
         stored = lengths.get(MetadataIndex(fqn, chunk.offsets))
-        _require(stored is not None, f"{fqn!r} chunk at {offsets} has no storage entry")
+        if stored is None:
+            raise _Invalid(f"{fqn!r} chunk at {offsets} has no storage entry")
         _require(
             stored >= numel * itemsize,
             f"{fqn!r} chunk at {offsets} declares {numel * itemsize} bytes but stores {stored}",

@@ -20,11 +20,12 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from services.trainer.ckpt.metadata_check import check_metadata
 
@@ -147,7 +148,8 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Any:
         """torch's read path, with bytes items decoded weights-only before the planner's
         `load_bytes` (which would otherwise `torch.load(weights_only=False)` them)."""
-        return super().read_data(plan, _WeightsOnlyBytes(planner, Path(os.fspath(self.path))))
+        wrapped = _WeightsOnlyBytes(planner, Path(os.fspath(self.path)))
+        return super().read_data(plan, cast(LoadPlanner, wrapped))
 
 
 class _WeightsOnlyBytes:

@@ -182,7 +182,7 @@ def check_paths(request: converter_pb2.ConvertRequest, config: ConverterServiceC
         raise NotFound(f"load_dir: {request.load_dir!r} is not an existing directory")
     if lora_dir is not None and not lora_dir.is_dir():
         raise NotFound(f"lora_load_dir: {request.lora_load_dir!r} is not an existing directory")
-    if save_dir.exists() and any(save_dir.iterdir()) and not request.overwrite:
+    if save_dir.is_dir() and any(save_dir.iterdir()) and not request.overwrite:
         raise FailedPrecondition(
             f"save_dir: {request.save_dir!r} exists and is not empty; set overwrite=true to "
             "replace it or choose another directory"

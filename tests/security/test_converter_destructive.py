@@ -79,6 +79,7 @@ def _no_staging_left(directory: Path) -> bool:
         ("models/hf", grpc.StatusCode.INVALID_ARGUMENT),  # the source
         ("models/hf/out", grpc.StatusCode.INVALID_ARGUMENT),  # inside the source
         ("other", grpc.StatusCode.FAILED_PRECONDITION),  # a directory the converter did not write
+        ("sentinel.txt", grpc.StatusCode.FAILED_PRECONDITION),  # an existing file
     ],
 )
 def test_destructive_save_dir_is_refused(root, target, code):

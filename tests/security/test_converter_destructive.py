@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from meshline.converter.v1 import converter_pb2
-from services.converter import cli
+from services.converter import cli, output_dir
 from services.converter.output_dir import MARKER, publish, staging_dir, write_marker
 from services.converter.safetensors_stream import read_header
 from tests.security.grpc_convert import convert_over_grpc
@@ -268,3 +268,35 @@ def test_index_naming_a_file_outside_the_checkpoint_is_refused(root, tmp_path):
     status, message = convert_over_grpc(root, _request(root, str(root / "out")))
     assert status == grpc.StatusCode.INVALID_ARGUMENT, message
     assert not (root / "out").exists()
+
+
+def _old_and_new(tmp_path: Path) -> tuple[Path, Path]:
+    save = tmp_path / "out"
+    save.mkdir()
+    write_marker(save, {"format": "native"})
+    (save / "old.txt").write_text("old output")
+    tmp = staging_dir(save)
+    write_marker(tmp, {"format": "native"})
+    (tmp / "new.txt").write_text("new output")
+    return tmp, save
+
+
+def test_publish_swaps_in_one_step_where_the_kernel_can(tmp_path, monkeypatch):
+    """With renameat2 the old output is never moved aside first: no plain rename happens."""
+    tmp, save = _old_and_new(tmp_path)
+
+    def no_rename(*args):
+        raise AssertionError(f"two-step rename used: {args}")
+
+    monkeypatch.setattr(output_dir.os, "rename", no_rename)
+    publish(tmp, save, overwrite=True)
+    assert (save / "new.txt").is_file() and not (save / "old.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_publish_without_renameat2_still_replaces_completely(tmp_path, monkeypatch):
+    tmp, save = _old_and_new(tmp_path)
+    monkeypatch.setattr(output_dir, "_exchange", lambda a, b: False)
+    publish(tmp, save, overwrite=True)
+    assert (save / "new.txt").is_file() and not (save / "old.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -29,6 +29,7 @@ from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf
 from services.converter.bounds import check_declared_size
 from services.converter.hf_format import hf_specs, hf_unit, tokenizer_files
+from services.converter.torch_files import load_weights_only
 from services.converter.units import Tensors, Unit, reconcile, units
 from services.trainer.ckpt.safe_reader import SafeFileSystemReader
 
@@ -107,12 +108,11 @@ class FSDPSource:
         )
 
     def _load_full(self) -> dict[str, torch.Tensor]:
-        try:
-            state = torch.load(self._file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise ValueError(
-                f"{self._file}: not a weights-only torch state dict ({str(exc).splitlines()[0]})"
-            ) from exc
+        state = load_weights_only(
+            self._file,
+            [],
+            "not a weights-only torch state dict: save the FSDP FULL_STATE_DICT of tensors only",
+        )
         if not isinstance(state, dict):
             raise ValueError(f"{self._file} holds a {type(state).__name__}, not a state dict")
         nested = [k for k, v in state.items() if isinstance(v, dict)]

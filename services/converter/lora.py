@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 from models.config import ModelConfig
 from models.hf_adapters import from_hf, to_hf
 from services.converter.megatron_lora import MegatronLoraAdapter, is_megatron_lora
+from services.converter.torch_files import load_weights_only
 from services.converter.units import Tensors
 
 _PREFIX = "base_model.model."
@@ -84,13 +84,9 @@ class LoraAdapter:
                 raise ValueError(f"{safetensors} is not readable safetensors ({exc})") from exc
         binary = directory / "adapter_model.bin"
         if binary.is_file():
-            try:
-                state = torch.load(binary, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ValueError(
-                    f"{binary}: refused to load; not a weights-only state dict of tensors ({first})"
-                ) from exc
+            state = load_weights_only(
+                binary, [], "re-save the adapter with save_pretrained (safetensors)", mmap=False
+            )
             if not isinstance(state, dict):
                 raise ValueError(f"{binary} holds a {type(state).__name__}, not a state dict")
             return state

@@ -5,7 +5,8 @@ Each file holds `{"args": Namespace, "checkpoint_version": 3.0, "iteration": N, 
 pipeline stage (see megatron_layout for names and splits). `latest_checkpointed_iteration.txt`
 names the iteration, or `release` for converted checkpoints (Megatron refuses iteration 0).
 
-Files are read with `torch.load(weights_only=True, mmap=True)` and an allow-list of the few
+Files are read with `torch_files.load_weights_only` (a static check of every global, then
+`torch.load(weights_only=True, mmap=True)`) and an allow-list of the few
 non-tensor types Megatron stores (`argparse.Namespace`), never a plain unpickle; each unit reopens
 the files it needs, so only that unit's bytes are paged in. The writer is megatron_writer.
 """
@@ -16,7 +17,6 @@ import argparse
 import functools
 import importlib
 import json
-import pickle
 import re
 import types
 from pathlib import Path
@@ -32,6 +32,7 @@ from services.converter.megatron_layout import (
     edge_from_megatron,
     layer_from_megatron,
 )
+from services.converter.torch_files import load_weights_only
 from services.converter.units import POST, PRE, Tensors, Unit, reconcile, unit_label
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,7 +46,6 @@ _MEGATRON_ENUMS = (
     ("megatron.core.transformer.enums", "AttnMaskType"),
     ("megatron.core.transformer.enums", "AttnType"),
 )
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
 @functools.cache
@@ -81,19 +81,11 @@ _ARG_FIELDS = {
 
 def load_file(path: Path) -> dict[str, Any]:
     """One `model_optim_rng.pt`, memory-mapped, through the allow-list (clear errors otherwise)."""
-    try:
-        with torch.serialization.safe_globals(safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED.search(str(exc))
-        what = found.group(1) if found else str(exc).splitlines()[0]
-        raise ValueError(
-            f"{path}: refused to load; it holds {what}, which is outside the allow-list of "
-            f"{[t.__name__ for t in safe_globals()]}, tensors and plain values (a trusted file "
-            "with other types must be re-saved without them, e.g. with --no-save-optim)"
-        ) from exc
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise ValueError(f"{path} is not a readable torch checkpoint ({exc}); truncated?") from exc
+    state = load_weights_only(
+        path,
+        safe_globals(),
+        "a trusted file with other types must be re-saved without them, e.g. with --no-save-optim",
+    )
     if not isinstance(state, dict) or not any(k.startswith("model") for k in state):
         raise ValueError(f"{path} holds no `model` state: not a Megatron checkpoint file")
     return state

@@ -15,6 +15,7 @@ import pickle
 import shutil
 import struct
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import pytest
@@ -30,6 +31,7 @@ from services.converter import deepspeed_format, megatron_format
 from services.converter.fsdp_format import FSDPSource
 from services.converter.job import ConvertOptions, convert
 from services.converter.lora import LoraAdapter
+from services.converter.torch_files import RefusedGlobals, load_weights_only
 from services.inference.loading import read_state
 from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.ckpt.safe_reader import SafeFileSystemReader
@@ -374,3 +376,29 @@ def test_lora_bin_with_code_is_refused(tmp_path, marker):
     with pytest.raises(ValueError, match="refused"):
         LoraAdapter(adapter)
     assert not marker.exists()
+
+
+class _Witness:
+    """An allow-listed type that records every time the unpickler builds one."""
+
+    built: ClassVar[list[int]] = []
+
+    def __setstate__(self, state: dict) -> None:
+        _Witness.built.append(1)
+        self.__dict__.update(state)
+
+
+def test_torch_file_is_refused_before_any_object_is_built(tmp_path, marker):
+    """An allowed object first, a hostile global after it: the static check refuses the file
+    before the allowed object is built (plain weights-only loading would build it first)."""
+    path = tmp_path / "model_optim_rng.pt"
+    witness = _Witness()
+    witness.value = 1
+    torch.save({"first": witness, "then": _Reduce(os.system, (_touch_cmd(marker),))}, path)
+    _Witness.built.clear()
+    with pytest.raises(RefusedGlobals, match=r"posix\.system"):
+        load_weights_only(path, [_Witness], "test")
+    assert _Witness.built == [] and not marker.exists()
+    torch.save({"first": witness}, path)
+    assert load_weights_only(path, [_Witness], "test")["first"].value == 1
+    assert _Witness.built == [1]

@@ -19,6 +19,18 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu")
 ROPE_SCALING_TYPES = ("linear", "ntk")
 
 
+MAX_SIZES: dict[str, int] = {
+    "vocab_size": 2**22,
+    "hidden_size": 2**17,
+    "num_layers": 2048,
+    "num_attention_heads": 2048,
+    "ffn_hidden_size": 2**20,
+    "max_position_embeddings": 2**24,
+}
+"""Upper bounds on sizes read from config files: far above any released model, low enough that
+a hostile config.json cannot make a reader build per-layer tables of absurd length."""
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters of a causal decoder (no parallel layout, no training)."""
@@ -109,6 +121,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer")
+            if value > MAX_SIZES[name]:
+                raise ValueError(
+                    f"ModelConfig.{name}={value}: larger than any real model (at most "
+                    f"{MAX_SIZES[name]}); the config file is corrupted or not trusted"
+                )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "

@@ -29,7 +29,8 @@ flat buffers hold them), `shared_params` (tied name → the name holding the dat
   parameter in `param_shapes` order. A parameter is piece 0..DP-1 concatenated and trimmed.
   Frozen parameters are per-rank pieces in each rank's model-states file, cut the same way.
 
-Files are read with `torch.load(weights_only=True, mmap=True)` and an allow-list: DeepSpeed's
+Files are read with `torch_files.load_weights_only` (every global checked statically first, then
+`torch.load(weights_only=True, mmap=True)`) and an allow-list: DeepSpeed's
 loss scalers, `ZeroStageEnum` and `fragment_address` are rebuilt as inert stand-ins registered
 under DeepSpeed's names (their attributes are kept, no DeepSpeed code exists or runs), plus the
 Megatron allow-list (`argparse.Namespace` from Megatron-DeepSpeed client state). Each unit
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,14 +56,15 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf
+from services.converter.bounds import check_declared_size
 from services.converter.hf_format import hf_unit, tokenizer_files
 from services.converter.megatron_format import safe_globals as megatron_safe_globals
+from services.converter.torch_files import load_weights_only
 from services.converter.units import Tensors, Unit, reconcile, units
 
 TAG_FILE = "latest"
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _TAG_STEP = re.compile(r"global_step(\d+)$")
 
 
@@ -106,22 +107,12 @@ def safe_globals() -> list[Any]:
 
 def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed `.pt` file, memory-mapped, through the allow-list (clear errors otherwise)."""
-    try:
-        with torch.serialization.safe_globals(safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED.search(str(exc))
-        what = found.group(1) if found else str(exc).splitlines()[0]
-        allowed = [name for _, name in _DEEPSPEED_TYPES] + [
-            t.__name__ for t in megatron_safe_globals()
-        ]
-        raise ValueError(
-            f"{path}: refused to load; it holds {what}, which is outside the allow-list of "
-            f"{allowed}, tensors and plain values (a trusted file with other objects must be "
-            "consolidated with DeepSpeed's own zero_to_fp32.py and read as --load-format hf)"
-        ) from exc
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise ValueError(f"{path} is not a readable torch checkpoint ({exc}); truncated?") from exc
+    state = load_weights_only(
+        path,
+        safe_globals(),
+        "a trusted file with other objects must be consolidated with DeepSpeed's own "
+        "zero_to_fp32.py and read as --load-format hf",
+    )
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a DeepSpeed state dict")
     return state
@@ -249,6 +240,9 @@ class DeepSpeedSource:
         self.ds_version = str(model_state.get("ds_version", "unknown"))
         steps = _TAG_STEP.search(self.tag_dir.name)
         self.iteration = int(steps.group(1)) if steps else int(model_state.get("global_steps", 0))
+        check_declared_size(
+            self.config, [*self._optim_files, *self._model_files], str(self.tag_dir)
+        )
         self._recipes = self._plan(model_state, world)
         del model_state
         self._by_unit: dict[Unit, list[str]] = {u: [] for u in units(self.config)}
@@ -276,7 +270,7 @@ class DeepSpeedSource:
         try:
             hf = json.loads(path.read_text())
             own = config_from_hf(hf)
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path} is not a readable HF config ({exc})") from exc
         return reconcile(own, named, str(path)), hf
 

@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf
+from services.converter.bounds import check_declared_size
 from services.converter.hf_format import hf_specs, hf_unit, tokenizer_files
+from services.converter.torch_files import load_weights_only
 from services.converter.units import Tensors, Unit, reconcile, units
 from services.trainer.ckpt.safe_reader import SafeFileSystemReader
 
@@ -42,7 +44,7 @@ def _config(directory: Path, named: ModelConfig | None) -> tuple[ModelConfig, di
             try:
                 hf = json.loads(path.read_text())
                 own = config_from_hf(hf)
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path} is not a readable HF config ({exc})") from exc
             return reconcile(own, named, str(path)), hf, root
     if named is None:
@@ -64,6 +66,11 @@ class FSDPSource:
         self._dcp = (directory / ".metadata").is_file()
         if self._dcp:
             metadata = SafeFileSystemReader(directory).read_metadata()
+            check_declared_size(
+                self.config,
+                {directory / info.relative_path for info in metadata.storage_data.values()},
+                str(directory),
+            )
             self._meta = {
                 k: (tuple(item.size), item.properties.dtype)
                 for k, item in metadata.state_dict_metadata.items()
@@ -72,6 +79,7 @@ class FSDPSource:
             keys = list(self._meta)
         else:
             self._file = self._full_file()
+            check_declared_size(self.config, [self._file], str(self._file))
             keys = list(self._load_full())
         self._keys = self._hf_names(keys)
         self._by_unit: dict[Unit, list[str]] = {u: [] for u in units(self.config)}
@@ -100,12 +108,11 @@ class FSDPSource:
         )
 
     def _load_full(self) -> dict[str, torch.Tensor]:
-        try:
-            state = torch.load(self._file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise ValueError(
-                f"{self._file}: not a weights-only torch state dict ({str(exc).splitlines()[0]})"
-            ) from exc
+        state = load_weights_only(
+            self._file,
+            [],
+            "not a weights-only torch state dict: save the FSDP FULL_STATE_DICT of tensors only",
+        )
         if not isinstance(state, dict):
             raise ValueError(f"{self._file} holds a {type(state).__name__}, not a state dict")
         nested = [k for k, v in state.items() if isinstance(v, dict)]

@@ -18,6 +18,7 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf, hf_config, to_hf
+from services.converter.bounds import check_declared_size, file_in_directory
 from services.converter.safetensors_stream import (
     StreamingWriter,
     TensorSpec,
@@ -80,8 +81,12 @@ class HFSource:
             try:
                 self.hf_config = json.loads(config_path.read_text())
                 own = config_from_hf(self.hf_config)
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{config_path} is not a readable HF config ({exc})") from exc
+            except AttributeError as exc:
+                raise ValueError(f"{config_path} is not a JSON object of HF config keys") from exc
+            except ValueError as exc:
+                raise ValueError(f"{config_path}: {exc}") from exc
             config = reconcile(own, config, str(config_path))
         elif config is None:
             raise FileNotFoundError(
@@ -104,15 +109,22 @@ class HFSource:
                         "layer model in config.json (wrong --model or config?)"
                     )
                 self._by_unit[unit].append((name, path))
+        check_declared_size(config, self._files.values(), str(directory))
 
     def _weight_files(self) -> dict[str, Path]:
         index = self.directory / INDEX
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+                entries = weight_map.items()
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{index} is not a safetensors index ({exc})") from exc
-            files = {name: self.directory / file for name, file in weight_map.items()}
+            except AttributeError as exc:
+                raise ValueError(f"{index}: weight_map is not a JSON object") from exc
+            files = {
+                name: file_in_directory(self.directory, file, f"{index} (tensor {name!r})")
+                for name, file in entries
+            }
             for path in set(files.values()):
                 if not path.is_file():
                     raise FileNotFoundError(f"{index} names {path.name}, which is missing")

@@ -1,17 +1,16 @@
 """One conversion: open the source, stream units through LoRA merge and dtype cast into the sink,
 verify, publish atomically.
 
-The output is written under a hidden temporary name beside `save_dir` and renamed into place only
+The output is written under a hidden temporary name beside `save_dir` and swapped into place only
 after every file is written (and the parity check, when asked for, has passed); any failure
-removes it, so a `save_dir` that exists is always complete.
+removes it, so a `save_dir` that exists is always complete. `output_dir` decides where an output
+may go and what `overwrite` may replace (only the converter's own earlier outputs).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +34,13 @@ from services.converter.options import (
     ConvertReport,
     Progress,
     VerificationFailed,
+)
+from services.converter.output_dir import (
+    check_replaceable,
+    check_save_dir,
+    publish,
+    staging_dir,
+    write_marker,
 )
 from services.converter.units import (
     DTYPES,
@@ -91,24 +97,11 @@ def open_sink(options: ConvertOptions, directory: Path, source: Source, dtype: t
 
 
 def _check_save_dir(options: ConvertOptions) -> None:
-    save = options.save_dir
-    if save.exists() and not save.is_dir():
-        raise FileExistsError(f"--save-dir {save} exists and is not a directory")
-    if save.is_dir() and any(save.iterdir()) and not options.overwrite:
-        raise FileExistsError(
-            f"--save-dir {save} exists and is not empty; pass --overwrite or choose another"
-        )
-
-
-def _publish(tmp: Path, save: Path) -> None:
-    """Moves the finished `tmp` to `save`, swapping out an old output if there is one."""
-    if save.is_dir():
-        old = save.with_name(f".{save.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(save, old)
-        os.rename(tmp, save)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, save)
+    reads = [("--load-dir", options.load_dir)]
+    if options.lora_dir is not None:
+        reads.append(("--lora-load", options.lora_dir))
+    check_save_dir(options.save_dir, reads)
+    check_replaceable(options.save_dir, options.overwrite)
 
 
 def convert(
@@ -135,9 +128,7 @@ def convert(
     report = _Reporter(on_progress, total, config.num_layers)
     reshards = options.save_format == "megatron" or options.load_format == "megatron"
 
-    options.save_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = options.save_dir.with_name(f".{options.save_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
+    tmp = staging_dir(options.save_dir)
     sink: Sink | None = None
     try:
         reference = ModelAssembler(config) if options.verify else None
@@ -168,6 +159,10 @@ def convert(
         assert sink is not None
         report.stage("save", None)
         files = sink.finish()
+        write_marker(
+            tmp,
+            {"format": options.save_format, "load_dir": str(options.load_dir), "files": files},
+        )
         verify_report = None
         if reference is not None:
             report.stage("verify", None)
@@ -178,7 +173,7 @@ def convert(
             verify_report = compare(expected, load_model(output), tolerance)
             if not verify_report.passed:
                 raise VerificationFailed(verify_report)
-        _publish(tmp, options.save_dir)
+        publish(tmp, options.save_dir, options.overwrite)
     except BaseException:
         if sink is not None:
             sink.abort()

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from models.config import ModelConfig
 from models.hf_adapters import from_hf, to_hf
 from services.converter.megatron_lora import MegatronLoraAdapter, is_megatron_lora
+from services.converter.torch_files import load_weights_only
 from services.converter.units import Tensors
 
 _PREFIX = "base_model.model."
@@ -95,7 +96,12 @@ class LoraAdapter:
                 raise ValueError(f"{safetensors} is not readable safetensors ({exc})") from exc
         binary = directory / "adapter_model.bin"
         if binary.is_file():
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            state = load_weights_only(
+                binary, [], "re-save the adapter with save_pretrained (safetensors)", mmap=False
+            )
+            if not isinstance(state, dict):
+                raise ValueError(f"{binary} holds a {type(state).__name__}, not a state dict")
+            return state
         raise FileNotFoundError(f"{directory} has neither adapter_model.safetensors nor .bin")
 
     def delta(self, module: str) -> torch.Tensor:

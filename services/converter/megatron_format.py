@@ -5,7 +5,8 @@ Each file holds `{"args": Namespace, "checkpoint_version": 3.0, "iteration": N, 
 pipeline stage (see megatron_layout for names and splits). `latest_checkpointed_iteration.txt`
 names the iteration, or `release` for converted checkpoints (Megatron refuses iteration 0).
 
-Files are read with `torch.load(weights_only=True, mmap=True)` and an allow-list of the few
+Files are read with `torch_files.load_weights_only` (a static check of every global, then
+`torch.load(weights_only=True, mmap=True)`) and an allow-list of the few
 non-tensor types Megatron stores (`argparse.Namespace`), never a plain unpickle; each unit reopens
 the files it needs, so only that unit's bytes are paged in. The writer is megatron_writer.
 """
@@ -16,7 +17,6 @@ import argparse
 import functools
 import importlib
 import json
-import pickle
 import re
 import types
 from pathlib import Path
@@ -25,24 +25,27 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
+from services.converter.bounds import check_declared_size
 from services.converter.megatron_layout import (
     Shards,
     StageLayout,
     edge_from_megatron,
     layer_from_megatron,
 )
+from services.converter.torch_files import load_weights_only
 from services.converter.units import POST, PRE, Tensors, Unit, reconcile, unit_label
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+MAX_PARALLEL_SIZE = 4096
+"""Largest TP or PP size a checkpoint's args may declare."""
 _MEGATRON_ENUMS = (
     ("megatron.core.enums", "ModelType"),
     ("megatron.core.transformer.enums", "AttnBackend"),
     ("megatron.core.transformer.enums", "AttnMaskType"),
     ("megatron.core.transformer.enums", "AttnType"),
 )
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
 @functools.cache
@@ -78,19 +81,11 @@ _ARG_FIELDS = {
 
 def load_file(path: Path) -> dict[str, Any]:
     """One `model_optim_rng.pt`, memory-mapped, through the allow-list (clear errors otherwise)."""
-    try:
-        with torch.serialization.safe_globals(safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED.search(str(exc))
-        what = found.group(1) if found else str(exc).splitlines()[0]
-        raise ValueError(
-            f"{path}: refused to load; it holds {what}, which is outside the allow-list of "
-            f"{[t.__name__ for t in safe_globals()]}, tensors and plain values (a trusted file "
-            "with other types must be re-saved without them, e.g. with --no-save-optim)"
-        ) from exc
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise ValueError(f"{path} is not a readable torch checkpoint ({exc}); truncated?") from exc
+    state = load_weights_only(
+        path,
+        safe_globals(),
+        "a trusted file with other types must be re-saved without them, e.g. with --no-save-optim",
+    )
     if not isinstance(state, dict) or not any(k.startswith("model") for k in state):
         raise ValueError(f"{path} holds no `model` state: not a Megatron checkpoint file")
     return state
@@ -107,6 +102,20 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
                 name = pattern.sub(repl, name)
             flat[name] = value
     return flat
+
+
+def _parallel_size(args: Any, kind: str, path: Path) -> int:
+    """`args.<kind>_model_parallel_size` (1 when absent), checked to be a sane integer."""
+    name = f"{kind}_model_parallel_size"
+    value = getattr(args, name, None)
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= MAX_PARALLEL_SIZE:
+        raise ValueError(
+            f"{path}: args.{name}={value!r} is not an integer in [1, {MAX_PARALLEL_SIZE}]; the "
+            "file is corrupted or not trusted"
+        )
+    return value
 
 
 def _resolve_iteration(directory: Path, iteration: int | None) -> Path:
@@ -136,8 +145,15 @@ class MegatronSource:
     """A Megatron legacy checkpoint opened for per-unit reads (any TP/PP/virtual layout)."""
 
     def __init__(
-        self, directory: Path, config: ModelConfig | None, iteration: int | None = None
+        self,
+        directory: Path,
+        config: ModelConfig | None,
+        iteration: int | None = None,
+        full_weights: bool = True,
     ) -> None:
+        """`full_weights=False` opens an adapter-only checkpoint (Megatron LoRA), whose files
+        hold no full weights: its size is then not checked against `config` (which the source
+        being converted has already checked)."""
         self.iter_dir = _resolve_iteration(directory, iteration)
         ranks: dict[tuple[int, int], Path] = {}
         for path in self.iter_dir.iterdir():
@@ -152,10 +168,8 @@ class MegatronSource:
         first = load_file(present[0])
         args = first.get("args")
         # The saved sizes, when present, catch a whole missing rank directory at the edge.
-        self.tp = max(1 + max(t for t, _ in ranks), getattr(args, "tensor_model_parallel_size", 1))
-        self.pp = max(
-            1 + max(p for _, p in ranks), getattr(args, "pipeline_model_parallel_size", 1)
-        )
+        self.tp = max(1 + max(t for t, _ in ranks), _parallel_size(args, "tensor", present[0]))
+        self.pp = max(1 + max(p for _, p in ranks), _parallel_size(args, "pipeline", present[0]))
         for t in range(self.tp):
             for p in range(self.pp):
                 if (t, p) not in ranks or not ranks[(t, p)].is_file():
@@ -166,8 +180,13 @@ class MegatronSource:
         self._files = ranks
         self.args = args
         """The `args` Namespace of the first file (None when the checkpoint has none)."""
-        self.iteration = int(first.get("iteration", 0) or 0)
+        iteration = first.get("iteration", 0) or 0
+        if type(iteration) is not int or iteration < 0:
+            raise ValueError(f"{present[0]}: iteration {iteration!r} is not a step number")
+        self.iteration = iteration
         self.config = self._config(config, args)
+        if full_weights:
+            check_declared_size(self.config, present, str(self.iter_dir))
         chunks = sorted(k for k in first if re.fullmatch(r"model\d+", k))
         self._chunk_keys = chunks or ["model"]
         self.layout = StageLayout(self.config.num_layers, self.pp, len(self._chunk_keys))
@@ -177,7 +196,13 @@ class MegatronSource:
     def _config(self, config: ModelConfig | None, args: Any) -> ModelConfig:
         saved = getattr(args, "meshline_model_config", None)
         if saved is not None:
-            own = ModelConfig.from_dict(json.loads(saved))
+            try:
+                own = ModelConfig.from_dict(json.loads(saved))
+            except (TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(
+                    f"{self.iter_dir}: args.meshline_model_config is not a valid model config "
+                    f"({exc})"
+                ) from exc
             config = reconcile(own, config, f"{self.iter_dir} (args.meshline_model_config)")
         elif config is None:
             raise ValueError(

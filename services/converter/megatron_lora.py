@@ -56,7 +56,7 @@ class MegatronLoraAdapter:
         lora_alpha: float | None = None,
     ) -> None:
         try:
-            source = MegatronSource(directory, config)
+            source = MegatronSource(directory, config, full_weights=False)
         except ValueError as exc:
             raise ValueError(
                 f"--lora-load {directory}: the adapter does not fit the model being converted "

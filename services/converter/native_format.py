@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.config import ModelConfig
+from services.converter.bounds import check_declared_size
 from services.converter.units import PRE, Tensors, Unit, expected_shapes, reconcile, unit_of
 from services.trainer.checkpoint import FORMAT
 from services.trainer.ckpt.safe_reader import SafeFileSystemReader
@@ -59,8 +60,10 @@ class NativeSource:
         if config_path.is_file():
             try:
                 own = ModelConfig.from_dict(json.loads(config_path.read_text()))
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{config_path} is corrupted ({exc})") from exc
+            except ValueError as exc:
+                raise ValueError(f"{config_path}: {exc}") from exc
             config = reconcile(own, config, str(config_path))
         elif config is None:
             raise FileNotFoundError(f"{config_path} is missing; pass --model NAME")
@@ -70,6 +73,11 @@ class NativeSource:
         self.iteration = int(self.step_dir.name.rpartition("-")[2] or 0)
         self._reader_path = self.step_dir
         metadata = SafeFileSystemReader(self.step_dir).read_metadata()
+        check_declared_size(
+            config,
+            {self.step_dir / info.relative_path for info in metadata.storage_data.values()},
+            str(self.step_dir),
+        )
         self._meta: dict[str, TensorStorageMetadata] = {}
         for key, item in metadata.state_dict_metadata.items():
             if key.startswith(_PREFIX) and isinstance(item, TensorStorageMetadata):

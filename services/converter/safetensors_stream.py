@@ -90,6 +90,8 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
         try:
             spec = TensorSpec(name, _NAME_DTYPES[entry["dtype"]], tuple(entry["shape"]))
             begin, end = (int(offset) for offset in entry["data_offsets"])
+            if not all(type(d) is int and d >= 0 for d in spec.shape):
+                raise ValueError("shape dimensions must be non-negative integers")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: tensor {name!r} has a malformed entry {entry!r}") from exc
         if end - begin != spec.nbytes or begin < 0:

@@ -11,6 +11,7 @@ Nothing is published unless the whole conversion succeeded.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -40,6 +41,7 @@ from services.converter.job import (
     VerificationFailed,
     convert,
 )
+from services.converter.output_dir import UnsafeSaveDir, check_replaceable, check_save_dir
 
 SERVICE_NAME = converter_pb2.DESCRIPTOR.services_by_name["ConverterService"].full_name
 Format = converter_pb2.CheckpointFormat
@@ -163,6 +165,19 @@ def check_paths(request: converter_pb2.ConvertRequest, config: ConverterServiceC
         raise InvalidArgument(
             "save_dir", f"{str(save_dir)!r} lies inside load_dir; write the output elsewhere"
         )
+    for root in roots:
+        real_root = Path(os.path.realpath(root))
+        if save_dir == real_root or save_dir in real_root.parents:
+            raise InvalidArgument(
+                "save_dir",
+                f"{request.save_dir!r} is the data root {str(real_root)!r} (or above it); "
+                "write the output to a new directory under it",
+            )
+    reads = [("load_dir", load_dir)] + ([("lora_load_dir", lora_dir)] if lora_dir else [])
+    try:
+        check_save_dir(save_dir, reads)
+    except UnsafeSaveDir as exc:
+        raise InvalidArgument("save_dir", str(exc)) from exc
     if not load_dir.is_dir():
         raise NotFound(f"load_dir: {request.load_dir!r} is not an existing directory")
     if lora_dir is not None and not lora_dir.is_dir():
@@ -171,11 +186,15 @@ def check_paths(request: converter_pb2.ConvertRequest, config: ConverterServiceC
     confine_tree(load_dir, roots, "load_dir")
     if lora_dir is not None:
         confine_tree(lora_dir, roots, "lora_load_dir")
-    if save_dir.exists() and any(save_dir.iterdir()) and not request.overwrite:
+    if save_dir.is_dir() and any(save_dir.iterdir()) and not request.overwrite:
         raise FailedPrecondition(
             f"save_dir: {request.save_dir!r} exists and is not empty; set overwrite=true to "
             "replace it or choose another directory"
         )
+    try:
+        check_replaceable(save_dir, request.overwrite)
+    except FileExistsError as exc:
+        raise FailedPrecondition(f"save_dir: {exc}") from exc
 
 
 def job_options(
@@ -315,6 +334,8 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
             raise FailedPrecondition(f"verify: {exc}") from exc
         except FileExistsError as exc:
             raise FailedPrecondition(f"save_dir: {exc}") from exc
+        except UnsafeSaveDir as exc:
+            raise InvalidArgument("save_dir", str(exc)) from exc
         except FileNotFoundError as exc:
             raise NotFound(f"load_dir: {exc}") from exc
         except ValueError as exc:

@@ -109,8 +109,15 @@ def test_existing_output_needs_overwrite(llama_dir, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(ConvertOptions("hf", "native", llama_dir, out))
     assert (out / "keep.txt").read_text() == "precious"
+    # --overwrite replaces only the converter's own outputs: a directory it did not write stays.
+    with pytest.raises(FileExistsError, match="not written by the converter"):
+        convert(ConvertOptions("hf", "native", llama_dir, out, overwrite=True))
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    convert(ConvertOptions("hf", "native", llama_dir, out))
+    (out / "stale.txt").write_text("left by the earlier conversion's user")
     convert(ConvertOptions("hf", "native", llama_dir, out, overwrite=True))
-    assert not (out / "keep.txt").exists() and (out / "latest").is_file()
+    assert not (out / "stale.txt").exists() and (out / "latest").is_file()
 
 
 def _corrupt_qkv(monkeypatch):

@@ -348,13 +348,21 @@ class Engine:
         processed_PV = warp(processed_PV, configs)
         next_P = sample_rows(processed_PV, [s.generator for s in seqs]).tolist()
         picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
-        for row_i, seq, token, lp in zip(index, seqs, next_P, picked_P.tolist(), strict=True):
-            finish = self._advance(seq, token, lp, events)
+        tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
+        for row_i, seq, token, lp, top in zip(
+            index, seqs, next_P, picked_P.tolist(), tops, strict=True
+        ):
+            finish = self._advance(seq, token, lp, events, top)
             picks[row_i] = token if finish is None else None
         return picks
 
     def _advance(
-        self, seq: _Sequence, token: int, logprob: float, events: list[StepEvent]
+        self,
+        seq: _Sequence,
+        token: int,
+        logprob: float,
+        events: list[StepEvent],
+        top: list[tuple[int, float]] | None = None,
     ) -> Finish | None:
         """Append a token to a sequence and emit its event; returns why it ended, if it did."""
         cfg = seq.request.config
@@ -373,11 +381,12 @@ class Engine:
         if matched:
             finish = Finish.STOP_STRING
             text += seq.tracker.update(seq.tokens, final=True)[0]
-        events.append(
-            StepEvent(
-                seq.request.request_id, seq.index, [token], text, seq.logprob, seq.seed, finish
-            )
+        event = StepEvent(
+            seq.request.request_id, seq.index, [token], text, seq.logprob, seq.seed, finish
         )
+        if top is not None:
+            event.token_logprobs, event.top_logprobs = [logprob], [top]
+        events.append(event)
         return finish
 
     def _pick_beams(
@@ -483,15 +492,19 @@ class Engine:
         with self._lock:
             self._live -= done - running - waiting
 
-    def score(self, items: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[ScoreResult]:
+    def score(
+        self, items: list[tuple[list[int], list[int]]], pad_id: int = 0, top_logprobs: int = 0
+    ) -> list[ScoreResult]:
         """Log-probabilities of each (context ids, continuation ids) pair (see scoring.py);
-        choices sharing a context run it once."""
+        choices sharing a context run it once. `top_logprobs` > 0 also returns that many most
+        likely tokens at each continuation position."""
         return score_batch(
             self._full_logits,
             items,
             device=self.device,
             pad_id=pad_id,
             new_cache=self._scoring_cache,
+            top_logprobs=top_logprobs,
         )
 
     def _full_logits(
@@ -533,6 +546,21 @@ class Engine:
     def _is_live(self, request_id: int) -> bool:
         with self._lock:
             return request_id in self._live
+
+
+def _top_logprobs(
+    logprobs_PV: torch.Tensor, wanted: list[int]
+) -> list[list[tuple[int, float]] | None]:
+    """Per row, its `wanted[p]` most likely (id, log-prob), most likely first; None where 0."""
+    k = max(wanted, default=0)
+    if k == 0:
+        return [None] * len(wanted)
+    values_PK, ids_PK = logprobs_PV.topk(min(k, logprobs_PV.shape[-1]), dim=-1)
+    values, ids = values_PK.tolist(), ids_PK.tolist()
+    return [
+        list(zip(ids[p][:n], values[p][:n], strict=True)) if n else None
+        for p, n in enumerate(wanted)
+    ]
 
 
 def _num_sequences(config: SamplingConfig) -> int:

@@ -37,6 +37,10 @@ class StepEvent:
     cumulative_logprob: float
     seed: int
     finish: Finish | None = None
+    token_logprobs: list[float] = field(default_factory=list)
+    """With SamplingConfig.logprobs: log-probability of each of `token_ids`."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """With SamplingConfig.logprobs: per token, the most likely (id, log-prob) at its position."""
 
 
 @dataclass
@@ -57,6 +61,8 @@ class ScoreResult:
     logprob: float
     is_greedy: bool
     token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per continuation token, the most likely (id, log-prob) at its position (when asked)."""
 
 
 def collect(events: list[StepEvent], num_sequences: int) -> list[SequenceResult]:

@@ -36,6 +36,8 @@ FINISH_REASONS = {
 }
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+"""Most alternatives per position a request may ask for (OpenAI's limit for top_logprobs)."""
 
 
 def load_engine(config: InferenceServiceConfig) -> ServingEngine | None:
@@ -101,6 +103,17 @@ def check_sampling_params(
         f"at most {config.max_stop_strings} stop strings, got {len(params.stop)}",
     )
     check.require(all(params.stop), "params.stop", "stop strings must not be empty")
+    if params.HasField("logprobs"):
+        check.require(
+            0 <= params.logprobs <= MAX_LOGPROBS,
+            "params.logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}",
+        )
+        check.require(
+            params.logprobs == 0 or num_beams == 1,
+            "params.logprobs",
+            "per-token log-probabilities are not reported with beam search (num_beams > 1)",
+        )
     n = params.num_return_sequences if params.HasField("num_return_sequences") else 1
     if check.require(
         1 <= n <= config.max_num_beams,
@@ -148,6 +161,11 @@ def check_score_request(
     """Raises InvalidArgument naming every malformed item of a Score request."""
     check = Validator()
     check.require(len(request.items) > 0, "items", "give at least one item to score")
+    check.require(
+        0 <= request.top_logprobs <= MAX_LOGPROBS,
+        "top_logprobs",
+        f"must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
+    )
     check.require(
         len(request.items) <= config.max_score_items,
         "items",
@@ -244,6 +262,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             seq.text += event.text
             seq.cumulative_logprob = event.cumulative_logprob
             seq.seed = event.seed
+            seq.token_logprobs.extend(event.token_logprobs)
+            seq.top_logprobs.extend(_top_messages(event.top_logprobs))
             if event.finish is not None:
                 seq.finish_reason = FINISH_REASONS[event.finish]
         return inference_pb2.GenerateResponse(sequences=sequences)
@@ -333,11 +353,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     f"tokens, over the context length {limit}"
                 )
         pad = tokens.pad_id or 0
-        results = await engine.front.run(lambda: engine.engine.score(items, pad))
+        top = request.top_logprobs
+        results = await engine.front.run(lambda: engine.engine.score(items, pad, top))
         return inference_pb2.ScoreResponse(
             results=[
                 inference_pb2.ScoreResult(
-                    logprob=r.logprob, is_greedy=r.is_greedy, token_logprobs=r.token_logprobs
+                    logprob=r.logprob,
+                    is_greedy=r.is_greedy,
+                    token_logprobs=r.token_logprobs,
+                    top_logprobs=_top_messages(r.top_logprobs),
                 )
                 for r in results
             ]
@@ -420,7 +444,17 @@ def sampling_config(params: inference_pb2.SamplingParams) -> SamplingConfig:
         num_return_sequences=int(get("num_return_sequences", 1)),  # type: ignore[call-overload]
         stop=tuple(params.stop),
         seed=int(seed),
+        logprobs=int(get("logprobs", 0)),  # type: ignore[call-overload]
     )
+
+
+def _top_messages(top: list[list[tuple[int, float]]]) -> list[inference_pb2.TopLogprobs]:
+    return [
+        inference_pb2.TopLogprobs(
+            candidates=[inference_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in position]
+        )
+        for position in top
+    ]
 
 
 def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
@@ -433,6 +467,8 @@ def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
         else inference_pb2.FINISH_REASON_UNSPECIFIED,
         cumulative_logprob=event.cumulative_logprob,
         seed=event.seed,
+        token_logprobs=event.token_logprobs,
+        top_logprobs=_top_messages(event.top_logprobs),
     )
 
 

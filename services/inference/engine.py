@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +161,8 @@ class Engine:
         self._ids = itertools.count(1)
         self.steps = 0
         self.tokens_computed: dict[int, int] = {}
+        # Called after each step that ran the model (metrics): the engine, on its thread.
+        self.on_step: Callable[[Engine], None] | None = None
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -177,6 +180,10 @@ class Engine:
         with self._lock:
             if request_id in self._live:
                 self._cancel_inbox.add(request_id)
+
+    def load(self) -> tuple[int, int]:
+        """(active cache rows, requests waiting for rows); read on the engine thread."""
+        return len(self._rows), len(self._waiting)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -226,6 +233,8 @@ class Engine:
         if not self._rows:
             return events
         self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self)
         logits_BV = torch.cat(logits).float()
         plain = self._pick_plain(logits_BV, events)
         beams = self._pick_beams(logits_BV, events)

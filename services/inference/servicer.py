@@ -23,6 +23,9 @@ from services.common.errors import (
 )
 from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
+from services.inference.http_config import HttpConfig
+from services.inference.http_server import http_companion
+from services.inference.metrics import instrument, metered
 from services.inference.requests import Finish, StepEvent
 from services.inference.sampling import SamplingConfig
 from services.inference.serving import ServingEngine, build_serving_engine
@@ -256,7 +259,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.GenerateResponse:
         prompt_ids, config = self._prepare(engine, request)
         sequences = [inference_pb2.Sequence() for _ in range(config.num_return_sequences)]
-        async for event in engine.front.stream(prompt_ids, config):
+        async for event in metered(engine.front, prompt_ids, config, "grpc"):
             seq = sequences[event.index]
             seq.token_ids.extend(event.token_ids)
             seq.text += event.text
@@ -272,7 +275,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         prompt_ids, config = self._prepare(engine, request)
-        async for event in engine.front.stream(prompt_ids, config):
+        async for event in metered(engine.front, prompt_ids, config, "grpc"):
             yield _stream_message(event)
 
     def _prepare(
@@ -472,14 +475,20 @@ def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
     )
 
 
-def bindings(config: InferenceServiceConfig, engine: ServingEngine | None) -> list[ServiceBinding]:
-    """The services an inference server hosts (health and reflection are added by the server)."""
+def bindings(
+    config: InferenceServiceConfig, engine: ServingEngine | None, http: HttpConfig | None = None
+) -> list[ServiceBinding]:
+    """The services an inference server hosts (health and reflection are added by the server);
+    with `http.http_port`, the OpenAI-compatible HTTP front runs beside it on the same engine."""
     servicer = InferenceServicer(config, engine)
+    if engine is not None:
+        instrument(engine.engine)
     return [
         ServiceBinding(
             SERVICE_NAME,
             servicer,
             inference_pb2_grpc.add_InferenceServiceServicer_to_server,
             on_stop=None if engine is None else engine.stop,
+            companion=http_companion(engine, config, http or HttpConfig()),
         )
     ]

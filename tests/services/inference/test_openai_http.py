@@ -56,3 +56,203 @@ def test_completion_greedy_equals_hf_generate(client, served):
     assert choice.text == served.engine.tokens.decode(expected)
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == len(expected)
+
+
+def test_echo_logprobs_equal_hf_with_real_top_alternatives(client, served):
+    batch = [_encode(served, "one two three four"), _encode(served, "the cat sat")]
+    out = client.completions.create(
+        model=served.model_name, prompt=batch, max_tokens=0, echo=True, logprobs=3, temperature=0
+    )
+    assert len(out.choices) == 2
+    for ids, choice in zip(batch, sorted(out.choices, key=lambda c: c.index), strict=True):
+        reference = _hf_logprobs(served.hf, ids)
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+        for t in range(1, len(ids)):
+            assert lp.token_logprobs[t] == pytest.approx(float(reference[t - 1, ids[t]]), abs=1e-4)
+            top_values, top_ids = reference[t - 1].topk(3)
+            got = lp.top_logprobs[t]
+            assert len(got) == 3
+            assert sorted(got.values(), reverse=True) == pytest.approx(top_values.tolist(), abs=1e-4)
+            pieces = served.engine.tokens.pieces(top_ids.tolist())
+            assert set(got) == set(pieces)
+        assert choice.text == served.engine.tokens.decode(ids)
+
+
+def test_stream_equals_non_stream_and_reports_usage(client, served):
+    args = dict(model=served.model_name, prompt="a b c", max_tokens=8, temperature=0.8, seed=5)
+    whole = client.completions.create(**args)
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_samples_are_seeded_and_distinct(client, served):
+    args = dict(model=served.model_name, prompt="one", max_tokens=6, temperature=1.0, seed=11, n=3)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+
+
+def test_chat_greedy_equals_hf_on_the_rendered_template(client, served):
+    from models.templates import TEMPLATES, Message
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    text = "".join(
+        s.text for s in TEMPLATES["chatml"].render([Message(**m) for m in messages])
+    )
+    ids = _encode(served, text)
+    out = client.chat.completions.create(
+        model=served.model_name,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = hf_generate(served.hf, ids, max_new_tokens=8)[0, len(ids) :].tolist()
+    expected = expected[: expected.index(EOS_ID) + 1] if EOS_ID in expected else expected
+    [choice] = out.choices
+    assert choice.message.content == served.engine.tokens.decode(expected)
+    reference = _hf_logprobs(served.hf, ids + expected)
+    for t, entry in enumerate(choice.logprobs.content):
+        row = reference[len(ids) - 1 + t]
+        assert entry.logprob == pytest.approx(float(row[expected[t]]), abs=1e-4)
+        # Greedy: the chosen token is the first alternative.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    streamed = client.chat.completions.create(
+        model=served.model_name, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    text_parts = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(text_parts) == choice.message.content
+
+
+def test_beam_search_via_use_beam_search(served):
+    ids = _encode(served, "the cat")
+    body = {
+        "model": served.model_name,
+        "prompt": ids,
+        "max_tokens": 6,
+        "n": 2,
+        "best_of": 3,
+        "use_beam_search": True,
+    }
+    out = requests.post(f"{served.http_url}/v1/completions", json=body, timeout=60).json()
+    expected = hf_generate(
+        served.hf, ids, max_new_tokens=6, num_beams=3, num_return_sequences=2, early_stopping=False
+    )
+    texts = [served.engine.tokens.decode(row[len(ids) :].tolist()) for row in expected]
+    assert [c["text"] for c in out["choices"]] == texts
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+        ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": [999999]}, 400, "prompt[0]"),
+        ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"prompt": "x", "n": 2, "temperature": 0}, 400, "n"),
+        ({"prompt": "x", "model": "gpt-5"}, 404, "model"),
+        ({"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+        ({}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(served, body, status, param):
+    body = {"model": served.model_name, **body}
+    response = requests.post(f"{served.http_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_json_is_400_and_unknown_route_404(served):
+    bad = requests.post(
+        f"{served.http_url}/v1/completions",
+        data=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "error" in bad.json()
+    assert requests.get(f"{served.http_url}/v2/nothing", timeout=30).status_code == 404
+
+
+def test_openai_client_raises_typed_errors(client, served):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=served.model_name, prompt="x", temperature=9)
+
+
+def _lm_eval_local_completions(served):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(
+        base_url=f"{served.http_url}/v1/completions",
+        model=served.model_name,
+        tokenizer_backend="remote",
+        tokenized_requests=True,
+        num_concurrent=1,
+        max_retries=1,
+        batch_size=2,
+    )
+
+
+def _instance(kind: str, arguments: tuple, idx: int = 0):
+    from lm_eval.api.instance import Instance
+
+    return Instance(request_type=kind, doc={}, arguments=arguments, idx=idx)
+
+
+def _continuation_text(tokens, context: str, token_id: int) -> str | None:
+    """Text that lm-eval tokenizes (as encode(context + text) minus encode(context)) to exactly
+    [token_id], or None when the tokenizer would merge it differently."""
+    ids = tokens.require().encode(context)
+    text = tokens.decode([*ids, token_id])[len(tokens.decode(ids)) :]
+    whole = tokens.require().encode(context + text)
+    return text if text and whole == [*ids, token_id] else None
+
+
+def test_lm_eval_local_completions_loglikelihood_and_is_greedy(served):
+    lm = _lm_eval_local_completions(served)
+    tokens = served.engine.tokens
+    cases = []  # (context, continuation, expected log-prob, expected is_greedy)
+    for context in ("one two three", "the cat sat on", "a b c d", "hello there"):
+        ids = tokens.require().encode(context)
+        row = _hf_logprobs(served.hf, ids)[-1]
+        ranked = row.argsort(descending=True).tolist()
+        greedy = _continuation_text(tokens, context, ranked[0])
+        other = next(
+            (t, text)
+            for t in ranked[1:]
+            if t > 3 and (text := _continuation_text(tokens, context, t)) is not None
+        )
+        if greedy is not None:
+            cases.append((context, greedy, float(row[ranked[0]]), True))
+        cases.append((context, other[1], float(row[other[0]]), False))
+    assert any(c[3] for c in cases) and not all(c[3] for c in cases)
+    results = lm.loglikelihood(
+        [_instance("loglikelihood", (c, x), i) for i, (c, x, _, _) in enumerate(cases)]
+    )
+    for (_, _, logprob, greedy), (got_logprob, got_greedy) in zip(cases, results, strict=True):
+        assert got_logprob == pytest.approx(logprob, abs=1e-4)
+        assert got_greedy is greedy
+
+
+def test_lm_eval_local_completions_generate_until_equals_hf(served):
+    lm = _lm_eval_local_completions(served)
+    tokens = served.engine.tokens
+    context = "the cat sat"
+    [text] = lm.generate_until(
+        [_instance("generate_until", (context, {"until": ["\n\n"], "max_gen_toks": 8}))]
+    )
+    ids = tokens.require().encode(context)
+    expected = hf_generate(served.hf, ids, max_new_tokens=8)[0, len(ids) :].tolist()
+    expected = expected[: expected.index(EOS_ID) + 1] if EOS_ID in expected else expected
+    assert text == tokens.decode(expected).split("\n\n")[0]

@@ -1,0 +1,117 @@
+"""The HTTP front's auth, limits and cancellation, and top-k log-probabilities over gRPC."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+import torch
+
+from meshline.inference.v1 import inference_pb2 as pb
+from services.common.config import ServerConfig
+from tests.services.inference.http_served import ServerHarness, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, sentencepiece_model):
+    directory, hf, config = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=5)
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text("s3cret\n")
+    harness = ServerHarness(
+        directory, hf, config, max_request_mb=0.001, max_concurrent_requests=1
+    )
+    yield harness.start(
+        ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file))
+    )
+    harness.close()
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def test_auth_required_except_health(served):
+    url = f"{served.http_url}/v1/models"
+    assert requests.get(url, timeout=10).status_code == 401
+    wrong = requests.get(url, headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(url, headers=AUTH, timeout=10).status_code == 200
+    assert requests.get(f"{served.http_url}/health", timeout=10).status_code == 200
+
+
+def test_body_over_limit_is_413(served):
+    body = {"model": served.model_name, "prompt": "x" * 5000, "max_tokens": 1}
+    response = requests.post(
+        f"{served.http_url}/v1/completions", json=body, headers=AUTH, timeout=10
+    )
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def _stream_request(served, max_tokens: int) -> requests.Response:
+    body = {"model": served.model_name, "prompt": [5, 6, 7], "max_tokens": max_tokens,
+            "temperature": 1.0, "stream": True}
+    return requests.post(
+        f"{served.http_url}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60
+    )
+
+
+def test_concurrency_limit_is_429_and_disconnect_cancels(served):
+    stream = _stream_request(served, 100)
+    lines = stream.iter_lines()
+    first = next(line for line in lines if line)
+    assert json.loads(first.removeprefix(b"data: "))["choices"]
+    busy = requests.get(f"{served.http_url}/v1/models", headers=AUTH, timeout=10)
+    assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+    stream.close()  # the client goes away mid-generation
+    deadline = time.monotonic() + 20
+    while served.engine.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not served.engine.engine.has_work()
+    assert served.engine.engine.tokens_computed  # it did run
+    assert requests.get(f"{served.http_url}/v1/models", headers=AUTH, timeout=10).ok
+
+
+def test_grpc_generate_and_score_report_top_k(served):
+    metadata = (("authorization", "Bearer s3cret"),)
+    ids = [1, 40, 77, 9]
+    out = served.grpc_stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=ids, params=pb.SamplingParams(max_new_tokens=4, logprobs=3)),
+        timeout=60,
+        metadata=metadata,
+    )
+    [seq] = out.sequences
+    assert len(seq.token_logprobs) == len(seq.top_logprobs) == 4
+    with torch.no_grad():
+        reference = torch.log_softmax(
+            served.hf(torch.tensor([ids + list(seq.token_ids)])).logits[0].float(), -1
+        )
+    for t, (lp, top) in enumerate(zip(seq.token_logprobs, seq.top_logprobs, strict=True)):
+        row = reference[len(ids) - 1 + t]
+        assert lp == pytest.approx(float(row[seq.token_ids[t]]), abs=1e-4)
+        values, top_ids = row.topk(3)
+        assert [c.token_id for c in top.candidates] == top_ids.tolist()
+        assert [c.logprob for c in top.candidates] == pytest.approx(values.tolist(), abs=1e-4)
+        assert top.candidates[0].token_id == seq.token_ids[t]  # greedy
+    worst = int(reference[len(ids) - 1].argmin())
+    scored = served.grpc_stub.Score(
+        pb.ScoreRequest(
+            items=[
+                pb.ScoreItem(context_token_ids=ids, continuation_token_ids=list(seq.token_ids)),
+                pb.ScoreItem(context_token_ids=ids, continuation_token_ids=[worst]),
+            ],
+            top_logprobs=2,
+        ),
+        timeout=60,
+        metadata=metadata,
+    )
+    greedy, other = scored.results
+    assert greedy.is_greedy and not other.is_greedy
+    assert len(greedy.top_logprobs) == 4 and len(other.top_logprobs[0].candidates) == 2
+    assert greedy.top_logprobs[0].candidates[0].token_id == seq.token_ids[0]
+    assert other.top_logprobs[0].candidates[0].logprob > other.token_logprobs[0]
+    bad = pb.GenerateRequest(
+        prompt_token_ids=ids, params=pb.SamplingParams(logprobs=3, num_beams=2)
+    )
+    with pytest.raises(Exception, match="logprobs"):
+        served.grpc_stub.Generate(bad, timeout=30, metadata=metadata)

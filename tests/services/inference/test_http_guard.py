@@ -19,12 +19,8 @@ def served(tmp_path_factory, sentencepiece_model):
     directory, hf, config = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=5)
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text("s3cret\n")
-    harness = ServerHarness(
-        directory, hf, config, max_request_mb=0.001, max_concurrent_requests=1
-    )
-    yield harness.start(
-        ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file))
-    )
+    harness = ServerHarness(directory, hf, config, max_request_mb=0.001, max_concurrent_requests=1)
+    yield harness.start(ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file)))
     harness.close()
 
 
@@ -49,8 +45,13 @@ def test_body_over_limit_is_413(served):
 
 
 def _stream_request(served, max_tokens: int) -> requests.Response:
-    body = {"model": served.model_name, "prompt": [5, 6, 7], "max_tokens": max_tokens,
-            "temperature": 1.0, "stream": True}
+    body = {
+        "model": served.model_name,
+        "prompt": [5, 6, 7],
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "stream": True,
+    }
     return requests.post(
         f"{served.http_url}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60
     )
@@ -76,7 +77,9 @@ def test_grpc_generate_and_score_report_top_k(served):
     metadata = (("authorization", "Bearer s3cret"),)
     ids = [1, 40, 77, 9]
     out = served.grpc_stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=ids, params=pb.SamplingParams(max_new_tokens=4, logprobs=3)),
+        pb.GenerateRequest(
+            prompt_token_ids=ids, params=pb.SamplingParams(max_new_tokens=4, logprobs=3)
+        ),
         timeout=60,
         metadata=metadata,
     )

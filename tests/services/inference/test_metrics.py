@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +48,9 @@ def test_counters_move_with_traffic(served):
     body = {"model": served.model_name, "prompt": "the cat", "max_tokens": 4, "temperature": 0}
     assert requests.post(f"{served.http_url}/v1/completions", json=body, timeout=60).ok
     bad = {**body, "temperature": 7}
-    assert requests.post(f"{served.http_url}/v1/completions", json=bad, timeout=60).status_code == 400
+    assert (
+        requests.post(f"{served.http_url}/v1/completions", json=bad, timeout=60).status_code == 400
+    )
     after = _scrape(url)
 
     def moved(name: str, **labels) -> float:
@@ -73,7 +76,7 @@ def test_counters_move_with_traffic(served):
 def test_grpc_errors_are_counted_by_code(served):
     served, url = served
     before = _scrape(url)
-    with pytest.raises(Exception):
+    with pytest.raises(grpc.RpcError):
         served.grpc_stub.Generate(pb.GenerateRequest(), timeout=30)
     after = _scrape(url)
     name = "meshline_grpc_requests_total"

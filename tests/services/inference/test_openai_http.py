@@ -73,7 +73,9 @@ def test_echo_logprobs_equal_hf_with_real_top_alternatives(client, served):
             top_values, top_ids = reference[t - 1].topk(3)
             got = lp.top_logprobs[t]
             assert len(got) == 3
-            assert sorted(got.values(), reverse=True) == pytest.approx(top_values.tolist(), abs=1e-4)
+            assert sorted(got.values(), reverse=True) == pytest.approx(
+                top_values.tolist(), abs=1e-4
+            )
             pieces = served.engine.tokens.pieces(top_ids.tolist())
             assert set(got) == set(pieces)
         assert choice.text == served.engine.tokens.decode(ids)
@@ -87,7 +89,9 @@ def test_stream_equals_non_stream_and_reports_usage(client, served):
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == [whole.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
@@ -104,9 +108,7 @@ def test_chat_greedy_equals_hf_on_the_rendered_template(client, served):
     from models.templates import TEMPLATES, Message
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
-    text = "".join(
-        s.text for s in TEMPLATES["chatml"].render([Message(**m) for m in messages])
-    )
+    text = "".join(s.text for s in TEMPLATES["chatml"].render([Message(**m) for m in messages]))
     ids = _encode(served, text)
     out = client.chat.completions.create(
         model=served.model_name,

@@ -6,14 +6,14 @@ lm-eval's own CLI:
 
 ```
 python -m meshline_client.lm_eval_cli run --model meshline \\
-    --model_args endpoint=127.0.0.1:50054,batch_size=16 --tasks hellaswag
+    --model_args endpoint=127.0.0.1:50054 --batch_size 16 --tasks hellaswag
 ```
 
 Log-likelihoods come from the server's Score RPC (one forward per context, `is_greedy` computed
 on the server from the full distribution); generation from Generate with lm-eval's `until` as
 stop strings. model_args: endpoint (host:port, required), token, tls_ca, client_cert,
-client_key, batch_size (requests in flight, default 16), max_gen_toks (default 256),
-timeout_s (per call, default 600).
+client_key, max_gen_toks (default 256), timeout_s (per call, default 600); lm-eval's
+--batch_size sets the requests in flight (default 16).
 """
 
 from __future__ import annotations

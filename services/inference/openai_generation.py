@@ -268,9 +268,12 @@ def render_chat(engine: ServingEngine, request: ChatCompletionRequest, template:
                 param="messages",
                 code="chat_template_missing",
             )
-        text = hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
-        )
+        try:
+            text = hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+            )
+        except Exception as exc:  # the template's own checks (jinja raise_exception, ...)
+            raise invalid("messages", f"the chat template refused them: {exc}") from None
         ids = tokens.require().encode(text)
     else:
         try:

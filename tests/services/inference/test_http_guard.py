@@ -118,3 +118,33 @@ def test_grpc_generate_and_score_report_top_k(served):
     )
     with pytest.raises(Exception, match="logprobs"):
         served.grpc_stub.Generate(bad, timeout=30, metadata=metadata)
+
+
+def test_https_with_the_servers_tls_files_and_mtls(tmp_path_factory, sentencepiece_model):
+    from tests.services.common.helpers import make_pki
+
+    certs = make_pki(tmp_path_factory.mktemp("pki"))
+    directory, hf, config = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=5)
+    harness = ServerHarness(directory, hf, config)
+    try:
+        served = harness.start(
+            ServerConfig(
+                host="127.0.0.1",
+                port=0,
+                tls_cert=str(certs.server_cert),
+                tls_key=str(certs.server_key),
+                tls_client_ca=str(certs.ca),
+            )
+        )
+        assert served.http_url.startswith("https://")
+        url = f"{served.http_url}/v1/models"
+        client = (str(certs.client_cert), str(certs.client_key))
+        response = requests.get(url, verify=str(certs.ca), cert=client, timeout=10)
+        assert response.json()["data"][0]["id"] == served.model_name
+        with pytest.raises(requests.exceptions.RequestException):
+            requests.get(url, verify=str(certs.ca), timeout=10)  # no client certificate
+        rogue = (str(certs.rogue_cert), str(certs.rogue_key))
+        with pytest.raises(requests.exceptions.RequestException):
+            requests.get(url, verify=str(certs.ca), cert=rogue, timeout=10)
+    finally:
+        harness.close()

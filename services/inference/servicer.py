@@ -24,7 +24,6 @@ from services.common.errors import (
 from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
-from services.inference.http_server import http_companion
 from services.inference.metrics import instrument, metered
 from services.inference.requests import Finish, StepEvent
 from services.inference.sampling import SamplingConfig
@@ -483,12 +482,18 @@ def bindings(
     servicer = InferenceServicer(config, engine)
     if engine is not None:
         instrument(engine.engine)
+    companion = None
+    if http is not None and http.http_port is not None:
+        # The ASGI stack is imported only by servers that serve HTTP (start-up time).
+        from services.inference.http_server import http_companion
+
+        companion = http_companion(engine, config, http)
     return [
         ServiceBinding(
             SERVICE_NAME,
             servicer,
             inference_pb2_grpc.add_InferenceServiceServicer_to_server,
             on_stop=None if engine is None else engine.stop,
-            companion=http_companion(engine, config, http or HttpConfig()),
+            companion=companion,
         )
     ]

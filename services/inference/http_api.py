@@ -12,22 +12,21 @@ generation.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.http_middleware import GuardMiddleware
-from services.inference.metrics import metered
+from services.inference.http_streaming import merged, sse, until_disconnect
 from services.inference.openai_generation import (
     FINISH_REASONS,
     ChoiceResult,
@@ -35,7 +34,6 @@ from services.inference.openai_generation import (
     fold,
     generate,
     plan,
-    prefix_offsets,
     prompt_logprobs,
     render_chat,
     resolve_prompts,
@@ -49,11 +47,17 @@ from services.inference.openai_protocol import (
     TokenizeRequest,
     invalid,
 )
+from services.inference.openai_responses import (
+    chat_logprobs,
+    chunk_choice,
+    concat,
+    echo_logprobs,
+    gen_logprobs,
+    usage_of,
+)
 from services.inference.serving import ServingEngine
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-DISCONNECT_POLL_S = 0.25
 
 
 def build_app(
@@ -231,8 +235,8 @@ class _Api:
         }
         if body.stream:
             chunks = self._completion_chunks(engine, body, prompts, current, max_tokens, meta)
-            return _sse(chunks)
-        return await _until_disconnect(
+            return sse(chunks)
+        return await until_disconnect(
             request, self._completion(engine, body, prompts, current, max_tokens, meta)
         )
 
@@ -267,13 +271,11 @@ class _Api:
                 if current.want_logprobs:
                     parts = []
                     if echoes is not None:
-                        parts.append(_echo_logprobs(engine, echoes[i], current.top_k))
+                        parts.append(echo_logprobs(engine, echoes[i], current.top_k))
                     parts.append(
-                        _gen_logprobs(
-                            engine, gen, current.top_k, len(echo_text) if body.echo else 0
-                        )
+                        gen_logprobs(engine, gen, current.top_k, len(echo_text) if body.echo else 0)
                     )
-                    logprobs = _concat(parts)
+                    logprobs = concat(parts)
                 choices.append(
                     {
                         "index": i * current.n + j,
@@ -283,7 +285,7 @@ class _Api:
                     }
                 )
         prompt_tokens = sum(len(p) for p in ids)
-        return {**meta, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+        return {**meta, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
 
     async def _completion_chunks(
         self,
@@ -304,30 +306,28 @@ class _Api:
                 echo_text = text if text is not None else engine.tokens.detokenize(prompt, True)
                 echo_lengths[i] = len(echo_text)
                 for j in range(current.n):
-                    logprobs = _echo_logprobs(engine, echoes[i], current.top_k) if echoes else None
+                    logprobs = echo_logprobs(engine, echoes[i], current.top_k) if echoes else None
                     yield {
                         **meta,
-                        "choices": [_chunk_choice(i * current.n + j, echo_text, logprobs)],
+                        "choices": [chunk_choice(i * current.n + j, echo_text, logprobs)],
                     }
         completion_tokens = 0
         if max_tokens > 0:
             offsets = {(i, j): echo_lengths[i] for i in range(len(ids)) for j in range(current.n)}
-            async for i, event in _merged(engine, ids, current.config):
+            async for i, event in merged(engine, ids, current.config):
                 completion_tokens += len(event.token_ids)
                 logprobs = None
                 if current.want_logprobs:
                     partial = ChoiceResult()
                     fold(partial, event)
-                    logprobs = _gen_logprobs(
-                        engine, partial, current.top_k, offsets[i, event.index]
-                    )
+                    logprobs = gen_logprobs(engine, partial, current.top_k, offsets[i, event.index])
                 offsets[i, event.index] += len(event.text)
-                choice = _chunk_choice(i * current.n + event.index, event.text, logprobs)
+                choice = chunk_choice(i * current.n + event.index, event.text, logprobs)
                 if event.finish is not None:
                     choice["finish_reason"] = FINISH_REASONS[event.finish]
                 yield {**meta, "choices": [choice]}
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = _usage(sum(len(p) for p in ids), completion_tokens)
+            usage = usage_of(sum(len(p) for p in ids), completion_tokens)
             yield {**meta, "choices": [], "usage": usage}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -352,20 +352,20 @@ class _Api:
             "model": self.model_name,
         }
         if body.stream:
-            return _sse(self._chat_chunks(engine, body, prompt, current, meta))
-        results = await _until_disconnect(request, generate(engine, prompt, current))
+            return sse(self._chat_chunks(engine, body, prompt, current, meta))
+        results = await until_disconnect(request, generate(engine, prompt, current))
         choices = [
             {
                 "index": j,
                 "message": {"role": "assistant", "content": r.text},
-                "logprobs": _chat_logprobs(engine, r, current.top_k)
+                "logprobs": chat_logprobs(engine, r, current.top_k)
                 if current.want_logprobs
                 else None,
                 "finish_reason": FINISH_REASONS[r.finish] if r.finish else "length",
             }
             for j, r in enumerate(results)
         ]
-        usage = _usage(len(prompt), sum(len(r.token_ids) for r in results))
+        usage = usage_of(len(prompt), sum(len(r.token_ids) for r in results))
         return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
 
     async def _chat_chunks(
@@ -381,7 +381,7 @@ class _Api:
             delta = {"role": "assistant", "content": ""}
             yield {**meta, "choices": [{"index": j, "delta": delta, "finish_reason": None}]}
         completion_tokens = 0
-        async for _, event in _merged(engine, [prompt], current.config):
+        async for _, event in merged(engine, [prompt], current.config):
             completion_tokens += len(event.token_ids)
             choice: dict[str, Any] = {
                 "index": event.index,
@@ -391,145 +391,7 @@ class _Api:
             if current.want_logprobs:
                 partial = ChoiceResult()
                 fold(partial, event)
-                choice["logprobs"] = _chat_logprobs(engine, partial, current.top_k)
+                choice["logprobs"] = chat_logprobs(engine, partial, current.top_k)
             yield {**meta, "choices": [choice]}
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield {**meta, "choices": [], "usage": _usage(len(prompt), completion_tokens)}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _chunk_choice(index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
-
-
-def _top_dict(engine: ServingEngine, top: list[tuple[int, float]], k: int) -> dict[str, float]:
-    chosen = top[:k]
-    names = token_strings(engine, [t for t, _ in chosen])
-    return {name: lp for name, (_, lp) in zip(names, chosen, strict=True)}
-
-
-def _echo_logprobs(engine: ServingEngine, echo: ChoiceResult, k: int) -> dict[str, Any]:
-    """Completion logprobs of a prompt: the first token has none (nothing precedes it)."""
-    ids = echo.token_ids
-    return {
-        "tokens": token_strings(engine, ids),
-        "token_logprobs": [None, *echo.token_logprobs][: len(ids)],
-        "top_logprobs": [None, *(_top_dict(engine, t, k) for t in echo.top_logprobs)][: len(ids)],
-        "text_offset": prefix_offsets(engine, ids),
-    }
-
-
-def _gen_logprobs(engine: ServingEngine, gen: ChoiceResult, k: int, start: int) -> dict[str, Any]:
-    offsets, at = [], start
-    for i in range(len(gen.token_ids)):
-        offsets.append(at)
-        at += len(gen.token_texts[i]) if i < len(gen.token_texts) else 0
-    return {
-        "tokens": token_strings(engine, gen.token_ids),
-        "token_logprobs": list(gen.token_logprobs),
-        "top_logprobs": [_top_dict(engine, t, k) for t in gen.top_logprobs],
-        "text_offset": offsets,
-    }
-
-
-def _concat(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
-
-
-def _chat_logprobs(engine: ServingEngine, gen: ChoiceResult, k: int) -> dict[str, Any]:
-    names = token_strings(engine, gen.token_ids)
-    content = []
-    for name, lp, top in zip(names, gen.token_logprobs, gen.top_logprobs, strict=True):
-        alternatives = top[:k]
-        alt_names = token_strings(engine, [t for t, _ in alternatives])
-        content.append(
-            {
-                "token": name,
-                "logprob": lp,
-                "bytes": list(name.encode()),
-                "top_logprobs": [
-                    {"token": n, "logprob": v, "bytes": list(n.encode())}
-                    for n, (_, v) in zip(alt_names, alternatives, strict=True)
-                ],
-            }
-        )
-    return {"content": content}
-
-
-async def _merged(
-    engine: ServingEngine, prompts: list[list[int]], config: Any
-) -> AsyncIterator[tuple[int, Any]]:
-    """Events of one engine request per prompt, interleaved as they come; leaving early (client
-    gone) cancels every request."""
-    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, prompt: list[int]) -> None:
-        try:
-            async for event in metered(engine.front, prompt, config, "http"):
-                queue.put_nowait((i, event))
-        except ValueError as exc:
-            queue.put_nowait(invalid("prompt", str(exc)))
-        except Exception as exc:  # forwarded to the consumer, which reports it
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(None)
-
-    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
-    open_tasks = len(tasks)
-    try:
-        while open_tasks:
-            item = await queue.get()
-            if item is None:
-                open_tasks -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """Server-sent events: one `data: <json>` per chunk, then `data: [DONE]`. An error after the
-    stream started is sent as an error object (the status line is already out)."""
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-        except ApiError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n".encode()
-        except Exception as exc:
-            incident = uuid.uuid4().hex[:12]
-            log.error("stream failed", exc_info=exc, extra={"incident": incident})
-            error = ApiError(500, f"internal error; the server log has incident {incident}")
-            yield f"data: {json.dumps(error.body())}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so its engine requests) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ApiError(499, "client disconnected", code="client_disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+            yield {**meta, "choices": [], "usage": usage_of(len(prompt), completion_tokens)}

@@ -104,10 +104,10 @@ class MeshlineLM(TemplateLM):
         return context[-room:], continuation
 
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], **_: Any
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        results = self._score([(context, continuation) for _, context, continuation in requests])
-        for (key, _, _), result in zip(requests, results, strict=True):
+        results = self._score([(context, cont) for _key, context, cont in requests])
+        for (key, _context, _cont), result in zip(requests, results, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, result)
         return results
 

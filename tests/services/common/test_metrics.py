@@ -90,3 +90,15 @@ def test_metrics_port_is_validated() -> None:
     with pytest.raises(ValueError, match="--metrics-port"):
         ServerConfig(metrics_port=70000)
     assert ServerConfig(metrics_port=0).metrics_port == 0
+
+
+def test_serve_all_gives_each_child_its_metrics_port() -> None:
+    from services.serve import _all_parser, child_commands
+
+    args = _all_parser().parse_args(["--base-port", "6000", "--metrics-base-port", "9100"])
+    commands = child_commands(args)
+    ports = [int(c[c.index("--metrics-port") + 1]) for c in commands.values()]
+    assert ports == list(range(9100, 9100 + len(commands)))
+    assert all(
+        "--metrics-port" not in c for c in child_commands(_all_parser().parse_args([])).values()
+    )

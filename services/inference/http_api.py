@@ -31,6 +31,7 @@ from services.inference.openai_generation import (
     FINISH_REASONS,
     ChoiceResult,
     Plan,
+    chat_template_of,
     fold,
     generate,
     plan,
@@ -203,10 +204,9 @@ class _Api:
                 ("pad_token", tokens.pad_id),
             )
         }
-        hf = getattr(tokens.tokenizer, "_tok", None)
         return {
             **special,
-            "chat_template": getattr(hf, "chat_template", None),
+            "chat_template": chat_template_of(engine),
             "model_max_length": engine.engine.max_seq_len,
             "vocab_size": tokens.vocab_size,
         }

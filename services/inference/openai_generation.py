@@ -17,8 +17,10 @@ Mapping (documented in docs/inference.md):
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from models.templates import TEMPLATES, Message
 from services.inference.config import InferenceServiceConfig
@@ -259,8 +261,8 @@ def render_chat(engine: ServingEngine, request: ChatCompletionRequest, template:
         for m in request.messages
     ]
     if template == CHAT_TEMPLATE_AUTO:
-        hf = getattr(tokens.tokenizer, "_tok", None)
-        if hf is None or not getattr(hf, "chat_template", None):
+        source = chat_template_of(engine)
+        if source is None:
             raise ApiError(
                 400,
                 "messages: the served tokenizer has no chat template; restart the server with "
@@ -269,10 +271,8 @@ def render_chat(engine: ServingEngine, request: ChatCompletionRequest, template:
                 code="chat_template_missing",
             )
         try:
-            text = hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
-            )
-        except Exception as exc:  # the template's own checks (jinja raise_exception, ...)
+            text = _render_jinja(engine, source, messages, request.add_generation_prompt)
+        except Exception as exc:  # the template's own checks (raise_exception, ...)
             raise invalid("messages", f"the chat template refused them: {exc}") from None
         ids = tokens.require().encode(text)
     else:
@@ -284,6 +284,66 @@ def render_chat(engine: ServingEngine, request: ChatCompletionRequest, template:
     if not ids:
         raise invalid("messages", "the conversation renders to no tokens")
     return ids
+
+
+def chat_template_of(engine: ServingEngine) -> str | None:
+    """The served tokenizer's Jinja chat template: transformers' attribute, else
+    `chat_template.jinja` or `chat_template` in tokenizer_config.json of its directory."""
+    tokenizer = engine.tokens.tokenizer
+    hf = getattr(tokenizer, "_tok", None)
+    if hf is not None and isinstance(getattr(hf, "chat_template", None), str):
+        return hf.chat_template
+    directory = getattr(tokenizer, "path", None)
+    if not isinstance(directory, Path) or not directory.is_dir():
+        return None
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("chat_template")
+    if isinstance(value, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_text(engine: ServingEngine, name: str) -> str | None:
+    """`bos_token` / `eos_token` as tokenizer_config.json spells it (None when it does not)."""
+    directory = getattr(engine.tokens.tokenizer, "path", None)
+    config = directory / "tokenizer_config.json" if isinstance(directory, Path) else None
+    if config is None or not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _render_jinja(
+    engine: ServingEngine, source: str, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> str:
+    """Render a chat template as transformers does (sandboxed Jinja, `raise_exception`)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    names = {}
+    for name, token_id in (
+        ("bos_token", engine.tokens.bos_id),
+        ("eos_token", engine.tokens.eos_id),
+    ):
+        text = _special_text(engine, name)
+        if text is None and token_id is not None:
+            text = token_strings(engine, [token_id])[0]
+        if text is not None:
+            names[name] = text
+    return env.from_string(source).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **names
+    )
 
 
 def token_strings(engine: ServingEngine, ids: list[int]) -> list[str]:

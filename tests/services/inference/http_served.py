@@ -41,10 +41,17 @@ class Served:
 class ServerHarness:
     """Starts and stops the servers in a background loop."""
 
-    def __init__(self, directory: Path, hf: Any, config: Any, **http_overrides: Any) -> None:
-        self.limits = InferenceServiceConfig(load=directory, max_batch_rows=8)
+    def __init__(
+        self,
+        directory: Path,
+        hf: Any,
+        config: Any,
+        tokenizer: Path | None = None,
+        **http_overrides: Any,
+    ) -> None:
+        self.limits = InferenceServiceConfig(load=directory, max_batch_rows=8, tokenizer=tokenizer)
         self.engine = load_engine(self.limits)
-        self.http = HttpConfig(http_port=0, chat_template="chatml", **http_overrides)
+        self.http = HttpConfig(**{"http_port": 0, "chat_template": "chatml", **http_overrides})
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -148,3 +148,46 @@ def test_https_with_the_servers_tls_files_and_mtls(tmp_path_factory, sentencepie
             requests.get(url, verify=str(certs.ca), cert=rogue, timeout=10)
     finally:
         harness.close()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_auto_chat_template_renders_like_transformers(tmp_path_factory, hf_tokenizer_dir):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.services.inference.helpers import hf_generate, hf_reference, save_hf_checkpoint
+
+    tokenizer_dir = tmp_path_factory.mktemp("tok") / "tokenizer"
+    shutil.copytree(hf_tokenizer_dir, tokenizer_dir)
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    config_file.write_text(json.dumps(tokenizer_config))
+    hf, _, config = hf_reference("llama-gqa", seed=9, vocab_size=512)
+    directory = save_hf_checkpoint(hf, tmp_path_factory.mktemp("ckpt"))
+    harness = ServerHarness(directory, hf, config, tokenizer=tokenizer_dir, chat_template="auto")
+    try:
+        served = harness.start()
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = reference(text, add_special_tokens=False)["input_ids"]
+        body = {"model": served.model_name, "messages": messages, "max_tokens": 5, "temperature": 0}
+        out = requests.post(f"{served.http_url}/v1/chat/completions", json=body, timeout=60)
+        assert out.status_code == 200, out.text
+        answer = out.json()
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        eos = served.engine.tokens.eos_id
+        expected = hf_generate(hf, ids, max_new_tokens=5, eos_token_id=eos)[0, len(ids) :].tolist()
+        expected = expected[: expected.index(eos) + 1] if eos in expected else expected
+        assert answer["choices"][0]["message"]["content"] == served.engine.tokens.decode(expected)
+        info = requests.get(f"{served.http_url}/tokenizer_info", timeout=10).json()
+        assert info["chat_template"] == CHAT_TEMPLATE
+    finally:
+        harness.close()

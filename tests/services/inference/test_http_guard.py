@@ -96,6 +96,13 @@ def test_grpc_generate_and_score_report_top_k(served):
         assert [c.token_id for c in top.candidates] == top_ids.tolist()
         assert [c.logprob for c in top.candidates] == pytest.approx(values.tolist(), abs=1e-4)
         assert top.candidates[0].token_id == seq.token_ids[t]  # greedy
+    request = pb.GenerateRequest(
+        prompt_token_ids=ids, params=pb.SamplingParams(max_new_tokens=4, logprobs=3)
+    )
+    messages = list(served.grpc_stub.GenerateStream(request, timeout=60, metadata=metadata))
+    streamed = [lp for m in messages for lp in m.token_logprobs]
+    assert streamed == pytest.approx(list(seq.token_logprobs), abs=1e-6)
+    assert [t for m in messages for t in m.top_logprobs] == list(seq.top_logprobs)
     worst = int(reference[len(ids) - 1].argmin())
     scored = served.grpc_stub.Score(
         pb.ScoreRequest(

@@ -258,3 +258,53 @@ def test_lm_eval_local_completions_generate_until_equals_hf(served):
     expected = hf_generate(served.hf, ids, max_new_tokens=8)[0, len(ids) :].tolist()
     expected = expected[: expected.index(EOS_ID) + 1] if EOS_ID in expected else expected
     assert text == tokens.decode(expected).split("\n\n")[0]
+
+
+def test_streamed_logprobs_equal_the_plain_answer(client, served):
+    args = dict(model=served.model_name, prompt=[5, 9, 14], max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-6)
+    tops = [t for c in chunks if c.logprobs for t in c.logprobs.top_logprobs]
+    assert tops == whole.top_logprobs
+
+
+def test_vllm_tokenizer_routes(served):
+    url = served.http_url
+    tokens = requests.post(f"{url}/tokenize", json={"prompt": "the cat"}, timeout=10).json()
+    assert tokens["tokens"] == served.engine.tokens.encode_prompt("the cat")
+    plain = requests.post(
+        f"{url}/tokenize", json={"prompt": "the cat", "add_special_tokens": False}, timeout=10
+    ).json()
+    assert plain["tokens"] == tokens["tokens"][1:]
+    text = requests.post(f"{url}/detokenize", json={"tokens": plain["tokens"]}, timeout=10).json()
+    assert text["prompt"] == "the cat"
+    bad = requests.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    info = requests.get(f"{url}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == "</s>" and info["chat_template"] is None
+
+
+def test_no_model_loaded_is_503(served):
+    import asyncio
+
+    from services.common.config import ServerConfig
+    from services.inference.config import InferenceServiceConfig
+    from services.inference.http_config import HttpConfig
+    from services.inference.http_server import start_http
+
+    async def start():
+        return await start_http(
+            None, InferenceServiceConfig(), HttpConfig(http_port=0), ServerConfig(port=0)
+        )
+
+    front = asyncio.run_coroutine_threadsafe(start(), served.loop).result(30)
+    try:
+        url = f"http://127.0.0.1:{front.port}"
+        assert requests.get(f"{url}/health", timeout=10).status_code == 503
+        body = {"model": "x", "prompt": "hi"}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=10)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "no_model"
+    finally:
+        asyncio.run_coroutine_threadsafe(front.stop(1), served.loop).result(30)

@@ -124,6 +124,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class _Api:
+    """The route handlers over one engine (None: no model loaded)."""
+
     def __init__(
         self, engine: ServingEngine | None, limits: InferenceServiceConfig, http: HttpConfig
     ) -> None:

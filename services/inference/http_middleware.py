@@ -97,19 +97,32 @@ class GuardMiddleware:
             )
             return
         received = 0
+        too_large = False
 
         async def receive_limited() -> Message:
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    too_large = True
                     raise self._too_large()
             return message
 
+        replied = False
+
+        async def send_checked(message: Message) -> None:
+            # A chunked body over the limit: the app answers its body-parsing error, we 413.
+            nonlocal replied
+            if not too_large:
+                await send(message)
+            elif not replied:
+                replied = True
+                await _reply(send, self._too_large())
+
         self.in_flight += 1
         try:
-            await self.app(scope, receive_limited, send)
+            await self.app(scope, receive_limited, send_checked)
         finally:
             self.in_flight -= 1
 

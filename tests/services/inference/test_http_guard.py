@@ -42,6 +42,13 @@ def test_body_over_limit_is_413(served):
         f"{served.http_url}/v1/completions", json=body, headers=AUTH, timeout=10
     )
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    chunked = requests.post(
+        f"{served.http_url}/v1/completions",
+        data=(b"x" * 512 for _ in range(8)),  # no Content-Length: Transfer-Encoding chunked
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert chunked.status_code == 413, chunked.text
 
 
 def _stream_request(served, max_tokens: int) -> requests.Response:

@@ -205,3 +205,38 @@ def test_auto_chat_template_renders_like_transformers(tmp_path_factory, hf_token
         assert info["chat_template"] == CHAT_TEMPLATE
     finally:
         harness.close()
+
+
+def test_plain_request_is_cancelled_when_its_client_disconnects(served, monkeypatch):
+    import socket
+
+    from prometheus_client import REGISTRY
+
+    from services.inference import http_streaming
+
+    monkeypatch.setattr(http_streaming, "DISCONNECT_POLL_S", 0.01)
+    labels = {"protocol": "http", "finish_reason": "cancelled"}
+
+    def cancelled() -> float:
+        return REGISTRY.get_sample_value("meshline_inference_requests_total", labels) or 0.0
+
+    before = cancelled()
+    body = json.dumps(
+        {"model": served.model_name, "prompt": [5, 6, 7], "max_tokens": 120, "temperature": 1.0}
+    ).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer s3cret\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    port = int(served.http_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(head + body)
+        deadline = time.monotonic() + 20
+        while not served.engine.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert served.engine.engine.has_work()
+    deadline = time.monotonic() + 20
+    while served.engine.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not served.engine.engine.has_work()
+    assert cancelled() - before == 1

@@ -11,6 +11,7 @@ by `OperationsCollector`: a count per kind and state, and the progress of every 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import time
@@ -84,7 +85,9 @@ def _split(method: str) -> tuple[str, str]:
     return service or "unknown", name or method
 
 
-def _code_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
+def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool) -> str:
+    if cancelled or (failed and context.cancelled()):
+        return "CANCELLED"
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
@@ -132,28 +135,33 @@ def _wrap(handler: grpc.RpcMethodHandler, service: str, method: str) -> grpc.Rpc
     in_flight = GRPC_IN_FLIGHT.labels(service)
     latency = GRPC_LATENCY.labels(service, method)
 
-    def record(context: grpc.aio.ServicerContext, start: float, failed: bool) -> None:
+    def record(
+        context: grpc.aio.ServicerContext, start: float, failed: bool, cancelled: bool
+    ) -> None:
         in_flight.dec()
         latency.observe(time.perf_counter() - start)
-        GRPC_REQUESTS.labels(service, method, _code_name(context, failed)).inc()
+        GRPC_REQUESTS.labels(service, method, _code_name(context, failed, cancelled)).inc()
 
     if kind.endswith("_stream") and inspect.isasyncgenfunction(behavior):
 
         async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            start, failed = time.perf_counter(), True
+            start, failed, cancelled = time.perf_counter(), True, False
             in_flight.inc()
             try:
                 async for response in behavior(request, context):
                     yield response
                 failed = False
+            except (asyncio.CancelledError, GeneratorExit):
+                cancelled = True  # the client went away (or the server is stopping)
+                raise
             finally:
-                record(context, start, failed)
+                record(context, start, failed, cancelled)
 
         wrapped: Callable[..., Any] = streamed
     else:
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start, failed = time.perf_counter(), True
+            start, failed, cancelled = time.perf_counter(), True, False
             in_flight.inc()
             try:
                 result = behavior(request, context)
@@ -161,8 +169,11 @@ def _wrap(handler: grpc.RpcMethodHandler, service: str, method: str) -> grpc.Rpc
                     result = await result
                 failed = False
                 return result
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
             finally:
-                record(context, start, failed)
+                record(context, start, failed, cancelled)
 
         wrapped = unary
     factory = getattr(grpc, f"{kind}_rpc_method_handler")

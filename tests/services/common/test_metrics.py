@@ -102,3 +102,27 @@ def test_serve_all_gives_each_child_its_metrics_port() -> None:
     assert all(
         "--metrics-port" not in c for c in child_commands(_all_parser().parse_args([])).values()
     )
+
+
+def test_a_call_the_client_cancels_counts_as_cancelled() -> None:
+    import asyncio
+
+    async def body() -> float:
+        before = _count("Block", "CANCELLED")
+        probe = ProbeServicer()
+        server, port, _ = await create_server([probe_binding(probe)], ServerConfig())
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary(f"/{PROBE_SERVICE}/Block")(b"")
+                while probe.entered == 0:
+                    await asyncio.sleep(0.01)
+                call.cancel()
+                for _ in range(500):
+                    if _count("Block", "CANCELLED") > before:
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            await server.stop(0)
+        return _count("Block", "CANCELLED") - before
+
+    assert arun(body()) == 1

@@ -53,7 +53,7 @@ class Plan:
     n: int
     """Choices per prompt in the answer."""
     top_k: int
-    """Alternatives per position to report; None-like 0 with `want_logprobs` False."""
+    """Alternatives per position to report (0 when none are asked for)."""
     want_logprobs: bool
     """Whether the answer carries log-probabilities at all."""
 

@@ -115,6 +115,13 @@ def _all_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
+    parser.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=None,
+        help="serve each service's Prometheus /metrics on consecutive ports from this one, in "
+        "the same order as the gRPC ports (default: off)",
+    )
     return parser
 
 
@@ -125,6 +132,8 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         command = [sys.executable, "-m", f"services.{name}", "serve"]
         command += ["--host", args.host, "--port", str(args.base_port + offset)]
         command += ["--log-level", args.log_level]
+        if args.metrics_base_port is not None:
+            command += ["--metrics-port", str(args.metrics_base_port + offset)]
         if args.state_dir:
             command += ["--state-dir", f"{args.state_dir}/{name}"]
         if name != "inference":
@@ -162,6 +171,15 @@ def serve_all(argv: list[str]) -> int:
         print(
             f"meshline serve all: --base-port must be in [1, {65535 - len(SERVICES) + 1}], "
             f"got {args.base_port}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.metrics_base_port is not None and not (
+        1 <= args.metrics_base_port <= 65535 - (len(SERVICES) - 1)
+    ):
+        print(
+            f"meshline serve all: --metrics-base-port must be in "
+            f"[1, {65535 - len(SERVICES) + 1}], got {args.metrics_base_port}",
             file=sys.stderr,
         )
         return 2

@@ -40,6 +40,8 @@ class ServerConfig:
     """One of debug, info, warning, error."""
     log_format: str = "text"
     """`text` (key=value lines) or `json` (one JSON object per line)."""
+    metrics_port: int | None = None
+    """Port of the Prometheus `/metrics` endpoint on `host` (0 = any free); None: no endpoint."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -51,6 +53,10 @@ class ServerConfig:
         if not 1 <= self.max_message_mb <= MAX_MESSAGE_MB_LIMIT:
             raise ValueError(
                 f"--max-message-mb must be in [1, {MAX_MESSAGE_MB_LIMIT}], got {self.max_message_mb}"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"--metrics-port must be in [0, 65535] (0 = any free port), got {self.metrics_port}"
             )
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must be >= 0 seconds, got {self.grace_s}")
@@ -146,6 +152,12 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     group.add_argument(
         "--log-format", default=d.log_format, choices=LOG_FORMATS, help="text or json log lines"
     )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -163,4 +175,5 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         state_dir=args.state_dir,
         log_level=args.log_level,
         log_format=args.log_format,
+        metrics_port=args.metrics_port,
     )

@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
 from services.common.errors import InvalidArgument, NotFound
+from services.common.metrics import OPERATIONS as OPERATIONS_METRICS
 from services.common.operation_jobs import OperationHandle, run_in_thread
 from services.common.operation_records import read_records, write_record
 from services.common.operation_watch import Watcher
@@ -72,6 +73,7 @@ class OperationsStore:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._load()
+        OPERATIONS_METRICS.add(self)
 
     def _load(self) -> None:
         assert self.state_dir is not None

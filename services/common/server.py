@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -27,8 +28,16 @@ from services.common.health import NOT_SERVING, SERVING, HealthServicer
 from services.common.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from services.common.interceptors import GuardInterceptor
 from services.common.logging import setup_logging
+from services.common.metrics import MetricsInterceptor, start_metrics_server
 
 logger = logging.getLogger(__name__)
+
+
+class Companion(Protocol):
+    """Something a binding runs beside the gRPC server in its event loop (an HTTP front)."""
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to `grace_s`, then close."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,9 @@ class ServiceBinding:
     """Largest request message this service needs (None: the server's --max-message-mb); the
     server receives at most the smallest bound of its bindings, so an oversized request is
     refused by gRPC (RESOURCE_EXHAUSTED) before it is read into memory."""
+    companion: Callable[[ServerConfig], Awaitable[Companion]] | None = None
+    """Started by `serve` once the gRPC server listens (same event loop, same auth/TLS config),
+    stopped before the bindings' `on_stop` hooks."""
 
 
 def format_address(host: str, port: int) -> str:
@@ -75,7 +87,7 @@ async def create_server(
     receive_limits = [b.max_request_bytes for b in bindings if b.max_request_bytes is not None]
     max_receive = min([config.max_message_bytes, *receive_limits])
     server = grpc.aio.server(
-        interceptors=[GuardInterceptor(config.max_concurrent_rpcs, auth)],
+        interceptors=[MetricsInterceptor(), GuardInterceptor(config.max_concurrent_rpcs, auth)],
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", max_receive),
@@ -138,6 +150,15 @@ async def serve(
     Logs one line `serving <names> on <host>:<port>` once listening, and calls `ready(port)`.
     """
     server, port, health = await create_server(bindings, config)
+    metrics = None
+    if config.metrics_port is not None:
+        metrics = start_metrics_server(config.host, config.metrics_port)
+        logger.info(
+            "metrics on http://%s/metrics",
+            format_address(config.host, metrics.server_port),
+            extra={"metrics_port": metrics.server_port},
+        )
+    companions = [await b.companion(config) for b in bindings if b.companion is not None]
     names = ", ".join(binding.name for binding in bindings)
     address = format_address(config.host, port)
     logger.info(
@@ -176,6 +197,7 @@ async def serve(
             logger.info(
                 "%s received: draining in-flight calls for up to %gs", received[0], config.grace_s
             )
+            await asyncio.gather(*(c.stop(config.grace_s) for c in companions))
             await shutdown(server, health, bindings, config.grace_s)
         terminated.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -183,6 +205,9 @@ async def serve(
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
     logger.info("stopped serving %s on %s", names, address)
 
 

@@ -12,6 +12,7 @@ import sys
 from services.common.config import ServerConfig
 from services.common.server import ServiceBinding
 from services.inference.config import DEFAULT_PORT, add_flags, from_args
+from services.inference.http_config import add_http_flags, http_config_from_args
 from services.inference.servicer import bindings, load_engine
 from services.serve import ServiceCli, service_main
 
@@ -24,10 +25,17 @@ DESCRIPTION = (
 def build(args: argparse.Namespace, server_config: ServerConfig) -> list[ServiceBinding]:
     """The server's bindings from the parsed flags; loads the model when --load is given."""
     config = from_args(args)
-    return bindings(config, load_engine(config))
+    http = http_config_from_args(args)
+    return bindings(config, load_engine(config), http)
 
 
-CLI = ServiceCli("inference", DEFAULT_PORT, DESCRIPTION, add_flags, build)
+def add_all_flags(parser: argparse.ArgumentParser) -> None:
+    """The service's flags and those of its OpenAI-compatible HTTP front."""
+    add_flags(parser)
+    add_http_flags(parser)
+
+
+CLI = ServiceCli("inference", DEFAULT_PORT, DESCRIPTION, add_all_flags, build)
 
 
 def main(argv: list[str] | None = None) -> int:

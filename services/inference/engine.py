@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,8 @@ class Engine:
         # Tokens fed to the model per request (tests check cancellation stops work); bounded,
         # so a long-running server does not keep one entry per request ever served.
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
+        # Called after each step that ran the model (metrics): the engine, on its thread.
+        self.on_step: Callable[[Engine], None] | None = None
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -191,6 +194,10 @@ class Engine:
         with self._lock:
             if request_id in self._live:
                 self._cancel_inbox.add(request_id)
+
+    def load(self) -> tuple[int, int]:
+        """(active cache rows, requests waiting for rows); read on the engine thread."""
+        return len(self._rows), len(self._waiting)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -243,6 +250,8 @@ class Engine:
             self._report_failures(failed, events)
             return events
         self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self)
         logits_BV = torch.cat(logits).float()
         plain = self._pick_plain(logits_BV, events, failed)
         beams = self._pick_beams(logits_BV, events, failed)
@@ -446,28 +455,31 @@ class Engine:
         seqs = [row.seq for row in self._rows if row.seq is not None]
         logits_PV = logits_BV[index]
         next_P: list[int | None]
+        tops: list[list[tuple[int, float]] | None]
         try:
-            next_P, picked_P = self._choose(logits_PV, seqs)  # type: ignore[assignment]
+            next_P, picked_P, tops = self._choose(logits_PV, seqs)  # type: ignore[assignment]
         except Exception as exc:  # retried per row
             log.warning("batched sampling of %d rows failed (%s); row by row", len(seqs), exc)
-            next_P, picked_P = [], []
+            next_P, picked_P, tops = [], [], []
             for p, seq in enumerate(seqs):
                 rid = seq.request.request_id
                 try:
-                    tokens, logprobs = self._choose(logits_PV[p : p + 1], [seq])
+                    tokens, logprobs, row_tops = self._choose(logits_PV[p : p + 1], [seq])
                     next_P.append(tokens[0])
                     picked_P.append(logprobs[0])
+                    tops.append(row_tops[0])
                 except Exception as row_exc:  # this request fails
                     failed.setdefault(rid, RequestError(rid, "sampling its next token", row_exc))
                     next_P.append(None)
                     picked_P.append(0.0)
-        for row_i, seq, token, lp in zip(index, seqs, next_P, picked_P, strict=True):
+                    tops.append(None)
+        for row_i, seq, token, lp, top in zip(index, seqs, next_P, picked_P, tops, strict=True):
             rid = seq.request.request_id
             if token is None or rid in failed:
                 picks[row_i] = None
                 continue
             try:
-                finish = self._advance(seq, token, lp, events)
+                finish = self._advance(seq, token, lp, events, top)
             except Exception as exc:  # this request fails, not the step
                 failed[rid] = RequestError(rid, "detokenising its text (stop strings)", exc)
                 picks[row_i] = None
@@ -477,9 +489,10 @@ class Engine:
 
     def _choose(
         self, logits_PV: torch.Tensor, seqs: list[_Sequence]
-    ) -> tuple[list[int], list[float]]:
-        """Token and its log-probability per row: repetition penalty, warping, then greedy or a
-        draw. Raises before any generator draws when a sampled row has nothing to draw from."""
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        """Token, its log-probability and (when the request asks for logprobs) the top
+        alternatives per row: repetition penalty, warping, then greedy or a draw. Raises before
+        any generator draws when a sampled row has nothing to draw from."""
         logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
         configs = [s.request.config for s in seqs]
         processed_PV = apply_repetition_penalty(
@@ -499,10 +512,16 @@ class Engine:
                 raise ValueError("the processed logits of a sampled row have no finite value")
         next_P = sample_rows(processed_PV, generators).tolist()
         picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
-        return next_P, picked_P.tolist()
+        tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
+        return next_P, picked_P.tolist(), tops
 
     def _advance(
-        self, seq: _Sequence, token: int, logprob: float, events: list[StepEvent]
+        self,
+        seq: _Sequence,
+        token: int,
+        logprob: float,
+        events: list[StepEvent],
+        top: list[tuple[int, float]] | None = None,
     ) -> Finish | None:
         """Append a token to a sequence and emit its event; returns why it ended, if it did."""
         cfg = seq.request.config
@@ -521,11 +540,12 @@ class Engine:
         if matched:
             finish = Finish.STOP_STRING
             text += seq.tracker.update(seq.tokens, final=True)[0]
-        events.append(
-            StepEvent(
-                seq.request.request_id, seq.index, [token], text, seq.logprob, seq.seed, finish
-            )
+        event = StepEvent(
+            seq.request.request_id, seq.index, [token], text, seq.logprob, seq.seed, finish
         )
+        if top is not None:
+            event.token_logprobs, event.top_logprobs = [logprob], [top]
+        events.append(event)
         return finish
 
     def _pick_beams(
@@ -659,15 +679,19 @@ class Engine:
         with self._lock:
             self._live -= done - running - waiting
 
-    def score(self, items: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[ScoreResult]:
+    def score(
+        self, items: list[tuple[list[int], list[int]]], pad_id: int = 0, top_logprobs: int = 0
+    ) -> list[ScoreResult]:
         """Log-probabilities of each (context ids, continuation ids) pair (see scoring.py);
-        choices sharing a context run it once."""
+        choices sharing a context run it once. `top_logprobs` > 0 also returns that many most
+        likely tokens at each continuation position."""
         return score_batch(
             self._full_logits,
             items,
             device=self.device,
             pad_id=pad_id,
             new_cache=self._scoring_cache,
+            top_logprobs=top_logprobs,
         )
 
     def _full_logits(
@@ -709,6 +733,21 @@ class Engine:
     def _is_live(self, request_id: int) -> bool:
         with self._lock:
             return request_id in self._live
+
+
+def _top_logprobs(
+    logprobs_PV: torch.Tensor, wanted: list[int]
+) -> list[list[tuple[int, float]] | None]:
+    """Per row, its `wanted[p]` most likely (id, log-prob), most likely first; None where 0."""
+    k = max(wanted, default=0)
+    if k == 0:
+        return [None] * len(wanted)
+    values_PK, ids_PK = logprobs_PV.topk(min(k, logprobs_PV.shape[-1]), dim=-1)
+    values, ids = values_PK.tolist(), ids_PK.tolist()
+    return [
+        list(zip(ids[p][:n], values[p][:n], strict=True)) if n else None
+        for p, n in enumerate(wanted)
+    ]
 
 
 def _num_sequences(config: SamplingConfig) -> int:

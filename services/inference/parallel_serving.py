@@ -65,11 +65,13 @@ class LeaderFollowerEngine(Engine):
             return requests, cancelled
         return self._received
 
-    def score(self, items: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[ScoreResult]:
-        """Scores on every rank (rank 0 tells the others what)."""
+    def score(
+        self, items: list[tuple[list[int], list[int]]], pad_id: int = 0, top_logprobs: int = 0
+    ) -> list[ScoreResult]:
+        """Scores on every rank (rank 0 tells the others what; only it picks the top tokens)."""
         if self.rank == 0:
             self._send(SCORE, items, pad_id)
-        return super().score(items, pad_id)
+        return super().score(items, pad_id, top_logprobs)
 
     def reset(self) -> None:
         """Reset every rank's engine."""

@@ -55,6 +55,10 @@ class StepEvent:
     finish: Finish | None = None
     error: RequestError | None = None
     """Set on the one event of a request that failed in the engine (it gets no other events)."""
+    token_logprobs: list[float] = field(default_factory=list)
+    """With SamplingConfig.logprobs: log-probability of each of `token_ids`."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """With SamplingConfig.logprobs: per token, the most likely (id, log-prob) at its position."""
 
 
 @dataclass
@@ -75,6 +79,8 @@ class ScoreResult:
     logprob: float
     is_greedy: bool
     token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per continuation token, the most likely (id, log-prob) at its position (when asked)."""
 
 
 def collect(events: list[StepEvent], num_sequences: int) -> list[SequenceResult]:

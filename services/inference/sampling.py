@@ -50,6 +50,8 @@ class SamplingConfig:
     """Stop strings: a sequence ends once its text contains one; the text is cut before it."""
     seed: int = 0
     """Seed of the request's sampler (sequence i of a request uses seed + i)."""
+    logprobs: int = 0
+    """Most likely alternatives reported with each generated token (0: none; not with beams)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= MAX_SEED:
@@ -67,6 +69,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
         if self.repetition_penalty <= 0:

@@ -42,11 +42,13 @@ def score_batch(
     pad_id: int = 0,
     max_batch_tokens: int = 8192,
     new_cache: NewCache | None = None,
+    top_logprobs: int = 0,
 ) -> list[ScoreResult]:
     """Score `(context_ids, continuation_ids)` pairs; every context must be non-empty.
 
     With `new_cache`, items sharing a context run it once (see the module docstring). A
-    repeated item is scored once and its result copied."""
+    repeated item is scored once and its result copied. `top_logprobs` > 0 also reports the
+    that many most likely tokens at every continuation position."""
     results: list[ScoreResult | None] = [None] * len(items)
     first_of: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     original = [first_of.setdefault((tuple(c), tuple(x)), i) for i, (c, x) in enumerate(items)]
@@ -61,7 +63,7 @@ def score_batch(
                 alone += members
                 continue
             for i, result in _score_shared(
-                forward, new_cache, items, members, device, pad_id, max_batch_tokens
+                forward, new_cache, items, members, device, pad_id, max_batch_tokens, top_logprobs
             ):
                 results[i] = result
     # Longest first, so each batch pads little and the token budget holds.
@@ -83,23 +85,36 @@ def score_batch(
             context, continuation = items[i]
             first = len(context) - 1
             rows_CV = logprobs_BSV[row, first : first + len(continuation)]
-            results[i] = _result(rows_CV, continuation, device)
+            results[i] = _result(rows_CV, continuation, device, top_logprobs)
     for i, j in enumerate(original):
         if i != j:
             done = results[j]
             assert done is not None
-            results[i] = replace(done, token_logprobs=list(done.token_logprobs))
+            results[i] = replace(
+                done,
+                token_logprobs=list(done.token_logprobs),
+                top_logprobs=[list(top) for top in done.top_logprobs],
+            )
     assert all(r is not None for r in results)
     return [r for r in results if r is not None]
 
 
-def _result(logprobs_CV: torch.Tensor, continuation: list[int], device: torch.device):
+def _result(
+    logprobs_CV: torch.Tensor, continuation: list[int], device: torch.device, top_k: int = 0
+) -> ScoreResult:
     """The score of a continuation from the log-softmax rows that predict its tokens."""
     target_C = torch.tensor(continuation, device=device)
     token_lp_C = logprobs_CV.gather(1, target_C[:, None])[:, 0]
     greedy = bool((logprobs_CV.argmax(-1) == target_C).all())
     token_lps = token_lp_C.tolist()
-    return ScoreResult(float(sum(token_lps)), greedy, token_lps)
+    top: list[list[tuple[int, float]]] = []
+    if top_k > 0:
+        values_CK, ids_CK = logprobs_CV.topk(min(top_k, logprobs_CV.shape[-1]), dim=-1)
+        top = [
+            list(zip(ids, values, strict=True))
+            for ids, values in zip(ids_CK.tolist(), values_CK.tolist(), strict=True)
+        ]
+    return ScoreResult(float(sum(token_lps)), greedy, token_lps, top)
 
 
 def _score_shared(
@@ -110,6 +125,7 @@ def _score_shared(
     device: torch.device,
     pad_id: int,
     max_batch_tokens: int,
+    top_k: int = 0,
 ) -> list[tuple[int, ScoreResult]]:
     """Scores of items `members`, which share one context: the context runs once per chunk of
     continuations that fits the token budget."""
@@ -144,7 +160,7 @@ def _score_shared(
             rows_CV = first_lp_V[None]
             if logprobs_BCV is not None and len(cont) > 1:
                 rows_CV = torch.cat([rows_CV, logprobs_BCV[row, : len(cont) - 1]])
-            out.append((i, _result(rows_CV, cont, device)))
+            out.append((i, _result(rows_CV, cont, device, top_k)))
     return out
 
 

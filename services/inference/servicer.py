@@ -26,6 +26,8 @@ from services.common.errors import (
 )
 from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
+from services.inference.http_config import HttpConfig
+from services.inference.metrics import instrument, metered
 from services.inference.requests import Finish, RequestError, StepEvent
 from services.inference.sampling import MAX_SEED, SamplingConfig
 from services.inference.serving import ServingEngine, build_serving_engine
@@ -39,6 +41,8 @@ FINISH_REASONS = {
 }
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+"""Most alternatives per position a request may ask for (OpenAI's limit for top_logprobs)."""
 T = TypeVar("T")
 MAX_REPORTED_VIOLATIONS = 20
 """A Score request stops being checked after this many bad fields (the error stays readable)."""
@@ -137,6 +141,17 @@ def check_sampling_params(
             "params.seed",
             f"must be in [0, 2**63 - 1] (sequence i uses seed + i), got {params.seed}",
         )
+    if params.HasField("logprobs"):
+        check.require(
+            0 <= params.logprobs <= MAX_LOGPROBS,
+            "params.logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}",
+        )
+        check.require(
+            params.logprobs == 0 or num_beams == 1,
+            "params.logprobs",
+            "per-token log-probabilities are not reported with beam search (num_beams > 1)",
+        )
     n = params.num_return_sequences if params.HasField("num_return_sequences") else 1
     if check.require(
         1 <= n <= config.max_num_beams,
@@ -194,6 +209,11 @@ def check_score_request(
     """Raises InvalidArgument naming every malformed item of a Score request."""
     check = Validator()
     check.require(len(request.items) > 0, "items", "give at least one item to score")
+    check.require(
+        0 <= request.top_logprobs <= MAX_LOGPROBS,
+        "top_logprobs",
+        f"must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
+    )
     check.require(
         len(request.items) <= config.max_score_items,
         "items",
@@ -315,12 +335,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         prompt_ids, config = await self._prepare(engine, request)
         sequences = [inference_pb2.Sequence() for _ in range(config.num_return_sequences)]
         try:
-            async for event in engine.front.stream(prompt_ids, config):
+            async for event in metered(engine.front, prompt_ids, config, "grpc"):
                 seq = sequences[event.index]
                 seq.token_ids.extend(event.token_ids)
                 seq.text += event.text
                 seq.cumulative_logprob = event.cumulative_logprob
                 seq.seed = event.seed
+                seq.token_logprobs.extend(event.token_logprobs)
+                seq.top_logprobs.extend(_top_messages(event.top_logprobs))
                 if event.finish is not None:
                     seq.finish_reason = FINISH_REASONS[event.finish]
         except RequestError as exc:
@@ -332,7 +354,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         prompt_ids, config = await self._prepare(engine, request)
         try:
-            async for event in engine.front.stream(prompt_ids, config):
+            async for event in metered(engine.front, prompt_ids, config, "grpc"):
                 yield _stream_message(event)
         except RequestError as exc:
             raise request_failed(exc) from exc
@@ -403,11 +425,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 "per request (--max-score-tokens); split them over several requests",
             )
         pad = engine.tokens.pad_id or 0
-        results = await engine.front.run(lambda: engine.engine.score(items, pad))
+        top = request.top_logprobs
+        results = await engine.front.run(lambda: engine.engine.score(items, pad, top))
         return inference_pb2.ScoreResponse(
             results=[
                 inference_pb2.ScoreResult(
-                    logprob=r.logprob, is_greedy=r.is_greedy, token_logprobs=r.token_logprobs
+                    logprob=r.logprob,
+                    is_greedy=r.is_greedy,
+                    token_logprobs=r.token_logprobs,
+                    top_logprobs=_top_messages(r.top_logprobs),
                 )
                 for r in results
             ]
@@ -531,7 +557,17 @@ def sampling_config(params: inference_pb2.SamplingParams) -> SamplingConfig:
         num_return_sequences=int(get("num_return_sequences", 1)),  # type: ignore[call-overload]
         stop=tuple(params.stop),
         seed=int(seed),
+        logprobs=int(get("logprobs", 0)),  # type: ignore[call-overload]
     )
+
+
+def _top_messages(top: list[list[tuple[int, float]]]) -> list[inference_pb2.TopLogprobs]:
+    return [
+        inference_pb2.TopLogprobs(
+            candidates=[inference_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in position]
+        )
+        for position in top
+    ]
 
 
 def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
@@ -544,12 +580,25 @@ def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
         else inference_pb2.FINISH_REASON_UNSPECIFIED,
         cumulative_logprob=event.cumulative_logprob,
         seed=event.seed,
+        token_logprobs=event.token_logprobs,
+        top_logprobs=_top_messages(event.top_logprobs),
     )
 
 
-def bindings(config: InferenceServiceConfig, engine: ServingEngine | None) -> list[ServiceBinding]:
-    """The services an inference server hosts (health and reflection are added by the server)."""
+def bindings(
+    config: InferenceServiceConfig, engine: ServingEngine | None, http: HttpConfig | None = None
+) -> list[ServiceBinding]:
+    """The services an inference server hosts (health and reflection are added by the server);
+    with `http.http_port`, the OpenAI-compatible HTTP front runs beside it on the same engine."""
     servicer = InferenceServicer(config, engine)
+    if engine is not None:
+        instrument(engine.engine)
+    companion = None
+    if http is not None and http.http_port is not None:
+        # The ASGI stack is imported only by servers that serve HTTP (start-up time).
+        from services.inference.http_server import http_companion
+
+        companion = http_companion(engine, config, http)
     return [
         ServiceBinding(
             SERVICE_NAME,
@@ -557,5 +606,6 @@ def bindings(config: InferenceServiceConfig, engine: ServingEngine | None) -> li
             inference_pb2_grpc.add_InferenceServiceServicer_to_server,
             on_stop=None if engine is None else engine.stop,
             max_request_bytes=config.max_request_mb * 2**20,
+            companion=companion,
         )
     ]

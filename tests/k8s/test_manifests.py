@@ -107,6 +107,26 @@ def test_services_have_probes_hardening_config_and_token(overlay):
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_expose_metrics_and_inference_the_http_api(overlay):
+    objects = render(overlay)
+    for name in SERVICES:
+        (deployment,) = find(objects, "Deployment", f"meshline-{name}")
+        (service,) = find(objects, "Service", f"meshline-{name}")
+        pod = deployment["spec"]["template"]
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        (container,) = pod["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert annotations["prometheus.io/port"] == str(ports["metrics"])
+        assert f"--metrics-port={ports['metrics']}" in container["args"]
+        service_ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+        assert service_ports["metrics"] == "metrics"
+        if name == "inference":
+            assert f"--http-port={ports['http']}" in container["args"]
+            assert service_ports["http"] == "http"
+
+
 @pytest.mark.parametrize(
     ("overlay", "extra_group"),
     [

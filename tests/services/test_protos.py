@@ -67,7 +67,8 @@ _SCALAR_NAMES = {
     FieldDescriptor.TYPE_BOOL: "bool",
 }
 
-# (type, repeated, `optional` presence) per field, as issue #2 writes them.
+# (type, repeated, `optional` presence) per field, as issue #2 writes them (plus issue #20's
+# top-k log-probabilities).
 ISSUE_FIELDS = {
     "GenerateRequest": {
         "prompt": ("string", False, False),
@@ -87,6 +88,7 @@ ISSUE_FIELDS = {
         "length_penalty": ("float", False, True),
         "num_return_sequences": ("int32", False, True),
         "early_stopping": ("bool", False, True),
+        "logprobs": ("int32", False, True),
     },
     "GenerateResponse": {"sequences": ("Sequence", True, False)},
     "Sequence": {
@@ -95,8 +97,15 @@ ISSUE_FIELDS = {
         "finish_reason": ("FinishReason", False, False),
         "cumulative_logprob": ("double", False, False),
         "seed": ("uint64", False, False),
+        "token_logprobs": ("double", True, False),
+        "top_logprobs": ("TopLogprobs", True, False),
     },
-    "ScoreRequest": {"items": ("ScoreItem", True, False)},
+    "TopLogprobs": {"candidates": ("TokenLogprob", True, False)},
+    "TokenLogprob": {"token_id": ("int32", False, False), "logprob": ("double", False, False)},
+    "ScoreRequest": {
+        "items": ("ScoreItem", True, False),
+        "top_logprobs": ("int32", False, True),
+    },
     "ScoreItem": {
         "context": ("string", False, False),
         "continuation": ("string", False, False),
@@ -108,6 +117,7 @@ ISSUE_FIELDS = {
         "logprob": ("double", False, False),
         "is_greedy": ("bool", False, False),
         "token_logprobs": ("double", True, False),
+        "top_logprobs": ("TopLogprobs", True, False),
     },
 }
 

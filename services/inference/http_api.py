@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP API of the inference server (FastAPI), on the gRPC server's engine.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
+`stream` as server-sent events), vLLM's `POST /tokenize`, `POST /detokenize` and
+`GET /tokenizer_info` (lm-eval's remote tokenizer), and `GET /health` (probes; no auth).
+Errors use OpenAI's JSON error object: 400 bad input, 401 missing/wrong bearer token, 404 unknown
+model or route, 413 body too large, 429 too many requests in flight, 503 no model loaded; 500
+only for a server bug (with an incident id in the log). A client that disconnects cancels its
+generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.inference.config import InferenceServiceConfig
+from services.inference.http_config import HttpConfig
+from services.inference.http_middleware import GuardMiddleware
+from services.inference.http_streaming import merged, sse, until_disconnect
+from services.inference.openai_generation import (
+    FINISH_REASONS,
+    ChoiceResult,
+    Plan,
+    chat_template_of,
+    fold,
+    generate,
+    plan,
+    prompt_logprobs,
+    render_chat,
+    resolve_prompts,
+    token_strings,
+)
+from services.inference.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    invalid,
+)
+from services.inference.openai_responses import (
+    chat_logprobs,
+    chunk_choice,
+    concat,
+    echo_logprobs,
+    gen_logprobs,
+    usage_of,
+)
+from services.inference.serving import ServingEngine
+
+log = logging.getLogger(__name__)
+
+
+def build_app(
+    engine: ServingEngine | None,
+    limits: InferenceServiceConfig,
+    http: HttpConfig,
+    auth_token: str | None = None,
+) -> FastAPI:
+    """The ASGI app serving `engine` (None: every model route answers 503)."""
+    app = FastAPI(title="Meshline inference (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    api = _Api(engine, limits, http)
+    app.add_middleware(GuardMiddleware, http=http, auth_token=auth_token)
+    _add_error_handlers(app)
+    app.get("/health")(api.health)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
+    app.get("/tokenizer_info")(api.tokenizer_info)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+            for e in errors[:5]
+        )
+        return JSONResponse(ApiError(400, detail, param=param).body(), status_code=400)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/models"
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        incident = uuid.uuid4().hex[:12]
+        log.error(
+            "uncaught %s in %s",
+            type(exc).__name__,
+            request.url.path,
+            exc_info=exc,
+            extra={"incident": incident},
+        )
+        message = f"internal error ({type(exc).__name__}); the server log has incident {incident}"
+        return JSONResponse(ApiError(500, message).body(), status_code=500)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+class _Api:
+    """The route handlers over one engine (None: no model loaded)."""
+
+    def __init__(
+        self, engine: ServingEngine | None, limits: InferenceServiceConfig, http: HttpConfig
+    ) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.http = http
+        self.model_name = http.served_model_name or (
+            engine.loaded.name if engine is not None else ""
+        )
+        self.created = int(time.time())
+
+    def _require(self, model: str | None) -> ServingEngine:
+        if self.engine is None:
+            raise ApiError(
+                503, "no model loaded; start the server with --load DIR", code="no_model"
+            )
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.engine
+
+    async def health(self) -> JSONResponse:
+        if self.engine is None:
+            return JSONResponse({"status": "no model loaded"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self) -> dict[str, Any]:
+        engine = self._require(None)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "meshline",
+                    "max_model_len": engine.engine.max_seq_len,
+                }
+            ],
+        }
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        engine = self._require(None)
+        tokens = engine.tokens
+        if tokens.tokenizer is None:
+            raise invalid("prompt", "this server has no tokenizer")
+        ids = (
+            tokens.encode_prompt(body.prompt)
+            if body.add_special_tokens
+            else (tokens.require().encode(body.prompt))
+        )
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_seq_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        engine = self._require(None)
+        tokens = engine.tokens
+        if tokens.tokenizer is None:
+            raise invalid("tokens", "this server has no tokenizer")
+        bad = [t for t in body.tokens if not 0 <= t < tokens.vocab_size]
+        if bad:
+            raise invalid("tokens", f"ids {bad[:5]} are outside [0, {tokens.vocab_size})")
+        return {"prompt": tokens.detokenize(body.tokens, True)}
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        engine = self._require(None)
+        tokens = engine.tokens
+        if tokens.tokenizer is None:
+            raise invalid("tokenizer", "this server has no tokenizer")
+        special = {
+            name: (token_strings(engine, [i])[0] if i is not None else None)
+            for name, i in (
+                ("eos_token", tokens.eos_id),
+                ("bos_token", tokens.bos_id),
+                ("pad_token", tokens.pad_id),
+            )
+        }
+        return {
+            **special,
+            "chat_template": chat_template_of(engine),
+            "model_max_length": engine.engine.max_seq_len,
+            "vocab_size": tokens.vocab_size,
+        }
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        engine = self._require(body.model)
+        if body.suffix:
+            raise invalid("suffix", "not supported")
+        prompts = resolve_prompts(engine, body.prompt, self.http.max_prompts)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise invalid("max_tokens", "0 generates nothing; set echo true to score the prompt")
+        current = plan(
+            body,
+            max_tokens=max_tokens,
+            top_k_wanted=body.logprobs,
+            prompt_lengths=[len(ids) for _, ids in prompts],
+            engine=engine,
+            limits=self.limits,
+        )
+        meta = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        if body.stream:
+            chunks = self._completion_chunks(engine, body, prompts, current, max_tokens, meta)
+            return sse(chunks)
+        return await until_disconnect(
+            request, self._completion(engine, body, prompts, current, max_tokens, meta)
+        )
+
+    async def _completion(
+        self,
+        engine: ServingEngine,
+        body: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        current: Plan,
+        max_tokens: int,
+        meta: dict[str, Any],
+    ) -> dict[str, Any]:
+        ids = [p for _, p in prompts]
+        echoes = None
+        if body.echo and current.want_logprobs:
+            echoes = await prompt_logprobs(engine, ids, current.top_k)
+        generated: list[list[ChoiceResult]] = [[] for _ in ids]
+        if max_tokens > 0:
+            generated = list(await asyncio.gather(*(generate(engine, p, current) for p in ids)))
+        choices = []
+        completion_tokens = 0
+        for i, (text, prompt) in enumerate(prompts):
+            echo_text = (
+                (text if text is not None else engine.tokens.detokenize(prompt, True))
+                if (body.echo and engine.tokens.tokenizer is not None)
+                else ""
+            )
+            for j in range(current.n):
+                gen = generated[i][j] if max_tokens > 0 else ChoiceResult(finish=None)
+                completion_tokens += len(gen.token_ids)
+                logprobs = None
+                if current.want_logprobs:
+                    parts = []
+                    if echoes is not None:
+                        parts.append(echo_logprobs(engine, echoes[i], current.top_k))
+                    parts.append(
+                        gen_logprobs(engine, gen, current.top_k, len(echo_text) if body.echo else 0)
+                    )
+                    logprobs = concat(parts)
+                choices.append(
+                    {
+                        "index": i * current.n + j,
+                        "text": echo_text + gen.text,
+                        "logprobs": logprobs,
+                        "finish_reason": FINISH_REASONS[gen.finish] if gen.finish else "length",
+                    }
+                )
+        prompt_tokens = sum(len(p) for p in ids)
+        return {**meta, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
+
+    async def _completion_chunks(
+        self,
+        engine: ServingEngine,
+        body: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        current: Plan,
+        max_tokens: int,
+        meta: dict[str, Any],
+    ) -> AsyncIterator[dict[str, Any]]:
+        ids = [p for _, p in prompts]
+        echo_lengths = [0] * len(ids)
+        if body.echo:
+            echoes = (
+                await prompt_logprobs(engine, ids, current.top_k) if current.want_logprobs else None
+            )
+            for i, (text, prompt) in enumerate(prompts):
+                echo_text = text if text is not None else engine.tokens.detokenize(prompt, True)
+                echo_lengths[i] = len(echo_text)
+                for j in range(current.n):
+                    logprobs = echo_logprobs(engine, echoes[i], current.top_k) if echoes else None
+                    yield {
+                        **meta,
+                        "choices": [chunk_choice(i * current.n + j, echo_text, logprobs)],
+                    }
+        completion_tokens = 0
+        if max_tokens > 0:
+            offsets = {(i, j): echo_lengths[i] for i in range(len(ids)) for j in range(current.n)}
+            async for i, event in merged(engine, ids, current.config):
+                completion_tokens += len(event.token_ids)
+                logprobs = None
+                if current.want_logprobs:
+                    partial = ChoiceResult()
+                    fold(partial, event)
+                    logprobs = gen_logprobs(engine, partial, current.top_k, offsets[i, event.index])
+                offsets[i, event.index] += len(event.text)
+                choice = chunk_choice(i * current.n + event.index, event.text, logprobs)
+                if event.finish is not None:
+                    choice["finish_reason"] = FINISH_REASONS[event.finish]
+                yield {**meta, "choices": [choice]}
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = usage_of(sum(len(p) for p in ids), completion_tokens)
+            yield {**meta, "choices": [], "usage": usage}
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        engine = self._require(body.model)
+        prompt = render_chat(engine, body, self.http.chat_template)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(
+                1, min(self.limits.max_new_tokens_limit, engine.engine.max_seq_len - len(prompt))
+            )
+        current = plan(
+            body,
+            max_tokens=max_tokens,
+            top_k_wanted=(body.top_logprobs or 0) if body.logprobs else None,
+            prompt_lengths=[len(prompt)],
+            engine=engine,
+            limits=self.limits,
+        )
+        meta = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        if body.stream:
+            return sse(self._chat_chunks(engine, body, prompt, current, meta))
+        results = await until_disconnect(request, generate(engine, prompt, current))
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(engine, r, current.top_k)
+                if current.want_logprobs
+                else None,
+                "finish_reason": FINISH_REASONS[r.finish] if r.finish else "length",
+            }
+            for j, r in enumerate(results)
+        ]
+        usage = usage_of(len(prompt), sum(len(r.token_ids) for r in results))
+        return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+
+    async def _chat_chunks(
+        self,
+        engine: ServingEngine,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+        current: Plan,
+        meta: dict[str, Any],
+    ) -> AsyncIterator[dict[str, Any]]:
+        meta = {**meta, "object": "chat.completion.chunk"}
+        for j in range(current.n):
+            delta = {"role": "assistant", "content": ""}
+            yield {**meta, "choices": [{"index": j, "delta": delta, "finish_reason": None}]}
+        completion_tokens = 0
+        async for _, event in merged(engine, [prompt], current.config):
+            completion_tokens += len(event.token_ids)
+            choice: dict[str, Any] = {
+                "index": event.index,
+                "delta": {"content": event.text},
+                "finish_reason": FINISH_REASONS[event.finish] if event.finish else None,
+            }
+            if current.want_logprobs:
+                partial = ChoiceResult()
+                fold(partial, event)
+                choice["logprobs"] = chat_logprobs(engine, partial, current.top_k)
+            yield {**meta, "choices": [choice]}
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield {**meta, "choices": [], "usage": usage_of(len(prompt), completion_tokens)}

@@ -1,0 +1,104 @@
+"""Prometheus metrics of the inference engine, shared by the gRPC and HTTP fronts.
+
+`metered(front, prompt_ids, config, protocol)` wraps one request's event stream: it counts
+requests, prompt and generated tokens, and observes time to first token and inter-token latency.
+`instrument(engine)` records, after every model step, the batch size (active cache rows), the
+queue depth (requests waiting for rows) and KV-cache use (rows and token slots held).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.inference.async_engine import AsyncEngine
+from services.inference.engine import Engine
+from services.inference.requests import StepEvent
+from services.inference.sampling import SamplingConfig
+
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUESTS = Counter(
+    "meshline_inference_requests_total",
+    "Generation requests finished, by protocol (grpc, http) and finish reason of sequence 0.",
+    ["protocol", "finish_reason"],
+)
+PROMPT_TOKENS = Counter(
+    "meshline_inference_prompt_tokens_total", "Prompt tokens of generation requests."
+)
+GENERATED_TOKENS = Counter(
+    "meshline_inference_generated_tokens_total", "Tokens generated, every sequence counted."
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "meshline_inference_time_to_first_token_seconds",
+    "From submitting a request to its first generated token (queueing and prefill included).",
+    buckets=TOKEN_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "meshline_inference_inter_token_latency_seconds",
+    "Time between consecutive tokens of a sequence (sequence 0 of each request).",
+    buckets=TOKEN_BUCKETS,
+)
+BATCH_SIZE = Histogram(
+    "meshline_inference_batch_size",
+    "Active cache rows (sequences and beams) in each engine step.",
+    buckets=ROW_BUCKETS,
+)
+QUEUE_DEPTH = Gauge(
+    "meshline_inference_queue_depth", "Requests waiting for cache rows after the last step."
+)
+RUNNING_ROWS = Gauge("meshline_inference_running_rows", "Cache rows in use after the last step.")
+KV_CACHE_ROWS_USAGE = Gauge(
+    "meshline_inference_kv_cache_rows_usage_ratio", "Share of the KV cache's rows held (0..1)."
+)
+KV_CACHE_TOKENS_USAGE = Gauge(
+    "meshline_inference_kv_cache_tokens_usage_ratio",
+    "Share of the KV cache's token slots (rows x max length) filled (0..1).",
+)
+STEPS = Counter("meshline_inference_engine_steps_total", "Engine steps that ran the model.")
+
+
+def _observe_step(engine: Engine) -> None:
+    rows, waiting = engine.load()
+    pool = engine.pool
+    BATCH_SIZE.observe(rows)
+    QUEUE_DEPTH.set(waiting)
+    RUNNING_ROWS.set(rows)
+    KV_CACHE_ROWS_USAGE.set(pool.num_rows / pool.max_rows)
+    KV_CACHE_TOKENS_USAGE.set(sum(pool.lengths()) / (pool.max_rows * pool.max_seq_len))
+    STEPS.inc()
+
+
+def instrument(engine: Engine) -> None:
+    """Record batch size, queue depth and cache use after each of `engine`'s steps."""
+    engine.on_step = _observe_step
+
+
+async def metered(
+    front: AsyncEngine, prompt_ids: list[int], config: SamplingConfig, protocol: str
+) -> AsyncIterator[StepEvent]:
+    """`front.stream(prompt_ids, config)`, measured (see the module docstring)."""
+    PROMPT_TOKENS.inc(len(prompt_ids))
+    start = last = time.perf_counter()
+    first = True
+    finish = "cancelled"
+    try:
+        async for event in front.stream(prompt_ids, config):
+            if event.token_ids:
+                GENERATED_TOKENS.inc(len(event.token_ids))
+                if event.index == 0:
+                    now = time.perf_counter()
+                    if first:
+                        TIME_TO_FIRST_TOKEN.observe(now - start)
+                        first = False
+                    else:
+                        INTER_TOKEN_LATENCY.observe(now - last)
+                    last = now
+            if event.finish is not None and event.index == 0:
+                finish = event.finish.value
+            yield event
+    finally:
+        REQUESTS.labels(protocol, finish).inc()

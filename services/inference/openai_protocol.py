@@ -1,0 +1,154 @@
+"""Request bodies of the OpenAI HTTP API as the inference front accepts them, and its errors.
+
+Field names and defaults follow OpenAI's `/v1/completions` and `/v1/chat/completions`; the
+extensions vLLM accepts are here under vLLM's names (`top_k`, `repetition_penalty`,
+`use_beam_search`, `length_penalty`, `early_stopping`). Unknown fields are ignored, as OpenAI's
+own server does. Every value is range-checked by pydantic or `ApiError` before the engine sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20
+"""Most alternatives per position (OpenAI's limit for `logprobs` / `top_logprobs`)."""
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's JSON error object with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or _KINDS.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """400 naming the field."""
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send a last chunk with the request's token counts."""
+
+
+class SamplingFields(_Request):
+    """Decoding fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    """0: greedy. Unset: 1.0 (sampling), as OpenAI."""
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    """vLLM extension; -1 or 0 disables."""
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    """vLLM extension (Hugging Face semantics); 1.0 disables."""
+    logit_bias: dict[str, float] | None = None
+    use_beam_search: bool = False
+    """vLLM extension: beam search with `best_of` beams (default `n`), returning the best `n`."""
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    """New tokens per choice; 0 with `echo` returns the prompt's log-probabilities only."""
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    """vLLM extension: end the rendered prompt with the assistant cue."""
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's; lm-eval's remote tokenizer uses it)."""
+
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's)."""
+
+    tokens: list[int]

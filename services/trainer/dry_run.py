@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import multiprocessing
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +35,8 @@ from models.model_states import OPTIMIZER_STATE_BYTES
 from services.trainer.train_config import TrainConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
 @dataclass(frozen=True)
 class RankReport:
     """What one rank holds."""
@@ -72,43 +74,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def build_rank_isolated(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
-    """`build_rank` in a forked child: every rank starts from clean torch.distributed state.
+def build_ranks(
+    config: TrainConfig, world_size: int, ranks: list[int]
+) -> dict[int, dict[str, int]]:
+    """`build_rank` for each of `ranks`, each in a fresh child process.
 
     One process cannot simply build rank after rank: DTensor's caches and meshes outlive
     `destroy_process_group`, and the next rank's meshes (equal shape and names) would pick up
-    the previous rank's, whose groups are gone. A fork costs milliseconds and nothing is shared.
+    the previous rank's, whose groups are gone. Children come from a forkserver — one
+    single-threaded process that imported the trainer once — so each starts in milliseconds,
+    and none is forked from a process with other threads (a plain fork of a server or a test
+    runner can inherit a lock some other thread held, and hang).
     """
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read_fd)
-        code = 0
-        try:
-            payload = {"ok": build_rank(config, world_size, rank)}
-        except BaseException as exc:
-            payload = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "value_error": isinstance(exc, ValueError),
-            }
-            code = 1
-        with os.fdopen(write_fd, "w") as out:
-            json.dump(payload, out)
-        os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as inp:
-        text = inp.read()
-    os.waitpid(pid, 0)
-    payload = (
-        json.loads(text)
-        if text
-        else {"error": "the rank's build process died", "value_error": False}
-    )
-    if "error" in payload:
-        if payload["value_error"]:
-            raise ValueError(payload["error"].removeprefix("ValueError: "))
-        raise RuntimeError(f"building rank {rank} failed: {payload['error']}")
-    return payload["ok"]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["services.trainer.dry_run"])
+    with context.Pool(processes=1, maxtasksperchild=1) as pool:
+        return {r: pool.apply(build_rank, (config, world_size, r)) for r in ranks}
 
 
 def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
@@ -291,7 +272,7 @@ def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> 
     config.validate(world_size)
     par = config.parallel
     mapping = representatives(config, world_size)
-    built = {r: build_rank_isolated(config, world_size, r) for r in sorted(set(mapping.values()))}
+    built = build_ranks(config, world_size, sorted(set(mapping.values())))
     layout = _layout(config, world_size)
     model_config = _model_config(config)
     sizes = _sizes(config, world_size)

@@ -51,22 +51,7 @@ def mixtral_hf_config(config: ModelConfig) -> dict[str, Any]:
     """HF `MixtralConfig` fields describing `config` (an MoE Llama-style config)."""
     from models.hf_adapters import hf_config
 
-    moe = moe_config(config)
-    if moe is None:
+    if moe_config(config) is None:
         raise ValueError("mixtral_hf_config: config.extra has no 'moe' settings")
-    if moe.capacity_factor is not None or moe.num_shared_experts or not moe.norm_topk_prob:
-        raise ValueError(
-            "mixtral_hf_config: HF Mixtral is dropless, has no shared experts and renormalises "
-            "the top-k weights; this MoE config differs"
-        )
-    base = hf_config(config.replace(family="llama"))
-    drop = ("bias", "mlp_bias", "attention_bias")
-    return {
-        **{k: v for k, v in base.items() if k not in drop},
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_coeff,
-        "sliding_window": None,
-    }
+    family = config.family if config.family == "mixtral" else "llama"
+    return hf_config(config.replace(family=family))

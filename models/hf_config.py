@@ -63,8 +63,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise _unsupported("rope_parameters.rope_type", kind, "Meshline has no such RoPE")
     scaling: dict[str, Any] = {"type": kind}
     scaling.update({k: params[k] for k in _ROPE_KEYS if params.get(k) is not None})
-    if kind in ("dynamic", "yarn") and "original_max_position_embeddings" not in scaling:
-        # transformers uses max_position_embeddings as the pre-training length for these.
+    if kind == "dynamic":
+        # transformers' dynamic NTK grows past max_position_embeddings and ignores any other key.
+        scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:
         scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
     if kind == "yarn" and "factor" not in scaling:
         scaling["factor"] = (
@@ -190,8 +192,6 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         extra=extra,
     )
-    if moe is not None:
-        fields["fused_qkv"] = False  # HF's layout: q/k/v convert by renaming alone
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -210,6 +210,13 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
     for key, value in config.rope_scaling.items():
         if key != "type":
             rope[key] = float(value) if key == "factor" else value
+    if kind == "dynamic":
+        original = rope.pop("original_max_position_embeddings")
+        if original != config.max_position_embeddings:
+            raise ValueError(
+                f"hf_config: dynamic rope_scaling original_max_position_embeddings={original} must "
+                f"equal max_position_embeddings={config.max_position_embeddings} (HF grows from it)"
+            )
     return rope
 
 
@@ -265,7 +272,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         windowed = config.sliding_window is not None
         out["use_sliding_window"] = windowed
-        out["sliding_window"] = config.sliding_window
+        if windowed:
+            out["sliding_window"] = config.sliding_window
         out["max_window_layers"] = 0 if windowed else config.num_layers
         kind = "sliding_attention" if windowed else "full_attention"
         out["layer_types"] = [kind] * config.num_layers

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
-from models.moe import MoE, MoEConfig
+from models.moe import MoEConfig
 from models.transformer import CausalLM, build_model
 
 
@@ -29,22 +29,12 @@ def build_causal_lm(
     device: str | torch.device = "meta",
     dtype: torch.dtype = torch.float32,
 ) -> CausalLM:
-    """`build_model` for dense configs; for MoE configs the same network with MoE feed-forwards.
+    """`build_model`, which builds MoE feed-forwards itself when `config.extra["moe"]` is set.
 
     Like `build_model`: on "meta" nothing is allocated (then `to_empty` + `init_weights`).
     """
-    moe = moe_config(config)
-    if moe is None:
-        return build_model(config, device=device, dtype=dtype)
-    model = build_model(config, device="meta", dtype=dtype)
-    for layer in model.layers.values():
-        with torch.device("meta"):
-            layer.mlp = MoE(config.hidden_size, config.ffn_hidden_size, moe).to(dtype)
-    device = torch.device(device)
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
-    return model
+    moe_config(config)  # validates the MoE settings
+    return build_model(config, device=device, dtype=dtype)
 
 
 def mixtral_hf_config(config: ModelConfig) -> dict[str, Any]:

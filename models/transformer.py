@@ -164,6 +164,16 @@ class MLP(nn.Module):
         return self.down_proj(gated(self.gate_proj(x_BSE), self.up_proj(x_BSE)))
 
 
+def build_mlp(config: ModelConfig) -> nn.Module:
+    """The layer's feed-forward: an MoE block when `config.extra["moe"]` is set, else the MLP."""
+    moe = config.extra.get("moe")
+    if moe is None:
+        return MLP(config)
+    from models.moe import MoE, MoEConfig
+
+    return MoE(config.hidden_size, config.ffn_hidden_size, MoEConfig(**moe))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -173,7 +183,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = build_mlp(config)
         self.dropout = config.hidden_dropout
 
     def forward(

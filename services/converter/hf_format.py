@@ -160,7 +160,10 @@ def hf_specs(config: ModelConfig, dtype: torch.dtype) -> list[list[TensorSpec]]:
             and not (name == "lm_head.weight" and config.tie_word_embeddings)
         }
         per_unit.append(
-            [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in to_hf(meta, config).items()]
+            [
+                TensorSpec(n, t.dtype, tuple(t.shape))
+                for n, t in to_hf(meta, config, per_expert=True).items()
+            ]
         )
     return per_unit
 
@@ -197,7 +200,7 @@ class HFSink:
 
     def write_unit(self, unit: Unit, tensors: Tensors) -> None:
         """Streams the unit's tensors, in HF names, into the current shard file(s)."""
-        hf = to_hf(tensors, self.config)
+        hf = to_hf(tensors, self.config, per_expert=True)
         planned = self._unit_specs[unit]
         if set(hf) != {spec.name for spec in planned}:
             raise ValueError(f"{unit_label(unit)}: HF tensors {sorted(hf)} differ from the plan")

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: `config.json`, safetensors (sharded with an index past a size),
-tokenizer files.
+tokenizer files (an output gets what AutoTokenizer and `generate` need: services/converter/hf_export.py).
 
 Reading pulls only the unit's tensors from each file (`safetensors_stream.read_tensors`). Writing plans every
 output tensor on meta tensors first (names, shapes), assigns shards, and streams each tensor
@@ -18,6 +18,8 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf, hf_config, to_hf
+from models.hf_config import TOKEN_KEYS
+from services.converter.hf_export import hf_side_files
 from services.converter.safetensors_stream import (
     StreamingWriter,
     TensorSpec,
@@ -237,12 +239,18 @@ class HFSink:
             (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
             files.append(INDEX)
         hf = {**self.base_config, **hf_config(self.config)}
+        model_tokens = {k: hf[k] for k in TOKEN_KEYS if hf.get(k) is not None}
+        side = hf_side_files(self.tokenizer, model_tokens, self.config.max_position_embeddings)
+        hf.update(side.token_ids)
         # transformers 5 reads "dtype", earlier versions "torch_dtype"
         hf["dtype"] = hf["torch_dtype"] = str(self._shards[0][0].dtype).removeprefix("torch.")
         (self.directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
         files.append("config.json")
-        for path in self.tokenizer:
-            if path.name not in files:
-                shutil.copy2(path, self.directory / path.name)
-                files.append(path.name)
+        for name, path in side.copies.items():
+            if name not in files:
+                shutil.copy2(path, self.directory / name)
+                files.append(name)
+        for name, text in side.writes.items():
+            (self.directory / name).write_text(text)
+            files.append(name)
         return sorted(files)

@@ -160,7 +160,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     head_dim = hf.get("head_dim")
     derived = hf["hidden_size"] // heads
     # Baichuan picks ALiBi by size in its remote code: the 13B models (hidden 5120) use it.
-    alibi = family == "baichuan" and hf["hidden_size"] == 5120
+    # Exports of other sizes say so in "position_embedding" (ignored by the remote code).
+    alibi = family == "baichuan" and (
+        hf.get("position_embedding", "alibi" if hf["hidden_size"] == 5120 else "rope") == "alibi"
+    )
     moe = _moe(hf, family) if family in _MOE_FAMILIES else None
     if moe is not None:
         extra["moe"] = moe
@@ -187,7 +190,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         sliding_window=_window(hf, family),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        norm_head=family == "baichuan" and hf["vocab_size"] == 125696,
+        norm_head=family == "baichuan" and hf.get("norm_head", hf["vocab_size"] == 125696),
         init_std=hf.get("initializer_range", 0.02),
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         extra=extra,
@@ -269,6 +272,11 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if family in ("llama", "internlm", "aquila", "baichuan"):
         out["bias"] = config.attention_bias
         out["mlp_bias"] = config.mlp_bias
+    if family == "baichuan":
+        # Baichuan's remote code decides ALiBi by size and NormHead by version; say it outright.
+        out["position_embedding"] = config.position_embedding
+        out["norm_head"] = config.norm_head
+        out["model_max_length"] = config.max_position_embeddings
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         windowed = config.sliding_window is not None
         out["use_sliding_window"] = windowed

@@ -8,6 +8,7 @@ removes it, so a `save_dir` that exists is always complete.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -42,15 +43,18 @@ from services.converter.units import (
     Source,
     check_unit,
     expected_names_cached,
+    expected_shapes_cached,
     unit_label,
     units,
 )
 from services.converter.verify import (
     ModelAssembler,
+    available_memory_bytes,
     compare,
     default_tolerance,
     fixed_logits,
     load_model,
+    skip_reason,
 )
 
 
@@ -140,7 +144,12 @@ def convert(
     tmp.mkdir()
     sink: Sink | None = None
     try:
-        reference = ModelAssembler(config) if options.verify else None
+        verify, skipped = options.verify, None
+        if verify is None:
+            size = sum(math.prod(s) for s in expected_shapes_cached(config).values())
+            skipped = skip_reason(size, available_memory_bytes())
+            verify = skipped is None
+        reference = ModelAssembler(config) if verify else None
         num_parameters = 0
         for unit in all_units:
             if cancel is not None and cancel.is_set():
@@ -184,7 +193,7 @@ def convert(
             sink.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report)
+    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

@@ -1,6 +1,6 @@
 """Issue #18 dense families train under TP2 (with and without sequence parallelism), PP2 and CP2
 on 2 gloo processes exactly like one process (losses 1e-5, parameters 1e-4 relative, as the
-other layout tests): Qwen3 (per-head q/k norms, whose scale gradients sum over the TP ranks'
+other layout tests): Llama-3 (llama3 RoPE, tied head), Qwen3 (per-head q/k norms, whose scale gradients sum over the TP ranks'
 heads; explicit head_dim), Qwen2 (qkv bias) and Mistral (sliding window, which context
 parallelism refuses: ring attention has no window).
 
@@ -24,6 +24,7 @@ LAYOUTS = {
     "cp2": ["--context-parallel-size", "2"],
 }
 CASES = [
+    ("tiny-llama3", ["tp2", "pp2", "cp2"]),
     ("tiny-qwen3", ["tp2", "tp2-sp", "pp2", "cp2"]),
     ("tiny-qwen2", ["tp2", "pp2", "cp2"]),
     ("tiny-mistral", ["tp2", "pp2"]),

@@ -225,3 +225,36 @@ def test_published_sizes_are_registered():
     assert get_config("llama3.2-1B").tie_word_embeddings
     assert get_config("qwen3-8B").head_dim == 128
     assert get_config("mistral-7B").sliding_window == 4096
+
+
+def test_transformers_4_rope_scaling_spelling_reads_like_5():
+    """Llama-3.1's published config.json (4.x: rope_scaling + rope_theta) and 5.x's
+    rope_parameters give the same config; hf_config writes the 5.x spelling, never "default"."""
+    published = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    }
+    old = config_from_hf(published)
+    assert old.rope_scaling == get_config("llama3.1-8B").rope_scaling
+    written = hf_config(old)
+    assert written["rope_parameters"]["rope_type"] == "llama3"
+    assert written["eos_token_id"] == [128001, 128008, 128009]
+    new = config_from_hf({**written})
+    assert new.rope_scaling == old.rope_scaling and new.rope_theta == 500000.0

@@ -297,13 +297,21 @@ def _store_and_attend(
     window: int | None = None,
 ) -> torch.Tensor:
     k_all, v_all = _store(k_cache_BSKD, v_cache_BSKD, step, k_BSKD, v_BSKD)
+    key_mask_BS = step.key_mask_BS
+    if window is not None and step.start is None:
+        # Rows of unequal length (one new token each, at slot start_B[b]): the window is per row,
+        # so it becomes part of the key mask rather than a shared query offset.
+        k_pos_S = torch.arange(step.key_len, device=step.start_B.device)
+        near_BS = k_pos_S[None, :] > step.start_B[:, None] - window
+        key_mask_BS = near_BS if key_mask_BS is None else key_mask_BS & near_BS
+        window = None
     out_BSHD = attention(
         q_BSHD,
         k_all,
         v_all,
         causal=True,
         alibi_slopes_H=alibi_slopes_H,
-        key_padding_mask_BS=step.key_mask_BS,
+        key_padding_mask_BS=key_mask_BS,
         q_offset=step.q_offset,
         window=window,
     )

@@ -258,3 +258,27 @@ def test_transformers_4_rope_scaling_spelling_reads_like_5():
     assert written["eos_token_id"] == [128001, 128008, 128009]
     new = config_from_hf({**written})
     assert new.rope_scaling == old.rope_scaling and new.rope_theta == 500000.0
+
+
+def test_sliding_window_decode_over_rows_of_unequal_length():
+    """Continuous batching: two rows of different lengths decode one token each in one step;
+    the window is per row (its own slot), so each row's logits equal its full forward."""
+    from models.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    config = get_config("tiny-mistral")
+    model = build_model(config, device="cpu").eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.mul_(6.0)  # std 0.12: attention far from uniform
+    rows = [torch.randint(0, 256, (1, 21)), torch.randint(0, 256, (1, 13))]
+    cache = KVCache.for_model(model, batch_size=2, max_seq_len=32)
+    with torch.no_grad():
+        for b, row in enumerate(rows):
+            model(row[:, :-1], kv_cache=cache.rows(b, b + 1))
+        last = torch.cat([row[:, -1:] for row in rows])
+        step = model(last, kv_cache=cache)
+        for b, row in enumerate(rows):
+            full = model(row)[:, -1]
+            assert (step[b, -1] - full[0]).abs().max().item() <= 1e-4, b

@@ -1,7 +1,8 @@
 """A real InferenceService on localhost (`serve inference --load DIR --load-format hf`) serving
 issue #18 checkpoints written by transformers' `save_pretrained` — Mistral (sliding window),
 Qwen3 (q/k norm, head_dim) and Qwen2-MoE (shared expert) — over gRPC: greedy and 3-beam tokens on
-a prompt longer than the window equal HF `generate`."""
+a prompt longer than the window equal HF `generate`, and Score (the evaluator's loglikelihood
+RPC) equals HF's log-softmax."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -64,3 +66,22 @@ def test_greedy_and_beam_over_grpc_equal_hf_generate(served):
     got = [list(s.token_ids) for s in reply.sequences]
     want = [row[PROMPT:].tolist() for row in expected]
     assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)] and all(got)
+
+
+def test_score_over_grpc_equals_hf_log_softmax(served):
+    """Score, the RPC the evaluator's loglikelihood tasks use, on contexts longer than the
+    sliding window: per-token log-probabilities equal HF's log-softmax."""
+    stub, _, hf = served
+    contexts = [prompt(n, 256, seed=n) for n in (20, 11)]
+    continuations = [prompt(n, 256, seed=30 + n) for n in (6, 3)]
+    items = [
+        pb.ScoreItem(context_token_ids=c, continuation_token_ids=x)
+        for c, x in zip(contexts, continuations, strict=True)
+    ]
+    response = stub.Score(pb.ScoreRequest(items=items), timeout=120)
+    for ctx, cont, result in zip(contexts, continuations, response.results, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ctx + cont])).logits[0].float(), -1)
+        rows = logp[len(ctx) - 1 : len(ctx) - 1 + len(cont)]
+        expected = rows.gather(1, torch.tensor(cont)[:, None])[:, 0]
+        assert list(result.token_logprobs) == pytest.approx(expected.tolist(), abs=1e-4)

@@ -119,6 +119,15 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def context_length(self) -> int:
+        """Longest sequence to serve: max_position_embeddings, times the factor under "dynamic"
+        RoPE scaling (whose max_position_embeddings is the pre-training length, as in HF)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def gated(self) -> bool:
         """True when the MLP has a gate branch (swiglu, geglu)."""
         return self.activation in ("swiglu", "geglu")

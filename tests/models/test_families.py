@@ -282,3 +282,22 @@ def test_sliding_window_decode_over_rows_of_unequal_length():
         for b, row in enumerate(rows):
             full = model(row)[:, -1]
             assert (step[b, -1] - full[0]).abs().max().item() <= 1e-4, b
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+def test_scaled_rope_greedy_decode_equals_hf_generate(kind):
+    """Past the original context (16) the KV-cache decode keeps transformers' RoPE: dynamic NTK
+    grows its base with each step's longest position, as HF's does during `generate`."""
+    scaling = {"type": kind, "factor": 2.0, "original_max_position_embeddings": 16}
+    # HF's dynamic NTK reads max_position_embeddings as the pre-training length (the engine
+    # serves factor times that); yarn's is the extended length.
+    longest = 16 if kind == "dynamic" else 64
+    config = get_config("tiny-llama", rope_scaling=scaling, max_position_embeddings=longest)
+    hf = _randomised(hf_config(config), seed=4)
+    ours = build_model(config, device="cpu").eval()
+    ours.load_state_dict(from_hf(hf.state_dict(), config))
+    ids = prompt(20, config.vocab_size, seed=6)
+    expected = hf_generate(hf, ids, max_new_tokens=12, eos_token_id=None)
+    engine = Engine(ours, TokenizerInfo(config.vocab_size, eos_id=None))
+    [[greedy]] = engine.generate([ids], [SamplingConfig(max_new_tokens=12)])
+    assert greedy.token_ids == expected[0, 20:].tolist()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
+from models.hf_moe import moe_fields_from_hf, moe_fields_to_hf, unsupported_field
 
 HF_ARCH: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -44,23 +45,19 @@ _ROPE_KEYS = (
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def _unsupported(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config_from_hf: {field}={value!r} changes the model and {why}")
-
-
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, ModelConfig.rope_scaling) from either spelling."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if "full_attention" in params and isinstance(params["full_attention"], dict):
-        raise _unsupported("rope_parameters", params, "per-layer-type RoPE is not supported")
+        raise unsupported_field("rope_parameters", params, "per-layer-type RoPE is not supported")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise _unsupported("partial_rotary_factor", params.get("partial_rotary_factor"), "")
+        raise unsupported_field("partial_rotary_factor", params.get("partial_rotary_factor"), "")
     if kind == "default":
         return theta, None
     if kind not in ("linear", "dynamic", "llama3", "yarn"):
-        raise _unsupported("rope_parameters.rope_type", kind, "Meshline has no such RoPE")
+        raise unsupported_field("rope_parameters.rope_type", kind, "Meshline has no such RoPE")
     scaling: dict[str, Any] = {"type": kind}
     scaling.update({k: params[k] for k in _ROPE_KEYS if params.get(k) is not None})
     if kind == "dynamic":
@@ -91,28 +88,9 @@ def _window(hf: dict[str, Any], family: str) -> int | None:
         return None
     if set(types) == {"sliding_attention"} and window:
         return int(window)
-    raise _unsupported(
+    raise unsupported_field(
         "layer_types", types, "mixes sliding and full attention per layer (not supported)"
     )
-
-
-def _moe(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
-    moe: dict[str, Any] = {"num_experts": experts, "top_k": hf["num_experts_per_tok"]}
-    moe["aux_loss_coeff"] = float(hf.get("router_aux_loss_coef", 0.0))
-    if family == "mixtral":
-        return moe
-    if hf.get("mlp_only_layers"):
-        raise _unsupported(
-            "mlp_only_layers", hf["mlp_only_layers"], "dense layers are not supported"
-        )
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise _unsupported("decoder_sparse_step", hf["decoder_sparse_step"], "must be 1")
-    moe["norm_topk_prob"] = bool(hf.get("norm_topk_prob", family == "qwen3_moe"))
-    shared = hf.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None
-    if shared:
-        moe.update(num_shared_experts=1, shared_expert_ffn=shared, shared_expert_gate=True)
-    return moe
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -128,7 +106,9 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     extra: dict[str, Any] = {"hf_tokens": tokens} if tokens else {}
     if family == "bloom":
         if hf.get("apply_residual_connection_post_layernorm"):
-            raise _unsupported("apply_residual_connection_post_layernorm", True, "is not supported")
+            raise unsupported_field(
+                "apply_residual_connection_post_layernorm", True, "is not supported"
+            )
         hidden = hf["hidden_size"]
         fields: dict[str, Any] = dict(
             family="bloom",
@@ -153,7 +133,9 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         return ModelConfig(**fields)
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise _unsupported("hidden_act", act, "only silu (SwiGLU) is supported for this family")
+        raise unsupported_field(
+            "hidden_act", act, "only silu (SwiGLU) is supported for this family"
+        )
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
@@ -164,7 +146,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     alibi = family == "baichuan" and (
         hf.get("position_embedding", "alibi" if hf["hidden_size"] == 5120 else "rope") == "alibi"
     )
-    moe = _moe(hf, family) if family in _MOE_FAMILIES else None
+    moe = moe_fields_from_hf(hf, family) if family in _MOE_FAMILIES else None
     if moe is not None:
         extra["moe"] = moe
         if family != "mixtral":
@@ -290,7 +272,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if family == "qwen2_moe":
         out["qkv_bias"] = config.qkv_bias
     if moe is not None:
-        out.update(_moe_fields(config, family, moe))
+        out.update(moe_fields_to_hf(config, family, moe))
     return out
 
 
@@ -331,41 +313,3 @@ def _check_expressible(config: ModelConfig, family: str) -> None:
             f"hf_config: {', '.join(bad)} cannot be expressed by HF {HF_ARCH[family][0]} "
             f"(family {config.family!r}); pick the family whose HF class has it"
         )
-
-
-def _moe_fields(config: ModelConfig, family: str, moe: Any) -> dict[str, Any]:
-    if moe.capacity_factor is not None:
-        raise ValueError(
-            f"hf_config: moe capacity_factor={moe.capacity_factor} drops tokens; HF MoE classes "
-            "are dropless"
-        )
-    fields: dict[str, Any] = {
-        "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_coeff,
-    }
-    if family == "mixtral":
-        if moe.num_shared_experts or not moe.norm_topk_prob:
-            raise ValueError(
-                "hf_config: HF Mixtral has no shared experts and renormalises the top-k weights; "
-                "this MoE config differs (num_shared_experts / norm_topk_prob)"
-            )
-        return {**fields, "num_local_experts": moe.num_experts}
-    shared = moe.num_shared_experts
-    if family == "qwen3_moe" and shared:
-        raise ValueError("hf_config: HF Qwen3-MoE has no shared expert (num_shared_experts)")
-    if family == "qwen2_moe" and (shared != 1 or not moe.shared_expert_gate):
-        raise ValueError(
-            "hf_config: HF Qwen2-MoE has exactly one gated shared expert (num_shared_experts=1, "
-            "shared_expert_gate=True)"
-        )
-    fields.update(
-        num_experts=moe.num_experts,
-        moe_intermediate_size=config.ffn_hidden_size,
-        intermediate_size=config.extra.get("hf_intermediate_size") or config.ffn_hidden_size,
-        norm_topk_prob=moe.norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    if family == "qwen2_moe":
-        fields["shared_expert_intermediate_size"] = moe.shared_expert_ffn or config.ffn_hidden_size
-    return fields

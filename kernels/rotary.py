@@ -7,6 +7,7 @@ first half of that layout and pairs dims (0,1), (2,3), ... instead of (i, i + D/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,18 +15,40 @@ from torch import nn
 
 from kernels import registry
 
-ROPE_SCALING_KINDS = ("linear", "ntk")
+ROPE_SCALING_KINDS = ("linear", "ntk", "dynamic", "llama3", "yarn")
+_NEEDS_ORIGINAL = ("dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Context-length scaling of RoPE."""
+    """Context-length scaling of RoPE (HF's rope_type names and formulas, transformers
+    modeling_rope_utils; plus Meshline's static "ntk")."""
 
     kind: str = "linear"
     """"linear": positions divided by `factor` (position interpolation); "ntk": static NTK-aware
-    scaling, base theta multiplied by factor ** (D / (D - 2))."""
+    scaling, base theta multiplied by factor ** (D / (D - 2)); "dynamic": NTK scaling whose base
+    grows with the longest position of the call past `original_max_position_embeddings`;
+    "llama3": Llama-3.1's per-wavelength interpolation; "yarn": YaRN ramp + attention factor."""
     factor: float = 1.0
     """How many times longer than the trained context the model should reach (>= 1)."""
+    original_max_position_embeddings: int | None = None
+    """Pre-training context length ("dynamic", "llama3", "yarn" need it)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original/low_freq_factor are fully interpolated."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original/high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated band."""
+    beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated band."""
+    mscale: float | None = None
+    """yarn: numerator scale of the inferred attention factor (with mscale_all_dim)."""
+    mscale_all_dim: float | None = None
+    """yarn: denominator scale of the inferred attention factor."""
+    attention_factor: float | None = None
+    """yarn: explicit cos/sin scale; None infers it from factor (and mscale)."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALING_KINDS:
@@ -34,23 +57,111 @@ class RopeScaling:
             )
         if not self.factor >= 1.0:
             raise ValueError(f"--rope-scaling-factor must be >= 1, got {self.factor}")
+        if self.kind in _NEEDS_ORIGINAL and not (
+            isinstance(self.original_max_position_embeddings, int)
+            and self.original_max_position_embeddings > 0
+        ):
+            raise ValueError(
+                f"--rope-scaling-type {self.kind!r} needs original_max_position_embeddings (the "
+                f"pre-training context length), got {self.original_max_position_embeddings!r}"
+            )
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                f"llama3 rope scaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RopeScaling:
+        """From a ModelConfig.rope_scaling dict ({"type": ..., "factor": ..., HF's other keys});
+        unknown keys raise TypeError naming them."""
+        fields = {k: v for k, v in data.items() if k != "type"}
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__) - {"kind"})
+        if unknown:
+            raise TypeError(f"unknown rope scaling key(s) {unknown}")
+        return cls(kind=data.get("type", "linear"), **{k: v for k, v in fields.items()})
+
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos and sin (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return get_mscale(self.factor)
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+    head_dim: int,
+    theta: float = 10000.0,
+    scaling: RopeScaling | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
-    """The D/2 rotation frequencies theta^(-2i/D) in fp32, with `scaling` applied."""
+    """The D/2 rotation frequencies theta^(-2i/D) in fp32, with `scaling` applied.
+
+    `seq_len` (longest position + 1 of the call) matters only to "dynamic" scaling.
+    """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"rotary head_dim must be a positive even number, got {head_dim}")
     if theta <= 0:
         raise ValueError(f"--rotary-base (theta) must be > 0, got {theta}")
     base = theta
-    if scaling is not None and scaling.kind == "ntk":
+    kind = None if scaling is None else scaling.kind
+    if scaling is not None and kind == "ntk":
         base = theta * scaling.factor ** (head_dim / (head_dim - 2))
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is not None and scaling.kind == "linear":
+    if scaling is not None and kind == "dynamic":
+        original = scaling.original_max_position_embeddings or 1
+        length = max(seq_len or original, original)
+        base = theta * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is not None and kind == "linear":
         inv_freq = inv_freq / scaling.factor
+    if scaling is not None and kind == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    if scaling is not None and kind == "yarn":
+        inv_freq = _yarn(inv_freq, head_dim, theta, scaling)
     return inv_freq.float()
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama-3.1: keep high frequencies, divide low ones by factor, blend in between."""
+    original = float(s.original_max_position_embeddings or 1)
+    low_wavelen = original / s.low_freq_factor
+    high_wavelen = original / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: interpolate low frequencies, extrapolate high ones, linear ramp between."""
+    original = float(s.original_max_position_embeddings or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,14 +175,22 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
+        self.scale = 1.0 if scaling is None else scaling.cos_sin_scale()
 
     def forward(self, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos_BSD, sin_BSD) in fp32 for integer positions [B, S]."""
-        inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling).to(
+        seq_len = None
+        if self.scaling is not None and self.scaling.kind == "dynamic":
+            # HF recomputes the base from the longest position of the call (a host read, only
+            # for this scaling).
+            seq_len = int(position_ids_BS.max()) + 1
+        inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling, seq_len).to(
             position_ids_BS.device
         )
         freqs_BSd = position_ids_BS[..., None].float() * inv_freq
         emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
+        if self.scale != 1.0:
+            return emb_BSD.cos() * self.scale, emb_BSD.sin() * self.scale
         return emb_BSD.cos(), emb_BSD.sin()
 
     def extra_repr(self) -> str:

@@ -51,6 +51,9 @@ def parameter_breakdown(config: ModelConfig) -> ParameterBreakdown:
     q, kv = config.num_attention_heads * config.head_dim, config.kv_heads * config.head_dim
     attn_matrices = e * (q + 2 * kv) + q * e
     attn_bias = (q + 2 * kv + e) if config.attention_bias else 0
+    if config.qkv_bias and not config.attention_bias:
+        attn_bias = q + 2 * kv
+    qk_norm = 2 * config.head_dim if config.qk_norm else 0
     branches = 2 if config.gated else 1
     mlp_matrices = branches * e * f + f * e
     mlp_bias = (branches * f + e) if config.mlp_bias else 0
@@ -61,15 +64,19 @@ def parameter_breakdown(config: ModelConfig) -> ParameterBreakdown:
 
         moe_cfg = MoEConfig(**moe)
         # Experts are SwiGLU without biases ([gate; up] and down); shared experts are one dense
-        # SwiGLU MLP of width F·num_shared_experts; the router is an [X, E] matrix.
+        # SwiGLU MLP of width shared_expert_ffn (default F·num_shared_experts); the router is an
+        # [X, E] matrix, the optional shared-expert gate a [1, E] one.
         per_expert = 3 * e * f
         routed = moe_cfg.num_experts * per_expert
         active = moe_cfg.top_k * per_expert
-        router = moe_cfg.num_experts * e
-        mlp_matrices = routed + moe_cfg.num_shared_experts * per_expert
+        router = moe_cfg.num_experts * e + (e if moe_cfg.shared_expert_gate else 0)
+        shared = 0
+        if moe_cfg.num_shared_experts:
+            shared = 3 * e * (moe_cfg.shared_expert_ffn or f * moe_cfg.num_shared_experts)
+        mlp_matrices = routed + shared
         mlp_bias = 0
     matrices = attn_matrices + mlp_matrices
-    per_layer = matrices + router + attn_bias + mlp_bias + 2 * norm_parameters(config)
+    per_layer = matrices + router + attn_bias + qk_norm + mlp_bias + 2 * norm_parameters(config)
     embedding = config.vocab_size * e
     if config.embedding_layernorm:
         embedding += norm_parameters(config)

@@ -1,7 +1,8 @@
 """`ModelConfig`: the typed description of one decoder-only network.
 
-One generic decoder covers the Llama family (Llama 1/2, Baichuan 1/2, InternLM, Aquila) and
-Bloom through these options; `models/registry.py` holds the named configurations. Every field has
+One generic decoder covers the Llama family (Llama 1/2/3, Baichuan 1/2, InternLM, Aquila),
+Qwen2/2.5/3, Mistral, the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: `extra["moe"]`, see
+models/mixtral.py) and Bloom through these options; `models/registry.py` holds the named configurations. Every field has
 a default and a one-line docstring; a config is validated when built (`ValueError` naming the
 field), and `to_dict()` / `from_dict()` round-trip through JSON.
 """
@@ -12,11 +13,24 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("llama", "baichuan", "internlm", "aquila", "bloom")
+FAMILIES = (
+    "llama",
+    "baichuan",
+    "internlm",
+    "aquila",
+    "bloom",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 NORM_TYPES = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "alibi")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
-ROPE_SCALING_TYPES = ("linear", "ntk")
+ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "llama3", "yarn")
+"""RoPE scalings (kernels/rotary.py): HF's rope_type names plus Meshline's static "ntk"."""
 
 
 MAX_SIZES: dict[str, int] = {
@@ -60,11 +74,26 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
-    """Optional RoPE scaling, e.g. {"type": "linear", "factor": 2.0} ("linear" or "ntk")."""
+    """Optional RoPE scaling {"type": one of ROPE_SCALING_TYPES, "factor": >= 1, ...}: "llama3"
+    also reads low_freq_factor, high_freq_factor, original_max_position_embeddings; "yarn"
+    reads beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate,
+    original_max_position_embeddings; "dynamic" original_max_position_embeddings (HF's names)."""
     activation: str = "swiglu"
     """MLP activation: "swiglu", "geglu" (gated, gate_proj + up_proj) or "gelu" (tanh approx)."""
     attention_bias: bool = False
     """Biases on the q/k/v/o projections (InternLM, Bloom)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections only, none on o_proj (Qwen2, Qwen2-MoE; Megatron
+    --add-qkv-bias)."""
+    kv_channels: int | None = None
+    """Per-head width D when it is not hidden_size / num_attention_heads (Qwen3's explicit
+    head_dim; Megatron --kv-channels); None derives it."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3 q_norm/k_norm; Megatron
+    --qk-layernorm)."""
+    sliding_window: int | None = None
+    """Each query sees only the last `sliding_window` keys, itself included (Mistral; HF
+    sliding_window), in training, prefill and decode; None = full causal attention."""
     mlp_bias: bool = False
     """Biases on the MLP projections (Bloom)."""
     tie_word_embeddings: bool = False
@@ -96,8 +125,19 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Per-head width D = hidden_size / num_attention_heads."""
+        """Per-head width D: kv_channels, else hidden_size / num_attention_heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence to serve: max_position_embeddings, times the factor under "dynamic"
+        RoPE scaling (whose max_position_embeddings is the pre-training length, as in HF)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
 
     @property
     def gated(self) -> bool:
@@ -126,7 +166,18 @@ class ModelConfig:
                     f"ModelConfig.{name}={value}: larger than any real model (at most "
                     f"{MAX_SIZES[name]}); the config file is corrupted or not trusted"
                 )
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (
+            not isinstance(self.kv_channels, int) or self.kv_channels <= 0
+        ):
+            raise ValueError(f"ModelConfig.kv_channels={self.kv_channels!r}: must be positive")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"ModelConfig.sliding_window={self.sliding_window!r}: must be a positive integer "
+                "or None (full attention)"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}; pick sizes with an integer head_dim"
@@ -154,6 +205,12 @@ class ModelConfig:
                     f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected "
                     f'{{"type": one of {ROPE_SCALING_TYPES}, "factor": a number >= 1}}'
                 )
+            from kernels.rotary import RopeScaling
+
+            try:
+                RopeScaling.from_dict(self.rope_scaling)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: {exc}") from exc
             if self.position_embedding != "rope":
                 raise ValueError(
                     "ModelConfig.rope_scaling is set but position_embedding is not 'rope'"

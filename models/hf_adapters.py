@@ -15,29 +15,38 @@ Name map (layer i; Meshline ↔ HF):
 | norm | model.norm | model.norm | transformer.ln_f |
 | lm_head | lm_head (absent when tied) | lm_head | lm_head (absent: tied) |
 
-Adapters work key by key, so a pipeline stage's partial state dict converts too. Tensors are
-only re-sliced and concatenated, never recomputed, so both directions round-trip bit-exactly.
+Qwen2/Qwen3/Mistral use the Llama names (Qwen3 adds `self_attn.{q,k}_norm`). MoE layers (Mixtral,
+Qwen2-MoE, Qwen3-MoE) keep transformers 5's in-memory names (`mlp.gate`, `mlp.experts.gate_up_proj`
+[X, 2F, E], `mlp.experts.down_proj` [X, E, F]; Qwen2-MoE's `mlp.shared_expert.*` and
+`mlp.shared_expert_gate`); with `per_expert=True` `to_hf` writes the per-expert layout that
+`save_pretrained` puts on disk (Mixtral `block_sparse_moe.experts.j.w1/w3/w2`, Qwen
+`mlp.experts.j.gate_proj/up_proj/down_proj`), which every transformers version loads; `from_hf`
+reads both.
+
+Adapters work key by key (an MoE layer's experts together), so a pipeline stage's partial state
+dict converts too. Tensors are only re-sliced, stacked and concatenated, never recomputed, so both
+directions round-trip bit-exactly. Config mapping lives in models/hf_config.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
 from models.config import ModelConfig
+from models.hf_config import HF_ARCH, config_from_hf, hf_config
+
+__all__ = ["HF_ARCH", "config_from_hf", "from_hf", "hf_config", "to_hf"]
 
 StateDict = dict[str, torch.Tensor]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_ARCH = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "internlm": ("InternLMForCausalLM", "internlm"),
-    "aquila": ("AquilaForCausalLM", "aquila"),
-    "baichuan": ("BaichuanForCausalLM", "baichuan"),
-    "bloom": ("BloomForCausalLM", "bloom"),
-}
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _BLOOM_NAMES = {
     "self_attn.o_proj": "self_attention.dense",
     "mlp.up_proj": "mlp.dense_h_to_4h",
@@ -96,9 +105,84 @@ def _bloom_qkv_to_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return stacked.reshape(-1, *q.shape[1:])
 
 
-def to_hf(state: StateDict, config: ModelConfig) -> StateDict:
-    """Meshline state dict → the HF layout of `config.family` (tied head omitted, as HF saves)."""
+def _moe_to_hf(prefix: str, rest: str, tensor: torch.Tensor, per_expert: bool, mixtral: bool):
+    """(HF name, tensor) pairs of one MoE-layer tensor (`rest` after "layers.i.")."""
+    if rest.startswith("mlp.shared_experts."):
+        leaf = rest.removeprefix("mlp.shared_experts.")
+        if leaf.startswith("gate_up_proj."):
+            gate, up = tensor.chunk(2, dim=0)
+            end = leaf.removeprefix("gate_up_proj.")
+            return [
+                (f"{prefix}.mlp.shared_expert.gate_proj.{end}", gate),
+                (f"{prefix}.mlp.shared_expert.up_proj.{end}", up),
+            ]
+        return [(f"{prefix}.mlp.shared_expert.{leaf}", tensor)]
+    if not per_expert:
+        return [(f"{prefix}.{rest}", tensor)]
+    block = "block_sparse_moe" if mixtral else "mlp"
+    if rest == "mlp.gate.weight":
+        return [(f"{prefix}.{block}.gate.weight", tensor)]
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+    out = []
+    for j, expert in enumerate(tensor.unbind(0)):
+        base = f"{prefix}.{block}.experts.{j}."
+        if rest == "mlp.experts.gate_up_proj":
+            gate, up = expert.chunk(2, dim=0)
+            out.append((base + names.get("gate_proj", "gate_proj") + ".weight", gate.contiguous()))
+            out.append((base + names.get("up_proj", "up_proj") + ".weight", up.contiguous()))
+        elif rest == "mlp.experts.down_proj":
+            out.append(
+                (base + names.get("down_proj", "down_proj") + ".weight", expert.contiguous())
+            )
+        else:
+            return [(f"{prefix}.{rest}", tensor)]
+    return out
+
+
+def _moe_from_hf(hf_state: StateDict) -> StateDict:
+    """HF MoE names (disk per-expert or in-memory) → Meshline's stacked names; others pass."""
+    out: StateDict = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    shared: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf_state.items():
+        match = _EXPERT.match(name)
+        if match:
+            layer, j, w = match.groups()
+            experts.setdefault(layer, {}).setdefault(int(j), {})[_MIXTRAL_W.get(w, w)] = tensor
+        elif ".block_sparse_moe.gate." in name:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+        elif ".mlp.shared_expert." in name:
+            head, leaf = name.split(".mlp.shared_expert.")
+            shared.setdefault(head, {})[leaf] = tensor
+        else:
+            out[name] = tensor
+    for layer, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"from_hf: {layer} has experts {sorted(by_index)}, not 0..X-1")
+        ordered = [by_index[j] for j in range(len(by_index))]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([e["gate_proj"], e["up_proj"]], dim=0) for e in ordered]
+        )
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([e["down_proj"] for e in ordered])
+    for head, leaves in shared.items():
+        for leaf, tensor in leaves.items():
+            if leaf.startswith("gate_proj."):
+                up = leaves[leaf.replace("gate_proj.", "up_proj.", 1)]
+                end = leaf.removeprefix("gate_proj.")
+                out[f"{head}.mlp.shared_experts.gate_up_proj.{end}"] = torch.cat([tensor, up])
+            elif not leaf.startswith("up_proj."):
+                out[f"{head}.mlp.shared_experts.{leaf}"] = tensor
+    return out
+
+
+def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) -> StateDict:
+    """Meshline state dict → the HF layout of `config.family` (tied head omitted, as HF saves).
+
+    `per_expert` writes MoE experts one tensor each, as `save_pretrained` stores them on disk.
+    """
     canon = _unfuse(state, config)
+    moe = config.extra.get("moe") is not None
+    mixtral = config.family in ("mixtral", "llama")
     out: StateDict = {}
     bloom = config.family == "bloom"
     for name, tensor in canon.items():
@@ -130,6 +214,9 @@ def to_hf(state: StateDict, config: ModelConfig) -> StateDict:
         if bloom:
             module, _, leaf = rest.rpartition(".")
             out[f"transformer.h.{layer}.{_BLOOM_NAMES[module]}.{leaf}"] = tensor
+        elif moe and rest.startswith("mlp."):
+            prefix = f"model.layers.{layer}"
+            out.update(_moe_to_hf(prefix, rest, tensor, per_expert, mixtral))
         else:
             out[f"model.layers.{layer}.{rest}"] = tensor
     return out
@@ -141,6 +228,8 @@ def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     canon: StateDict = {}
     bloom_top = {hf: ours for ours, hf in _BLOOM_TOP.items()}
     bloom_layer = {hf: ours for ours, hf in _BLOOM_NAMES.items()}
+    if config.extra.get("moe") is not None:
+        hf_state = _moe_from_hf(hf_state)
     for name, tensor in hf_state.items():
         if name.endswith(("rotary_emb.inv_freq", "attention.bias", "masked_bias")):
             continue  # derived buffers some checkpoints carry
@@ -174,119 +263,3 @@ def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     if config.tie_word_embeddings and "embed_tokens.weight" in canon:
         canon.setdefault("lm_head.weight", canon["embed_tokens.weight"])
     return _fuse(canon, config)
-
-
-def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """The HF `config.json` content that describes `config`'s network."""
-    arch, model_type = _HF_ARCH[config.family]
-    common = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "initializer_range": config.init_std,
-        "tie_word_embeddings": config.tie_word_embeddings,
-    }
-    if config.family == "bloom":
-        return {
-            **common,
-            "n_layer": config.num_layers,
-            "n_head": config.num_attention_heads,
-            "layer_norm_epsilon": config.norm_eps,
-            "apply_residual_connection_post_layernorm": False,
-            "hidden_dropout": config.hidden_dropout,
-            "attention_dropout": config.attention_dropout,
-        }
-    if config.position_embedding != "rope" or config.activation != "swiglu":
-        raise ValueError(
-            f"hf_config: family {config.family!r} with position_embedding="
-            f"{config.position_embedding!r}, activation={config.activation!r} has no HF "
-            "LlamaConfig-style equivalent (expected rope + swiglu)"
-        )
-    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
-        if config.rope_scaling["type"] != "linear":
-            raise ValueError(
-                f"hf_config: rope_scaling {config.rope_scaling!r} has no exact HF equivalent "
-                "(only 'linear' maps onto HF's rope_type='linear')"
-            )
-        rope = {**rope, "rope_type": "linear", "factor": float(config.rope_scaling["factor"])}
-    return {
-        **common,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.norm_eps,
-        "hidden_act": "silu",
-        "rope_theta": config.rope_theta,
-        "rope_parameters": rope,
-        "attention_bias": config.attention_bias,
-        "bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "attention_dropout": config.attention_dropout,
-    }
-
-
-def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """A ModelConfig from an HF `config.json` dict (Llama, InternLM, Aquila, Baichuan, Bloom)."""
-    model_type = str(hf.get("model_type"))
-    family = {mt: fam for fam, (_, mt) in _HF_ARCH.items()}.get(model_type)
-    if family is None:
-        raise ValueError(
-            f"config_from_hf: model_type {model_type!r} is not supported; expected one of "
-            f"{sorted(mt for _, mt in _HF_ARCH.values())}"
-        )
-    if family == "bloom":
-        hidden = hf["hidden_size"]
-        fields: dict[str, Any] = dict(
-            family="bloom",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            num_layers=hf["n_layer"],
-            num_attention_heads=hf["n_head"],
-            ffn_hidden_size=4 * hidden,
-            norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            position_embedding="alibi",
-            activation="gelu",
-            attention_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=hf.get("tie_word_embeddings", True),
-            embedding_layernorm=True,
-            fused_gate_up=False,
-            init_std=hf.get("initializer_range", 0.02),
-        )
-    else:
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = {"type": "linear", "factor": rope["factor"]} if rope_type == "linear" else None
-        heads = hf["num_attention_heads"]
-        # Baichuan picks ALiBi by size in its remote code: the 13B models (hidden 5120) use it.
-        alibi = family == "baichuan" and hf["hidden_size"] == 5120
-        fields = dict(
-            family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_kv_heads=None
-            if hf.get("num_key_value_heads", heads) == heads
-            else hf["num_key_value_heads"],
-            ffn_hidden_size=hf["intermediate_size"],
-            max_position_embeddings=hf.get(
-                "max_position_embeddings", hf.get("model_max_length", 2048)
-            ),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            position_embedding="alibi" if alibi else "rope",
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            rope_scaling=None if alibi else scaling,
-            attention_bias=bool(hf.get("attention_bias", hf.get("bias", False))),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            norm_head=family == "baichuan" and hf["vocab_size"] == 125696,
-            init_std=hf.get("initializer_range", 0.02),
-        )
-    fields.update(overrides)
-    return ModelConfig(**fields)

@@ -224,9 +224,12 @@ class KVCache:
         k_BSKD: torch.Tensor,
         v_BSKD: torch.Tensor,
         alibi_slopes_H: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store this step's keys/values for one layer, then attend from this step's queries over
-        every key they may see (cached and new, causal among the new); out [B, S, H, D].
+        every key they may see (cached and new, causal among the new, within the last `window`
+        slots with a sliding window); out [B, S, H, D]. The buffers keep every slot: a sliding
+        window masks old keys, it does not shrink the cache.
 
         Under torch.compile this is one opaque op, `meshline::kv_cache_attend`: the slots written
         and the keys read change every step, so a graph that held them would be rebuilt every
@@ -246,8 +249,11 @@ class KVCache:
                 step.plan_3,
                 step.key_mask_BS,
                 alibi_slopes_H,
+                window,
             )
-        return _store_and_attend(k_cache, v_cache, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H)
+        return _store_and_attend(
+            k_cache, v_cache, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H, window
+        )
 
     def commit(self, step: CacheStep) -> None:
         """Advance every row by the step's tokens (call once after all layers wrote)."""
@@ -288,16 +294,26 @@ def _store_and_attend(
     k_BSKD: torch.Tensor,
     v_BSKD: torch.Tensor,
     alibi_slopes_H: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     k_all, v_all = _store(k_cache_BSKD, v_cache_BSKD, step, k_BSKD, v_BSKD)
+    key_mask_BS = step.key_mask_BS
+    if window is not None and step.start is None:
+        # Rows of unequal length (one new token each, at slot start_B[b]): the window is per row,
+        # so it becomes part of the key mask rather than a shared query offset.
+        k_pos_S = torch.arange(step.key_len, device=step.start_B.device)
+        near_BS = k_pos_S[None, :] > step.start_B[:, None] - window
+        key_mask_BS = near_BS if key_mask_BS is None else key_mask_BS & near_BS
+        window = None
     out_BSHD = attention(
         q_BSHD,
         k_all,
         v_all,
         causal=True,
         alibi_slopes_H=alibi_slopes_H,
-        key_padding_mask_BS=step.key_mask_BS,
+        key_padding_mask_BS=key_mask_BS,
         q_offset=step.q_offset,
+        window=window,
     )
     assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
     return out_BSHD
@@ -313,10 +329,11 @@ def _kv_cache_attend(
     plan_3: torch.Tensor,
     key_mask_BS: torch.Tensor | None,
     alibi_slopes_H: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     step = CacheStep.from_plan(plan_3, start_B, k_BSKD.shape[1], key_mask_BS)
     out_BSHD = _store_and_attend(
-        k_cache_BSKD, v_cache_BSKD, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H
+        k_cache_BSKD, v_cache_BSKD, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H, window
     )
     return out_BSHD.contiguous()  # the layout the fake below promises
 
@@ -331,7 +348,7 @@ _LIB = torch.library.Library("meshline", "FRAGMENT")
 _LIB.define(
     "kv_cache_attend(Tensor q_BSHD, Tensor k_BSKD, Tensor v_BSKD, Tensor(a!) k_cache_BSKD, "
     "Tensor(b!) v_cache_BSKD, Tensor start_B, Tensor plan_3, Tensor? key_mask_BS, "
-    "Tensor? alibi_slopes_H) -> Tensor"
+    "Tensor? alibi_slopes_H, int? window=None) -> Tensor"
 )
 _LIB.impl("kv_cache_attend", _kv_cache_attend, "CompositeExplicitAutograd")
 torch.library.register_fake("meshline::kv_cache_attend", _kv_cache_attend_fake, lib=_LIB)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
-from models.moe import MoE, MoEConfig
+from models.moe import MoEConfig
 from models.transformer import CausalLM, build_model
 
 
@@ -29,44 +29,19 @@ def build_causal_lm(
     device: str | torch.device = "meta",
     dtype: torch.dtype = torch.float32,
 ) -> CausalLM:
-    """`build_model` for dense configs; for MoE configs the same network with MoE feed-forwards.
+    """`build_model`, which builds MoE feed-forwards itself when `config.extra["moe"]` is set.
 
     Like `build_model`: on "meta" nothing is allocated (then `to_empty` + `init_weights`).
     """
-    moe = moe_config(config)
-    if moe is None:
-        return build_model(config, device=device, dtype=dtype)
-    model = build_model(config, device="meta", dtype=dtype)
-    for layer in model.layers.values():
-        with torch.device("meta"):
-            layer.mlp = MoE(config.hidden_size, config.ffn_hidden_size, moe).to(dtype)
-    device = torch.device(device)
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
-    return model
+    moe_config(config)  # validates the MoE settings
+    return build_model(config, device=device, dtype=dtype)
 
 
 def mixtral_hf_config(config: ModelConfig) -> dict[str, Any]:
     """HF `MixtralConfig` fields describing `config` (an MoE Llama-style config)."""
     from models.hf_adapters import hf_config
 
-    moe = moe_config(config)
-    if moe is None:
+    if moe_config(config) is None:
         raise ValueError("mixtral_hf_config: config.extra has no 'moe' settings")
-    if moe.capacity_factor is not None or moe.num_shared_experts or not moe.norm_topk_prob:
-        raise ValueError(
-            "mixtral_hf_config: HF Mixtral is dropless, has no shared experts and renormalises "
-            "the top-k weights; this MoE config differs"
-        )
-    base = hf_config(config.replace(family="llama"))
-    drop = ("bias", "mlp_bias", "attention_bias")
-    return {
-        **{k: v for k, v in base.items() if k not in drop},
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_coeff,
-        "sliding_window": None,
-    }
+    family = config.family if config.family == "mixtral" else "llama"
+    return hf_config(config.replace(family=family))

@@ -48,6 +48,12 @@ class MoEConfig:
     """Dense experts every token also passes through (DeepSeek/Qwen-MoE style); 0 = none."""
     norm_topk_prob: bool = True
     """Renormalise the top-k probabilities to sum to 1 (Mixtral) instead of raw softmax values."""
+    shared_expert_ffn: int | None = None
+    """Inner width of the shared-expert MLP (Qwen2-MoE shared_expert_intermediate_size); None:
+    the expert width times num_shared_experts."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(shared_expert_gate(x)), a [1, E] linear
+    (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0:
@@ -65,6 +71,10 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.shared_expert_ffn is not None and self.shared_expert_ffn <= 0:
+            raise ValueError(f"shared_expert_ffn must be positive, got {self.shared_expert_ffn}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -142,13 +152,16 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, hidden, ffn)
         self.shared_experts: nn.Module | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         if config.num_shared_experts:
             from models.config import ModelConfig
             from models.transformer import MLP
 
             shared = ModelConfig(
                 hidden_size=hidden,
-                ffn_hidden_size=ffn * config.num_shared_experts,
+                ffn_hidden_size=config.shared_expert_ffn or ffn * config.num_shared_experts,
                 num_attention_heads=1,
                 vocab_size=1,
                 num_layers=1,
@@ -259,7 +272,10 @@ class MoE(nn.Module):
         logits_NX, weights_NK, experts_NK = self.route(x_NE)
         out_NE = self.routed_experts(x_NE, weights_NK, experts_NK, self.keep_mask(experts_NK))
         if self.shared_experts is not None:
-            out_NE = out_NE + self.shared_experts(x_NE)
+            shared_NE = self.shared_experts(x_NE)
+            if self.shared_expert_gate is not None:
+                shared_NE = torch.sigmoid(self.shared_expert_gate(x_NE)) * shared_NE
+            out_NE = out_NE + shared_NE
         out_NE = self.attach_aux_loss(out_NE, self.aux_loss(logits_NX, experts_NK))
         return out_NE.view(b, s, e)
 

@@ -1,5 +1,8 @@
 """Named model configurations: the published sizes of each family plus tiny ones for tests.
 
+Llama-3/3.1/3.2, Qwen2.5, Qwen3, Mistral, Mixtral, Qwen1.5-MoE (qwen2_moe) and Qwen3-MoE sizes are
+those of the published HF `config.json` files.
+
 Names double as CLI choices (`--model llama2-7B`). Sizes follow the released HF `config.json`
 files (and ModelLink's launch scripts for llama2-34B and internlm-65B, which have no HF release).
 """
@@ -41,6 +44,59 @@ def _size(hidden: int, layers: int, heads: int, ffn: int, kv: int | None = None)
     )
 
 
+_LLAMA3 = dict(
+    family="llama",
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+)
+_LLAMA31 = dict(
+    _LLAMA3,
+    max_position_embeddings=131072,
+    rope_scaling={
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+_LLAMA32 = dict(
+    _LLAMA31,
+    tie_word_embeddings=True,
+    rope_scaling={**_LLAMA31["rope_scaling"], "factor": 32.0},
+)
+_QWEN25 = dict(
+    family="qwen2",
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qkv_bias=True,
+)
+_QWEN3 = dict(
+    family="qwen3",
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qk_norm=True,
+    kv_channels=128,
+)
+_MISTRAL = dict(
+    family="mistral",
+    vocab_size=32000,
+    max_position_embeddings=32768,
+    norm_eps=1e-5,
+    sliding_window=4096,
+)
+
+
+def _moe(experts: int, top_k: int, **more: Any) -> dict[str, Any]:
+    return {"extra": {"moe": {"num_experts": experts, "top_k": top_k, **more}}}
+
+
 _TINY = dict(
     vocab_size=256,
     hidden_size=64,
@@ -73,6 +129,49 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     },
     "bloom-7B1": {**_BLOOM, **_size(4096, 30, 32, 16384)},
     "bloom-176B": {**_BLOOM, **_size(14336, 70, 112, 57344)},
+    "llama3-8B": {**_LLAMA3, **_size(4096, 32, 32, 14336, kv=8)},
+    "llama3-70B": {**_LLAMA3, **_size(8192, 80, 64, 28672, kv=8)},
+    "llama3.1-8B": {**_LLAMA31, **_size(4096, 32, 32, 14336, kv=8)},
+    "llama3.1-70B": {**_LLAMA31, **_size(8192, 80, 64, 28672, kv=8)},
+    "llama3.1-405B": {**_LLAMA31, **_size(16384, 126, 128, 53248, kv=8)},
+    "llama3.2-1B": {**_LLAMA32, **_size(2048, 16, 32, 8192, kv=8)},
+    "llama3.2-3B": {**_LLAMA32, **_size(3072, 28, 24, 8192, kv=8)},
+    "qwen2.5-0.5B": {**_QWEN25, **_size(896, 24, 14, 4864, kv=2), "tie_word_embeddings": True},
+    "qwen2.5-1.5B": {**_QWEN25, **_size(1536, 28, 12, 8960, kv=2), "tie_word_embeddings": True},
+    "qwen2.5-7B": {**_QWEN25, **_size(3584, 28, 28, 18944, kv=4), "vocab_size": 152064},
+    "qwen2.5-72B": {**_QWEN25, **_size(8192, 80, 64, 29568, kv=8), "vocab_size": 152064},
+    "qwen3-0.6B": {**_QWEN3, **_size(1024, 28, 16, 3072, kv=8), "tie_word_embeddings": True},
+    "qwen3-8B": {**_QWEN3, **_size(4096, 36, 32, 12288, kv=8)},
+    "qwen3-32B": {**_QWEN3, **_size(5120, 64, 64, 25600, kv=8)},
+    "mistral-7B": {**_MISTRAL, **_size(4096, 32, 32, 14336, kv=8)},
+    "mixtral-8x7B": {
+        **_MISTRAL,
+        **_size(4096, 32, 32, 14336, kv=8),
+        "family": "mixtral",
+        "sliding_window": None,
+        "rope_theta": 1000000.0,
+        **_moe(8, 2),
+    },
+    "qwen1.5-moe-A2.7B": {
+        **_QWEN25,
+        **_size(2048, 24, 16, 1408),
+        "family": "qwen2_moe",
+        "max_position_embeddings": 8192,
+        **_moe(
+            60,
+            4,
+            norm_topk_prob=False,
+            num_shared_experts=1,
+            shared_expert_ffn=5632,
+            shared_expert_gate=True,
+        ),
+    },
+    "qwen3-30B-A3B": {
+        **_QWEN3,
+        **_size(2048, 48, 32, 768, kv=4),
+        "family": "qwen3_moe",
+        **_moe(128, 8),
+    },
     "tiny-llama": {"family": "llama", **_TINY},
     "tiny-llama-gqa": {"family": "llama", **_TINY, "num_kv_heads": 2},
     "tiny-bloom": {
@@ -90,6 +189,51 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "num_kv_heads": 2,
         "ffn_hidden_size": 96,
         "extra": {"moe": {"num_experts": 4, "top_k": 2}},
+    },
+    # Issue #18 families, tiny: prompts of 24+ tokens pass the window and the original context.
+    "tiny-llama3": {
+        "family": "llama",
+        **_TINY,
+        "num_kv_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA31["rope_scaling"], "original_max_position_embeddings": 16},
+    },
+    "tiny-qwen2": {**_QWEN25, **_TINY, "num_kv_heads": 2},
+    "tiny-qwen3": {**_QWEN3, **_TINY, "num_kv_heads": 2, "kv_channels": 32},
+    "tiny-mistral": {**_MISTRAL, **_TINY, "num_kv_heads": 2, "sliding_window": 8},
+    "tiny-mixtral-hf": {
+        **_MISTRAL,
+        **_TINY,
+        "family": "mixtral",
+        "num_kv_heads": 2,
+        "ffn_hidden_size": 96,
+        "sliding_window": 8,
+        **_moe(4, 2),
+    },
+    "tiny-qwen2-moe": {
+        **_QWEN25,
+        **_TINY,
+        "family": "qwen2_moe",
+        "num_kv_heads": 2,
+        "ffn_hidden_size": 32,
+        **_moe(
+            4,
+            2,
+            norm_topk_prob=False,
+            num_shared_experts=1,
+            shared_expert_ffn=48,
+            shared_expert_gate=True,
+        ),
+    },
+    "tiny-qwen3-moe": {
+        **_QWEN3,
+        **_TINY,
+        "family": "qwen3_moe",
+        "num_kv_heads": 2,
+        "kv_channels": 32,
+        "ffn_hidden_size": 32,
+        **_moe(4, 2),
     },
 }
 

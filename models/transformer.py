@@ -1,4 +1,5 @@
-"""One generic causal decoder covering the Llama family and Bloom (see `ModelConfig`).
+"""One generic causal decoder covering the Llama, Qwen, Mistral and Bloom families (see
+`ModelConfig`: biases, explicit head dim, q/k norms, sliding windows and RoPE scalings are config).
 
 Shapes: B batch, S sequence, E hidden, H heads, K kv heads, D head dim, F ffn, V vocab.
 
@@ -31,7 +32,8 @@ def build_norm(config: ModelConfig) -> nn.Module:
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query self-attention with RoPE or ALiBi."""
+    """Multi-head / grouped-query self-attention with RoPE or ALiBi (optionally q/k-normed and
+    windowed)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,13 +42,18 @@ class Attention(nn.Module):
         self.head_dim = d
         self.dropout = config.attention_dropout
         self.q_size, self.kv_size = h * d, k * d
+        qkv_bias = config.attention_bias or config.qkv_bias
         if config.fused_qkv:
-            self.qkv_proj = nn.Linear(e, (h + 2 * k) * d, bias=config.attention_bias)
+            self.qkv_proj = nn.Linear(e, (h + 2 * k) * d, bias=qkv_bias)
         else:
-            self.q_proj = nn.Linear(e, h * d, bias=config.attention_bias)
-            self.k_proj = nn.Linear(e, k * d, bias=config.attention_bias)
-            self.v_proj = nn.Linear(e, k * d, bias=config.attention_bias)
+            self.q_proj = nn.Linear(e, h * d, bias=qkv_bias)
+            self.k_proj = nn.Linear(e, k * d, bias=qkv_bias)
+            self.v_proj = nn.Linear(e, k * d, bias=qkv_bias)
         self.o_proj = nn.Linear(h * d, e, bias=config.attention_bias)
+        # Qwen3: RMSNorm over each head's D before RoPE (one [D] scale shared by all heads).
+        self.q_norm = RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
+        self.window = config.sliding_window
         self.fused = config.fused_qkv
         self.alibi = config.position_embedding == "alibi"
         # ALiBi slopes depend on the head's global index: a tensor-parallel split that keeps heads
@@ -79,7 +86,9 @@ class Attention(nn.Module):
             # keys/values and attends over every key the queries see.
             kv_cache, step, layer_id = cache
             slopes_H = self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device) if self.alibi else None
-            cached_BSHD = kv_cache.attend(layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H)
+            cached_BSHD = kv_cache.attend(
+                layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H, self.window
+            )
             return self.o_proj(cached_BSHD.flatten(2))
         out_BSHD = attention(
             q_BSHD,
@@ -93,6 +102,7 @@ class Attention(nn.Module):
             segment_ids_BS=segment_ids_BS,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.attention_backend,
+            window=self.window,
         )
         assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
         return self.o_proj(out_BSHD.flatten(2))
@@ -108,6 +118,8 @@ class Attention(nn.Module):
             q_BSHD = self.q_proj(x_BSE).view(b, s, -1, d)
             k_BSKD = self.k_proj(x_BSE).view(b, s, -1, d)
             v_BSKD = self.v_proj(x_BSE).view(b, s, -1, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
             if rope_cos_sin is not None:
                 q_BSHD = apply_rotary(q_BSHD, *rope_cos_sin)
                 k_BSKD = apply_rotary(k_BSKD, *rope_cos_sin)
@@ -116,6 +128,9 @@ class Attention(nn.Module):
         heads = qkv.shape[2] * self.q_size // (self.q_size + 2 * self.kv_size)
         kv_heads = (qkv.shape[2] - heads) // 2
         qk_BSXD, v_BSKD = qkv.split([heads + kv_heads, kv_heads], dim=2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BSHD, k_BSKD = qk_BSXD.split([heads, kv_heads], dim=2)
+            qk_BSXD = torch.cat([self.q_norm(q_BSHD), self.k_norm(k_BSKD)], dim=2)
         if rope_cos_sin is not None:
             # One rotation over q and k together; it also leaves v as the only view that
             # attention saves of qkv, so copy v out rather than pin the whole output.
@@ -153,6 +168,16 @@ class MLP(nn.Module):
         return self.down_proj(gated(self.gate_proj(x_BSE), self.up_proj(x_BSE)))
 
 
+def build_mlp(config: ModelConfig) -> nn.Module:
+    """The layer's feed-forward: an MoE block when `config.extra["moe"]` is set, else the MLP."""
+    moe = config.extra.get("moe")
+    if moe is None:
+        return MLP(config)
+    from models.moe import MoE, MoEConfig
+
+    return MoE(config.hidden_size, config.ffn_hidden_size, MoEConfig(**moe))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -162,7 +187,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = build_mlp(config)
         self.dropout = config.hidden_dropout
 
     def forward(
@@ -234,9 +259,7 @@ class CausalLM(nn.Module):
             return None
         scaling = None
         if config.rope_scaling is not None:
-            scaling = RopeScaling(
-                kind=config.rope_scaling["type"], factor=float(config.rope_scaling["factor"])
-            )
+            scaling = RopeScaling.from_dict(config.rope_scaling)
         return RotaryEmbedding(config.head_dim, theta=config.rope_theta, scaling=scaling)
 
     def forward(

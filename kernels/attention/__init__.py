@@ -63,6 +63,7 @@ def attention(
     q_offset: int | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
+    window: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head attention of q [B,Sq,H,D] over k/v [B,Sk,K,D] (H a multiple of K).
@@ -71,7 +72,8 @@ def attention(
     bottom-right alignment KV-cache decoding needs). softmax_scale defaults to 1/sqrt(D).
     alibi_slopes_H adds slope·(j - (i + q_offset)). key_padding_mask_BS is bool over keys,
     True = real token. segment_ids_BS (needs Sq == Sk) keeps attention within packed
-    documents. dropout_p is applied to the attention probabilities (pass 0 in eval).
+    documents. window W (causal only) keeps the last W keys of each query, itself included
+    (Mistral's sliding window). dropout_p is applied to the attention probabilities (pass 0 in eval).
     Returns out [B,Sq,H,D] in q's dtype, and with return_lse also lse [B,H,Sq] (fp32, natural
     log; -inf for queries that see no key, whose output is 0). `backend` overrides the choice.
     """
@@ -87,6 +89,7 @@ def attention(
         q_offset=q_offset,
         dropout_p=dropout_p,
         return_lse=return_lse,
+        window=window,
     )
     reasons = []
     for name in _order(backend):

@@ -43,6 +43,7 @@ def attention_sdpa(
         and spec.key_padding_mask_BS is None
         and spec.segment_ids_BS is None
         and spec.alibi_slopes_H is None
+        and spec.window is None
     )
     if simple_causal and not spec.return_lse:
         visible, any_visible = None, None

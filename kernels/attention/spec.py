@@ -2,7 +2,8 @@
 
 Shapes: B batch, Sq/Sk query/key length, H query heads, K kv heads, D head dim.
 Key j is visible to query i iff (not causal or j <= i + q_offset) and key j is real
-(key_padding_mask) and both tokens sit in the same segment (packed documents). ALiBi adds
+(key_padding_mask) and both tokens sit in the same segment (packed documents), and, with a
+sliding `window` W, j > i + q_offset - W (the query sees its last W positions). ALiBi adds
 slope_h * (j - (i + q_offset)) to the scaled score.
 """
 
@@ -37,6 +38,7 @@ class AttentionSpec:
     key_padding_mask_BS: torch.Tensor | None
     segment_ids_BS: torch.Tensor | None
     device: torch.device
+    window: int | None = None
 
     def visible(self, q_start: int, q_end: int, k_start: int, k_end: int) -> torch.Tensor | None:
         """Bool [B or 1, 1, q_end-q_start, k_end-k_start] (True = may attend); None if all are."""
@@ -48,6 +50,12 @@ class AttentionSpec:
             q_pos = torch.arange(q_start, q_end, device=device) + self.q_offset
             k_pos = torch.arange(k_start, k_end, device=device)
             mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        if self.window is not None and k_start <= q_end - 1 + self.q_offset - self.window:
+            # Some key of the block lies beyond the window of the block's last query.
+            q_pos = torch.arange(q_start, q_end, device=device) + self.q_offset
+            k_pos = torch.arange(k_start, k_end, device=device)
+            near = (k_pos[None, :] > q_pos[:, None] - self.window)[None, None]
+            mask = near if mask is None else mask & near
         if self.key_padding_mask_BS is not None:
             real = self.key_padding_mask_BS[:, None, None, k_start:k_end]
             mask = real if mask is None else mask & real
@@ -86,6 +94,7 @@ def build_spec(
     q_offset: int | None,
     dropout_p: float,
     return_lse: bool,
+    window: int | None = None,
 ) -> AttentionSpec:
     """Check shapes and arguments; every error names the argument and the expected form."""
     for name, t in (("q_BSHD", q_BSHD), ("k_BSKD", k_BSKD), ("v_BSKD", v_BSKD)):
@@ -133,6 +142,8 @@ def build_spec(
         raise ValueError(
             f"attention: alibi_slopes_H must have shape [H={H}], got {tuple(alibi_slopes_H.shape)}"
         )
+    if window is not None and (not causal or int(window) <= 0):
+        raise ValueError(f"attention: window={window} needs causal=True and a positive size")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise ValueError(f"attention: softmax_scale must be > 0, got {softmax_scale}")
@@ -154,6 +165,7 @@ def build_spec(
         ),
         segment_ids_BS=None if segment_ids_BS is None else segment_ids_BS.to(q_BSHD.device),
         device=q_BSHD.device,
+        window=None if window is None else int(window),
     )
 
 

@@ -27,6 +27,8 @@ def _check(q_BSHD: torch.Tensor, spec: AttentionSpec) -> None:
         raise Unsupported("flash-attn's bidirectional ALiBi uses -|i - j|, not (j - i)")
     if spec.return_lse and torch.is_grad_enabled():
         raise Unsupported("flash-attn's softmax_lse is not differentiable")
+    if spec.window is not None:
+        raise Unsupported("sliding windows are not mapped onto flash-attn's window_size yet")
 
 
 def attention_flash(

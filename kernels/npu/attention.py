@@ -33,6 +33,7 @@ def attention_npu(
         and spec.q_offset == spec.k_len - spec.q_len
         and spec.key_padding_mask_BS is None
         and spec.segment_ids_BS is None
+        and spec.window is None
     )
     atten_mask: torch.Tensor | None
     if plain_causal:

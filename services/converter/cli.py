@@ -174,9 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p(
         "--verify",
+        dest="verify",
         action="store_true",
-        help="before publishing, run source and output on a fixed prompt and fail (exit 3, no "
-        "output) if logits differ by more than the tolerance",
+        default=None,
+        help="always run the parity check (by default it runs whenever two float32 copies of the "
+        "model fit in half the available memory): source and output on a fixed prompt, failing "
+        "(exit 3, no output) if logits differ by more than the tolerance",
+    )
+    p(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the parity check",
     )
     p(
         "--verify-tolerance",
@@ -269,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {report.output_dir}: {len(report.files)} files, {report.num_tensors} tensors, "
         f"{report.num_parameters:,} parameters"
     )
+    if report.verify_skipped is not None:
+        print(f"verify: {report.verify_skipped}")
     if report.verify is not None:
         print(
             f"verify: max |logit difference| {report.verify.max_abs_logit_diff:.3g} <= "

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: `config.json`, safetensors (sharded with an index past a size),
-tokenizer files.
+tokenizer files (an output gets what AutoTokenizer and `generate` need: services/converter/hf_export.py).
 
 Reading pulls only the unit's tensors from each file (`safetensors_stream.read_tensors`). Writing plans every
 output tensor on meta tensors first (names, shapes), assigns shards, and streams each tensor
@@ -18,7 +18,9 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_adapters import config_from_hf, from_hf, hf_config, to_hf
+from models.hf_config import TOKEN_KEYS
 from services.converter.bounds import check_declared_size, file_in_directory
+from services.converter.hf_export import hf_side_files
 from services.converter.safetensors_stream import (
     StreamingWriter,
     TensorSpec,
@@ -172,7 +174,10 @@ def hf_specs(config: ModelConfig, dtype: torch.dtype) -> list[list[TensorSpec]]:
             and not (name == "lm_head.weight" and config.tie_word_embeddings)
         }
         per_unit.append(
-            [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in to_hf(meta, config).items()]
+            [
+                TensorSpec(n, t.dtype, tuple(t.shape))
+                for n, t in to_hf(meta, config, per_expert=True).items()
+            ]
         )
     return per_unit
 
@@ -209,7 +214,7 @@ class HFSink:
 
     def write_unit(self, unit: Unit, tensors: Tensors) -> None:
         """Streams the unit's tensors, in HF names, into the current shard file(s)."""
-        hf = to_hf(tensors, self.config)
+        hf = to_hf(tensors, self.config, per_expert=True)
         planned = self._unit_specs[unit]
         if set(hf) != {spec.name for spec in planned}:
             raise ValueError(f"{unit_label(unit)}: HF tensors {sorted(hf)} differ from the plan")
@@ -246,12 +251,18 @@ class HFSink:
             (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
             files.append(INDEX)
         hf = {**self.base_config, **hf_config(self.config)}
+        model_tokens = {k: hf[k] for k in TOKEN_KEYS if hf.get(k) is not None}
+        side = hf_side_files(self.tokenizer, model_tokens, self.config.max_position_embeddings)
+        hf.update(side.token_ids)
         # transformers 5 reads "dtype", earlier versions "torch_dtype"
         hf["dtype"] = hf["torch_dtype"] = str(self._shards[0][0].dtype).removeprefix("torch.")
         (self.directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
         files.append("config.json")
-        for path in self.tokenizer:
-            if path.name not in files:
-                shutil.copy2(path, self.directory / path.name)
-                files.append(path.name)
+        for name, path in side.copies.items():
+            if name not in files:
+                shutil.copy2(path, self.directory / name)
+                files.append(name)
+        for name, text in side.writes.items():
+            (self.directory / name).write_text(text)
+            files.append(name)
         return sorted(files)

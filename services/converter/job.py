@@ -9,6 +9,7 @@ may go and what `overwrite` may replace (only the converter's own earlier output
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 from collections.abc import Callable
@@ -48,15 +49,18 @@ from services.converter.units import (
     Source,
     check_unit,
     expected_names_cached,
+    expected_shapes_cached,
     unit_label,
     units,
 )
 from services.converter.verify import (
     ModelAssembler,
+    available_memory_bytes,
     compare,
     default_tolerance,
     fixed_logits,
     load_model,
+    skip_reason,
 )
 
 
@@ -131,7 +135,12 @@ def convert(
     tmp = staging_dir(options.save_dir)
     sink: Sink | None = None
     try:
-        reference = ModelAssembler(config) if options.verify else None
+        verify, skipped = options.verify, None
+        if verify is None:
+            size = sum(math.prod(s) for s in expected_shapes_cached(config).values())
+            skipped = skip_reason(size, available_memory_bytes())
+            verify = skipped is None
+        reference = ModelAssembler(config) if verify else None
         num_parameters = 0
         for unit in all_units:
             if cancel is not None and cancel.is_set():
@@ -179,7 +188,7 @@ def convert(
             sink.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report)
+    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

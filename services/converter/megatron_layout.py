@@ -13,6 +13,17 @@ Per layer (Megatron name ← Meshline name, TP split):
 | mlp.dense_h_to_4h.{weight,bias} | [gate; up] (gate_up_proj) or up_proj | column, gate and up per rank |
 | mlp.dense_4h_to_h.weight / .bias | mlp.down_proj | row (dim 1) / replicated |
 
+| self_attention.{q,k}_layernorm.weight | self_attn.{q,k}_norm (Qwen3) | replicated |
+| mlp.router.weight | mlp.gate (MoE router) | replicated |
+| mlp.experts.local_experts.j.dense_h_to_4h.weight | expert j's [gate; up] | column, gate and up per rank |
+| mlp.experts.local_experts.j.dense_4h_to_h.weight | expert j's down | row (dim 1) |
+| mlp.shared_experts.dense_h_to_4h / dense_4h_to_h | mlp.shared_experts | as the dense MLP |
+| mlp.shared_expert_gate.weight | mlp.shared_expert_gate | replicated |
+
+The query-key-value bias exists with attention_bias or qkv_bias (Megatron --add-qkv-bias); the
+dense bias only with attention_bias. MoE checkpoints hold every expert in every file (expert
+parallelism is a training layout, not a checkpoint one here).
+
 Query-key-value rows are grouped per query group g: [q heads of g (H/K·D rows), k_g (D), v_g
 (D)], groups in order, so a TP rank holds K/T whole groups. SwiGLU's `dense_h_to_4h` holds, on
 rank r, [gate rows of r; up rows of r]. Embedding and output layer rows are the vocabulary, padded
@@ -116,6 +127,61 @@ def _deinterleave_qkv(qkv: torch.Tensor, config: ModelConfig) -> list[torch.Tens
     return [t.reshape(-1, *rest) for t in (q, k, v)]
 
 
+def _qkv_leaves(config: ModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if config.attention_bias or config.qkv_bias else ("weight",)
+
+
+def _moe_to_megatron(layer: int, tensors: Tensors, tp: int) -> Shards:
+    prefix, what = f"layers.{layer}.mlp.", f"layer {layer} experts"
+    out: Shards = {"mlp.router.weight": [tensors[prefix + "gate.weight"]] * tp}
+    gate_up = tensors[prefix + "experts.gate_up_proj"]
+    down = tensors[prefix + "experts.down_proj"]
+    for j in range(gate_up.shape[0]):
+        gate, up = gate_up[j].chunk(2, dim=0)
+        ranks = zip(_split(gate, tp, 0, what), _split(up, tp, 0, what), strict=True)
+        name = f"mlp.experts.local_experts.{j}."
+        out[name + "dense_h_to_4h.weight"] = [torch.cat(pair, dim=0) for pair in ranks]
+        out[name + "dense_4h_to_h.weight"] = _split(down[j], tp, 1, what)
+    shared = prefix + "shared_experts."
+    if shared + "gate_up_proj.weight" in tensors:
+        gate, up = tensors[shared + "gate_up_proj.weight"].chunk(2, dim=0)
+        ranks = zip(_split(gate, tp, 0, what), _split(up, tp, 0, what), strict=True)
+        out["mlp.shared_experts.dense_h_to_4h.weight"] = [torch.cat(p, dim=0) for p in ranks]
+        out["mlp.shared_experts.dense_4h_to_h.weight"] = _split(
+            tensors[shared + "down_proj.weight"], tp, 1, what
+        )
+    if prefix + "shared_expert_gate.weight" in tensors:
+        out["mlp.shared_expert_gate.weight"] = [tensors[prefix + "shared_expert_gate.weight"]] * tp
+    return out
+
+
+def _moe_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tensors:
+    prefix = f"layers.{layer}.mlp."
+    out: Tensors = {prefix + "gate.weight": _replicated(shards["mlp.router.weight"], "router")}
+    experts = int(config.extra["moe"]["num_experts"])
+    gate_up, down = [], []
+    for j in range(experts):
+        name = f"mlp.experts.local_experts.{j}."
+        pairs = [r.chunk(2, dim=0) for r in shards[name + "dense_h_to_4h.weight"]]
+        gate_up.append(torch.cat([g for g, _ in pairs] + [u for _, u in pairs], dim=0))
+        down.append(torch.cat(shards[name + "dense_4h_to_h.weight"], dim=1))
+    out[prefix + "experts.gate_up_proj"] = torch.stack(gate_up)
+    out[prefix + "experts.down_proj"] = torch.stack(down)
+    if "mlp.shared_experts.dense_h_to_4h.weight" in shards:
+        pairs = [r.chunk(2, dim=0) for r in shards["mlp.shared_experts.dense_h_to_4h.weight"]]
+        out[prefix + "shared_experts.gate_up_proj.weight"] = torch.cat(
+            [g for g, _ in pairs] + [u for _, u in pairs], dim=0
+        )
+        out[prefix + "shared_experts.down_proj.weight"] = torch.cat(
+            shards["mlp.shared_experts.dense_4h_to_h.weight"], dim=1
+        )
+    if "mlp.shared_expert_gate.weight" in shards:
+        out[prefix + "shared_expert_gate.weight"] = _replicated(
+            shards["mlp.shared_expert_gate.weight"], "shared_expert_gate"
+        )
+    return out
+
+
 def layer_to_megatron(layer: int, tensors: Tensors, config: ModelConfig, tp: int) -> Shards:
     """One decoder layer's tensors as Megatron layer-relative names, split over `tp` ranks."""
     if config.kv_heads % tp:
@@ -125,8 +191,7 @@ def layer_to_megatron(layer: int, tensors: Tensors, config: ModelConfig, tp: int
         )
     prefix = f"layers.{layer}."
     out: Shards = {}
-    leaves = ("weight", "bias") if config.attention_bias else ("weight",)
-    for leaf in leaves:
+    for leaf in _qkv_leaves(config):
         q, k, v = _qkv_parts(tensors, prefix + "self_attn.", leaf, config)
         qkv = _interleave_qkv(q, k, v, config.kv_heads)
         out[f"self_attention.query_key_value.{leaf}"] = _split(qkv, tp, 0, f"layer {layer} qkv")
@@ -135,6 +200,14 @@ def layer_to_megatron(layer: int, tensors: Tensors, config: ModelConfig, tp: int
     )
     if config.attention_bias:
         out["self_attention.dense.bias"] = [tensors[prefix + "self_attn.o_proj.bias"]] * tp
+    for norm in ("q_norm", "k_norm"):
+        if f"{prefix}self_attn.{norm}.weight" in tensors:
+            theirs = f"self_attention.{norm[0]}_layernorm.weight"
+            out[theirs] = [tensors[f"{prefix}self_attn.{norm}.weight"]] * tp
+    if config.extra.get("moe") is not None:
+        out.update(_moe_to_megatron(layer, tensors, tp))
+        _norms_to_megatron(prefix, tensors, tp, out)
+        return out
     mlp_leaves = ("weight", "bias") if config.mlp_bias else ("weight",)
     for leaf in mlp_leaves:
         what = f"layer {layer} mlp"
@@ -151,12 +224,16 @@ def layer_to_megatron(layer: int, tensors: Tensors, config: ModelConfig, tp: int
     )
     if config.mlp_bias:
         out["mlp.dense_4h_to_h.bias"] = [tensors[prefix + "mlp.down_proj.bias"]] * tp
+    _norms_to_megatron(prefix, tensors, tp, out)
+    return out
+
+
+def _norms_to_megatron(prefix: str, tensors: Tensors, tp: int, out: Shards) -> None:
     for ours, theirs in _LAYER_NORMS.items():
         for leaf in ("weight", "bias"):
             name = f"{prefix}{ours}.{leaf}"
             if name in tensors:
                 out[f"{theirs}.{leaf}"] = [tensors[name]] * tp
-    return out
 
 
 def _replicated(shards: list[torch.Tensor], what: str) -> torch.Tensor:
@@ -174,8 +251,7 @@ def layer_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tens
     """Inverse of `layer_to_megatron`: TP shards → the layer's Meshline tensors (config fusions)."""
     prefix = f"layers.{layer}."
     out: Tensors = {}
-    leaves = ("weight", "bias") if config.attention_bias else ("weight",)
-    for leaf in leaves:
+    for leaf in _qkv_leaves(config):
         qkv = torch.cat(shards[f"self_attention.query_key_value.{leaf}"], dim=0)
         q, k, v = _deinterleave_qkv(qkv, config)
         if config.fused_qkv:
@@ -190,6 +266,14 @@ def layer_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tens
         out[prefix + "self_attn.o_proj.bias"] = _replicated(
             shards["self_attention.dense.bias"], f"layer {layer} self_attention.dense.bias"
         )
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            theirs = f"self_attention.{norm[0]}_layernorm.weight"
+            out[f"{prefix}self_attn.{norm}.weight"] = _replicated(shards[theirs], theirs)
+    if config.extra.get("moe") is not None:
+        out.update(_moe_from_megatron(layer, shards, config))
+        _norms_from_megatron(layer, prefix, shards, out)
+        return out
     mlp_leaves = ("weight", "bias") if config.mlp_bias else ("weight",)
     for leaf in mlp_leaves:
         ranks = shards[f"mlp.dense_h_to_4h.{leaf}"]
@@ -209,13 +293,17 @@ def layer_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tens
         out[prefix + "mlp.down_proj.bias"] = _replicated(
             shards["mlp.dense_4h_to_h.bias"], f"layer {layer} mlp.dense_4h_to_h.bias"
         )
+    _norms_from_megatron(layer, prefix, shards, out)
+    return out
+
+
+def _norms_from_megatron(layer: int, prefix: str, shards: Shards, out: Tensors) -> None:
     for ours, theirs in _LAYER_NORMS.items():
         for leaf in ("weight", "bias"):
             if f"{theirs}.{leaf}" in shards:
                 out[f"{prefix}{ours}.{leaf}"] = _replicated(
                     shards[f"{theirs}.{leaf}"], f"layer {layer} {theirs}.{leaf}"
                 )
-    return out
 
 
 def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:

@@ -62,8 +62,9 @@ class ConvertOptions:
     """LoRA alpha of a Megatron LoRA checkpoint whose args do not record it."""
     dtype: str | None = None
     """Output dtype ("fp32", "bf16", "fp16"); None keeps the source's."""
-    verify: bool = False
-    """Check logit parity of the output against the source before publishing it."""
+    verify: bool | None = None
+    """Check logit parity of the output against the source before publishing it: None (the
+    default) whenever two float32 copies fit in memory, True always, False never."""
     verify_tolerance: float | None = None
     """Largest allowed absolute logit difference (default by dtype, see verify.py)."""
     load_iteration: int | None = None
@@ -144,3 +145,5 @@ class ConvertReport:
     num_parameters: int
     num_tensors: int
     verify: VerifyReport | None = None
+    verify_skipped: str | None = None
+    """Why an automatic parity check did not run (None when it ran or was switched off)."""

@@ -123,7 +123,11 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
     check.require(request.dtype in converter_pb2.Dtype.values(), "dtype", "unknown value")
     if request.HasField("verify_tolerance"):
         check.require(request.verify_tolerance > 0, "verify_tolerance", "must be > 0")
-        check.require(request.verify, "verify_tolerance", "only applies with verify=true")
+        check.require(
+            not request.HasField("verify") or request.verify,
+            "verify_tolerance",
+            "does not apply with verify=false",
+        )
     if request.HasField("load_iteration"):
         check.require(request.load_iteration >= 0, "load_iteration", "must be >= 0")
         check.require(
@@ -226,7 +230,7 @@ def job_options(
             lora_r=request.lora_r if request.HasField("lora_r") else None,
             lora_alpha=request.lora_alpha if request.HasField("lora_alpha") else None,
             dtype=_DTYPE_NAMES.get(request.dtype),
-            verify=request.verify,
+            verify=request.verify if request.HasField("verify") else None,
             verify_tolerance=(
                 request.verify_tolerance if request.HasField("verify_tolerance") else None
             ),
@@ -247,6 +251,8 @@ def result_message(report: ConvertReport) -> converter_pb2.ConvertResult:
     )
     if report.verify is not None:
         result.verify.CopyFrom(_verify_message(report.verify))
+    if report.verify_skipped is not None:
+        result.verify_skipped = report.verify_skipped
     return result
 
 

@@ -4,7 +4,12 @@ Both models run in float32 on CPU, so the difference measures only what the conv
 in the weights (a lower `--dtype` rounds them). Tolerances (largest absolute logit difference):
 1e-4 for float32 outputs (conversions only move bytes, so a correct one gives exactly 0) and
 2e-2 for float16 / bfloat16 outputs, unless `--verify-tolerance` says otherwise. Each side is
-materialised as a whole model, so `--verify` needs memory for two float32 copies.
+materialised as a whole model, so verifying needs memory for two float32 copies.
+
+Verification is on by default (`verify=None`, "auto"): every conversion whose two float32 copies
+fit in half the memory available runs it and fails on drift; one that does not fit is published
+with the report saying why it was not verified (`verify_skipped`). `--verify` forces it (a
+conversion that cannot hold both copies then fails for lack of memory), `--no-verify` skips it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,30 @@ from services.converter.units import Source, Tensors, units
 
 PROMPT_SHAPE = (2, 16)
 PROMPT_SEED = 1234
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where the kernel does not say)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def skip_reason(num_parameters: int, available: int | None) -> str | None:
+    """Why an automatic check cannot run (None: it can): two float32 copies must fit in half
+    of the available memory."""
+    needed = 2 * 4 * num_parameters
+    if available is not None and needed > available // 2:
+        return (
+            f"not verified: two float32 copies need {needed / 2**30:.1f} GiB, more than half of "
+            f"the {available / 2**30:.1f} GiB available; pass --verify to force it"
+        )
+    return None
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -46,7 +75,7 @@ class ModelAssembler:
         from models import build_model
 
         self.config = config
-        self.model = build_model(config, device="meta")
+        self.model = build_model(config, device="meta")  # MoE layers included
         self.model.to_empty(device="cpu")
         self.model.tie_weights()
         self._loaded: set[str] = set()

@@ -148,7 +148,10 @@ class Engine:
         self.model = model.eval()
         self.tokens = tokens
         self.config = config or EngineConfig()
-        self.context_length = int(model.config.max_position_embeddings)
+        # max_position_embeddings, longer under dynamic RoPE scaling (ModelConfig.context_length)
+        self.context_length = int(
+            getattr(model.config, "context_length", model.config.max_position_embeddings)
+        )
         self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
         if self.config.compile_decode and self.device.type != "cpu":

@@ -25,12 +25,29 @@ PUBLISHED_COUNTS = {
     "baichuan-7B": 7_000_559_616,
     "bloom-7B1": 7_069_016_064,
     "bloom-176B": 176_247_271_424,
+    "llama3.1-8B": 8_030_261_248,
+    "llama3.2-1B": 1_235_814_400,
+    "qwen2.5-0.5B": 494_032_768,
+    "qwen2.5-7B": 7_615_616_512,
+    "qwen3-8B": 8_190_735_360,
+    "qwen3-30B-A3B": 30_532_122_624,
+    "mistral-7B": 7_241_732_096,
+    "mixtral-8x7B": 46_702_792_704,
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_COUNTS))
 def test_parameter_count_matches_published(name):
     assert count_parameters(get_config(name)) == PUBLISHED_COUNTS[name]
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6B", "qwen1.5-moe-A2.7B", "tiny-qwen2-moe"])
+def test_parameter_count_equals_the_built_model(name):
+    from models import build_model
+
+    config = get_config(name)
+    built = build_model(config, device="meta")
+    assert count_parameters(config) == sum(p.numel() for p in built.parameters())
 
 
 def test_flops_per_token_formula():

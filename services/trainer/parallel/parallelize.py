@@ -62,6 +62,13 @@ def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
         ffn=model_config.ffn_hidden_size,
         vocab=model_config.vocab_size,
     )
+    window = getattr(model_config, "sliding_window", None)
+    if window is not None and dims.cp > 1:
+        raise ValueError(
+            f"--context-parallel-size {dims.cp} with a sliding-window model (sliding_window="
+            f"{window}) is not supported: ring attention has no window; use "
+            "--context-parallel-size 1"
+        )
     moe = moe_config(model_config)
     if moe is not None and moe.num_shared_experts and dims.sequence_parallel:
         raise ValueError(

@@ -278,8 +278,14 @@ def apply_tensor_parallel(
         tie_weights()
     for name, module in model.named_modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            _replicate_module(module, tp_mesh)
-            resolved[name] = "replicate"
+            # Qwen3's per-head q/k norms see only this rank's heads: their input is a head shard
+            # (dim 2 of [B, S, heads, D]), so the scale's gradient is summed over the ranks.
+            # Replicated kv heads (tp > K) are whole on every rank instead.
+            head_shard = name.endswith(".self_attn.q_norm") or (
+                name.endswith(".self_attn.k_norm") and config.kv_heads >= tp
+            )
+            _replicate_module(module, tp_mesh, Shard(2) if head_shard else Replicate())
+            resolved[name] = "replicate (head-sharded input)" if head_shard else "replicate"
     for name in install_tp_rng_regions(
         model, config, tp_mesh.get_local_rank(), sequence_parallel=sequence_parallel
     ):
@@ -287,8 +293,12 @@ def apply_tensor_parallel(
     return resolved
 
 
-def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Hold `module`'s own parameters as Replicate DTensors and run it on replicated DTensors.
+def _replicate_module(
+    module: nn.Module, mesh: DeviceMesh, input_placement: Shard | Replicate | None = None
+) -> None:
+    """Hold `module`'s own parameters as Replicate DTensors and run it on DTensor inputs placed
+    as `input_placement` (default Replicate; a Shard makes the parameters' gradients sums over
+    the ranks).
 
     Optimizers and gradient clipping need every parameter of a TP model to be a DTensor (their
     foreach kernels refuse a mix); plain tensors in and out keep the module's neighbours as is.
@@ -299,9 +309,11 @@ def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
             replicated = distribute_tensor(param.data, mesh, [Replicate()])
             mod.register_parameter(leaf, nn.Parameter(replicated, param.requires_grad))
 
+    placement = input_placement or Replicate()
+
     def inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
         return tuple(
-            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            DTensor.from_local(a, mesh, [placement], run_check=False)
             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
             else a
             for a in args

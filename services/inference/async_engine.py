@@ -13,6 +13,7 @@ next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -71,10 +72,9 @@ class AsyncEngine:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        # RuntimeError: the loop closed meanwhile (server stopped): nobody listens.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._route, events)
-        except RuntimeError:  # the loop closed meanwhile (server stopped): nobody listens
-            pass
 
     def _route(self, events: list[StepEvent] | StepFailure) -> None:
         """On the event loop: events to their requests' queues (a failed step's error to each

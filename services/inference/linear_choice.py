@@ -44,9 +44,7 @@ def choose_cpu_linear(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
             for rows in PROBE_ROWS:
                 x = torch.randn(rows, 1, linear.in_features, dtype=linear.weight.dtype)
                 calls = max(1, min(CALLS, CALL_ELEMENTS // linear.weight.numel()))
-                d, p = _time_pair(
-                    lambda: F.linear(x, linear.weight, linear.bias), lambda: packed(x), calls
-                )
+                d, p = _time_pair(linear, packed, x, calls)
                 dense_s += d
                 packed_s += p
     choice = "packed" if packed_s < MARGIN * dense_s else "dense"
@@ -70,13 +68,16 @@ def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[nn.Linear
     return list(by_shape.values())
 
 
-def _time_pair(dense, packed, calls: int) -> tuple[float, float]:
-    """Min over alternated rounds of the seconds per call of `dense` and `packed`."""
+def _time_pair(
+    dense: nn.Linear, packed: PackedLinear, x: torch.Tensor, calls: int
+) -> tuple[float, float]:
+    """Min over alternated rounds of the seconds per call of the dense and the packed layer."""
     best = [float("inf"), float("inf")]
-    for fn in (dense, packed):  # warm-up (oneDNN builds its primitive on the first call)
+    layers = (lambda: F.linear(x, dense.weight, dense.bias), lambda: packed(x))
+    for fn in layers:  # warm-up (oneDNN builds its primitive on the first call)
         fn()
     for _ in range(ROUNDS):
-        for i, fn in enumerate((dense, packed)):
+        for i, fn in enumerate(layers):
             start = time.perf_counter()
             for _ in range(calls):
                 fn()

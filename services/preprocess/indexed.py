@@ -142,13 +142,22 @@ class IndexedDatasetWriter:
                 raise ValueError(
                     f"{self.path_prefix}: token ids must be integers, got dtype {raw.dtype}"
                 )
-            if not _fits(raw, self._id_range):
+            tokens = raw.astype(self.dtype)
+            if raw.dtype == np.int64:
+                # Every id survived iff widening back to int64 (exact for every stored integer
+                # dtype) gives the same bytes: a copy and a memcmp, cheaper than a reduction.
+                fits = tokens.astype(np.int64).tobytes() == raw.tobytes()
+            else:
+                low, high = int(raw.min()), int(raw.max())
+                fits = self._id_range[0] <= low and high <= self._id_range[1]
+            if not fits:
                 low, high = int(raw.min()), int(raw.max())
                 raise ValueError(
                     f"{self.path_prefix}: token ids span [{low}, {high}] which does not fit "
                     f"dtype {self.dtype.name} {list(self._id_range)}; pick a wider dtype "
                     "(best_dtype(vocab_size))"
                 )
+            return tokens
         return raw.astype(self.dtype)
 
     def _safe_cast(self, dtype: np.dtype) -> bool:
@@ -260,22 +269,6 @@ class IndexedDatasetWriter:
             self.abort()
         elif not self._closed:
             self.finalize()
-
-
-def _fits(raw: np.ndarray, id_range: tuple[int, int]) -> bool:
-    """Whether every integer of `raw` lies in `id_range` (one reduction over the ids)."""
-    low, high = id_range
-    if raw.dtype.kind == "b":
-        return low <= 0 and high >= 1
-    # Shifted by -low and read as unsigned, a value below `low` wraps to a huge one, so one
-    # max tells both bounds (the int64/uint64 wrap-around is exact modular arithmetic).
-    wide = raw.astype(np.int64, copy=False) if raw.dtype.kind == "i" else raw
-    unsigned = wide.view(np.uint64) if wide.dtype.kind == "i" else wide
-    if raw.dtype.kind == "u" and low <= 0:
-        return int(unsigned.max()) <= high
-    if low != 0:
-        unsigned = unsigned - np.uint64(low % (1 << 64))
-    return int(unsigned.max()) <= high - low
 
 
 def _map(path: Path) -> np.ndarray:

@@ -218,20 +218,25 @@ def test_reader_bounds_and_pickling(tmp_path: Path) -> None:
     assert not ds[0].flags.writeable
 
 
-def test_range_check_covers_every_integer_pair() -> None:
-    """`_fits` (one reduction per document) agrees with a per-value check at every edge."""
-    from services.preprocess.indexed import _fits
-
+def test_range_check_covers_every_integer_pair(tmp_path) -> None:
+    """The writer's range check (a cast round trip) agrees with a per-value check at every edge
+    of every source/target integer pair."""
     sources = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
     for src in sources:
         s = np.iinfo(src)
-        for dst in (np.uint8, np.uint16, np.int16, np.int32, np.uint32, np.int64):
+        for dst in (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.int64):
             d = np.iinfo(dst)
             bounds = (int(d.min), int(d.max))
             edges = {0, 1, -1, s.min, s.max, *bounds, bounds[0] - 1, bounds[1] + 1}
             for v in sorted(e for e in edges if s.min <= e <= s.max):
-                expected = bounds[0] <= v <= bounds[1]
-                assert _fits(np.array([3, v, 0], dtype=src), bounds) == expected, (src, dst, v)
+                writer = IndexedDatasetWriter(tmp_path / "r", dst)
+                doc = np.array([3, v, 0], dtype=src)
+                if bounds[0] <= v <= bounds[1]:
+                    writer.add_document(doc)
+                else:
+                    with pytest.raises(ValueError, match="does not fit"):
+                        writer.add_document(doc)
+                writer.abort()
 
 
 def test_batched_writes_keep_order_and_ignore_later_mutation(tmp_path) -> None:

@@ -8,8 +8,8 @@ request makes all its tokens) is written to a temporary directory and served by
 default flags — in a child process. Each round times, alternately: ours, `batch` concurrent
 Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy); HF, one
 `generate(do_sample=False)` over the same `batch` prompts in this process (torch's default
-threads, eager attention). Printed: ms per generated token per request (wall time / new tokens,
-min and median over rounds) and HF/ours (> 1 = we are faster); ours must return HF's tokens.
+threads, eager attention). Printed: ms per new token of each request (wall time / 64, so at
+batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 = we are faster); ours must return HF's tokens.
 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
@@ -194,7 +194,7 @@ def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> No
         o = [t / NEW_TOKENS * 1e3 for t in times[("ours", b)]]
         h = [t / NEW_TOKENS * 1e3 for t in times[("hf", b)]]
         line = (
-            f"hidden {hidden} batch {b} ({transport}): ms/token ours min {min(o):.2f} "
+            f"hidden {hidden} batch {b} ({transport}): ms per token per request, ours min {min(o):.2f} "
             f"median {statistics.median(o):.2f}, HF min {min(h):.2f} median "
             f"{statistics.median(h):.2f} -> HF/ours min {min(h) / min(o):.2f}x, median "
             f"{statistics.median(h) / statistics.median(o):.2f}x"

@@ -13,8 +13,8 @@ batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and 
 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
-so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run by
-reading a 512 MiB array (best of several). % of roofline = that bound / measured time per token.
+so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
+every round (reading and copying a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
 
 Transports: `--transport grpc` (default). Another front end (HTTP) plugs in by adding a client
 class with the same `generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
@@ -140,17 +140,23 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[
     return out[:, ids.shape[1] :].tolist()
 
 
-def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:
-    """Bytes/s reading a large fp32 array (torch.sum, default threads), best of `repeats`."""
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Best bytes/s streaming a large fp32 array (default threads): the better of reading it
+    (torch.sum) and copying it (read + write bytes), best of `repeats` each."""
     import torch
 
     x = torch.ones(mib * 2**20 // 4)
-    best = float("inf")
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         torch.sum(x)
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
+        best = max(best, nbytes / (time.perf_counter() - start))
+        start = time.perf_counter()
+        y.copy_(x)
+        best = max(best, 2 * nbytes / (time.perf_counter() - start))
+    return best
 
 
 def streamed_weight_bytes(hf: Any) -> int:
@@ -178,6 +184,7 @@ def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> No
                 same = ours == theirs
                 print(f"  hidden {hidden} batch {b}: greedy tokens identical to HF: {same}")
             times: dict[tuple[str, int], list[float]] = {}
+            bandwidth = None
             for _ in range(rounds):
                 for b in batches:
                     start = time.perf_counter()
@@ -186,7 +193,8 @@ def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> No
                     start = time.perf_counter()
                     hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                     times.setdefault(("hf", b), []).append(time.perf_counter() - start)
-            bandwidth = memory_bandwidth() if hidden >= 1024 else None
+                if hidden >= 1024:  # measured as often as the decodes: the machine may be shared
+                    bandwidth = max(bandwidth or 0.0, memory_bandwidth())
         finally:
             server.terminate()
             server.wait(60)

@@ -14,7 +14,7 @@ batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
 so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
-every round (reading and copying a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
+every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
 
 Transports: `--transport grpc` (default). Another front end (HTTP) plugs in by adding a client
 class with the same `generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
@@ -141,12 +141,14 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Best bytes/s streaming a large fp32 array (default threads): the better of reading it
-    (torch.sum) and copying it (read + write bytes), best of `repeats` each."""
+    """Best bytes/s streaming a large fp32 array (default threads): the best of reading it
+    (torch.sum), copying it (read + write bytes) and a matrix-vector product over it (the
+    decode access pattern), best of `repeats` each."""
     import torch
 
     x = torch.ones(mib * 2**20 // 4)
     y = torch.empty_like(x)
+    vector = torch.ones(4096)
     nbytes = x.numel() * 4
     best = 0.0
     for _ in range(repeats):
@@ -156,6 +158,9 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         start = time.perf_counter()
         y.copy_(x)
         best = max(best, 2 * nbytes / (time.perf_counter() - start))
+        start = time.perf_counter()
+        torch.mv(x.view(-1, 4096), vector)
+        best = max(best, nbytes / (time.perf_counter() - start))
     return best
 
 

@@ -195,7 +195,7 @@ class IndexedDatasetWriter:
     def _flush(self) -> None:
         """Write the batched documents (one write call for many small documents)."""
         if self._pending:
-            self._bin_file.write(b"".join(self._pending))
+            self._bin_file.write(b"".join(a.data for a in self._pending))
             self._pending, self._pending_bytes = [], 0
 
     def add_index(self, other_prefix: str | os.PathLike[str]) -> None:

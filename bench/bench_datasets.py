@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "blend indices",
             _best(lambda: build_blending_indices(weights, size), args.repeats),
             _best(blend_megatron, args.repeats),
-            f"{size} samples, 2 datasets (ours: pure Python)",
+            f"{size} samples, 2 datasets (ours: numpy)",
         )
     lengths = np.array([min(d.size, seq) for d in corpus])
     start = time.perf_counter()

@@ -32,8 +32,9 @@ class InferenceServiceConfig:
     tensor_parallel_size processes (tp × pp processes in all)."""
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
-    cpu_linear: str = "packed"
-    """CPU linear weights: dense, packed (oneDNN) or packed+gemv (see EngineConfig)."""
+    cpu_linear: str = "auto"
+    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN) or packed+gemv
+    (see EngineConfig)."""
     compile_decode: bool = False
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     max_new_tokens_limit: int = 4096
@@ -154,9 +155,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--cpu-linear",
-        choices=("dense", "packed", "packed+gemv"),
+        choices=("auto", "dense", "packed", "packed+gemv"),
         default=d.cpu_linear,
-        help="CPU linear weights: as loaded, oneDNN-packed (same memory), or packed plus a "
+        help="CPU linear weights: auto (dense and packed timed on the model's shapes at "
+        "start-up, the faster kept), as loaded, oneDNN-packed (same memory), or packed plus a "
         f"column-major copy for batch-1 decoding (2x their memory) (default {d.cpu_linear})",
     )
     group.add_argument(

@@ -28,6 +28,7 @@ from models.kv_cache import KVCache
 from models.transformer import CausalLM
 from services.inference.beam_search import BeamSearch
 from services.inference.detokenize import TextTracker
+from services.inference.linear_choice import choose_cpu_linear
 from services.inference.requests import (
     Finish,
     GenerationRequest,
@@ -77,7 +78,7 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
     return head(h_BxE)
 
 
-CPU_LINEAR = ("dense", "packed", "packed+gemv")
+CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv")
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ class EngineConfig:
     """KV-cache rows: sequences (beams count one each) decoded together."""
     max_seq_len: int | None = None
     """Cache slots per row (prompt + new tokens); None: the model's context length."""
-    cpu_linear: str = "packed"
-    """CPU linear weights: "dense" as loaded; "packed" repacked once for oneDNN (faster decode
+    cpu_linear: str = "auto"
+    """CPU linear weights: "auto" times dense and packed on the model's own shapes at start-up
+    and keeps the faster (services/inference/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
     and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
     the linear weights' memory). A head tied to the embedding stays dense."""
@@ -160,10 +162,15 @@ class Engine:
                 f"{self.device.type}"
             )
         self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
-        if self.config.cpu_linear != "dense":
-            shared_head = model.config.tie_word_embeddings or model.config.norm_head
-            skip = ("lm_head",) if shared_head else ()
-            pack_linears(model, skip, gemv_copy=self.config.cpu_linear == "packed+gemv")
+        shared_head = model.config.tie_word_embeddings or model.config.norm_head
+        skip = ("lm_head",) if shared_head else ()
+        self.cpu_linear = self.config.cpu_linear
+        """The layout in use ("auto" resolved to "dense" or "packed")."""
+        if self.cpu_linear == "auto":
+            on_cpu = self.device.type == "cpu"
+            self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"
+        if self.cpu_linear != "dense":
+            pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
         self._rows: list[_Row] = []
@@ -707,15 +714,18 @@ class Engine:
         """A cache apart from the generation pool (scoring runs between steps, beside it)."""
         return SlotPool(self.model, rows, slots).cache
 
-    def reset(self) -> None:
-        """Forget every request (after a failed step); the cache rows become free."""
+    def reset(self) -> set[int]:
+        """Forget every request (after a failed step); the cache rows become free. Returns the
+        ids of the requests forgotten."""
         with self._lock:
+            forgotten = set(self._live)
             self._inbox.clear()
             self._cancel_inbox.clear()
             self._live.clear()
         self._waiting.clear()
         self._rows = []
         self.pool.gather([])
+        return forgotten
 
     # -- synchronous helpers -----------------------------------------------------------------
 

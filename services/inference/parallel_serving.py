@@ -73,11 +73,11 @@ class LeaderFollowerEngine(Engine):
             self._send(SCORE, items, pad_id)
         return super().score(items, pad_id, top_logprobs)
 
-    def reset(self) -> None:
-        """Reset every rank's engine."""
+    def reset(self) -> set[int]:
+        """Reset every rank's engine; returns the ids of the requests forgotten."""
         if self.rank == 0:
             self._send(RESET)
-        super().reset()
+        return super().reset()
 
     def shutdown(self) -> None:
         """Rank 0: release the followers (they return from `follow()`)."""

@@ -10,6 +10,7 @@ from models.accounting import count_parameters
 from services.inference.async_engine import AsyncEngine
 from services.inference.config import InferenceServiceConfig
 from services.inference.engine import Engine, EngineConfig
+from services.inference.engine_thread import EngineThread
 from services.inference.loading import LoadedModel, load_checkpoint
 from services.inference.tokens import TokenizerInfo
 
@@ -23,13 +24,15 @@ class ServingEngine:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     children: list[Any] = field(default_factory=list)
+    worker: EngineThread | None = None
+    """The thread that loaded the model and runs its steps (None: the front starts one)."""
     _front: AsyncEngine | None = None
 
     @property
     def front(self) -> AsyncEngine:
-        """The async engine loop (created in the server's event loop on first use)."""
+        """The async engine front (created on first use, driving the engine on `worker`)."""
         if self._front is None:
-            self._front = AsyncEngine(self.engine)
+            self._front = AsyncEngine(self.engine, self.worker)
         return self._front
 
     @property
@@ -52,15 +55,30 @@ class ServingEngine:
     def stop(self, grace_s: float) -> None:
         """Server on_stop hook: release tensor-parallel followers and wait for them to exit."""
         shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is None:
-            return
-        self.front.run_blocking(shutdown, grace_s)
-        for child in self.children:
-            child.join(grace_s)
+        if shutdown is not None:
+            self.front.run_blocking(shutdown, grace_s)
+            for child in self.children:
+                child.join(grace_s)
+        if self.worker is not None:
+            self.worker.stop(grace_s)
 
 
 def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
-    """Load `config.load` on this process's device and wrap it in an engine."""
+    """Load `config.load` on this process's device and wrap it in an engine.
+
+    Loading, the engine's set-up and later every step run on one `EngineThread` (see there).
+    """
+    assert config.load is not None
+    worker = EngineThread()
+    try:
+        loaded, engine = worker.call(lambda: _load(config)).result()
+    except BaseException:
+        worker.stop()
+        raise
+    return ServingEngine(loaded, engine, worker=worker)
+
+
+def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
     assert config.load is not None
     platform = devices.current()
     loaded = load_checkpoint(
@@ -77,5 +95,4 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
         cpu_linear=config.cpu_linear,
         compile_decode=config.compile_decode,
     )
-    engine = Engine(loaded.model, tokens, engine_config)
-    return ServingEngine(loaded, engine)
+    return loaded, Engine(loaded.model, tokens, engine_config)

@@ -43,6 +43,8 @@ DTYPE_CODES: dict[str, int] = {
 }
 _CODE_TO_DTYPE = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
 _PARTIAL_SUFFIX = ".partial"
+WRITE_BATCH_BYTES = 1 << 22
+"""Converted documents are written to the .bin in batches of about this many bytes."""
 
 
 def best_dtype(vocab_size: int | None) -> np.dtype:
@@ -102,6 +104,9 @@ class IndexedDatasetWriter:
         self._document_indices = array("q", [0])
         self._num_tokens = 0
         self._closed = False
+        self._pending: list[np.ndarray] = []
+        self._pending_bytes = 0
+        self._safe_casts: dict[np.dtype, bool] = {}
         if self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             self._id_range: tuple[int, int] | None = (int(info.min), int(info.max))
@@ -123,7 +128,7 @@ class IndexedDatasetWriter:
             raise RuntimeError(f"IndexedDatasetWriter({self.path_prefix!r}) is already finalized")
 
     def _as_tokens(self, ids: Any) -> np.ndarray:
-        raw = np.asarray(ids)
+        raw = ids if type(ids) is np.ndarray else np.asarray(ids)
         if raw.ndim != 1:
             raise ValueError(
                 f"{self.path_prefix}: a document must be a 1-D sequence of token ids, "
@@ -132,23 +137,39 @@ class IndexedDatasetWriter:
         if raw.dtype == self.dtype:
             return raw
         # A safe cast (e.g. uint16 -> int32) cannot overflow; anything else is range-checked.
-        if self._id_range is not None and raw.size and not np.can_cast(raw.dtype, self.dtype):
+        if self._id_range is not None and raw.size and not self._safe_cast(raw.dtype):
             if raw.dtype.kind not in "iub":
                 raise ValueError(
                     f"{self.path_prefix}: token ids must be integers, got dtype {raw.dtype}"
                 )
-            low, high = int(raw.min()), int(raw.max())
-            if low < self._id_range[0] or high > self._id_range[1]:
+            tokens = raw.astype(self.dtype)
+            if raw.dtype == np.int64:
+                # Every id survived iff widening back to int64 (exact for every stored integer
+                # dtype) gives the same bytes: a copy and a memcmp, cheaper than a reduction.
+                fits = tokens.astype(np.int64).tobytes() == raw.tobytes()
+            else:
+                low, high = int(raw.min()), int(raw.max())
+                fits = self._id_range[0] <= low and high <= self._id_range[1]
+            if not fits:
+                low, high = int(raw.min()), int(raw.max())
                 raise ValueError(
                     f"{self.path_prefix}: token ids span [{low}, {high}] which does not fit "
                     f"dtype {self.dtype.name} {list(self._id_range)}; pick a wider dtype "
                     "(best_dtype(vocab_size))"
                 )
+            return tokens
         return raw.astype(self.dtype)
+
+    def _safe_cast(self, dtype: np.dtype) -> bool:
+        safe = self._safe_casts.get(dtype)
+        if safe is None:
+            safe = self._safe_casts[dtype] = bool(np.can_cast(dtype, self.dtype))
+        return safe
 
     def add_document(self, ids: Any, lengths: Sequence[int] | None = None) -> None:
         """Append one document; `lengths` splits it into several sequences (default: one)."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         tokens = self._as_tokens(ids)
         if lengths is None:
             self._sequence_lengths.append(tokens.size)
@@ -160,9 +181,22 @@ class IndexedDatasetWriter:
                     f"sum to the document's {tokens.size} tokens"
                 )
             self._sequence_lengths.extend(sizes)
-        self._bin_file.write(np.ascontiguousarray(tokens).data)
+        if tokens is ids or not tokens.flags.owndata:  # the caller's memory: write it now
+            self._flush()
+            self._bin_file.write(tokens.data if tokens.flags.c_contiguous else tokens.tobytes())
+        else:  # a fresh array (converted): batch it with the next ones into one write
+            self._pending.append(tokens)
+            self._pending_bytes += tokens.nbytes
+            if self._pending_bytes >= WRITE_BATCH_BYTES:
+                self._flush()
         self._document_indices.append(len(self._sequence_lengths))
         self._num_tokens += tokens.size
+
+    def _flush(self) -> None:
+        """Write the batched documents (one write call for many small documents)."""
+        if self._pending:
+            self._bin_file.write(b"".join(a.data for a in self._pending))
+            self._pending, self._pending_bytes = [], 0
 
     def add_index(self, other_prefix: str | os.PathLike[str]) -> None:
         """Append every document of another finished shard with the same dtype (a merge)."""
@@ -177,6 +211,7 @@ class IndexedDatasetWriter:
         self._sequence_lengths.extend(int(n) for n in other.sequence_lengths)
         self._document_indices.extend(int(d) + base for d in other.document_indices[1:])
         self._num_tokens += int(other.sequence_lengths.sum(dtype=np.int64))
+        self._flush()
         with open(bin_path(other_prefix), "rb") as src:
             while chunk := src.read(1 << 24):
                 self._bin_file.write(chunk)
@@ -201,6 +236,7 @@ class IndexedDatasetWriter:
     def finalize(self) -> tuple[Path, Path]:
         """Write the index and publish both files; returns `(bin_path, idx_path)`."""
         self._check_open()
+        self._flush()
         self._closed = True
         self._bin_file.flush()
         os.fsync(self._bin_file.fileno())
@@ -220,6 +256,7 @@ class IndexedDatasetWriter:
         if self._closed:
             return
         self._closed = True
+        self._pending = []
         self._bin_file.close()
         self._bin_partial.unlink(missing_ok=True)
         self._idx_partial.unlink(missing_ok=True)

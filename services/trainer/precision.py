@@ -88,23 +88,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def grads_nonfinite(grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
-    """Whether any gradient holds Inf/NaN on any rank (agreed across the job)."""
-    flag = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        if not torch.isfinite(_local(g)).all():
-            flag.fill_(1.0)
-            break
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    """Whether any gradient holds Inf/NaN on any rank (agreed across the job).
+
+    A full pass over the gradients; the optimizer step reads the same fact from the gradient
+    norm instead (`norm_nonfinite`), which it computes anyway.
+    """
+    local = any(not torch.isfinite(_local(g)).all() for g in grads)
+    return _agree(local, group)
+
+
+def norm_nonfinite(norm: float, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the gradient norm `norm` is Inf/NaN on any rank (agreed across the job).
+
+    An Inf or NaN in any gradient makes its L2 norm Inf/NaN, so this replaces a separate
+    Inf/NaN pass over every gradient (the same skip decision, one scalar instead of N tensors);
+    a norm whose fp32 sum of squares overflows counts as an overflow too.
+    """
+    return _agree(not math.isfinite(norm), group)
+
+
+def _agree(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """`flag` OR-ed over the ranks of `group` (as it is without a multi-rank process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor(1.0 if flag else 0.0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> float:
     """L2 norm over all gradients, accumulated in fp32 (sharded DTensor grads reduced globally)."""
     if not grads:
         return 0.0
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    total = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    norms: list[torch.Tensor] = []
+    for same_kind in _split_dtensors(grads):
+        if isinstance(same_kind[0], DTensor):
+            norms += [_full(torch.linalg.vector_norm(g, dtype=torch.float32)) for g in same_kind]
+        else:  # one multi-tensor kernel for the plain gradients
+            norms += torch._foreach_norm(same_kind, 2, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack(norms))
     return float(total)
 
 
@@ -123,7 +145,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class PrecisionOptimizer:
     """An inner optimizer plus loss-scale unscaling, overflow skipping, clipping and master weights.
 
-    `step(loss_scale)` unscales, checks for Inf/NaN (skipping the update when found), clips to
+    `step(loss_scale)` unscales, checks for Inf/NaN through the gradient norm (skipping the
+    update when it is not finite), clips to
     `clip_grad`, updates, and in `master` mode copies the fp32 masters back into the model.
     """
 
@@ -177,10 +200,10 @@ class PrecisionOptimizer:
             if p.grad is not None
         ]
         grads = [p.grad for p, _ in pairs]
-        if grads_nonfinite(grads, self.group):  # type: ignore[arg-type]
+        norm = global_grad_norm(grads) / loss_scale  # type: ignore[arg-type]
+        if norm_nonfinite(norm, self.group):
             self.zero_grad()
             return StepStats(grad_norm=math.nan, found_inf=True)
-        norm = global_grad_norm(grads) / loss_scale  # type: ignore[arg-type]
         clip = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad > 0 else 1.0
         factor = clip / loss_scale
         if self.plan.mode != "master":

@@ -150,8 +150,9 @@ def test_cpu_linear_layouts_give_the_same_tokens(cpu_linear):
     prompts = [prompt(n, config.vocab_size, seed=n) for n in (5, 8)]
     configs = [SamplingConfig(max_new_tokens=8), SamplingConfig(max_new_tokens=6, num_beams=2)]
     tokens = TokenizerInfo(config.vocab_size)
-    solo = Engine(packed_model, tokens).generate(prompts[:1], configs[:1])
-    batched = Engine(packed_model, tokens).generate(prompts, configs)
+    packed = EngineConfig(cpu_linear="packed")
+    solo = Engine(packed_model, tokens, packed).generate(prompts[:1], configs[:1])
+    batched = Engine(packed_model, tokens, packed).generate(prompts, configs)
     engine = Engine(other, tokens, EngineConfig(cpu_linear=cpu_linear))
     qkv = other.layers["0"].self_attn.qkv_proj
     if cpu_linear == "dense":

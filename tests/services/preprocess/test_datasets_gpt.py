@@ -239,7 +239,16 @@ def test_per_split_data_paths_match_megatron(corpora, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "weights", [[0.3, 0.7], [0.5, 0.5], [1 / 3, 1 / 3, 1 / 3], [0.05, 0.15, 0.2, 0.6]]
+    "weights",
+    [
+        [0.3, 0.7],
+        [0.5, 0.5],
+        [0.9, 0.1],
+        [0.0, 1.0],
+        [1 / 3, 2 / 3],
+        [1 / 3, 1 / 3, 1 / 3],
+        [0.05, 0.15, 0.2, 0.6],
+    ],
 )
 def test_blending_order_matches_megatron_helpers(weights: list[float]) -> None:
     helpers = pytest.importorskip("megatron.core.datasets.helpers")
@@ -252,3 +261,24 @@ def test_blending_order_matches_megatron_helpers(weights: list[float]) -> None:
     ours = build_blending_indices(weights, size)
     np.testing.assert_array_equal(ours[0], dataset_index)
     np.testing.assert_array_equal(ours[1], sample_index)
+
+
+def test_two_dataset_blend_is_the_step_by_step_order() -> None:
+    """The vectorised two-dataset path gives the reference loop's arrays for any weights and
+    sizes (normalised or not, ties, zero weights, the first steps)."""
+    from services.preprocess.datasets.blended import _blend_loop
+
+    rng = np.random.default_rng(0)
+    cases = [([0.3, 0.7], 1), ([0.3, 0.7], 2), ([0.5, 0.5], 3), ([0.0, 0.5], 500), ([1.0, 0.0], 50)]
+    for i in range(120):
+        w = rng.random(2)
+        if i % 2:
+            w = w / w.sum()
+        if i % 5 == 0:
+            w = np.round(w, 1)
+        cases.append(([float(x) for x in w], int(rng.integers(1, 5000))))
+    for weights, size in cases:
+        expected, got = _blend_loop(weights, size), build_blending_indices(weights, size)
+        for a, b in zip(expected, got, strict=True):
+            assert a.dtype == b.dtype, (weights, size)
+            np.testing.assert_array_equal(b, a, err_msg=f"{weights} {size}")

@@ -216,3 +216,43 @@ def test_reader_bounds_and_pickling(tmp_path: Path) -> None:
     clone = pickle.loads(pickle.dumps(ds))
     assert clone[0].tolist() == [9, 8, 7] and len(pickle.dumps(ds)) < 200
     assert not ds[0].flags.writeable
+
+
+def test_range_check_covers_every_integer_pair(tmp_path) -> None:
+    """The writer's range check (a cast round trip) agrees with a per-value check at every edge
+    of every source/target integer pair."""
+    sources = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+    for src in sources:
+        s = np.iinfo(src)
+        for dst in (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.int64):
+            d = np.iinfo(dst)
+            bounds = (int(d.min), int(d.max))
+            edges = {0, 1, -1, s.min, s.max, *bounds, bounds[0] - 1, bounds[1] + 1}
+            for v in sorted(e for e in edges if s.min <= e <= s.max):
+                writer = IndexedDatasetWriter(tmp_path / "r", dst)
+                doc = np.array([3, v, 0], dtype=src)
+                if bounds[0] <= v <= bounds[1]:
+                    writer.add_document(doc)
+                else:
+                    with pytest.raises(ValueError, match="does not fit"):
+                        writer.add_document(doc)
+                writer.abort()
+
+
+def test_batched_writes_keep_order_and_ignore_later_mutation(tmp_path) -> None:
+    """Converted documents are batched, the caller's own arrays written at once: the file
+    holds every document in order, as it was when added."""
+    mine = np.array([7, 8, 9], dtype=np.uint16)
+    docs = [[1, 2], np.array([3, 4, 5], dtype=np.int64), mine, [6], np.arange(4, dtype=np.int32)]
+    with IndexedDatasetWriter(tmp_path / "b", np.uint16) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+        mine[:] = 0
+    ds = IndexedDataset(tmp_path / "b")
+    assert [ds[i].tolist() for i in range(len(ds))] == [
+        [1, 2],
+        [3, 4, 5],
+        [7, 8, 9],
+        [6],
+        [0, 1, 2, 3],
+    ]

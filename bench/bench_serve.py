@@ -1,0 +1,246 @@
+"""Served greedy decode as a user meets it vs HF `generate(do_sample=False)`, in the same run.
+
+    python -m bench.bench_serve [--quick] [--hidden 256 1024] [--batch 1 8] [--rounds 3]
+
+For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
+request makes all its tokens) is written to a temporary directory and served by
+`python -m services.inference serve --load DIR --port 0` — `meshline serve inference` with
+default flags — in a child process. Each round times, alternately: ours, `batch` concurrent
+Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy); HF, one
+`generate(do_sample=False)` over the same `batch` prompts in this process (torch's default
+threads, eager attention). Printed: ms per new token of each request (wall time / 64, so at
+batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 = we are faster); ours must return HF's tokens.
+
+For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
+weight the step multiplies by (the layers and the output head; the embedding is only gathered),
+so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
+every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
+
+Transports: `--transport grpc` (default). Another front end (HTTP) plugs in by adding a client
+class with the same `generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 600.0
+SHAPES = {
+    256: dict(hidden=256, layers=4, heads=8, kv=4, ffn=704, vocab=4096),
+    1024: dict(hidden=1024, layers=4, heads=8, kv=4, ffn=2816, vocab=4096),
+}
+PROMPT_LEN = 16
+NEW_TOKENS = 64
+
+
+def write_checkpoint(shape: dict, directory: Path) -> Any:
+    """A random HF Llama checkpoint of `shape` in `directory`; returns the HF model (eval)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # larger weights: peaked logits, no near-ties between kernels
+        for name, param in hf.named_parameters():
+            if "norm" not in name:
+                param.mul_(10.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()},
+        str(directory / "model.safetensors"),
+    )
+    (directory / "config.json").write_text(hf.config.to_json_string())
+    return hf
+
+
+def start_server(directory: Path) -> tuple[subprocess.Popen, int]:
+    """`python -m services.inference serve --load DIR --port 0` (default flags) and its port."""
+    command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
+    command += ["--port", "0", "--load", str(directory)]
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for line in server.stderr:
+        match = re.search(r"serving .* on \S+:(\d+)", line)
+        if match:
+            threading.Thread(target=server.stderr.read, daemon=True).start()
+            return server, int(match.group(1))
+        if time.monotonic() > deadline:
+            break
+    server.kill()
+    raise RuntimeError("the inference server did not start")
+
+
+class GrpcClient:
+    """Greedy Generate calls over gRPC, one call per prompt, all in flight together."""
+
+    def __init__(self, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+
+    async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        import grpc
+
+        from meshline.inference.v1 import inference_pb2 as pb
+        from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            params = pb.SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
+            calls = [
+                stub.Generate(pb.GenerateRequest(prompt_token_ids=p, params=params), timeout=600)
+                for p in prompts
+            ]
+            replies = await asyncio.gather(*calls)
+        return [list(r.sequences[0].token_ids) for r in replies]
+
+
+TRANSPORTS = {"grpc": GrpcClient}
+"""Front ends the benchmark can drive: name -> class(port) with `async generate(...)`."""
+
+
+def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :].tolist()
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Best bytes/s streaming a large fp32 array (default threads): the best of reading it
+    (torch.sum), copying it (read + write bytes) and a matrix-vector product over it (the
+    decode access pattern), best of `repeats` each."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    y = torch.empty_like(x)
+    vector = torch.ones(4096)
+    nbytes = x.numel() * 4
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.sum(x)
+        best = max(best, nbytes / (time.perf_counter() - start))
+        start = time.perf_counter()
+        y.copy_(x)
+        best = max(best, 2 * nbytes / (time.perf_counter() - start))
+        start = time.perf_counter()
+        torch.mv(x.view(-1, 4096), vector)
+        best = max(best, nbytes / (time.perf_counter() - start))
+    return best
+
+
+def streamed_weight_bytes(hf: Any) -> int:
+    """Bytes a batch-1 decode step reads: every parameter but the (gathered) embedding."""
+    embed = hf.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in hf.parameters() if p is not embed)
+
+
+def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> None:
+    import torch
+
+    shape = SHAPES[hidden]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = write_checkpoint(shape, Path(tmp) / "ckpt")
+        server, port = start_server(Path(tmp) / "ckpt")
+        try:
+            client = TRANSPORTS[transport](port)
+            gen = torch.Generator().manual_seed(1)
+            prompts = torch.randint(0, shape["vocab"], (max(batches), PROMPT_LEN), generator=gen)
+            prompts_l = prompts.tolist()
+            # Warm-up both sides, and check that the served tokens are HF's.
+            for b in batches:
+                ours = asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
+                theirs = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
+                same = ours == theirs
+                print(f"  hidden {hidden} batch {b}: greedy tokens identical to HF: {same}")
+            times: dict[tuple[str, int], list[float]] = {}
+            bandwidth = None
+            for _ in range(rounds):
+                for b in batches:
+                    start = time.perf_counter()
+                    asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
+                    times.setdefault(("ours", b), []).append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    hf_generate(hf, prompts_l[:b], NEW_TOKENS)
+                    times.setdefault(("hf", b), []).append(time.perf_counter() - start)
+                if hidden >= 1024:  # measured as often as the decodes: the machine may be shared
+                    bandwidth = max(bandwidth or 0.0, memory_bandwidth())
+        finally:
+            server.terminate()
+            server.wait(60)
+    for b in batches:
+        o = [t / NEW_TOKENS * 1e3 for t in times[("ours", b)]]
+        h = [t / NEW_TOKENS * 1e3 for t in times[("hf", b)]]
+        line = (
+            f"hidden {hidden} batch {b} ({transport}): ms per token per request, ours min {min(o):.2f} "
+            f"median {statistics.median(o):.2f}, HF min {min(h):.2f} median "
+            f"{statistics.median(h):.2f} -> HF/ours min {min(h) / min(o):.2f}x, median "
+            f"{statistics.median(h) / statistics.median(o):.2f}x"
+        )
+        if bandwidth is not None and b == 1:
+            bound_ms = streamed_weight_bytes(hf) / bandwidth * 1e3
+            line += (
+                f"; roofline {bound_ms:.2f} ms/token ({streamed_weight_bytes(hf) / 2**20:.0f} "
+                f"MiB at {bandwidth / 1e9:.1f} GB/s): ours at {bound_ms / min(o):.0%} (min), "
+                f"{bound_ms / statistics.median(o):.0%} (median)"
+            )
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_serve", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="hidden 256 only, 2 rounds")
+    parser.add_argument("--hidden", type=int, nargs="+", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="grpc")
+    args = parser.parse_args(argv)
+    hidden = args.hidden or ([256] if args.quick else sorted(SHAPES))
+    rounds = args.rounds or (2 if args.quick else 3)
+    print(
+        json.dumps(
+            {"prompt": PROMPT_LEN, "new_tokens": NEW_TOKENS, "rounds": rounds, "flags": "default"}
+        )
+    )
+    for h in hidden:
+        run_size(h, args.batch, rounds, args.transport)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

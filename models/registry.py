@@ -51,21 +51,18 @@ _LLAMA3 = dict(
     norm_eps=1e-5,
     rope_theta=500000.0,
 )
-_LLAMA31 = dict(
-    _LLAMA3,
-    max_position_embeddings=131072,
-    rope_scaling={
-        "type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-)
+_LLAMA31_ROPE: dict[str, str | float] = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling=_LLAMA31_ROPE)
 _LLAMA32 = dict(
     _LLAMA31,
     tie_word_embeddings=True,
-    rope_scaling={**_LLAMA31["rope_scaling"], "factor": 32.0},
+    rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
 )
 _QWEN25 = dict(
     family="qwen2",
@@ -197,7 +194,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "num_kv_heads": 2,
         "tie_word_embeddings": True,
         "rope_theta": 500000.0,
-        "rope_scaling": {**_LLAMA31["rope_scaling"], "original_max_position_embeddings": 16},
+        "rope_scaling": {**_LLAMA31_ROPE, "original_max_position_embeddings": 16},
     },
     "tiny-qwen2": {**_QWEN25, **_TINY, "num_kv_heads": 2},
     "tiny-qwen3": {**_QWEN3, **_TINY, "num_kv_heads": 2, "kv_channels": 32},

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run HumanEval even where this host cannot sandbox generated code (docs/security.md)",
     )
     args = parser.parse_args(argv)
-    tasks = TASKS
+    tasks: tuple[str, ...] = TASKS
     if not isolation().available and not args.allow_unsafe_code_execution:
         tasks = tuple(t for t in TASKS if t != "humaneval")
         print(

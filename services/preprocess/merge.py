@@ -160,7 +160,7 @@ def _check_compatible(parts: list[_Part]) -> None:
                     f"{first.prefix} has {first.outputs[key]['dtype']}; Megatron's merge needs "
                     "one dtype (re-tokenise with the same tokenizer)"
                 )
-    shards = [part.manifest.get("shard") for part in parts]
+    shards: list[dict] = [part.manifest.get("shard") or {} for part in parts]
     if all(shards) and len({(s["output_prefix"], s["num_shards"]) for s in shards}) == 1:
         indices = [s["index"] for s in shards]
         if indices != list(range(shards[0]["num_shards"])):

@@ -181,7 +181,8 @@ class DataSection:
                 "or --train-data-path (and --valid-data-path / --test-data-path)"
             )
         # Megatron-LM's names for the same two kinds.
-        self.tokenizer_type = TOKENIZER_ALIASES.get(self.tokenizer_type, self.tokenizer_type)
+        if self.tokenizer_type is not None:
+            self.tokenizer_type = TOKENIZER_ALIASES.get(self.tokenizer_type, self.tokenizer_type)
         if self.tokenizer_type == "GPT2BPETokenizer":
             raise ValueError(
                 "--tokenizer-type GPT2BPETokenizer (--vocab-file/--merge-file) is not supported: "

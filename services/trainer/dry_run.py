@@ -98,7 +98,7 @@ def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
         return False
     if not sharded:
         return True
-    index = p.device_mesh.mesh_dim_names.index(axis)
+    index = (p.device_mesh.mesh_dim_names or ()).index(axis)
     return not p.placements[index].is_replicate()
 
 
@@ -163,8 +163,10 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
             config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
         )
         model_config = build_model_config(config)
-        model = build_causal_lm(model_config, device="meta").to(plan.model_dtype)
-        model, _, wrap = build_parallel(model, config, plan, world_size, dims=dims)
+        meta_model: torch.nn.Module = build_causal_lm(model_config, device="meta")
+        model, _, wrap = build_parallel(
+            meta_model.to(plan.model_dtype), config, plan, world_size, dims=dims
+        )
         optimizer = build_training_optimizer(model, config.optim, plan, wrap_inner=wrap)
         params = list(model.parameters())
         parameters = sum(_local(p).numel() for p in params)

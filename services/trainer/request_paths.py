@@ -83,8 +83,8 @@ def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
                 confine_tree(path, roots, field)
             setattr(sections[section], name, str(path))
     confined = TrainConfig(**sections)
-    for flag, path in _default_cache_dirs(confined):
-        resolve_under_roots(path, roots, f"args ({flag})")
+    for flag, cache_dir in _default_cache_dirs(confined):
+        resolve_under_roots(cache_dir, roots, f"args ({flag})")
     return confined
 
 
@@ -111,7 +111,7 @@ def argv_from_config(config: TrainConfig) -> list[str]:
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             value = getattr(getattr(config, section), f.name)
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]
             if value == default:
                 continue
             flag = "--" + f.name.replace("_", "-")

@@ -17,13 +17,17 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     extra_group: dist.ProcessGroup | None = None,
+    clip_also: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to a total norm of `max_norm`; return the total norm (a plain tensor).
 
     The norm is over the *global* gradient: DTensor shards (FSDP2/HSDP, tensor parallel) are
     reduced over their mesh, replicated gradients (DDP, ZeRO-1 after the all-reduce) count once.
     `extra_group` all-reduces the norm over ranks that hold disjoint parameters and that no
-    DTensor knows about (pipeline stages). `max_norm <= 0` computes the norm without clipping.
+    DTensor knows about (pipeline stages). `clip_also` are parameters scaled by the same
+    coefficient but left out of the norm: a second holder of a tied weight (a pipeline's last-stage
+    head copy), whose gradient the norm already counts once. `max_norm <= 0` computes the norm
+    without clipping.
     """
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad:
@@ -49,6 +53,9 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=extra_group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
+        for p in clip_also:
+            if p.grad is not None:
+                kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
         for params in kinds.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
     return total

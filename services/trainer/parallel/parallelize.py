@@ -155,7 +155,10 @@ class ModelParallelFeed:
         group = self.dims.submesh("pp").get_group()
         limit = max_norm * loss_scale if max_norm > 0 else 0.0
         params = runner.norm_parameters(model)
-        total = clip_grad_norm_(params, limit, extra_group=group)
+        # The tied head copy is left out of the norm (the embedding counts it) but clipped alike:
+        # an unclipped copy would take a larger step than the embedding it must stay equal to.
+        copies = [runner.tied_copy] if runner.tied_copy is not None else []
+        total = clip_grad_norm_(params, limit, extra_group=group, clip_also=copies)
         return float(total) / loss_scale
 
     def context(self) -> contextlib.AbstractContextManager[None]:

@@ -162,6 +162,19 @@ def test_clip_grad_norm_clips_to_max_norm():
     assert before > 0.5 and abs(after.item() - 0.5) < 1e-5
 
 
+def test_clip_also_is_clipped_alike_but_left_out_of_the_norm():
+    # A pipeline's tied head copy: its gradient equals the embedding's, counted once in the norm,
+    # yet it must be scaled by the same coefficient or it steps differently from the embedding.
+    embedding = torch.nn.Parameter(torch.zeros(3))
+    copy = torch.nn.Parameter(torch.zeros(3))
+    embedding.grad, copy.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([3.0, 4.0, 0.0])
+    total = clip_grad_norm_([embedding], max_norm=1.0, clip_also=[copy])
+    assert abs(total.item() - 5.0) < 1e-6
+    expected = torch.tensor([0.6, 0.8, 0.0])
+    assert torch.allclose(embedding.grad, expected, atol=1e-6)
+    assert torch.allclose(copy.grad, expected, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("sizes", "message"),
     [((4, 3, 2), "must equal the data-parallel world size 4"), ((4, -1, -1), "cannot both be -1")],

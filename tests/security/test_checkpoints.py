@@ -161,7 +161,7 @@ def test_payload_after_allowed_objects_is_refused_before_any_is_built(
 
 def _evil_bytes_item(step: Path, marker: Path, target: str) -> None:
     """Metadata made only of allowed classes, declaring `target` as a bytes item whose bytes are
-    a pickle that runs a command (torch's planner would `torch.load(weights_only=False)` it)."""
+    a pickle that runs a command (torch's planner would unpickle it with weights_only off)."""
     meta = pickle.loads((step / ".metadata").read_bytes())
     payload = pickle.dumps(_Reduce(os.system, (_touch_cmd(marker),)))
     (step / "evil.distcp").write_bytes(payload)

@@ -1,8 +1,8 @@
 """A DCP filesystem reader that never unpickles arbitrary objects.
 
-DCP stores its `.metadata` with `pickle`, and torch's reader hands every item saved as bytes to
-`torch.load(weights_only=False)`; either would let a crafted checkpoint run code. This reader
-closes both:
+DCP stores its `.metadata` with `pickle`, and torch's reader hands every item saved as bytes
+to an unrestricted `torch.load` (weights_only off); either would let a crafted checkpoint run
+code. This reader closes both:
 
 - `.metadata` is unpickled twice. The first pass resolves every global against an exact
   (module, name) allow-list of the classes DCP metadata is built from (no module prefixes, no
@@ -147,7 +147,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         """torch's read path, with bytes items decoded weights-only before the planner's
-        `load_bytes` (which would otherwise `torch.load(weights_only=False)` them)."""
+        `load_bytes` (which would otherwise unpickle them with weights_only off)."""
         wrapped = _WeightsOnlyBytes(planner, Path(os.fspath(self.path)))
         return super().read_data(plan, cast(LoadPlanner, wrapped))
 

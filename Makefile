@@ -43,7 +43,7 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS) proto/generate.py
 lint: setup ## ruff (lint + format check), mypy, buf lint on the protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy kernels models services
+	$(VENV)/bin/mypy kernels models tokendata checkpoints engine parallel services
 	$(VENV)/bin/buf lint
 
 test: setup ## The whole test suite (what CI runs)
@@ -53,10 +53,10 @@ test-fast: setup ## Tests without the slow and multi-process ones
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not dist"
 
 train: setup ## Main job: tokenizer + shards from the stdlib, 2-process CPU training, checkpoint, summary
-	$(PY) -m services.trainer.demo --data-dir $(DATA_DIR) --run-dir $(RUN_DIR)
+	$(PY) -m services.demos.train --data-dir $(DATA_DIR) --run-dir $(RUN_DIR)
 
 eval: setup ## Evaluate the `make train` checkpoint through a local inference service
-	$(PY) -m services.evaluator.demo --run-dir $(RUN_DIR)
+	$(PY) -m services.demos.evaluate --run-dir $(RUN_DIR)
 
 serve: setup ## All five services on localhost (ports in README); Ctrl-C stops them
 	$(PY) -m services.cli serve all

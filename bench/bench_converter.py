@@ -49,7 +49,7 @@ elif kind == "deepspeed-whole":
     import os
     from pathlib import Path
     from safetensors.torch import save_file
-    from services.converter.deepspeed_format import DeepSpeedSource
+    from checkpoints.deepspeed_format import DeepSpeedSource
     state = DeepSpeedSource(Path(src), None).full_state_dict()
     os.makedirs(dst)
     save_file(state, os.path.join(dst, "model.safetensors"))
@@ -102,9 +102,9 @@ def _write_source(
     """A random HF checkpoint written unit by unit; returns (total bytes, largest unit bytes)."""
     import torch
 
+    from checkpoints.hf_format import HFSink
+    from checkpoints.units import expected_names, expected_shapes, units
     from models.registry import get_config
-    from services.converter.hf_format import HFSink
-    from services.converter.units import expected_names, expected_shapes, units
 
     config = get_config(
         "tiny-llama",
@@ -131,7 +131,7 @@ def _write_source(
 
 def _write_deepspeed(hf_dir: str, ds_dir: str, world: int = 4) -> None:
     """The HF checkpoint's weights as a DeepSpeed ZeRO-3 checkpoint of `world` DP ranks (the
-    layout of services/converter/deepspeed_format.py): each parameter padded to a multiple of
+    layout of checkpoints/deepspeed_format.py): each parameter padded to a multiple of
     `world` and cut into one piece per rank, the pieces in one flat fp32 group per rank."""
     import math
     from collections import OrderedDict

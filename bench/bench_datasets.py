@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         print(f"megatron-core is not installed ({error}); install the dev extras to compare")
         return 1
-    from services.preprocess.datasets import DataConfig, build_datasets
-    from services.preprocess.datasets.blended import build_blending_indices
-    from services.preprocess.datasets.packing import first_fit, packing_efficiency
-    from services.preprocess.indexed import IndexedDatasetWriter
+    from tokendata.datasets import DataConfig, build_datasets
+    from tokendata.datasets.blended import build_blending_indices
+    from tokendata.datasets.packing import first_fit, packing_efficiency
+    from tokendata.indexed import IndexedDatasetWriter
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -31,14 +31,14 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.engine import CPU_LINEAR, Engine, EngineConfig
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from models import build_model
 from models.config import ModelConfig
 from models.hf_adapters import from_hf, hf_config
 from models.registry import get_config
 from models.transformer import CausalLM
-from services.inference.engine import CPU_LINEAR, Engine, EngineConfig
-from services.inference.sampling import SamplingConfig
-from services.inference.tokens import TokenizerInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -54,7 +54,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _build(layout: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import torch.distributed as dist
 
-    from services.trainer.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
+    from parallel.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
@@ -76,7 +76,7 @@ def _build(layout: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.
 
 
 def _run(rank: int, world_size: int, layouts: list[str], args: argparse.Namespace) -> dict:
-    from services.trainer.data_parallel import clip_grad_norm_
+    from parallel.data_parallel import clip_grad_norm_
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(rank)

@@ -150,13 +150,13 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling import SamplingConfig
+    from engine.tokens import TokenizerInfo
     from kernels import device
     from models import build_model
     from models.hf_adapters import from_hf, hf_config
     from models.registry import get_config
-    from services.inference.engine import Engine, EngineConfig
-    from services.inference.sampling import SamplingConfig
-    from services.inference.tokens import TokenizerInfo
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     target = device.current().torch_device()

@@ -117,7 +117,7 @@ def tp_local_shape(
         return tuple(dims)
     if style == "moe_experts":
         # [X, E, F] down projection split over F; the packed [X, 2F, E] gate_up stays whole
-        # (each rank computes its slice of it: services/trainer/parallel/expert_parallel.py).
+        # (each rank computes its slice of it: parallel/expert_parallel.py).
         if leaf == "down_proj":
             dims[2] //= tp
     elif style == "rowwise":

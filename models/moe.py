@@ -5,7 +5,7 @@ T routed token copies (N·K, fewer when capacity drops some).
 
 Architecture only. Where the experts live is the dispatcher's business: `LocalDispatcher` runs
 every expert in this process; the trainer's expert parallelism
-(`services/trainer/parallel/expert_parallel.py`) swaps in one that sends token copies to the rank
+(`parallel/expert_parallel.py`) swaps in one that sends token copies to the rank
 holding their expert with all-to-all and keeps only that rank's experts here.
 
 Parameter names and layouts match HF Mixtral (`mlp.gate.weight [X, E]`,

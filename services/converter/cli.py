@@ -15,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from checkpoints.units import DTYPES
 from services.converter import modellink_flags
 from services.converter.job import (
     FORMATS,
@@ -24,7 +25,6 @@ from services.converter.job import (
     VerificationFailed,
     convert,
 )
-from services.converter.units import DTYPES
 
 EXIT_FAILED, EXIT_USAGE, EXIT_VERIFY = 1, 2, 3
 

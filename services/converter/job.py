@@ -17,15 +17,25 @@ from pathlib import Path
 
 import torch
 
+from checkpoints.deepspeed_format import DeepSpeedSource
+from checkpoints.fsdp_format import FSDPSource
+from checkpoints.hf_format import HFSink, HFSource
+from checkpoints.lora import open_adapter
+from checkpoints.megatron_format import MegatronSource
+from checkpoints.megatron_writer import MegatronSink
+from checkpoints.native_format import NativeSink, NativeSource
+from checkpoints.units import (
+    DTYPES,
+    Sink,
+    Source,
+    check_unit,
+    expected_names_cached,
+    expected_shapes_cached,
+    unit_label,
+    units,
+)
 from models.config import ModelConfig
-from services.converter.deepspeed_format import DeepSpeedSource
-from services.converter.fsdp_format import FSDPSource
-from services.converter.hf_format import HFSink, HFSource
-from services.converter.lora import open_adapter
 from services.converter.malloc import fix_mmap_threshold
-from services.converter.megatron_format import MegatronSource
-from services.converter.megatron_writer import MegatronSink
-from services.converter.native_format import NativeSink, NativeSource
 from services.converter.options import (
     FORMATS,
     LOAD_FORMATS,
@@ -42,16 +52,6 @@ from services.converter.output_dir import (
     publish,
     staging_dir,
     write_marker,
-)
-from services.converter.units import (
-    DTYPES,
-    Sink,
-    Source,
-    check_unit,
-    expected_names_cached,
-    expected_shapes_cached,
-    unit_label,
-    units,
 )
 from services.converter.verify import (
     ModelAssembler,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.converter.hf_format import DEFAULT_MAX_SHARD_BYTES
-from services.converter.units import DTYPES
+from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES
+from checkpoints.units import DTYPES
 from services.converter.verify import VerifyReport
 
 FORMATS = ("hf", "native", "megatron")

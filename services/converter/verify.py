@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoints.units import Source, Tensors, units
 from models.config import ModelConfig
 from models.transformer import CausalLM
-from services.converter.units import Source, Tensors, units
 
 PROMPT_SHAPE = (2, 16)
 PROMPT_SEED = 1234

@@ -8,9 +8,9 @@ import sys
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
 from services.common.server import ServiceBinding
+from services.common.service_cli import ServiceCli, service_main
 from services.evaluator.config import DEFAULT_PORT, add_flags, from_args
 from services.evaluator.servicer import bindings
-from services.serve import ServiceCli, service_main
 
 DESCRIPTION = (
     "Score a model on benchmark tasks through an inference endpoint or a local checkpoint, as "

@@ -11,10 +11,10 @@ import sys
 
 from services.common.config import ServerConfig
 from services.common.server import ServiceBinding
+from services.common.service_cli import ServiceCli, service_main
 from services.inference.config import DEFAULT_PORT, add_flags, from_args
 from services.inference.http_config import add_http_flags, http_config_from_args
 from services.inference.servicer import bindings, load_engine
-from services.serve import ServiceCli, service_main
 
 DESCRIPTION = (
     "Generate, stream, score and tokenize with the checkpoint given to --load "

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from services.inference.sampling import SamplingConfig
+    from engine.sampling import SamplingConfig
 
     return SamplingConfig(
         max_new_tokens=args.max_new_tokens,
@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)
         return 2
     try:
-        from services.inference.engine import Engine
-        from services.inference.loading import load_checkpoint
-        from services.inference.tokens import TokenizerInfo
+        from engine.engine import Engine
+        from engine.loading import load_checkpoint
+        from engine.tokens import TokenizerInfo
 
         loaded = load_checkpoint(
             Path(args.load),

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.inference.async_engine import AsyncEngine
-from services.inference.engine import Engine
-from services.inference.requests import StepEvent
-from services.inference.sampling import SamplingConfig
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from engine.requests import StepEvent
+from engine.sampling import SamplingConfig
 
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

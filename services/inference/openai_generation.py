@@ -22,6 +22,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.requests import Finish, StepEvent
+from engine.sampling import SamplingConfig
 from models.templates import TEMPLATES, Message
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import CHAT_TEMPLATE_AUTO
@@ -32,8 +34,6 @@ from services.inference.openai_protocol import (
     SamplingFields,
     invalid,
 )
-from services.inference.requests import Finish, StepEvent
-from services.inference.sampling import SamplingConfig
 from services.inference.serving import ServingEngine
 
 FINISH_REASONS = {

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine.engine import Engine, EngineConfig
+from engine.requests import GenerationRequest, ScoreResult
+from engine.tensor_parallel import shard_for_serving
+from engine.tokens import TokenizerInfo
 from kernels import device as devices
 from models.transformer import CausalLM
 from services.inference.config import InferenceServiceConfig
-from services.inference.engine import Engine, EngineConfig
-from services.inference.requests import GenerationRequest, ScoreResult
-from services.inference.tensor_parallel import shard_for_serving
-from services.inference.tokens import TokenizerInfo
 
 log = logging.getLogger(__name__)
 STEP, SCORE, RESET, STOP = "step", "score", "reset", "stop"
@@ -103,7 +103,7 @@ class LeaderFollowerEngine(Engine):
 
 def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEngine, Any]:
     """Load the checkpoint, keep this rank's shard or stage, wrap it (needs the process group)."""
-    from services.inference.loading import load_checkpoint
+    from engine.loading import load_checkpoint
 
     assert config.load is not None
     loaded = load_checkpoint(

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.engine import EngineConfig, head_logits, hidden_states
+from engine.tokens import TokenizerInfo
 from models.kv_cache import KVCache
 from models.pipeline import StageRange, build_stage, split_stages
 from models.transformer import CausalLM
-from services.inference.engine import EngineConfig, head_logits, hidden_states
 from services.inference.parallel_serving import LeaderFollowerEngine
-from services.inference.tokens import TokenizerInfo
 
 
 def keep_stage(model: CausalLM, rank: int, pp_size: int) -> tuple[StageRange, int]:

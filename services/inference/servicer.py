@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import grpc
 
+from engine.requests import Finish, RequestError, StepEvent
+from engine.sampling import MAX_SEED, SamplingConfig
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.common.errors import (
     FailedPrecondition,
@@ -28,8 +30,6 @@ from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
-from services.inference.requests import Finish, RequestError, StepEvent
-from services.inference.sampling import MAX_SEED, SamplingConfig
 from services.inference.serving import ServingEngine, build_serving_engine
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name

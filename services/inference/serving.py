@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine, EngineConfig
+from engine.engine_thread import EngineThread
+from engine.loading import LoadedModel, load_checkpoint
+from engine.tokens import TokenizerInfo
 from kernels import device as devices
 from models.accounting import count_parameters
-from services.inference.async_engine import AsyncEngine
 from services.inference.config import InferenceServiceConfig
-from services.inference.engine import Engine, EngineConfig
-from services.inference.engine_thread import EngineThread
-from services.inference.loading import LoadedModel, load_checkpoint
-from services.inference.tokens import TokenizerInfo
 
 
 @dataclass

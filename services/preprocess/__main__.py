@@ -8,9 +8,9 @@ import sys
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
 from services.common.server import ServiceBinding
+from services.common.service_cli import ServiceCli, service_main
 from services.preprocess.config import DEFAULT_PORT, add_flags, from_args
 from services.preprocess.servicer import bindings
-from services.serve import ServiceCli, service_main
 
 DESCRIPTION = (
     "Tokenise corpora and instruction data into Megatron .bin/.idx or Arrow shards on shared "

@@ -20,7 +20,6 @@ from typing import Any
 
 from services.common.paths import resolve_under_roots
 from services.preprocess import staging
-from services.preprocess.arrow_shards import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
 from services.preprocess.handlers.base import INSTRUCTION_KEYS
 from services.preprocess.job_config import PreprocessConfig
@@ -50,6 +49,7 @@ from services.preprocess.readers import (
 )
 from services.preprocess.sharding import shard_plans, shard_range
 from services.preprocess.workers import OrderedWorkers, WorkerSpec, build_handler, chunked
+from tokendata.arrow_shards import ArrowSink
 
 __all__ = [
     "PreprocessCancelled",

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.preprocess.indexed import IndexedDatasetWriter, bin_path, idx_path
 from services.preprocess.manifest import (
     build_manifest,
     file_entry,
@@ -32,6 +31,7 @@ from services.preprocess.manifest import (
     write_manifest,
 )
 from services.preprocess.outputs import OutputShard
+from tokendata.indexed import IndexedDatasetWriter, bin_path, idx_path
 
 _COUNTS = ("records", "documents", "tokens", "bytes_read", "skipped_records", "dropped_records")
 _MAX_BAD_EXAMPLES = 20

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from services.preprocess.handlers import INSTRUCTION_KEYS
-from services.preprocess.indexed import IndexedDatasetWriter, best_dtype
+from tokendata.indexed import IndexedDatasetWriter, best_dtype
 
 
 @dataclass

@@ -8,7 +8,7 @@ import sys
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
 from services.common.server import ServiceBinding
-from services.serve import ServiceCli, service_main
+from services.common.service_cli import ServiceCli, service_main
 from services.trainer.config import DEFAULT_PORT, add_flags, from_args
 from services.trainer.servicer import bindings
 

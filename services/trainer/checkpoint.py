@@ -28,8 +28,9 @@ from typing import Any, cast
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from checkpoints.native_format import FORMAT
+from checkpoints.safe_reader import SafeFileSystemReader
 from services.common.paths import check_at_use
-from services.trainer.ckpt.safe_reader import SafeFileSystemReader
 from services.trainer.ckpt.signals import LastGasp
 from services.trainer.ckpt.state import (
     TrainState,
@@ -45,7 +46,6 @@ from services.trainer.ckpt.state import (
 __all__ = ["CheckpointManager", "LastGasp", "TrainState"]
 
 log = logging.getLogger(__name__)
-FORMAT = "meshline-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 

@@ -111,7 +111,7 @@ def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, world_
 
 
 def _sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
-    """Sizes of the mesh axes, outermost first (services.trainer.parallel.parallel_dims.AXES)."""
+    """Sizes of the mesh axes, outermost first (parallel.parallel_dims.AXES)."""
     par = config.parallel
     dp = config.dp_size(world_size)
     replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
@@ -148,8 +148,8 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from models.mixtral import build_causal_lm
+    from parallel.parallelize import build_dims
     from services.trainer.optimizer import build_training_optimizer
-    from services.trainer.parallel.parallelize import build_dims
     from services.trainer.precision import plan_precision
     from services.trainer.setup import build_model_config, build_parallel
 
@@ -218,7 +218,7 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
 
 def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
     """The estimator's view of this run (for activations)."""
-    from services.trainer.parallel import pipeline
+    from parallel import pipeline
 
     par = config.parallel
     precision = config.precision.dtype_name

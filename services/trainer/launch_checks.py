@@ -69,7 +69,7 @@ def _prefixes(paths: list[str]) -> list[str]:
 
 
 def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
-    from services.preprocess.datasets.sources import detect_format
+    from tokendata.datasets.sources import detect_format
 
     try:
         detect_format(prefix, instruction)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import device, peak_flops
+from parallel.tp_random import tp_seed_offset
 from services.trainer.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
 from services.trainer.loss_scaler import build_loss_scaler
 from services.trainer.lr_schedule import LRScheduler
@@ -34,7 +35,6 @@ from services.trainer.metrics import (
     throughput,
 )
 from services.trainer.optimizer import build_training_optimizer
-from services.trainer.parallel.tp_random import tp_seed_offset
 from services.trainer.precision import plan_precision
 from services.trainer.setup import build_data, build_model_config, build_parallel, create_model
 from services.trainer.train_config import TrainConfig
@@ -117,7 +117,7 @@ class Trainer:
         self.feed = None
         par = config.parallel
         if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
-            from services.trainer.parallel.parallelize import ModelParallelFeed, build_dims
+            from parallel.parallelize import ModelParallelFeed, build_dims
 
             self.feed = ModelParallelFeed(build_dims(config, self.world_size))
             self.dp_rank = self.feed.dims.dp_rank
@@ -150,7 +150,7 @@ class Trainer:
         )
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
-            from services.trainer.parallel.adaptive_recompute import AdaptiveRecompute
+            from parallel.adaptive_recompute import AdaptiveRecompute
 
             layers = self.model.layers
             assert isinstance(layers, nn.ModuleDict), "CausalLM keeps its layers in a ModuleDict"
@@ -235,7 +235,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
         from models.moe import set_aux_loss_scale
-        from services.trainer.data_parallel import no_sync
+        from parallel.data_parallel import no_sync
 
         n_micro = self.batches.num_micro_batches(self.state.consumed_samples)
         global_batch = self.batches.global_batch(self.state.consumed_samples)

@@ -33,7 +33,7 @@ def _prefixes(values: list[str]) -> list[str]:
 
 def check_data(config: TrainConfig) -> None:
     """Opens every data prefix as the trainer will (FileNotFoundError / ValueError naming it)."""
-    from services.preprocess.datasets.sources import open_instruction, open_pretraining
+    from tokendata.datasets.sources import open_instruction, open_pretraining
 
     data = config.data
     for name, flag in _DATA_FLAGS:

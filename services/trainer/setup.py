@@ -102,7 +102,7 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
         )
         return datasets, None, stack_samples
     from models.tokenizer import build_tokenizer
-    from services.preprocess.datasets import DataConfig, build_datasets, collate
+    from tokendata.datasets import DataConfig, build_datasets, collate
 
     data = config.data
     source = data.tokenizer_model or data.tokenizer_name_or_path
@@ -161,7 +161,7 @@ def build_parallel(
 ) -> tuple[nn.Module, Any, Any]:
     """Apply data parallelism for a multi-process job: (model, mesh, optimizer wrapper or None).
 
-    With tensor, pipeline or context parallelism `services.trainer.parallel` applies them and the
+    With tensor, pipeline or context parallelism `distributed` applies them and the
     data parallelism over the named mesh (`dims`: the job's `ParallelDims`, built if not given).
     A --peft-method adapter is added first (issue #10).
     """
@@ -170,24 +170,24 @@ def build_parallel(
     model = prepare_model(model, config)
     par = config.parallel
     if par.recompute_granularity is not None and par.model_parallel_size() == 1:
-        from services.trainer.parallel.recompute import apply_recompute
+        from parallel.recompute import apply_recompute
 
         apply_recompute(
             model, par.recompute_granularity, par.recompute_method, par.recompute_num_layers
         )
     if par.compile and par.model_parallel_size() == 1:
-        from services.trainer.parallel.compile import apply_compile
+        from parallel.compile import apply_compile
 
         apply_compile(model)
     if world_size == 1:
         return model, None, None
     if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
-        from services.trainer.parallel.parallelize import build_dims, parallelize_model
+        from parallel.parallelize import build_dims, parallelize_model
 
         param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
         dims = dims if dims is not None else build_dims(config, world_size)
         return parallelize_model(model, model.config, config, dims, param_dtype)
-    from services.trainer.data_parallel import (
+    from parallel.data_parallel import (
         apply_run_data_parallel,
         build_dp_mesh,
         wrap_optimizer,

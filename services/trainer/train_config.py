@@ -74,7 +74,7 @@ class TrainConfig:
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.check_finite()
-        from services.trainer.parallel.parallel_dims import check_seq_length, check_world_size
+        from parallel.parallel_dims import check_seq_length, check_world_size
 
         par = self.parallel
         mp = par.model_parallel_size()

@@ -44,7 +44,7 @@ def _train(model, rows, tokens_total, step_hook):
 def _ep_body(rank, world_size):
     import torch.distributed as dist
 
-    from services.trainer.parallel.expert_parallel import (
+    from parallel.expert_parallel import (
         all_reduce_replicated_grads,
         apply_expert_parallel,
     )
@@ -114,7 +114,7 @@ def _run_moe(flags, save=None):
     from models.moe import moe_layers
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE, full_parameters
+    from tests.parallel.parity import BASE, full_parameters
 
     save_flags = ["--save", save] if save else []
     trainer = Trainer(
@@ -162,7 +162,7 @@ def _check_layouts(single, results, loss_rtol=1e-5, param_rtol=1e-4):
     """Every layout of `results` (per rank: name -> run) against the one-process run: loss
     curve, weights, validation loss (same relative tolerance as the losses) and the auxiliary
     losses of the last micro-batch (1e-5 relative)."""
-    from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
+    from tests.parallel.parity import max_loss_diff, max_param_diff
 
     for name in results[0]:
         for rank, by_layout in enumerate(results):
@@ -185,7 +185,7 @@ def _two_rank_runs(rank, world_size, save):
     checkpoint, TP2 (with its expert placements), TP2 with sequence parallelism and CP2."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE, full_parameters
+    from tests.parallel.parity import BASE, full_parameters
 
     flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL]
     ep2 = Trainer(parse_args([*flags, "--save", save, "--expert-model-parallel-size", "2"]))
@@ -220,7 +220,7 @@ def two_ranks(tmp_path_factory):
 def test_trainer_ep2_dp2_equals_one_process(single_mixtral, two_ranks):
     """2 processes, data-parallel 2 with the 4 experts split 2 + 2: the trainer's loss curve and
     final (gathered) weights equal the single-process run's."""
-    from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff
+    from tests.parallel.parity import max_loss_diff, max_param_diff
 
     ref = single_mixtral["single"]
     for result in two_ranks:
@@ -268,9 +268,9 @@ def test_trainer_tp2_mixtral_equals_one_process(single_mixtral, two_ranks):
 
 def test_expert_parallel_flag_is_validated():
     from models.registry import get_config
+    from parallel.parallel_dims import ParallelDims
+    from parallel.parallelize import check_model
     from services.trainer.arguments import parse_args
-    from services.trainer.parallel.parallel_dims import ParallelDims
-    from services.trainer.parallel.parallelize import check_model
 
     base = ["--mock-data", "--model", "tiny-mixtral", "--expert-model-parallel-size"]
     assert parse_args([*base, "2"]).parallel.expert_model_parallel_size == 2
@@ -305,7 +305,7 @@ def _four_rank_runs(rank, world_size, layouts, save, single_save):
     placements, global shape, local shape) of its DTensor."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
+    from tests.parallel.parity import BASE
 
     first, *_ = layouts
     results, trainer = _run_moe(layouts[first], save)
@@ -334,7 +334,7 @@ def _resume_one_process(rank, world_size, save):
     """One process (all experts, plain optimizer) resumed from `save`: its next two losses."""
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
+    from tests.parallel.parity import BASE
 
     trainer = Trainer(
         parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, "--load", save])
@@ -416,7 +416,7 @@ def test_ep2_zero1_shards_expert_state_over_edp_only(four_ranks):
 def _bf16_losses(rank, world_size, flags):
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
+    from tests.parallel.parity import BASE
 
     argv = [*BASE, "--train-iters", "2", *MIXTRAL, "--bf16", "--zero-stage", "1", *flags]
     trainer = Trainer(parse_args(argv))

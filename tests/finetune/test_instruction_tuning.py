@@ -14,10 +14,10 @@ from models.lora import LoraConfig, apply_lora
 from models.registry import get_config
 from models.tokenizer import build_tokenizer
 from services import cli as meshline
-from services.preprocess.datasets import build_datasets
-from services.preprocess.datasets.config import DataConfig
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from tests.fixtures import records as fx
+from tokendata.datasets import build_datasets
+from tokendata.datasets.config import DataConfig
 
 SEQ = 512
 

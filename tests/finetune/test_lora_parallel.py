@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import run_distributed
-from tests.services.trainer.parallel.parity import max_loss_diff, max_param_diff, run_layout
+from tests.parallel.parity import max_loss_diff, max_param_diff, run_layout
 
 STEPS = 6
 LORA = ["--lora-target-modules", "query_key_value", "dense", "dense_4h_to_h", "--lora-r", "4",
@@ -34,7 +34,7 @@ def test_lora_layout_matches_one_process(layout):
 def _save_body(rank: int, world_size: int, save_dir: str) -> None:
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from tests.services.trainer.parallel.parity import BASE
+    from tests.parallel.parity import BASE
 
     flags = [*BASE, "--train-iters", "2", *LORA, "--pipeline-model-parallel-size", "2"]
     trainer = Trainer(parse_args([*flags, "--save", save_dir]))

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.harness import run_distributed
-from tests.services.trainer.parallel.parity import (
+from tests.parallel.parity import (
     BASE,
     full_parameters,
     max_loss_diff,
@@ -66,8 +66,8 @@ def _prepare(model: torch.nn.Module, method: str) -> None:
 def _case(world_size: int, name: str, sp: bool) -> dict[str, float]:
     from models.registry import get_config
     from models.transformer import build_model
-    from services.trainer.parallel.parallel_dims import ParallelDims
-    from services.trainer.parallel.tensor_parallel import (
+    from parallel.parallel_dims import ParallelDims
+    from parallel.tensor_parallel import (
         apply_tensor_parallel,
         loss_parallel,
         tp_cross_entropy_sum,
@@ -127,7 +127,7 @@ def _check_lora_placements(model: torch.nn.Module) -> None:
 def _layer_cases(rank: int, world_size: int, sp: bool) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
 
-    from services.trainer.parallel.peft_tp import shared_dropout
+    from parallel.peft_tp import shared_dropout
 
     # LoRA dropout on a replicated input draws one mask on every rank whatever its own RNG.
     torch.manual_seed(100 + rank)
@@ -167,9 +167,9 @@ def _train_runs(
 ) -> dict[str, Any]:
     """Each method trained STEPS steps in `layout`: losses, full parameters; LoRA also saved (its
     adapter exported) with the logits of a fixed batch."""
+    from parallel.tensor_parallel import loss_parallel
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from services.trainer.parallel.tensor_parallel import loss_parallel
 
     results: dict[str, Any] = {}
     for method in methods:
@@ -238,9 +238,9 @@ def test_tp2_fine_tuning_matches_one_process(tmp_path):
 def _resume_runs(rank: int, world_size: int, base: str, root: str) -> dict[str, Any]:
     """Fine-tune from a base checkpoint at TP2, save, go on; resume the save; load its peft
     export with --lora-load."""
+    from parallel.tensor_parallel import loss_parallel
     from services.trainer.arguments import parse_args
     from services.trainer.loop import Trainer
-    from services.trainer.parallel.tensor_parallel import loss_parallel
 
     common = [*BASE, "--train-iters", "4", *LORA, *TP2, "--load", base, "--finetune"]
     straight = Trainer(parse_args([*common, "--save", f"{root}/run"]))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from checkpoints.native_format import NativeSource
+from engine.loading import load_checkpoint
 from services.converter.job import ConvertOptions, convert
-from services.converter.native_format import NativeSource
 from services.converter.verify import load_model
-from services.inference.loading import load_checkpoint
 from tests.harness import run_distributed
 
 STEPS = 3

@@ -17,14 +17,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine.engine import Engine
+from engine.loading import load_checkpoint
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from models import build_model
 from models.hf_adapters import config_from_hf, from_hf, hf_config
 from models.mixtral import moe_config
 from models.registry import get_config
-from services.inference.engine import Engine
-from services.inference.loading import load_checkpoint
-from services.inference.sampling import SamplingConfig
-from services.inference.tokens import TokenizerInfo
 from tests.services.inference.helpers import hf_generate, prompt
 
 FAMILIES = {

@@ -25,11 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.loading import load_checkpoint
 from models import build_model
 from models.hf_adapters import hf_config, to_hf
 from models.registry import get_config
 from services.converter.job import ConvertOptions, convert
-from services.inference.loading import load_checkpoint
 from services.trainer.checkpoint import CheckpointManager, TrainState
 
 CASES = {

@@ -25,19 +25,19 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from checkpoints import deepspeed_format, megatron_format
+from checkpoints.fsdp_format import FSDPSource
+from checkpoints.lora import LoraAdapter
+from checkpoints.safe_reader import SafeFileSystemReader
+from checkpoints.torch_files import RefusedGlobals, load_weights_only
+from engine.loading import read_state
 from meshline.converter.v1 import converter_pb2
 from models.registry import get_config
-from services.converter import deepspeed_format, megatron_format
-from services.converter.fsdp_format import FSDPSource
 from services.converter.job import ConvertOptions, convert
-from services.converter.lora import LoraAdapter
-from services.converter.torch_files import RefusedGlobals, load_weights_only
-from services.inference.loading import read_state
 from services.trainer.checkpoint import CheckpointManager, TrainState
-from services.trainer.ckpt.safe_reader import SafeFileSystemReader
+from tests.parallel.test_data_parallel_model import build_optimizer, build_tiny_model
 from tests.security.grpc_convert import convert_over_grpc
 from tests.services.converter.conftest import hf_llama_gqa, save_hf
-from tests.services.trainer.test_data_parallel_model import build_optimizer, build_tiny_model
 
 
 @pytest.fixture

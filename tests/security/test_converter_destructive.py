@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from checkpoints.safetensors_stream import read_header
 from meshline.converter.v1 import converter_pb2
 from services.converter import cli, output_dir
 from services.converter.output_dir import MARKER, publish, staging_dir, write_marker
-from services.converter.safetensors_stream import read_header
 from tests.security.grpc_convert import convert_over_grpc
 from tests.services.converter.conftest import hf_llama_gqa, save_hf
 
@@ -177,7 +177,7 @@ _LIMITED_LOAD = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
-    from services.converter.hf_format import HFSource
+    from checkpoints.hf_format import HFSource
     vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:"))
     cap = vm * 1024 + 1024**3  # what is mapped now, plus 1 GiB
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

@@ -377,6 +377,6 @@ def test_fuzz_inference(tmp_path: Path, sentencepiece_model: Path) -> None:
 
 
 def _greedy(max_new_tokens: int):
-    from services.inference.sampling import SamplingConfig
+    from engine.sampling import SamplingConfig
 
     return SamplingConfig(max_new_tokens=max_new_tokens)

@@ -21,19 +21,19 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine import engine as engine_module
+from engine.beam_search import BeamSearch
+from engine.detokenize import TextTracker
+from engine.engine import Engine
+from engine.requests import RequestError, StepEvent, collect
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 from services.common.config import ServerConfig
 from services.common.server import create_server
-from services.inference import engine as engine_module
-from services.inference.beam_search import BeamSearch
 from services.inference.config import InferenceServiceConfig
-from services.inference.detokenize import TextTracker
-from services.inference.engine import Engine
-from services.inference.requests import RequestError, StepEvent, collect
-from services.inference.sampling import SamplingConfig
 from services.inference.servicer import SERVICE_NAME, bindings, load_engine
-from services.inference.tokens import TokenizerInfo
 from tests.services.inference.helpers import hf_reference, prompt, save_hf_checkpoint
 
 VOCAB = 512

@@ -21,9 +21,9 @@ import pytest
 
 from meshline.common.v1 import operations_pb2
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.preprocess.indexed import IndexedDatasetWriter
 from tests.security import paths_fixtures
 from tests.security.paths_fixtures import list_operations, wait_operation
+from tokendata.indexed import IndexedDatasetWriter
 
 # The shared fixtures, bound here so pytest finds them (see paths_fixtures).
 root, outside, trainer_server = (

@@ -38,7 +38,7 @@ from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from meshline.preprocess.v1 import preprocess_pb2, preprocess_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from models.tokenizer import build_tokenizer, train_sentencepiece
-from services.preprocess.indexed import IndexedDataset
+from tokendata.indexed import IndexedDataset
 
 pytestmark = pytest.mark.dist
 

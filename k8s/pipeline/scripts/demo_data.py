@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from models.tokenizer import train_sentencepiece
-from services.trainer.demo import VOCAB_SIZE, collect_stdlib
+from services.demos.train import VOCAB_SIZE, collect_stdlib
 
 
 def split_lines(corpus: Path, out_dir: Path, parts: int) -> None:

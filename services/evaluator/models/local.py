@@ -1,8 +1,8 @@
 """`LocalLanguageModel`: the inference service's engine loaded into the evaluator's process.
 
 `--load DIR [--load-format hf|native|megatron]`: the checkpoint is loaded with
-`services.inference.loading.load_checkpoint` on this process's device; scoring runs the engine's
-`score` (the service's Score path, `services/inference/scoring.py`), generation its batched
+`engine.loading.load_checkpoint` on this process's device; scoring runs the engine's
+`score` (the service's Score path, `engine/scoring.py`), generation its batched
 greedy decoding.
 """
 
@@ -24,10 +24,10 @@ class LocalLanguageModel(LanguageModel):
         tokenizer: Path | None = None,
         batch_size: int = 8,
     ) -> None:
+        from engine.engine import Engine, EngineConfig
+        from engine.loading import load_checkpoint
+        from engine.tokens import TokenizerInfo
         from kernels import device as devices
-        from services.inference.engine import Engine, EngineConfig
-        from services.inference.loading import load_checkpoint
-        from services.inference.tokens import TokenizerInfo
 
         self.name = str(load_dir)
         self._loaded = load_checkpoint(
@@ -68,7 +68,7 @@ class LocalLanguageModel(LanguageModel):
         self, prompts: list[list[int]], requests: list[GenerationRequest]
     ) -> list[str]:
         """Decoding of all prompts together (continuous batching)."""
-        from services.inference.sampling import SamplingConfig
+        from engine.sampling import SamplingConfig
 
         configs = [
             SamplingConfig(

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from kernels import device
-from services.trainer.dp.zero1 import ZeroOneOptimizer
+from parallel.zero1 import ZeroOneOptimizer
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

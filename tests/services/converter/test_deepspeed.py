@@ -17,9 +17,9 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from checkpoints.deepspeed_format import DeepSpeedSource
+from checkpoints.deepspeed_format import load_file as load_deepspeed
 from services.converter import cli
-from services.converter.deepspeed_format import DeepSpeedSource
-from services.converter.deepspeed_format import load_file as load_deepspeed
 from services.converter.job import ConvertOptions, convert
 from tests.services.converter.deepspeed_layout import ZeroLayout, write_zero_checkpoint
 

@@ -8,9 +8,10 @@ import shutil
 import pytest
 import torch
 
-from services.converter import cli, megatron_layout
+from checkpoints import megatron_layout
+from checkpoints.megatron_format import load_file
+from services.converter import cli
 from services.converter.job import ConvertOptions, VerificationFailed, convert
-from services.converter.megatron_format import load_file
 
 
 class NotAllowListed:

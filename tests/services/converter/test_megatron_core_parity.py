@@ -90,7 +90,7 @@ def _mcore_logits(rank: int, world_size: int, checkpoint: str, ids: np.ndarray) 
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from services.converter.megatron_format import _flatten, load_file
+    from checkpoints.megatron_format import _flatten, load_file
 
     parallel_state.initialize_model_parallel(1, 1)
     _keep_rope_on_cpu()

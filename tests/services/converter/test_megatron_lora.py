@@ -17,8 +17,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from checkpoints.megatron_format import load_file as load_megatron
 from services.converter.job import ConvertOptions, convert
-from services.converter.megatron_format import load_file as load_megatron
 from tests.services.converter.conftest import VOCAB
 
 R, ALPHA = 4, 16.0

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.registry import get_config
-from services.converter.job import ConvertOptions, convert
-from services.converter.megatron_format import MegatronSource
-from services.converter.megatron_format import load_file as load_megatron
-from services.converter.megatron_layout import (
+from checkpoints.megatron_format import MegatronSource
+from checkpoints.megatron_format import load_file as load_megatron
+from checkpoints.megatron_layout import (
     StageLayout,
     layer_from_megatron,
     layer_to_megatron,
 )
+from models.registry import get_config
+from services.converter.job import ConvertOptions, convert
 from services.converter.verify import fixed_logits, load_model
 from tests.services.converter.conftest import VOCAB
 

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from checkpoints.megatron_format import load_file as load_megatron
+from checkpoints.native_format import NativeSource
 from models import build_model
 from models.config import ModelConfig
 from services.converter.job import ConvertOptions, convert
-from services.converter.megatron_format import load_file as load_megatron
-from services.converter.native_format import NativeSource
 from services.converter.verify import fixed_logits, load_model
 from services.trainer.checkpoint import CheckpointManager, TrainState
 from tests.services.converter.conftest import VOCAB

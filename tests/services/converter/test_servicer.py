@@ -10,12 +10,12 @@ import grpc
 import pytest
 import torch
 
+from checkpoints import megatron_layout
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
 from services.common.server import create_server
-from services.converter import megatron_layout
 from services.converter.config import ConverterServiceConfig
 from services.converter.servicer import bindings
 from tests.services.common.helpers import arun
@@ -147,7 +147,7 @@ def test_paths_outside_roots_are_permission_denied(tmp_path, field):
 def test_second_job_on_the_same_output_is_aborted(llama_dir, tmp_path, monkeypatch):
     import time
 
-    from services.converter import hf_format
+    from checkpoints import hf_format
 
     shutil.copytree(llama_dir, tmp_path / "hf")
     read_unit = hf_format.HFSource.read_unit

@@ -8,11 +8,11 @@ import argparse
 import pytest
 import torch
 
+from checkpoints.hf_format import HFSource
+from checkpoints.megatron_writer import MegatronSink
+from checkpoints.torch_stream import StreamingTorchFile, TensorRef
+from checkpoints.units import units
 from models.config import ModelConfig
-from services.converter.hf_format import HFSource
-from services.converter.megatron_writer import MegatronSink
-from services.converter.torch_stream import StreamingTorchFile, TensorRef
-from services.converter.units import units
 
 
 def test_streamed_file_loads_like_torch_save(tmp_path):

@@ -10,9 +10,10 @@ import grpc
 import pytest
 import torch
 
+from checkpoints import megatron_layout
 from meshline.common.v1 import operations_pb2
 from meshline.converter.v1 import converter_pb2
-from services.converter import cli, job, megatron_layout
+from services.converter import cli, job
 from services.converter.job import ConvertOptions, VerificationFailed, convert
 from tests.services.common.helpers import arun
 from tests.services.converter.test_servicer import HF, MEGATRON, _convert

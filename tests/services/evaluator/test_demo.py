@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.evaluator.demo import main
+from services.demos.evaluate import main
 
 
 def test_missing_checkpoint_names_make_train(tmp_path, capsys):

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from engine.engine import Engine
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from services.inference.cli import main
-from services.inference.engine import Engine
-from services.inference.sampling import SamplingConfig
-from services.inference.tokens import TokenizerInfo
 from tests.services.inference.helpers import hf_reference, save_hf_checkpoint
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.engine import Engine
-from services.inference.sampling import SamplingConfig
-from services.inference.tokens import TokenizerInfo
+from engine.engine import Engine
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from tests.services.inference.helpers import PAD_ID, hf_generate, hf_reference, prompt
 
 PROMPT_LEN = 6

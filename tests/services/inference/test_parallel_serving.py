@@ -21,12 +21,12 @@ import grpc
 import pytest
 import torch
 
+from engine.engine import Engine
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 from services.inference.config import InferenceServiceConfig
-from services.inference.engine import Engine
-from services.inference.sampling import SamplingConfig
-from services.inference.tokens import TokenizerInfo
 from tests.harness import run_distributed
 from tests.services.inference.helpers import hf_reference, prompt, save_hf_checkpoint
 
@@ -176,10 +176,10 @@ def _norm_head_worker(rank: int, world: int):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from engine.engine import head_logits
+    from engine.tensor_parallel import shard_for_serving
     from models import build_model
     from models.registry import get_config
-    from services.inference.engine import head_logits
-    from services.inference.tensor_parallel import shard_for_serving
 
     config = get_config("tiny-baichuan", norm_head=True)
     model = build_model(config, device="cpu").eval()

@@ -13,11 +13,11 @@ import sentencepiece as spm
 from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
 
 from models.tokenizer import build_tokenizer
-from services.preprocess.arrow_shards import read_arrow_shards
 from services.preprocess.handlers import IGNORE_INDEX, INSTRUCTION_KEYS, get_handler_class
 from services.preprocess.job import PreprocessCancelled, PreprocessConfig, run_preprocess
 from services.preprocess.manifest import read_manifest
 from tests.fixtures import records as fx
+from tokendata.arrow_shards import read_arrow_shards
 
 EOS = 2
 TEXTS = [f"{line} Document {i}." for i, line in enumerate(fx.PLAIN * 4)]
@@ -286,7 +286,7 @@ def test_arrow_output_matches_mmap(tmp_path, sentencepiece_model):
 
 
 def test_arrow_shards_split_by_size(tmp_path):
-    from services.preprocess.arrow_shards import ArrowSink
+    from tokendata.arrow_shards import ArrowSink
 
     sink = ArrowSink(tmp_path / "p", ("text",), {"k": 1}, shard_bytes=4000, batch_rows=8)
     docs = [np.arange(i, i + 50, dtype=np.int32) for i in range(100)]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from models.tokenizer import build_tokenizer
-from services.preprocess.datasets import build_datasets
-from services.preprocess.datasets.config import DataConfig
 from services.preprocess.handlers import IGNORE_INDEX, get_handler_class
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from tests.fixtures import records as fx
+from tokendata.datasets import build_datasets
+from tokendata.datasets.config import DataConfig
 
 SEQ = 256
 

@@ -17,8 +17,8 @@ from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
 from services.common.server import create_server
 from services.preprocess.config import PreprocessServiceConfig
-from services.preprocess.indexed import IndexedDataset
 from services.preprocess.servicer import bindings
+from tokendata.indexed import IndexedDataset
 
 TEXTS = [
     "def add(a, b):\n    return a + b",

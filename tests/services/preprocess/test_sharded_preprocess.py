@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from services.preprocess.cli import main
-from services.preprocess.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 from services.preprocess.manifest import file_entry, manifest_path, read_manifest
 from services.preprocess.merge import merge_preprocessed
 from services.preprocess.sharding import (
@@ -26,6 +25,7 @@ from services.preprocess.sharding import (
     split_ranges,
 )
 from tests.fixtures import records as fx
+from tokendata.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 
 REPO = Path(__file__).resolve().parents[3]
 SHARDS = 3

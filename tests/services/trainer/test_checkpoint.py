@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from kernels import device
 from services.trainer.checkpoint import CheckpointManager, LastGasp, TrainState
 from tests.harness import run_distributed
-from tests.services.trainer.test_data_parallel_model import (
+from tests.parallel.test_data_parallel_model import (
     build_optimizer,
     build_tiny_model,
     full_parameters,

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kernels import device
+from parallel.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
 from services.trainer.checkpoint import CheckpointManager, TrainState
-from services.trainer.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
 from tests.harness import run_distributed
-from tests.services.trainer.test_data_parallel_model import (
+from tests.parallel.test_data_parallel_model import (
     build_optimizer,
     build_tiny_model,
     full_parameters,

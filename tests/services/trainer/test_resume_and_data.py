@@ -52,7 +52,7 @@ def test_finetune_loads_weights_only(tmp_path):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     from models.tokenizer import build_tokenizer, train_sentencepiece
-    from services.preprocess.indexed import IndexedDatasetWriter, best_dtype
+    from tokendata.indexed import IndexedDatasetWriter, best_dtype
 
     root = tmp_path_factory.mktemp("corpus")
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import", "self", "value"]
@@ -111,7 +111,7 @@ def test_megatron_document_flags_reach_the_batches(shards, tmp_path):
     trainer = Trainer(parse_args(flags))
     assert any(cache.iterdir()), "sample indices are cached under --data-cache-path"
     from models.tokenizer import build_tokenizer
-    from services.preprocess.datasets.gpt import IGNORE_INDEX
+    from tokendata.datasets.gpt import IGNORE_INDEX
 
     eod = build_tokenizer("SentencePiece", str(model)).eod_id
     # A sample that crosses a document boundary (the fixture's documents are ~50 tokens).

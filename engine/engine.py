@@ -1,0 +1,767 @@
+"""The generation engine: a pre-allocated KV cache, prefill then decode, continuous batching.
+
+Shapes: B active rows (one per sampled sequence, N per beam-search request), V vocab.
+
+`step()` is one iteration of the engine loop: cancelled requests leave, one decode forward runs
+over every active row (one new token each, rows of different lengths side by side in the cache),
+waiting requests that fit are prefilled into free rows, then every row picks its next token —
+greedy or sampled rows together, beam-search requests per request. Finished sequences leave and
+the pool packs the surviving rows. Everything is synchronous and single-threaded; `submit` and
+`cancel` are the only calls safe from other threads (the async front end uses them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.beam_search import BeamSearch
+from engine.detokenize import TextTracker
+from engine.linear_choice import choose_cpu_linear
+from engine.requests import (
+    Finish,
+    GenerationRequest,
+    RequestError,
+    ScoreResult,
+    SequenceResult,
+    StepEvent,
+)
+from engine.requests import collect as collect_events
+from engine.sampling import (
+    NEG_INF,
+    SamplingConfig,
+    apply_repetition_penalty,
+    sample_rows,
+    warp,
+)
+from engine.scoring import score_batch
+from engine.slots import SlotPool
+from engine.tokens import TokenizerInfo
+from kernels.packed_linear import pack_linears
+from models.kv_cache import KVCache
+from models.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+TOKENS_COMPUTED_KEPT = 1024
+"""Requests whose `tokens_computed` count the engine remembers (oldest forgotten first)."""
+
+
+def hidden_states(model: CausalLM, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The model's output before its head (after the final norm when it has one).
+
+    CausalLM returns hidden states while `lm_head` is None; only the engine thread runs the
+    model, so detaching the head for one call is safe.
+    """
+    head = model.lm_head
+    model.lm_head = None
+    try:
+        return model(x, **kwargs)
+    finally:
+        model.lm_head = head
+
+
+def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
+    """The output head on hidden states [..., E] (normalised rows for norm_head models)."""
+    head = model.lm_head
+    if head is None:
+        raise ValueError("Engine: the model has no output head (a pipeline stage?)")
+    if model.config.norm_head:
+        return F.linear(h_BxE, F.normalize(head.weight, dim=-1))
+    return head(h_BxE)
+
+
+CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity of one engine."""
+
+    max_batch_rows: int = 32
+    """KV-cache rows: sequences (beams count one each) decoded together."""
+    max_seq_len: int | None = None
+    """Cache slots per row (prompt + new tokens); None: the model's context length."""
+    cpu_linear: str = "auto"
+    """CPU linear weights: "auto" times dense and packed on the model's own shapes at start-up
+    and keeps the faster (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
+    and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
+    "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
+    the linear weights' memory). A head tied to the embedding stays dense."""
+    compile_decode: bool = False
+    """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
+    which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
+    linear layers and the KV-cache write + attention run as they are. The first decode steps
+    at a new batch shape compile (seconds each, a few shapes in all); prefill stays eager."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_rows < 1:
+            raise ValueError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+
+
+@dataclass
+class _Sequence:
+    """One greedy or sampled sequence (a row of its own)."""
+
+    request: GenerationRequest
+    index: int
+    seed: int
+    generator: torch.Generator | None
+    tracker: TextTracker
+    seen: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+    logprob: float = 0.0
+
+
+@dataclass
+class _Row:
+    """An active cache row: the token it feeds next and who owns it."""
+
+    pending: int
+    request: GenerationRequest
+    seq: _Sequence | None = None
+    beam: BeamSearch | None = None
+
+
+class Engine:
+    """Serves generation and scoring for one loaded model.
+
+    The engine owns the model: it is put in eval mode and, unless `cpu_linear` is "dense", its
+    CPU linear layers are replaced by inference-only packed ones.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokens: TokenizerInfo,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokens = tokens
+        self.config = config or EngineConfig()
+        # max_position_embeddings, longer under dynamic RoPE scaling (ModelConfig.context_length)
+        self.context_length = int(
+            getattr(model.config, "context_length", model.config.max_position_embeddings)
+        )
+        self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
+        self.device = next(model.parameters()).device
+        if self.config.compile_decode and self.device.type != "cpu":
+            raise ValueError(
+                f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
+                f"{self.device.type}"
+            )
+        self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
+        shared_head = model.config.tie_word_embeddings or model.config.norm_head
+        skip = ("lm_head",) if shared_head else ()
+        self.cpu_linear = self.config.cpu_linear
+        """The layout in use ("auto" resolved to "dense" or "packed")."""
+        if self.cpu_linear == "auto":
+            on_cpu = self.device.type == "cpu"
+            self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"
+        if self.cpu_linear != "dense":
+            pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
+        # The decode forward (one token per row) captured by torch.compile, or None (eager).
+        self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
+        self._rows: list[_Row] = []
+        self._waiting: deque[GenerationRequest] = deque()
+        # Filled by other threads, drained at the start of each step (under the lock).
+        self._inbox: list[GenerationRequest] = []
+        self._cancel_inbox: set[int] = set()
+        self._live: set[int] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.steps = 0
+        # Tokens fed to the model per request (tests check cancellation stops work); bounded,
+        # so a long-running server does not keep one entry per request ever served.
+        self.tokens_computed: OrderedDict[int, int] = OrderedDict()
+        # Called after each step that ran the model (metrics): the engine, on its thread.
+        self.on_step: Callable[[Engine], None] | None = None
+
+    # -- thread-safe entry points -------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], config: SamplingConfig) -> int:
+        """Queue a request; returns its id. Raises ValueError when it can never run here."""
+        self.check_request(prompt_ids, config)
+        request = GenerationRequest(next(self._ids), list(prompt_ids), config)
+        with self._lock:
+            self._inbox.append(request)
+            self._live.add(request.request_id)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request at the next step (its sequences end with Finish.CANCELLED)."""
+        with self._lock:
+            if request_id in self._live:
+                self._cancel_inbox.add(request_id)
+
+    def load(self) -> tuple[int, int]:
+        """(active cache rows, requests waiting for rows); read on the engine thread."""
+        return len(self._rows), len(self._waiting)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        with self._lock:
+            return bool(self._live)
+
+    def check_request(self, prompt_ids: list[int], config: SamplingConfig) -> None:
+        """ValueError naming the field when a request cannot run on this model and engine."""
+        if not prompt_ids:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        vocab = self.tokens.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        rows = max(config.num_beams, 1 if config.num_beams > 1 else config.num_return_sequences)
+        if rows > self.pool.max_rows:
+            raise ValueError(
+                f"params.num_beams: the request needs {rows} cache rows, the engine has "
+                f"{self.pool.max_rows} (--max-batch-rows)"
+            )
+
+    def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether prompt + new tokens fit the cache (callers answer OUT_OF_RANGE otherwise)."""
+        return prompt_len + max_new_tokens <= self.max_seq_len
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """One engine iteration; returns the events it produced (new tokens, finished sequences)."""
+        events: list[StepEvent] = []
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancelled, self._cancel_inbox = self._cancel_inbox, set()
+        inbox, cancelled = self._sync_inbox(inbox, cancelled)
+        with self._lock:
+            self._live.update(r.request_id for r in inbox)
+        self._waiting.extend(inbox)
+        if cancelled:
+            self._drop_cancelled(cancelled, events)
+        # Whatever goes wrong with one request's part of the step lands here; it fails alone.
+        failed: dict[int, RequestError] = {}
+        logits: list[torch.Tensor] = []
+        if self._rows:
+            logits += self._decode(failed)
+        logits += self._admit(failed)
+        if not self._rows:
+            self._report_failures(failed, events)
+            return events
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self)
+        logits_BV = torch.cat(logits).float()
+        plain = self._pick_plain(logits_BV, events, failed)
+        beams = self._pick_beams(logits_BV, events, failed)
+        keep: list[int] = []
+        kept_rows: list[_Row] = []
+        for i, row in enumerate(self._rows):
+            if row.request.request_id in failed:
+                continue
+            token = plain.get(i)
+            if row.seq is not None and token is not None:
+                keep.append(i)
+                kept_rows.append(_Row(token, row.request, seq=row.seq))
+            elif row.beam is not None and beams.get(i):
+                # Beam j of the next step continues source beam `src` of this block.
+                for src, token in beams[i]:
+                    keep.append(i + src)
+                    kept_rows.append(_Row(token, row.request, beam=row.beam))
+        self.pool.gather(keep)
+        self._rows = kept_rows
+        self._report_failures(failed, events)
+        self._finish_requests(events)
+        return events
+
+    def _decode(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
+        """One new token for every active row; logits [B, V] (as a list of at most one tensor).
+
+        When the batched forward fails, each row runs alone: rows that fail again fail their
+        request (its rows leave), the others go on. The cache is safe to retry: a failed
+        forward never commits its rows' lengths, so the retry rewrites the same slots.
+        """
+        n = len(self._rows)
+        ids_B1 = torch.tensor([[row.pending] for row in self._rows], device=self.device)
+        try:
+            logits = [self._decode_rows(ids_B1, 0, n, compiled=True)]
+        except Exception as exc:  # isolated per row below
+            log.warning("batched decode of %d rows failed (%s); retrying row by row", n, exc)
+            logits = self._decode_row_by_row(ids_B1, failed)
+        for row in self._rows:
+            self._count_tokens(row.request.request_id, 1)
+        return logits
+
+    def _decode_rows(
+        self, ids_B1: torch.Tensor, start: int, stop: int, compiled: bool = False
+    ) -> torch.Tensor:
+        """Logits [B, V] of rows [start, stop) fed `ids_B1` (the compiled forward if asked)."""
+        view = self.pool.view(start, stop)
+        if self._compiled_model is None or not compiled:
+            logits_BV = self._last_logits(ids_B1, view)
+        else:
+            # The cache's host-side planning (begin/commit) stays outside the compiled graph.
+            step = view.begin(1, None)
+            logits_BV = self._compiled_model(
+                ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
+            )[:, -1]
+            view.commit(step)
+        self.pool.sync(view, start)
+        return logits_BV
+
+    def _decode_row_by_row(
+        self, ids_B1: torch.Tensor, failed: dict[int, RequestError]
+    ) -> list[torch.Tensor]:
+        by_row: dict[int, torch.Tensor] = {}
+        for i, row in enumerate(self._rows):
+            rid = row.request.request_id
+            if rid in failed:
+                continue
+            try:
+                by_row[i] = self._decode_rows(ids_B1[i : i + 1], i, i + 1)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "decoding (the model forward)", exc)
+        keep = [i for i in by_row if self._rows[i].request.request_id not in failed]
+        self.pool.gather(keep)
+        self._rows = [self._rows[i] for i in keep]
+        return [torch.cat([by_row[i] for i in keep])] if keep else []
+
+    def _count_tokens(self, request_id: int, count: int) -> None:
+        self.tokens_computed[request_id] = self.tokens_computed.get(request_id, 0) + count
+        self.tokens_computed.move_to_end(request_id)
+        while len(self.tokens_computed) > TOKENS_COMPUTED_KEPT:
+            self.tokens_computed.popitem(last=False)
+
+    def _last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
+        """Logits [B, V] of each row's last position only: the final norm and head run on B
+        vectors, not B·S (a prefill's other positions need no logits)."""
+        return self.model(ids_BS, kv_cache=view, logits_to_keep=1)[:, -1]
+
+    def _admit(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
+        """Prefill waiting requests while rows are free; their first-token logits.
+
+        Requests admitted together with equal prompt lengths share one forward (their rows are
+        allocated next to each other), so a burst of same-length prompts prefills as a batch.
+        When a shared prefill fails, each request of it runs alone; a request whose prefill or
+        set-up (seeding, stop strings, beam state) fails leaves, and its rows are freed.
+        """
+        admitted: list[tuple[GenerationRequest, int]] = []
+        while self._waiting:
+            rows = self._rows_needed(self._waiting[0].config)
+            if rows > self.pool.free_rows:
+                break
+            request = self._waiting.popleft()
+            self.pool.allocate(rows)
+            admitted.append((request, rows))
+        if not admitted:
+            return []
+        placed: list[tuple[GenerationRequest, int, int, torch.Tensor | None]] = []
+        start = len(self._rows)
+        for _, group in itertools.groupby(admitted, key=lambda item: len(item[0].prompt_ids)):
+            members = list(group)
+            try:
+                logits = self._prefill(members, start)
+                chunks: list[torch.Tensor | None] = list(logits.split([n for _, n in members]))
+            except Exception as exc:  # retried per request
+                log.warning("batched prefill of %d requests failed (%s)", len(members), exc)
+                chunks = []
+                first = start
+                for request, rows in members:
+                    chunks.append(self._prefill_alone(request, rows, first, failed))
+                    first += rows
+            for (request, rows), chunk in zip(members, chunks, strict=True):
+                placed.append((request, rows, start, chunk))
+                start += rows
+        out: list[torch.Tensor] = []
+        keep = list(range(len(self._rows)))
+        for request, rows, first, chunk in placed:
+            if chunk is None:
+                continue
+            rid = request.request_id
+            try:
+                new_rows = self._new_rows(request, rows)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(
+                    rid, "setting up its sequences (seed, stop strings)", exc
+                )
+                continue
+            self._count_tokens(rid, len(request.prompt_ids))
+            self._rows += new_rows
+            keep += range(first, first + rows)
+            out.append(chunk)
+        self.pool.gather(keep)
+        return out
+
+    def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
+        """First-token logits of same-length prompts prefilled together from pool row `start`."""
+        prompts = [r.prompt_ids for r, rows in members for _ in range(rows)]
+        view = self.pool.view(start, start + len(prompts))
+        logits = self._last_logits(torch.tensor(prompts, device=self.device), view)
+        self.pool.sync(view, start)
+        return logits
+
+    def _prefill_alone(
+        self, request: GenerationRequest, rows: int, start: int, failed: dict[int, RequestError]
+    ) -> torch.Tensor | None:
+        try:
+            return self._prefill([(request, rows)], start)
+        except Exception as exc:  # this request fails, not the step
+            rid = request.request_id
+            failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)
+            return None
+
+    @staticmethod
+    def _rows_needed(config: SamplingConfig) -> int:
+        return config.num_beams if config.num_beams > 1 else config.num_return_sequences
+
+    def _new_rows(self, request: GenerationRequest, rows: int) -> list[_Row]:
+        cfg = request.config
+        if cfg.num_beams > 1:
+            gen = self._generator(cfg.seed) if cfg.sampling else None
+            beam = BeamSearch(cfg, request.prompt_ids, self.tokens.eos_id, self.device, gen)
+            return [_Row(-1, request, beam=beam) for _ in range(rows)]
+        prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
+        out = []
+        for i in range(rows):
+            seed = cfg.seed + i
+            seq = _Sequence(
+                request,
+                i,
+                seed,
+                self._generator(seed) if cfg.sampling else None,
+                TextTracker(self.tokens.decode, cfg.stop),
+                prompt,
+            )
+            out.append(_Row(-1, request, seq=seq))
+        return out
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _pick_plain(
+        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
+    ) -> dict[int, int | None]:
+        """Next token of every greedy/sampled row (batched) and its event; per row the token it
+        feeds next, or None when its sequence ended (or its request failed).
+
+        When the batched pick fails, each row picks alone and a row that fails again fails its
+        request; a sequence whose text update (detokenisation, stop strings) fails does too.
+        """
+        index = [i for i, row in enumerate(self._rows) if row.seq is not None]
+        picks: dict[int, int | None] = {}
+        if not index:
+            return picks
+        seqs = [row.seq for row in self._rows if row.seq is not None]
+        logits_PV = logits_BV[index]
+        next_P: list[int | None]
+        tops: list[list[tuple[int, float]] | None]
+        try:
+            next_P, picked_P, tops = self._choose(logits_PV, seqs)  # type: ignore[assignment]
+        except Exception as exc:  # retried per row
+            log.warning("batched sampling of %d rows failed (%s); row by row", len(seqs), exc)
+            next_P, picked_P, tops = [], [], []
+            for p, seq in enumerate(seqs):
+                rid = seq.request.request_id
+                try:
+                    tokens, logprobs, row_tops = self._choose(logits_PV[p : p + 1], [seq])
+                    next_P.append(tokens[0])
+                    picked_P.append(logprobs[0])
+                    tops.append(row_tops[0])
+                except Exception as row_exc:  # this request fails
+                    failed.setdefault(rid, RequestError(rid, "sampling its next token", row_exc))
+                    next_P.append(None)
+                    picked_P.append(0.0)
+                    tops.append(None)
+        for row_i, seq, token, lp, top in zip(index, seqs, next_P, picked_P, tops, strict=True):
+            rid = seq.request.request_id
+            if token is None or rid in failed:
+                picks[row_i] = None
+                continue
+            try:
+                finish = self._advance(seq, token, lp, events, top)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "detokenising its text (stop strings)", exc)
+                picks[row_i] = None
+                continue
+            picks[row_i] = token if finish is None else None
+        return picks
+
+    def _choose(
+        self, logits_PV: torch.Tensor, seqs: list[_Sequence]
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        """Token, its log-probability and (when the request asks for logprobs) the top
+        alternatives per row: repetition penalty, warping, then greedy or a draw. Raises before
+        any generator draws when a sampled row has nothing to draw from."""
+        logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
+        configs = [s.request.config for s in seqs]
+        processed_PV = apply_repetition_penalty(
+            logits_PV,
+            [s.seen for s in seqs],
+            [c.repetition_penalty for c in configs],
+        )
+        processed_PV = warp(processed_PV, configs)
+        generators = [s.generator for s in seqs]
+        sampled = [g is not None for g in generators]
+        if any(sampled):
+            rows_SV = processed_PV[torch.tensor(sampled, device=processed_PV.device)]
+            drawable_S = (~rows_SV.isnan().any(-1) & (rows_SV < float("inf")).all(-1)) & (
+                rows_SV > NEG_INF
+            ).any(-1)
+            if not bool(drawable_S.all()):
+                raise ValueError("the processed logits of a sampled row have no finite value")
+        next_P = sample_rows(processed_PV, generators).tolist()
+        picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
+        tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
+        return next_P, picked_P.tolist(), tops
+
+    def _advance(
+        self,
+        seq: _Sequence,
+        token: int,
+        logprob: float,
+        events: list[StepEvent],
+        top: list[tuple[int, float]] | None = None,
+    ) -> Finish | None:
+        """Append a token to a sequence and emit its event; returns why it ended, if it did."""
+        cfg = seq.request.config
+        seq.tokens.append(token)
+        seq.logprob += logprob
+        if cfg.repetition_penalty != 1.0:
+            seq.seen = torch.cat([seq.seen, seq.seen.new_tensor([token])])
+        finish = None
+        if token == self.tokens.eos_id:
+            finish = Finish.STOP
+        elif len(seq.tokens) >= cfg.max_new_tokens or (
+            len(seq.request.prompt_ids) + len(seq.tokens) >= self.max_seq_len
+        ):
+            finish = Finish.LENGTH
+        text, matched = seq.tracker.update(seq.tokens, final=finish is not None)
+        if matched:
+            finish = Finish.STOP_STRING
+            text += seq.tracker.update(seq.tokens, final=True)[0]
+        event = StepEvent(
+            seq.request.request_id, seq.index, [token], text, seq.logprob, seq.seed, finish
+        )
+        if top is not None:
+            event.token_logprobs, event.top_logprobs = [logprob], [top]
+        events.append(event)
+        return finish
+
+    def _pick_beams(
+        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
+    ) -> dict[int, list[tuple[int, int]]]:
+        """One beam-search step per beam request. Per first row of a block: (source beam, token)
+        of each next beam, empty when the request finished (or failed: it is added to
+        `failed` and the other requests go on)."""
+        picks: dict[int, list[tuple[int, int]]] = {}
+        i = 0
+        while i < len(self._rows):
+            row = self._rows[i]
+            if row.beam is None:
+                i += 1
+                continue
+            beam, n = row.beam, row.beam.num_beams
+            rid = row.request.request_id
+            try:
+                picks[i] = self._beam_step(row.request, beam, logits_BV[i : i + n], events)
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "taking a beam-search step", exc)
+                picks[i] = []
+            i += n
+        return picks
+
+    def _beam_step(
+        self,
+        request: GenerationRequest,
+        beam: BeamSearch,
+        logits_NV: torch.Tensor,
+        events: list[StepEvent],
+    ) -> list[tuple[int, int]]:
+        """One step of one beam request: (source beam, token) of each next beam, or [] once
+        done (its results are then appended to `events`)."""
+        cfg = request.config
+        stop_check = None
+        if cfg.stop and self.tokens.decode is not None:
+            tracker = TextTracker(self.tokens.decode, cfg.stop)
+
+            def stop_check(ids: list[int], tracker: TextTracker = tracker) -> bool:
+                return tracker.stop_index(ids) is not None
+
+        sources, next_tokens = beam.step(logits_NV, stop_check)
+        if not beam.done:
+            return list(zip(sources, next_tokens, strict=True))
+        results: list[StepEvent] = []
+        self._emit_beam_results(request, beam, results)
+        events += results
+        return []
+
+    def _emit_beam_results(
+        self, request: GenerationRequest, beam: BeamSearch, events: list[StepEvent]
+    ) -> None:
+        for index, hyp in enumerate(beam.results()):
+            if hyp.hit_stop_string:
+                finish = Finish.STOP_STRING
+            elif hyp.token_ids and hyp.token_ids[-1] == self.tokens.eos_id:
+                finish = Finish.STOP
+            else:
+                finish = Finish.LENGTH
+            tracker = TextTracker(self.tokens.decode, request.config.stop)
+            text = tracker.update(hyp.token_ids, final=True)[0]
+            events.append(
+                StepEvent(
+                    request.request_id,
+                    index,
+                    hyp.token_ids,
+                    text,
+                    hyp.logprob,
+                    request.config.seed,
+                    finish,
+                )
+            )
+
+    def _sync_inbox(
+        self, requests: list[GenerationRequest], cancelled: set[int]
+    ) -> tuple[list[GenerationRequest], set[int]]:
+        """New requests and cancellations this step applies (tensor-parallel ranks agree here)."""
+        return requests, cancelled
+
+    def _drop_cancelled(self, cancelled: set[int], events: list[StepEvent]) -> None:
+        """Remove cancelled requests (waiting or running); their open sequences end CANCELLED."""
+        for request in self._waiting:
+            if request.request_id in cancelled:
+                events += [
+                    StepEvent(
+                        request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED
+                    )
+                    for i in range(request.config.num_return_sequences)
+                ]
+        self._waiting = deque(r for r in self._waiting if r.request_id not in cancelled)
+        keep, kept_rows, seen_beams = [], [], set()
+        for i, row in enumerate(self._rows):
+            rid = row.request.request_id
+            if rid not in cancelled:
+                keep.append(i)
+                kept_rows.append(row)
+            elif row.seq is not None:
+                seq = row.seq
+                events.append(
+                    StepEvent(rid, seq.index, [], "", seq.logprob, seq.seed, Finish.CANCELLED)
+                )
+            elif rid not in seen_beams:
+                seen_beams.add(rid)
+                for index in range(row.request.config.num_return_sequences):
+                    events.append(
+                        StepEvent(
+                            rid, index, [], "", 0.0, row.request.config.seed, Finish.CANCELLED
+                        )
+                    )
+        self.pool.gather(keep)
+        self._rows = kept_rows
+        with self._lock:
+            self._live -= cancelled
+
+    def _report_failures(self, failed: dict[int, RequestError], events: list[StepEvent]) -> None:
+        """One error event per failed request (its rows are already gone); it is forgotten."""
+        if not failed:
+            return
+        for rid, error in failed.items():
+            log.warning("%s", error, exc_info=error.cause)
+            events.append(StepEvent(rid, 0, [], "", 0.0, 0, None, error=error))
+        with self._lock:
+            self._live -= failed.keys()
+
+    def _finish_requests(self, events: list[StepEvent]) -> None:
+        """Forget requests that hold no row and wait for nothing."""
+        running = {row.request.request_id for row in self._rows}
+        waiting = {r.request_id for r in self._waiting}
+        done = {e.request_id for e in events if e.finish is not None}
+        with self._lock:
+            self._live -= done - running - waiting
+
+    def score(
+        self, items: list[tuple[list[int], list[int]]], pad_id: int = 0, top_logprobs: int = 0
+    ) -> list[ScoreResult]:
+        """Log-probabilities of each (context ids, continuation ids) pair (see scoring.py);
+        choices sharing a context run it once. `top_logprobs` > 0 also returns that many most
+        likely tokens at each continuation position."""
+        return score_batch(
+            self._full_logits,
+            items,
+            device=self.device,
+            pad_id=pad_id,
+            new_cache=self._scoring_cache,
+            top_logprobs=top_logprobs,
+        )
+
+    def _full_logits(
+        self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """Logits [B, S, V] of every position (scoring), appended to `kv_cache` when given."""
+        return self.model(ids_BS, key_padding_mask_BS=mask_BS, kv_cache=kv_cache)
+
+    def _scoring_cache(self, rows: int, slots: int) -> KVCache:
+        """A cache apart from the generation pool (scoring runs between steps, beside it)."""
+        return SlotPool(self.model, rows, slots).cache
+
+    def reset(self) -> set[int]:
+        """Forget every request (after a failed step); the cache rows become free. Returns the
+        ids of the requests forgotten."""
+        with self._lock:
+            forgotten = set(self._live)
+            self._inbox.clear()
+            self._cancel_inbox.clear()
+            self._live.clear()
+        self._waiting.clear()
+        self._rows = []
+        self.pool.gather([])
+        return forgotten
+
+    # -- synchronous helpers -----------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], configs: list[SamplingConfig]
+    ) -> list[list[SequenceResult]]:
+        """Run requests to completion (batched together); results per request, in order."""
+        ids = [self.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+        events: dict[int, list[StepEvent]] = {rid: [] for rid in ids}
+        while any(self._is_live(rid) for rid in ids):
+            for event in self.step():
+                events.setdefault(event.request_id, []).append(event)
+        return [
+            collect_events(events[rid], _num_sequences(c))
+            for rid, c in zip(ids, configs, strict=True)
+        ]
+
+    def _is_live(self, request_id: int) -> bool:
+        with self._lock:
+            return request_id in self._live
+
+
+def _top_logprobs(
+    logprobs_PV: torch.Tensor, wanted: list[int]
+) -> list[list[tuple[int, float]] | None]:
+    """Per row, its `wanted[p]` most likely (id, log-prob), most likely first; None where 0."""
+    k = max(wanted, default=0)
+    if k == 0:
+        return [None] * len(wanted)
+    values_PK, ids_PK = logprobs_PV.topk(min(k, logprobs_PV.shape[-1]), dim=-1)
+    values, ids = values_PK.tolist(), ids_PK.tolist()
+    return [
+        list(zip(ids[p][:n], values[p][:n], strict=True)) if n else None
+        for p, n in enumerate(wanted)
+    ]
+
+
+def _num_sequences(config: SamplingConfig) -> int:
+    return config.num_return_sequences

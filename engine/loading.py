@@ -1,0 +1,168 @@
+"""Load a checkpoint directory for serving: model weights, config, tokenizer, LoRA merged.
+
+Reading is the converter's (`services/converter`): `HFSource` (config.json + safetensors, sharded
+or not), `NativeSource` (a trainer save dir or step dir; DCP read pickle-free), `MegatronSource`
+(any saved TP/PP/virtual layout, merged to whole tensors). Each yields units (embedding, each
+layer, head) under Meshline names; a LoRA adapter (`--lora-load`, PEFT format) is merged unit by
+unit with the converter's `LoraAdapter`, as peft's `merge_and_unload` would. The whole model is
+then built on the serving device; tensor-parallel serving reshards it afterwards, so the saved
+layout never has to match the serving one.
+
+The tokenizer comes from `--tokenizer` or the checkpoint (`tokenizer.model`, `tokenizer.json`,
+or a `tokenizer/` folder holding either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models import build_model
+from models.config import ModelConfig
+from models.tokenizer import Tokenizer, build_tokenizer
+from models.transformer import CausalLM
+
+StateDict = dict[str, torch.Tensor]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve and where it came from."""
+
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    load_format: str
+    path: Path
+    name: str
+
+
+def detect_format(directory: Path) -> str:
+    """ "hf", "native" or "megatron" from the files in `directory` (ValueError when none fits)."""
+    if (directory / MEGATRON_TRACKER).is_file():
+        return "megatron"
+    if (directory / "latest").is_file() or (directory / ".metadata").is_file():
+        return "native"
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
+        return "hf"
+    raise ValueError(
+        f"--load {directory}: not an HF checkpoint (config.json + *.safetensors), a native one "
+        f"(latest / .metadata) or a Megatron one ({MEGATRON_TRACKER}); pass --load-format or "
+        "point --load at a checkpoint"
+    )
+
+
+def _open_source(directory: Path, fmt: str):  # -> checkpoints.units.Source
+    from checkpoints.hf_format import HFSource
+    from checkpoints.megatron_format import MegatronSource
+    from checkpoints.native_format import NativeSource
+
+    if fmt == "hf":
+        return HFSource(directory)
+    if fmt == "native":
+        return NativeSource(directory)
+    return MegatronSource(directory, None)
+
+
+def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfig, StateDict, Path]:
+    """(config, full state dict under Meshline names, directory holding tokenizer files)."""
+    from checkpoints.lora import LoraAdapter
+    from checkpoints.units import units
+
+    try:
+        source = _open_source(directory, fmt)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
+    try:
+        adapter = LoraAdapter(lora) if lora is not None else None
+    except KeyError as exc:
+        raise ValueError(f"--lora-load {lora}: adapter_config.json lacks {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--lora-load {lora}: {exc}") from exc
+    state: StateDict = {}
+    try:
+        for unit in units(source.config):
+            tensors = source.read_unit(unit)
+            if adapter is not None:
+                tensors = adapter.merge_unit(tensors, source.config)
+            state.update(tensors)
+        if adapter is not None:
+            adapter.check_all_merged()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
+    tokenizer_dir = source.tokenizer_files[0].parent if source.tokenizer_files else directory
+    return source.config, state, tokenizer_dir
+
+
+def find_tokenizer(directory: Path, explicit: Path | None) -> Tokenizer | None:
+    """The tokenizer given by `--tokenizer`, else one stored in the checkpoint, else None."""
+    if explicit is not None:
+        return _tokenizer_at(explicit)
+    for place in (directory, directory / "tokenizer"):
+        if place.is_dir():
+            found = _tokenizer_at(place, required=False)
+            if found is not None:
+                return found
+    return None
+
+
+def _tokenizer_at(path: Path, required: bool = True) -> Tokenizer | None:
+    if path.is_file():
+        return build_tokenizer("SentencePiece", path)
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return build_tokenizer("PretrainedFromHF", path)
+    models = sorted(path.glob("*.model"))
+    if models:
+        return build_tokenizer("SentencePiece", models[0])
+    if required:
+        raise ValueError(
+            f"--tokenizer {path}: no tokenizer.json, tokenizer_config.json or *.model in it"
+        )
+    return None
+
+
+def load_checkpoint(
+    directory: Path,
+    *,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    tokenizer: Path | None = None,
+    lora: Path | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Build the served model from a checkpoint directory (ValueError naming the bad flag)."""
+    fmt = detect_format(directory) if load_format == "auto" else load_format
+    if fmt not in ("hf", "native", "megatron"):
+        raise ValueError(f"--load-format {fmt!r}: choose auto, hf, native or megatron")
+    config, state, tokenizer_dir = read_state(directory, fmt, lora)
+    if dtype == "auto":
+        floats = [t.dtype for t in state.values() if t.is_floating_point()]
+        torch_dtype = floats[0] if floats else torch.float32
+    else:
+        torch_dtype = DTYPES[dtype]
+    model = build_model(config, device="meta", dtype=torch_dtype)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(
+            f"--load {directory}: checkpoint does not match its config (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
+    model.tie_weights()
+    model.eval()
+    registry_name = config.extra.get("registry_name") if config.extra else None
+    return LoadedModel(
+        model,
+        config,
+        find_tokenizer(tokenizer_dir, tokenizer),
+        fmt,
+        directory,
+        str(registry_name or directory.name),
+    )

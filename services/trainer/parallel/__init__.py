@@ -1,1 +1,0 @@
-"""Model parallelism for the trainer: meshes, tensor/sequence, pipeline, context parallel, recompute."""

@@ -1,0 +1,118 @@
+"""The engine thread: loading, calls and steps share one thread; failures reach the requests;
+`--cpu-linear auto` resolves to a real layout with the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine, EngineConfig
+from engine.engine_thread import EngineThread
+from engine.linear_choice import choose_cpu_linear
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
+from kernels.packed_linear import PackedLinear
+from tests.services.inference.helpers import hf_reference, prompt
+
+
+def _engine(cpu_linear: str = "dense") -> tuple[Engine, list[int], int]:
+    _, model, config = hf_reference("llama-gqa", seed=1)
+    engine = Engine(model, TokenizerInfo(config.vocab_size), EngineConfig(cpu_linear=cpu_linear))
+    return engine, prompt(6, config.vocab_size, seed=3), config.vocab_size
+
+
+async def _collect(front: AsyncEngine, ids: list[int], n: int) -> list[int]:
+    config = SamplingConfig(max_new_tokens=n)
+    return [t async for event in front.stream(ids, config) for t in event.token_ids]
+
+
+def test_steps_run_on_the_thread_that_built_the_engine():
+    worker = EngineThread()
+    try:
+        engine, ids, _ = worker.call(_engine).result()
+        builder = worker.call(threading.get_ident).result()
+        stepped: set[int] = set()
+        original = engine.step
+
+        def step():
+            stepped.add(threading.get_ident())
+            return original()
+
+        engine.step = step  # type: ignore[method-assign]
+        front = AsyncEngine(engine, worker)
+        expected = (
+            Engine(hf_reference("llama-gqa", seed=1)[1], engine.tokens)
+            .generate([ids], [SamplingConfig(max_new_tokens=5)])[0][0]
+            .token_ids
+        )
+
+        async def main() -> list[list[int]]:
+            return list(await asyncio.gather(*[_collect(front, ids, 5) for _ in range(3)]))
+
+        got = asyncio.run(main())
+        assert got == [expected] * 3
+        assert stepped == {builder}
+        assert builder != threading.get_ident()
+    finally:
+        worker.stop(10)
+    assert not worker.is_alive
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.call(lambda: None)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on():
+    engine, ids, _ = _engine()
+    front = AsyncEngine(engine)
+    original = engine.step
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return original()
+
+    engine.step = flaky  # type: ignore[method-assign]
+
+    async def main() -> list[int]:
+        with pytest.raises(RuntimeError, match="boom"):
+            await _collect(front, ids, 4)
+        return await _collect(front, ids, 4)
+
+    assert len(asyncio.run(main())) == 4
+    asyncio.run(front.close())
+
+
+def test_run_returns_results_and_raises_errors_of_calls():
+    engine, _, _ = _engine()
+    front = AsyncEngine(engine)
+
+    async def main() -> None:
+        assert await front.run(lambda: 7) == 7
+        with pytest.raises(ZeroDivisionError):
+            await front.run(lambda: 1 / 0)
+
+    asyncio.run(main())
+    assert front.run_blocking(lambda: "x", 10) == "x"
+    asyncio.run(front.close())
+
+
+def test_auto_cpu_linear_picks_a_layout_and_keeps_the_tokens():
+    _, model, _ = hf_reference("llama-gqa", seed=1)
+    assert choose_cpu_linear(model) in ("dense", "packed")
+    engine, ids, _ = _engine("auto")
+    assert engine.cpu_linear in ("dense", "packed")
+    qkv = engine.model.layers["0"].self_attn.qkv_proj
+    assert isinstance(qkv, PackedLinear) == (engine.cpu_linear == "packed")
+    dense, _, _ = _engine("dense")
+    config = SamplingConfig(max_new_tokens=6)
+    got = engine.generate([ids], [config])[0][0].token_ids
+    assert got == dense.generate([ids], [config])[0][0].token_ids
+
+
+def test_no_probe_without_packable_linears():
+    assert choose_cpu_linear(torch.nn.Sequential(torch.nn.ReLU())) == "dense"

@@ -1,0 +1,1 @@
+"""Token data any stage may use: Megatron .bin/.idx, Arrow shards, GPT / blended / instruction datasets, samplers."""

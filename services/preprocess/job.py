@@ -20,6 +20,7 @@ from typing import Any
 
 from services.common.paths import resolve_under_roots
 from services.preprocess import staging
+from services.preprocess.arrow_sink import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
 from services.preprocess.handlers.base import INSTRUCTION_KEYS
 from services.preprocess.job_config import PreprocessConfig
@@ -49,7 +50,6 @@ from services.preprocess.readers import (
 )
 from services.preprocess.sharding import shard_plans, shard_range
 from services.preprocess.workers import OrderedWorkers, WorkerSpec, build_handler, chunked
-from tokendata.arrow_shards import ArrowSink
 
 __all__ = [
     "PreprocessCancelled",

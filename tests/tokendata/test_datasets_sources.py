@@ -14,7 +14,7 @@ from tokendata.datasets.config import parse_data_path
 from tokendata.datasets.sources import arrow_files
 
 sinks = pytest.importorskip("services.preprocess.outputs")
-arrow_shards = pytest.importorskip("tokendata.arrow_shards")
+arrow_sink = pytest.importorskip("services.preprocess.arrow_sink")
 handlers = pytest.importorskip("services.preprocess.handlers")
 
 INFO = {"eod_id": 2, "pad_id": 0}
@@ -30,7 +30,7 @@ def _documents(seed: int, count: int) -> list[np.ndarray]:
 
 def _write_both(root: Path, keys: tuple[str, ...], rows: list[tuple[dict, list[int]]]) -> None:
     mmap = sinks.MmapSink(root / "m", keys, vocab_size=512)
-    arrow = arrow_shards.ArrowSink(root / "a", keys, {"test": True}, shard_bytes=512, batch_rows=4)
+    arrow = arrow_sink.ArrowSink(root / "a", keys, {"test": True}, shard_bytes=512, batch_rows=4)
     for arrays, lengths in rows:
         per_key = {key: lengths for key in keys}
         mmap.add(arrays, per_key)

@@ -286,7 +286,7 @@ def test_arrow_output_matches_mmap(tmp_path, sentencepiece_model):
 
 
 def test_arrow_shards_split_by_size(tmp_path):
-    from tokendata.arrow_shards import ArrowSink
+    from services.preprocess.arrow_sink import ArrowSink
 
     sink = ArrowSink(tmp_path / "p", ("text",), {"k": 1}, shard_bytes=4000, batch_rows=8)
     docs = [np.arange(i, i + 50, dtype=np.int32) for i in range(100)]

@@ -275,9 +275,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         start = time.time()
         config = EvalConfig(
             tasks=tuple(request.tasks),
-            task_data_path=resolve_under_roots(
-                request.task_data_path, self._config.data_roots, "task_data_path"
-            ),
+            task_data_path=self._config.resolve(request.task_data_path, "task_data_path"),
             output_path=output,
             num_fewshot=request.num_fewshot if request.HasField("num_fewshot") else None,
             limit=request.limit if request.HasField("limit") else None,
@@ -303,7 +301,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             handle.progress(req_done, req_total, unit="requests", message=task, metadata=metadata)
 
         try:
-            resolve_under_roots(str(output), self._config.data_roots, "output_path")
+            self._config.resolve(str(output), "output_path")
             model = self._open_model(request)
             try:
                 outcomes = evaluate(
@@ -340,7 +338,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "temperature": config.temperature if config.num_samples > 1 else None,
         }
         # Re-checked at use: the folder may have become a symlink leaving the roots meanwhile.
-        resolve_under_roots(str(output), self._config.data_roots, "output_path")
+        self._config.resolve(str(output), "output_path")
         path, _ = write_results(output, outcomes, settings, start)
         return evaluator_pb2.EvaluationResult(
             results=_task_results(outcomes),

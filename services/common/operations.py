@@ -160,7 +160,9 @@ class OperationsStore:
             write_record(self.state_dir, operation, durable=durable or operation.done)
             self._written[name] = version
 
-    def _start(self, name: str) -> None:
+    def mark_running(self, name: str) -> None:
+        """PENDING → RUNNING (a no-op once running); called through `OperationHandle.start`."""
+
         def change(operation: Operation) -> None:
             operation.state = RUNNING
 
@@ -169,7 +171,7 @@ class OperationsStore:
         if pending:
             self._update(name, change)
 
-    def _progress(
+    def record_progress(
         self,
         name: str,
         completed: float,
@@ -178,6 +180,7 @@ class OperationsStore:
         message: str | None,
         metadata: Message | None,
     ) -> None:
+        """Stores a progress report and its rate/ETA; called through `OperationHandle.progress`."""
         with self._lock:
             meter = self._meters.get(name)
             if meter is None:
@@ -204,13 +207,18 @@ class OperationsStore:
 
         self._update(name, change)
 
-    def _finish(
+    def finish(
         self,
         name: str,
         state: operations_pb2.OperationState,
         response: Message | None = None,
         error: tuple[int, str] | None = None,
     ) -> bool:
+        """Moves `name` to its final `state`; False (and a warning) if it had already finished.
+
+        Jobs finish through their `OperationHandle`; `shutdown` finishes the stragglers here.
+        """
+
         def change(operation: Operation) -> None:
             operation.state = state
             if response is not None:
@@ -334,7 +342,7 @@ class OperationsStore:
                 self._changed.wait(left)
             stragglers = list(self._handles)
         for name in stragglers:
-            self._finish(
+            self.finish(
                 name,
                 FAILED,
                 error=(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from pathlib import Path
 
 import grpc
@@ -21,13 +20,14 @@ import grpc
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
 from services.common.errors import (
     Cancelled,
-    Conflict,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Validator,
 )
-from services.common.operations import OperationHandle, OperationsStore, run_in_thread
+from services.common.jobs import JobRunner
+from services.common.operation_jobs import OperationHandle
+from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import confine_tree, resolve_under_roots
 from services.common.server import ServiceBinding
@@ -270,8 +270,7 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
     def __init__(self, config: ConverterServiceConfig, store: OperationsStore) -> None:
         self._config = config
         self._store = store
-        self._lock = threading.Lock()
-        self._writing: set[Path] = set()
+        self._jobs = JobRunner(store, JOB_KIND, job_noun="conversion")
 
     async def Convert(
         self, request: converter_pb2.ConvertRequest, context: grpc.aio.ServicerContext
@@ -283,32 +282,17 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
 
     def _start_job(self, request: converter_pb2.ConvertRequest) -> converter_pb2.ConvertResponse:
         options = job_options(request, self._config)
-        save_dir = options.save_dir
-        with self._lock:
-            if save_dir in self._writing:
-                raise Conflict(
-                    f"save_dir: another running conversion writes {str(save_dir)!r}; wait for it "
-                    "(WaitOperation) or choose another directory"
-                )
-            self._writing.add(save_dir)
-        try:
-            handle = self._store.create(JOB_KIND, converter_pb2.ConvertMetadata(request=request))
-        except BaseException:
-            self._release(save_dir)
-            raise
 
         def job(handle: OperationHandle) -> converter_pb2.ConvertResult:
-            try:
-                return self._run(request, options, handle)
-            finally:
-                self._release(save_dir)
+            return self._run(request, options, handle)
 
-        run_in_thread(self._store, handle, job)
-        return converter_pb2.ConvertResponse(operation=self._store.get(handle.name))
-
-    def _release(self, save_dir: Path) -> None:
-        with self._lock:
-            self._writing.discard(save_dir)
+        operation = self._jobs.start(
+            converter_pb2.ConvertMetadata(request=request),
+            job,
+            output=options.save_dir,
+            field="save_dir",
+        )
+        return converter_pb2.ConvertResponse(operation=operation)
 
     @staticmethod
     def _run(

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
 
 DEFAULT_PORT = 50055
 
 
-def _default_roots() -> tuple[Path, ...]:
-    return (Path.cwd(),)
-
-
 @dataclass
-class EvaluatorServiceConfig:
-    """What an evaluator server may touch, where results go, and its request limits."""
+class EvaluatorServiceConfig(DataRootsConfig):
+    """What an evaluator server may touch (task data, checkpoints and output lie under
+    `data_roots`), where results go, and its request limits."""
 
-    data_roots: tuple[Path, ...] = field(default_factory=_default_roots)
-    """Directories that request paths (task data, checkpoints, output) must lie under."""
     output_root: Path | None = None
     """Where results go when a request gives no output_path; None = `<first data root>/runs/eval`."""
     max_batch_size: int = 256
@@ -29,16 +26,11 @@ class EvaluatorServiceConfig:
     """Run HumanEval's generated code even where the host cannot sandbox it in namespaces."""
 
     def __post_init__(self) -> None:
-        if not self.data_roots:
-            raise ValueError("--data-root: give at least one directory (use / to allow any path)")
-        self.data_roots = tuple(Path(root).resolve() for root in self.data_roots)
-        for root in self.data_roots:
-            if not root.is_dir():
-                raise ValueError(f"--data-root {str(root)!r} is not an existing directory")
+        super().__post_init__()
         if self.output_root is None:
             self.output_root = self.data_roots[0] / "runs" / "eval"
         self.output_root = Path(self.output_root).resolve()
-        if not any(r == self.output_root or r in self.output_root.parents for r in self.data_roots):
+        if not self.under_roots(self.output_root):
             raise ValueError(
                 f"--output-root {str(self.output_root)!r} must lie under a --data-root "
                 f"({', '.join(map(str, self.data_roots))})"
@@ -54,15 +46,7 @@ class EvaluatorServiceConfig:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the evaluator service's own flags to its `serve` parser."""
     group = parser.add_argument_group("evaluator service")
-    group.add_argument(
-        "--data-root",
-        dest="data_roots",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="directory request paths must lie under; repeatable (default: the current "
-        "directory; / allows any path)",
-    )
+    add_data_root_flag(group, "request paths")
     group.add_argument(
         "--output-root",
         default=None,
@@ -91,7 +75,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> EvaluatorServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = tuple(Path(p) for p in args.data_roots) if args.data_roots else _default_roots()
+    roots = data_roots_from_args(args)
     return EvaluatorServiceConfig(
         data_roots=roots,
         output_root=Path(args.output_root) if args.output_root else None,

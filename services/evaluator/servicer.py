@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -20,13 +19,13 @@ from meshline.common.v1 import operations_pb2
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from services.common.errors import (
     Cancelled,
-    Conflict,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Validator,
 )
-from services.common.operation_jobs import OperationHandle, run_in_thread
+from services.common.jobs import JobRunner, operation_id
+from services.common.operation_jobs import OperationHandle
 from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import confine_tree, resolve_under_roots
@@ -176,9 +175,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
     def __init__(self, config: EvaluatorServiceConfig, store: OperationsStore) -> None:
         self._config = config
         self._store = store
-        self._lock = threading.Lock()
-        self._writing: set[Path] = set()
-        """Output directories of running evaluations (one writer each)."""
+        self._jobs = JobRunner(store, JOB_KIND, job_noun="evaluation")
 
     async def StartEvaluation(
         self, request: evaluator_pb2.StartEvaluationRequest, context: grpc.aio.ServicerContext
@@ -245,31 +242,24 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             )
         self._require_sandbox(list(request.tasks))
         explicit = (
-            resolve_under_roots(request.output_path, self._config.data_roots, "output_path")
+            self._config.resolve(request.output_path, "output_path")
             if request.output_path
             else None
         )
-        with self._lock:
-            if explicit is not None and explicit in self._writing:
-                raise Conflict(
-                    f"output_path: another running evaluation writes {str(explicit)!r}; wait for "
-                    "it (WaitOperation) or choose another directory"
-                )
-            handle = self._store.create(JOB_KIND, evaluator_pb2.EvaluationMetadata(request=request))
-            output = explicit or (
-                Path(self._config.output_root or ".") / handle.name.rsplit("/", 1)[-1]
-            )
-            self._writing.add(output)
 
-        def job(h: OperationHandle) -> evaluator_pb2.EvaluationResult:
-            try:
-                return self._run(request, output, h)
-            finally:
-                with self._lock:
-                    self._writing.discard(output)
+        def output_for(operation: str) -> Path:
+            return explicit or Path(self._config.output_root or ".") / operation
 
-        run_in_thread(self._store, handle, job)
-        return evaluator_pb2.StartEvaluationResponse(operation=self._store.get(handle.name))
+        def job(handle: OperationHandle) -> evaluator_pb2.EvaluationResult:
+            return self._run(request, output_for(operation_id(handle.name)), handle)
+
+        operation = self._jobs.start(
+            evaluator_pb2.EvaluationMetadata(request=request),
+            job,
+            output=explicit if explicit is not None else output_for,
+            field="output_path",
+        )
+        return evaluator_pb2.StartEvaluationResponse(operation=operation)
 
     def _require_sandbox(self, tasks: list[str]) -> None:
         """FAILED_PRECONDITION before any work when HumanEval could not sandbox its code."""
@@ -285,9 +275,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         start = time.time()
         config = EvalConfig(
             tasks=tuple(request.tasks),
-            task_data_path=resolve_under_roots(
-                request.task_data_path, self._config.data_roots, "task_data_path"
-            ),
+            task_data_path=self._config.resolve(request.task_data_path, "task_data_path"),
             output_path=output,
             num_fewshot=request.num_fewshot if request.HasField("num_fewshot") else None,
             limit=request.limit if request.HasField("limit") else None,
@@ -313,7 +301,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             handle.progress(req_done, req_total, unit="requests", message=task, metadata=metadata)
 
         try:
-            resolve_under_roots(str(output), self._config.data_roots, "output_path")
+            self._config.resolve(str(output), "output_path")
             model = self._open_model(request)
             try:
                 outcomes = evaluate(
@@ -350,7 +338,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "temperature": config.temperature if config.num_samples > 1 else None,
         }
         # Re-checked at use: the folder may have become a symlink leaving the roots meanwhile.
-        resolve_under_roots(str(output), self._config.data_roots, "output_path")
+        self._config.resolve(str(output), "output_path")
         path, _ = write_results(output, outcomes, settings, start)
         return evaluator_pb2.EvaluationResult(
             results=_task_results(outcomes),

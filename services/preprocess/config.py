@@ -4,32 +4,23 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+
+from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
 
 DEFAULT_PORT = 50051
 
 
-def _default_roots() -> tuple[Path, ...]:
-    return (Path.cwd(),)
-
-
 @dataclass
-class PreprocessServiceConfig:
-    """What a preprocess server may touch and how much it may use."""
+class PreprocessServiceConfig(DataRootsConfig):
+    """What a preprocess server may touch (inputs, tokenizer and output prefix lie under
+    `data_roots`) and how much it may use."""
 
-    data_roots: tuple[Path, ...] = field(default_factory=_default_roots)
-    """Directories that request paths (inputs, tokenizer, output prefix) must lie under."""
     max_workers: int = max(1, os.cpu_count() or 1)
     """Largest `workers` a request may ask for (tokeniser processes per job)."""
 
     def __post_init__(self) -> None:
-        if not self.data_roots:
-            raise ValueError("--data-root: give at least one directory (use / to allow any path)")
-        self.data_roots = tuple(Path(root).resolve() for root in self.data_roots)
-        for root in self.data_roots:
-            if not root.is_dir():
-                raise ValueError(f"--data-root {str(root)!r} is not an existing directory")
+        super().__post_init__()
         if self.max_workers < 1:
             raise ValueError(f"--max-workers must be >= 1, got {self.max_workers}")
 
@@ -38,15 +29,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the preprocess service's own flags to its `serve` parser."""
     d = PreprocessServiceConfig()
     group = parser.add_argument_group("preprocess service")
-    group.add_argument(
-        "--data-root",
-        dest="data_roots",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="directory request paths must lie under; repeatable (default: the current "
-        "directory; / allows any path)",
-    )
+    add_data_root_flag(group, "request paths")
     group.add_argument(
         "--max-workers",
         type=int,
@@ -57,5 +40,5 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> PreprocessServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = tuple(Path(p) for p in args.data_roots) if args.data_roots else _default_roots()
+    roots = data_roots_from_args(args)
     return PreprocessServiceConfig(data_roots=roots, max_workers=args.max_workers)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,15 @@ import grpc
 from meshline.preprocess.v1 import preprocess_pb2, preprocess_pb2_grpc
 from services.common.errors import (
     Cancelled,
-    Conflict,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Validator,
     invalid_argument_from,
 )
-from services.common.operations import OperationHandle, OperationsStore, run_in_thread
+from services.common.jobs import JobRunner
+from services.common.operation_jobs import OperationHandle
+from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import resolve_under_roots
 from services.common.server import ServiceBinding
@@ -344,8 +344,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
     def __init__(self, config: PreprocessServiceConfig, store: OperationsStore) -> None:
         self._config = config
         self._store = store
-        self._lock = threading.Lock()
-        self._writing: set[Path] = set()
+        self._jobs = JobRunner(store, JOB_KIND)
 
     async def StartPreprocess(
         self, request: preprocess_pb2.StartPreprocessRequest, context: grpc.aio.ServicerContext
@@ -358,37 +357,20 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
     def _start_job(
         self, request: preprocess_pb2.StartPreprocessRequest
     ) -> preprocess_pb2.StartPreprocessResponse:
-        config = confined_job_config(request, self._config.data_roots)
-        prefix = resolve_under_roots(
-            request.output_prefix, self._config.data_roots, "output_prefix"
-        )
-        with self._lock:
-            if prefix in self._writing:
-                raise Conflict(
-                    f"output_prefix: another running job writes {str(prefix)!r}; wait for it "
-                    "(WaitOperation) or choose another prefix"
-                )
-            self._writing.add(prefix)
-        try:
-            handle = self._store.create(
-                JOB_KIND, preprocess_pb2.PreprocessMetadata(request=request)
-            )
-        except BaseException:
-            self._release(prefix)
-            raise
+        roots = self._config.data_roots
+        config = confined_job_config(request, roots)
 
         def job(handle: OperationHandle) -> preprocess_pb2.PreprocessResult:
-            try:
-                return self._run(request, config, handle, self._config.data_roots)
-            finally:
-                self._release(prefix)
+            return self._run(request, config, handle, roots)
 
-        run_in_thread(self._store, handle, job)
-        return preprocess_pb2.StartPreprocessResponse(operation=self._store.get(handle.name))
-
-    def _release(self, prefix: Path) -> None:
-        with self._lock:
-            self._writing.discard(prefix)
+        operation = self._jobs.start(
+            preprocess_pb2.PreprocessMetadata(request=request),
+            job,
+            output=self._config.resolve(request.output_prefix, "output_prefix"),
+            field="output_prefix",
+            path_noun="prefix",
+        )
+        return preprocess_pb2.StartPreprocessResponse(operation=operation)
 
     @staticmethod
     def _run(

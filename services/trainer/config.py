@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+
+from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
 
 DEFAULT_PORT = 50052
 # auto: Kubernetes workloads (services.trainer.k8s_launcher) inside a cluster, else local torchrun.
 LAUNCHERS = ("auto", "local", "kubernetes")
 
 
-def _default_roots() -> tuple[Path, ...]:
-    return (Path.cwd(),)
-
-
 @dataclass
-class TrainerServiceConfig:
-    """What a trainer server may touch and how large a job it may launch."""
+class TrainerServiceConfig(DataRootsConfig):
+    """What a trainer server may touch (paths in a request's flags — --data-path, --save,
+    --load, ... — lie under `data_roots`) and how large a job it may launch."""
 
-    data_roots: tuple[Path, ...] = field(default_factory=_default_roots)
-    """Directories that paths in a request's flags (--data-path, --save, --load, ...) must lie under."""
     max_nproc_per_node: int = 8
     """Largest `nproc_per_node` a request may ask for (devices of one node)."""
     max_restarts_limit: int = 10
@@ -29,12 +25,7 @@ class TrainerServiceConfig:
     """Where jobs run: auto (Kubernetes workloads inside a cluster, else local torchrun), local, kubernetes."""
 
     def __post_init__(self) -> None:
-        if not self.data_roots:
-            raise ValueError("--data-root: give at least one directory (use / to allow any path)")
-        self.data_roots = tuple(Path(root).resolve() for root in self.data_roots)
-        for root in self.data_roots:
-            if not root.is_dir():
-                raise ValueError(f"--data-root {str(root)!r} is not an existing directory")
+        super().__post_init__()
         if self.max_nproc_per_node < 1:
             raise ValueError(f"--max-nproc-per-node must be >= 1, got {self.max_nproc_per_node}")
         if self.max_restarts_limit < 0:
@@ -47,15 +38,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the trainer service's own flags to its `serve` parser."""
     d = TrainerServiceConfig()
     group = parser.add_argument_group("trainer service")
-    group.add_argument(
-        "--data-root",
-        dest="data_roots",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="directory that paths in training flags must lie under; repeatable (default: the "
-        "current directory; / allows any path)",
-    )
+    add_data_root_flag(group, "paths in training flags")
     group.add_argument(
         "--max-nproc-per-node",
         type=int,
@@ -79,7 +62,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> TrainerServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = tuple(Path(p) for p in args.data_roots) if args.data_roots else _default_roots()
+    roots = data_roots_from_args(args)
     return TrainerServiceConfig(
         data_roots=roots,
         max_nproc_per_node=args.max_nproc_per_node,

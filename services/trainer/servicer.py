@@ -30,7 +30,9 @@ from services.common.errors import (
     Unimplemented,
     Validator,
 )
-from services.common.operations import OperationHandle, OperationsStore, run_in_thread
+from services.common.jobs import JobRunner
+from services.common.operation_jobs import OperationHandle
+from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import ROOTS_ENV, resolve_under_roots, roots_env_value
 from services.common.server import ServiceBinding
@@ -145,6 +147,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self._config = config
         self._store = store
         self._runs: dict[str, TrainingRun] = {}
+        self._jobs = JobRunner(store, JOB_KIND)
 
     def _training_operation(self, name: str) -> operations_pb2.Operation:
         _require_name(name)
@@ -224,16 +227,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             checkpoint_dir=config.run.save or "",
             world_size=nproc * nnodes,
         )
-        handle = self._store.create(JOB_KIND, metadata)
         env = {**request.env, ROOTS_ENV: roots_env_value(self._config.data_roots)}
         run = TrainingRun(config, argv=argv_from_config(config), env=env)
-        self._runs[handle.name] = run
 
         def job(handle: OperationHandle) -> trainer_pb2.TrainingResult | None:
             return run_job(self._config.launcher, request, run, handle, metadata, nproc, nnodes)
 
-        run_in_thread(self._store, handle, job)
-        return trainer_pb2.StartTrainingResponse(operation=self._store.get(handle.name))
+        def register(name: str) -> None:
+            self._runs[name] = run
+
+        # No output claim: a run writes where its flags say (--save, --log-dir, ...).
+        operation = self._jobs.start(metadata, job, on_created=register)
+        return trainer_pb2.StartTrainingResponse(operation=operation)
 
     def _stop_job(
         self, operation: operations_pb2.Operation, save_checkpoint: bool

@@ -257,10 +257,8 @@ def detect_format(directory: Path) -> str:
         assert entry.detect is not None
         if entry.detect(directory):
             return entry.key
-    kinds = [
-        f"a {entry.label} one ({entry.layout})" for entry in FORMATS.values() if entry in detectable
-    ]
+    kinds = [f"{entry.label} ({entry.layout})" for entry in FORMATS.values() if entry in detectable]
     raise ValueError(
-        f"--load {directory}: not a checkpoint: expected {', '.join(kinds[:-1])} or {kinds[-1]}; "
-        "pass --load-format or point --load at a checkpoint"
+        f"--load {directory}: no checkpoint of a known format: {', '.join(kinds[:-1])} or "
+        f"{kinds[-1]}; pass --load-format or point --load at a checkpoint"
     )

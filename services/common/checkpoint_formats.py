@@ -13,14 +13,14 @@ from meshline.common.v1 import checkpoint_pb2
 PREFIX = "CHECKPOINT_FORMAT_"
 Enum = checkpoint_pb2.CheckpointFormat
 
-KEYS: dict[int, str] = {
+KEYS: dict[checkpoint_pb2.CheckpointFormat, str] = {
     number: name.removeprefix(PREFIX).lower()
     for name, number in Enum.items()
     if number != checkpoint_pb2.CHECKPOINT_FORMAT_UNSPECIFIED
     and name.removeprefix(PREFIX).lower() in FORMATS
 }
 """Enum value -> registry key, for every value the registry knows."""
-VALUES: dict[str, int] = {key: number for number, key in KEYS.items()}
+VALUES: dict[str, checkpoint_pb2.CheckpointFormat] = {key: number for number, key in KEYS.items()}
 """Registry key -> enum value."""
 
 
@@ -30,6 +30,6 @@ def format_names(keys: tuple[str, ...], conjunction: str = "or") -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
-def format_keys(keys: tuple[str, ...]) -> dict[int, str]:
+def format_keys(keys: tuple[str, ...]) -> dict[checkpoint_pb2.CheckpointFormat, str]:
     """Enum value -> registry key, restricted to `keys` (e.g. the formats served)."""
     return {VALUES[key]: key for key in keys}

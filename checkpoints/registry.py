@@ -4,9 +4,10 @@ Every list of format names derives from `FORMATS`: `meshline convert --load-form
 `--save-format` (`READ_FORMATS` / `WRITE_FORMATS`), the serving `--load-format` of `meshline
 generate`, `meshline serve` and `meshline evaluate` (`SERVE_FORMATS`, plus "auto"), the
 `--load-format auto` detection (`detect_format`) and the proto enum
-`meshline.common.v1.CheckpointFormat`, whose value `CHECKPOINT_FORMAT_<KEY>` is each key upper-cased
-(mapped in `services/common/checkpoint_formats.py`). The converter job and the serving loader
-open sources and sinks through `open_source` / `open_sink` here, never by format name.
+`meshline.common.v1.CheckpointFormat`, whose value `CHECKPOINT_FORMAT_<KEY>` is each key
+upper-cased (mapped in `services/common/checkpoint_formats.py`). The converter job and the
+serving loader open readers and writers through an entry's `open_source` / `open_sink`, never
+by format name.
 
 Adding a format: one `FormatSpec` entry below (its reader/writer module holds the
 `Source` / `Sink` classes of `checkpoints/units.py`) and one enum value in

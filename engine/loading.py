@@ -1,10 +1,12 @@
 """Load a checkpoint directory for serving: model weights, config, tokenizer, LoRA merged.
 
-Reading is the converter's (`services/converter`): `HFSource` (config.json + safetensors, sharded
-or not), `NativeSource` (a trainer save dir or step dir; DCP read pickle-free), `MegatronSource`
-(any saved TP/PP/virtual layout, merged to whole tensors). Each yields units (embedding, each
-layer, head) under Meshline names; a LoRA adapter (`--lora-load`, PEFT format) is merged unit by
-unit with the converter's `LoraAdapter`, as peft's `merge_and_unload` would. The whole model is
+Reading goes through the format registry (`checkpoints/registry.py`), the converter's readers:
+the formats marked `serves` there — HF (config.json + safetensors, sharded or not), native (a
+trainer save dir or step dir; DCP read pickle-free), Megatron (any saved TP/PP/virtual layout,
+merged to whole tensors) — and `--load-format auto` detects which one a directory holds
+(`detect_format`). Each yields units (embedding, each layer, head) under Meshline names; a LoRA
+adapter (`--lora-load`, PEFT format) is merged unit by unit with the converter's `LoraAdapter`,
+as peft's `merge_and_unload` would. The whole model is
 then built on the serving device; tensor-parallel serving reshards it afterwards, so the saved
 layout never has to match the serving one.
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoints.registry import AUTO, SERVE_CHOICES, SERVE_FORMATS, detect_format, get_format
 from models import build_model
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer, build_tokenizer
@@ -26,7 +29,6 @@ from models.transformer import CausalLM
 
 StateDict = dict[str, torch.Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass
@@ -41,40 +43,13 @@ class LoadedModel:
     name: str
 
 
-def detect_format(directory: Path) -> str:
-    """ "hf", "native" or "megatron" from the files in `directory` (ValueError when none fits)."""
-    if (directory / MEGATRON_TRACKER).is_file():
-        return "megatron"
-    if (directory / "latest").is_file() or (directory / ".metadata").is_file():
-        return "native"
-    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
-        return "hf"
-    raise ValueError(
-        f"--load {directory}: not an HF checkpoint (config.json + *.safetensors), a native one "
-        f"(latest / .metadata) or a Megatron one ({MEGATRON_TRACKER}); pass --load-format or "
-        "point --load at a checkpoint"
-    )
-
-
-def _open_source(directory: Path, fmt: str):  # -> checkpoints.units.Source
-    from checkpoints.hf_format import HFSource
-    from checkpoints.megatron_format import MegatronSource
-    from checkpoints.native_format import NativeSource
-
-    if fmt == "hf":
-        return HFSource(directory)
-    if fmt == "native":
-        return NativeSource(directory)
-    return MegatronSource(directory, None)
-
-
 def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfig, StateDict, Path]:
     """(config, full state dict under Meshline names, directory holding tokenizer files)."""
     from checkpoints.lora import LoraAdapter
     from checkpoints.units import units
 
     try:
-        source = _open_source(directory, fmt)
+        source = get_format(fmt, "--load-format", SERVE_FORMATS).open_source(directory, None, None)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
     try:
@@ -135,9 +110,9 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
     """Build the served model from a checkpoint directory (ValueError naming the bad flag)."""
-    fmt = detect_format(directory) if load_format == "auto" else load_format
-    if fmt not in ("hf", "native", "megatron"):
-        raise ValueError(f"--load-format {fmt!r}: choose auto, hf, native or megatron")
+    if load_format not in SERVE_CHOICES:
+        raise ValueError(f"--load-format {load_format!r}: choose one of {list(SERVE_CHOICES)}")
+    fmt = detect_format(directory) if load_format == AUTO else load_format
     config, state, tokenizer_dir = read_state(directory, fmt, lora)
     if dtype == "auto":
         floats = [t.dtype for t in state.values() if t.is_floating_point()]

@@ -17,13 +17,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.deepspeed_format import DeepSpeedSource
-from checkpoints.fsdp_format import FSDPSource
-from checkpoints.hf_format import HFSink, HFSource
 from checkpoints.lora import open_adapter
-from checkpoints.megatron_format import MegatronSource
-from checkpoints.megatron_writer import MegatronSink
-from checkpoints.native_format import NativeSink, NativeSource
+from checkpoints.registry import SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
     Sink,
@@ -68,36 +63,24 @@ def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
     """The source checkpoint of `options`, with `named` (from --model) checked or applied."""
     if not options.load_dir.is_dir():
         raise FileNotFoundError(f"--load-dir {options.load_dir} is not an existing directory")
-    if options.load_format == "hf":
-        return HFSource(options.load_dir, named)
-    if options.load_format == "native":
-        return NativeSource(options.load_dir, named)
-    if options.load_format == "deepspeed":
-        return DeepSpeedSource(options.load_dir, named, options.load_iteration)
-    if options.load_format == "fsdp":
-        return FSDPSource(options.load_dir, named)
-    return MegatronSource(options.load_dir, named, options.load_iteration)
+    spec = get_format(options.load_format)
+    iteration = options.load_iteration if spec.iterations else None
+    return spec.open_source(options.load_dir, named, iteration)
 
 
 def open_sink(options: ConvertOptions, directory: Path, source: Source, dtype: torch.dtype) -> Sink:
     """The output writer for `options.save_format`, writing into `directory`."""
-    tokenizer = source.tokenizer_files
-    if options.save_format == "hf":
-        base = getattr(source, "hf_config", None)
-        return HFSink(directory, source.config, dtype, tokenizer, options.max_shard_bytes, base)
-    if options.save_format == "native":
-        return NativeSink(directory, source.config, dtype, tokenizer, step=source.iteration)
-    return MegatronSink(
-        directory,
-        source.config,
-        dtype,
-        tokenizer,
-        tp=options.target_tp,
-        pp=options.target_pp,
+    spec = get_format(options.save_format, "--save-format")
+    if spec.open_sink is None:
+        raise ValueError(f"--save-format {options.save_format}: {spec.label} is read only")
+    layout = SinkOptions(
+        target_tp=options.target_tp,
+        target_pp=options.target_pp,
         layers_per_virtual_stage=options.layers_per_virtual_stage,
-        iteration=source.iteration,
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
+        max_shard_bytes=options.max_shard_bytes,
     )
+    return spec.open_sink(directory, source, dtype, layout)
 
 
 def _check_save_dir(options: ConvertOptions) -> None:
@@ -130,7 +113,10 @@ def convert(
     names = expected_names_cached(config)
     total = sum(len(names[u]) for u in all_units)
     report = _Reporter(on_progress, total, config.num_layers)
-    reshards = options.save_format == "megatron" or options.load_format == "megatron"
+    reshards = (
+        get_format(options.save_format).model_parallel
+        or get_format(options.load_format).model_parallel
+    )
 
     tmp = staging_dir(options.save_dir)
     sink: Sink | None = None
@@ -193,11 +179,7 @@ def convert(
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:
     """The just-written output, opened with its own recorded config."""
-    if options.save_format == "hf":
-        return HFSource(directory, None)
-    if options.save_format == "native":
-        return NativeSource(directory, None)
-    return MegatronSource(directory, None)
+    return get_format(options.save_format).open_source(directory, None, None)
 
 
 class _Reporter:

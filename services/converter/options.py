@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES
+from checkpoints.registry import READ_FORMATS, WRITE_FORMATS, get_format
 from checkpoints.units import DTYPES
 from services.converter.verify import VerifyReport
 
-FORMATS = ("hf", "native", "megatron")
-"""Checkpoint formats written (`--save-format` choices); each is read too."""
-LOAD_FORMATS = (*FORMATS, "deepspeed", "fsdp")
-"""Checkpoint formats read (`--load-format` choices): DeepSpeed ZeRO and FSDP state dicts of HF
-models are read only."""
+FORMATS = WRITE_FORMATS
+"""Checkpoint formats written (`--save-format` choices; checkpoints/registry.py); each is read
+too."""
+LOAD_FORMATS = READ_FORMATS
+"""Checkpoint formats read (`--load-format` choices; checkpoints/registry.py): DeepSpeed ZeRO and
+FSDP state dicts of HF models are read only."""
 STAGES = ("load", "merge_lora", "reshard", "save", "verify")
 """Progress stages, in order."""
 
@@ -82,25 +84,22 @@ class ConvertOptions:
         self.load_dir, self.save_dir = Path(self.load_dir), Path(self.save_dir)
         if self.lora_dir is not None:
             self.lora_dir = Path(self.lora_dir)
-        for flag, fmt, choices in (
-            ("--load-format", self.load_format, LOAD_FORMATS),
-            ("--save-format", self.save_format, FORMATS),
-        ):
-            if fmt not in choices:
-                raise ValueError(f"{flag} {fmt!r}: expected one of {list(choices)}")
+        get_format(self.load_format, "--load-format", LOAD_FORMATS)
+        target = get_format(self.save_format, "--save-format", FORMATS)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {list(DTYPES)}")
-        megatron_out = self.save_format == "megatron"
+        sharded = [key for key in FORMATS if get_format(key).model_parallel]
         for flag, value in (
             ("--target-tensor-parallel-size", self.target_tp),
             ("--target-pipeline-parallel-size", self.target_pp),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-            if value > 1 and not megatron_out:
+            if value > 1 and not target.model_parallel:
                 raise ValueError(
-                    f"{flag} {value}: only Megatron outputs are sharded (native checkpoints load "
-                    "into any layout, HF is unsharded); use --save-format megatron"
+                    f"{flag} {value}: only {' and '.join(sharded)} outputs are saved per "
+                    f"tensor/pipeline rank (a {self.save_format} output loads into any layout); "
+                    f"use --save-format {sharded[0]}"
                 )
         if self.layers_per_virtual_stage is not None and (
             self.layers_per_virtual_stage < 1 or self.target_pp < 2

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import grpc
 
+from checkpoints.registry import FORMATS, READ_FORMATS, WRITE_FORMATS
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
+from services.common.checkpoint_formats import format_keys, format_names
 from services.common.errors import (
     Cancelled,
     FailedPrecondition,
@@ -44,21 +46,15 @@ from services.converter.job import (
 from services.converter.output_dir import UnsafeSaveDir, check_replaceable, check_save_dir
 
 SERVICE_NAME = converter_pb2.DESCRIPTOR.services_by_name["ConverterService"].full_name
-Format = converter_pb2.CheckpointFormat
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 JOB_KIND = "convert"
-_FORMAT_NAMES = {
-    Format.CHECKPOINT_FORMAT_HF: "hf",
-    Format.CHECKPOINT_FORMAT_NATIVE: "native",
-    Format.CHECKPOINT_FORMAT_MEGATRON: "megatron",
-    Format.CHECKPOINT_FORMAT_DEEPSPEED: "deepspeed",
-    Format.CHECKPOINT_FORMAT_FSDP: "fsdp",
-}
-_WRITTEN = {
-    Format.CHECKPOINT_FORMAT_HF,
-    Format.CHECKPOINT_FORMAT_NATIVE,
-    Format.CHECKPOINT_FORMAT_MEGATRON,
-}
+FORMAT_KEYS = format_keys(READ_FORMATS)
+"""load_format enum value -> registry key (checkpoints/registry.py): every format is read."""
+WRITTEN_KEYS = format_keys(WRITE_FORMATS)
+"""save_format enum value -> registry key: the formats written."""
+_READ_ONLY = tuple(key for key in READ_FORMATS if key not in WRITE_FORMATS)
+_ITERATED = tuple(key for key in READ_FORMATS if FORMATS[key].iterations)
+_SHARDED = tuple(key for key in WRITE_FORMATS if FORMATS[key].model_parallel)
 _DTYPE_NAMES = {
     converter_pb2.DTYPE_FLOAT32: "fp32",
     converter_pb2.DTYPE_FLOAT16: "fp16",
@@ -73,14 +69,12 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
     """Raises InvalidArgument naming every malformed or contradictory field."""
     check = Validator()
     check.require(
-        request.load_format in _FORMAT_NAMES,
-        "load_format",
-        "set HF, NATIVE, MEGATRON, DEEPSPEED or FSDP",
+        request.load_format in FORMAT_KEYS, "load_format", f"set {format_names(READ_FORMATS)}"
     )
     check.require(
-        request.save_format in _WRITTEN,
+        request.save_format in WRITTEN_KEYS,
         "save_format",
-        "set HF, NATIVE or MEGATRON (DEEPSPEED and FSDP are read only)",
+        f"set {format_names(WRITE_FORMATS)} ({format_names(_READ_ONLY, 'and')} are read only)",
     )
     check.require(bool(request.load_dir), "load_dir", "must not be empty")
     check.require(bool(request.save_dir), "save_dir", "must not be empty")
@@ -90,7 +84,7 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
             "model",
             f"{request.model!r} is not a model config name (e.g. llama-7b)",
         )
-    megatron_out = request.save_format == Format.CHECKPOINT_FORMAT_MEGATRON
+    sharded_out = WRITTEN_KEYS.get(request.save_format) in _SHARDED
     for field in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
         if request.HasField(field):
             value = getattr(request, field)
@@ -100,9 +94,10 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
                 f"must be in [1, {config.max_parallel_size}], got {value}",
             )
             check.require(
-                megatron_out,
+                sharded_out,
                 field,
-                "only MEGATRON outputs are sharded (NATIVE loads into any layout, HF is unsharded)",
+                f"only {format_names(_SHARDED, 'and')} outputs are saved per tensor/pipeline "
+                "rank (other formats load into any layout)",
             )
     if request.HasField("num_layers_per_virtual_pipeline_stage"):
         check.require(
@@ -131,10 +126,9 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
     if request.HasField("load_iteration"):
         check.require(request.load_iteration >= 0, "load_iteration", "must be >= 0")
         check.require(
-            request.load_format
-            in (Format.CHECKPOINT_FORMAT_MEGATRON, Format.CHECKPOINT_FORMAT_DEEPSPEED),
+            FORMAT_KEYS.get(request.load_format) in _ITERATED,
             "load_iteration",
-            "only MEGATRON and DEEPSPEED sources have iterations",
+            f"only {format_names(_ITERATED, 'and')} sources have iterations",
         )
     for field in ("lora_r", "lora_alpha"):
         if request.HasField(field):
@@ -218,8 +212,8 @@ def job_options(
     )
     try:
         return ConvertOptions(
-            load_format=_FORMAT_NAMES[request.load_format],
-            save_format=_FORMAT_NAMES[request.save_format],
+            load_format=FORMAT_KEYS[request.load_format],
+            save_format=WRITTEN_KEYS[request.save_format],
             load_dir=resolve_under_roots(request.load_dir, roots, "load_dir"),
             save_dir=resolve_under_roots(request.save_dir, roots, "save_dir"),
             model=request.model or None,

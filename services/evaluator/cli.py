@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from checkpoints.registry import SERVE_CHOICES
 from services.common import megatron_compat
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
@@ -32,7 +33,8 @@ from services.evaluator.sandbox.runner import (
 )
 from services.evaluator.tasks import groups, list_tasks, resolve
 
-LOAD_FORMATS = ("auto", "hf", "native", "megatron")
+LOAD_FORMATS = SERVE_CHOICES
+"""`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 # ModelLink's TASK names -> Meshline task or group names.
 TASK_ALIASES = {"human_eval": "humaneval", "ceval": "ceval-valid"}
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import grpc
 
-from meshline.common.v1 import operations_pb2
+from checkpoints.registry import SERVE_FORMATS
+from meshline.common.v1 import checkpoint_pb2, operations_pb2
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
+from services.common.checkpoint_formats import KEYS, format_keys, format_names
 from services.common.errors import (
     Cancelled,
     FailedPrecondition,
@@ -48,11 +50,8 @@ SERVICE_NAME = evaluator_pb2.DESCRIPTOR.services_by_name["EvaluatorService"].ful
 JOB_KIND = "evaluate"
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEED = 1234
-_LOAD_FORMATS = {
-    evaluator_pb2.LOAD_FORMAT_HF: "hf",
-    evaluator_pb2.LOAD_FORMAT_NATIVE: "native",
-    evaluator_pb2.LOAD_FORMAT_MEGATRON: "megatron",
-}
+_LOAD_FORMATS = format_keys(SERVE_FORMATS)
+"""local.load_format enum value -> registry key: the served formats (checkpoints/registry.py)."""
 _TASK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
 _MAX_FEWSHOT = 64
@@ -133,13 +132,17 @@ def check_fields(
     else:
         check.require(bool(request.local.load_dir), "local.load_dir", "must not be empty")
         load_format = request.local.load_format
+        if load_format == checkpoint_pb2.CHECKPOINT_FORMAT_UNSPECIFIED:
+            why = ""
+        elif load_format in KEYS:
+            why = f" ({load_format} is {KEYS[load_format].upper()}: convert it first)"
+        else:
+            why = f" ({load_format} is not a CheckpointFormat value)"
         check.require(
             load_format in _LOAD_FORMATS,
             "local.load_format",
-            "set LOAD_FORMAT_HF, LOAD_FORMAT_NATIVE or LOAD_FORMAT_MEGATRON"
-            + ("" if load_format == evaluator_pb2.LOAD_FORMAT_UNSPECIFIED
-               else f" ({load_format} is not a LoadFormat value)"),
-        )  # fmt: skip
+            f"set {format_names(SERVE_FORMATS)}{why}",
+        )
     check.raise_if_any()
 
 

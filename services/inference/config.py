@@ -6,8 +6,11 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoints.registry import SERVE_CHOICES
+
 DEFAULT_PORT = 50054
-LOAD_FORMATS = ("auto", "hf", "native", "megatron")
+LOAD_FORMATS = SERVE_CHOICES
+"""`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -19,6 +19,7 @@ import grpc
 from engine.requests import Finish, RequestError, StepEvent
 from engine.sampling import MAX_SEED, SamplingConfig
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.common.checkpoint_formats import VALUES
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -524,6 +525,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             ),
             checkpoint_path=str(loaded.path),
             load_format=loaded.load_format,
+            checkpoint_format=VALUES[loaded.load_format],
             device=engine.engine.device.type,
             num_parameters=engine.num_parameters(),
         )

@@ -31,6 +31,7 @@ from checkpoints.lora import LoraAdapter
 from checkpoints.safe_reader import SafeFileSystemReader
 from checkpoints.torch_files import RefusedGlobals, load_weights_only
 from engine.loading import read_state
+from meshline.common.v1 import checkpoint_pb2
 from meshline.converter.v1 import converter_pb2
 from models.registry import get_config
 from services.converter.job import ConvertOptions, convert
@@ -270,8 +271,8 @@ def test_convert_native_to_hf_over_grpc_refuses_metadata_payload(hostile_native,
     (_native_step(hostile_native) / ".metadata").write_bytes(_payloads(marker)[payload])
     root = hostile_native.parent
     request = converter_pb2.ConvertRequest(
-        load_format=converter_pb2.CHECKPOINT_FORMAT_NATIVE,
-        save_format=converter_pb2.CHECKPOINT_FORMAT_HF,
+        load_format=checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE,
+        save_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
         load_dir=str(hostile_native),
         save_dir=str(root / "hf-out"),
     )
@@ -326,8 +327,8 @@ def test_megatron_file_with_code_is_refused_over_grpc(tmp_path, marker, place):
         state["args"].tensor_model_parallel_size = evil
     directory = _megatron_dir(tmp_path, state)
     request = converter_pb2.ConvertRequest(
-        load_format=converter_pb2.CHECKPOINT_FORMAT_MEGATRON,
-        save_format=converter_pb2.CHECKPOINT_FORMAT_HF,
+        load_format=checkpoint_pb2.CHECKPOINT_FORMAT_MEGATRON,
+        save_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
         load_dir=str(directory),
         save_dir=str(tmp_path / "out"),
         model="tiny-llama-gqa",

@@ -22,13 +22,14 @@ import grpc
 import pytest
 
 from checkpoints.safetensors_stream import read_header
+from meshline.common.v1 import checkpoint_pb2
 from meshline.converter.v1 import converter_pb2
 from services.converter import cli, output_dir
 from services.converter.output_dir import MARKER, publish, staging_dir, write_marker
 from tests.security.grpc_convert import convert_over_grpc
 from tests.services.converter.conftest import hf_llama_gqa, save_hf
 
-HF, NATIVE = converter_pb2.CHECKPOINT_FORMAT_HF, converter_pb2.CHECKPOINT_FORMAT_NATIVE
+HF, NATIVE = checkpoint_pb2.CHECKPOINT_FORMAT_HF, checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -26,7 +26,7 @@ import pytest
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2
 from meshline.evaluator.v1 import evaluator_pb2
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -242,8 +242,8 @@ def test_fuzz_converter(tmp_path: Path) -> None:
     from tests.services.inference.helpers import hf_reference, save_hf_checkpoint
 
     request = converter_pb2.ConvertRequest(
-        load_format=converter_pb2.CHECKPOINT_FORMAT_HF,
-        save_format=converter_pb2.CHECKPOINT_FORMAT_NATIVE,
+        load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
+        save_format=checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE,
         load_dir=str(tmp_path / "absent"),
         save_dir=str(tmp_path / "out"),
     )

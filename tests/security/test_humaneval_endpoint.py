@@ -6,7 +6,8 @@ among them - and exits 0 before the tests through the bootstrap's own saved `os.
 pass@1 = 1.0 on the old sandbox); the score must
 be 0, while the same server scores 1 for the right answers. Without isolation the server
 refuses up front (FAILED_PRECONDITION naming --allow-unsafe-code-execution, nothing generated)
-unless its operator allowed unsafe execution. A LoadFormat out of the enum is INVALID_ARGUMENT.
+unless its operator allowed unsafe execution. A load_format that is not a served
+CheckpointFormat (DEEPSPEED, or out of the enum) is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import grpc
 import psutil
 import pytest
 
-from meshline.common.v1 import operations_pb2
+from meshline.common.v1 import checkpoint_pb2, operations_pb2
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -299,8 +299,8 @@ def test_converter_source_with_a_symlink_outside_is_refused(root: Path, outside:
         with grpc.insecure_channel(server.address) as channel:
             stub = converter_pb2_grpc.ConverterServiceStub(channel)
             request = converter_pb2.ConvertRequest(
-                load_format=converter_pb2.CHECKPOINT_FORMAT_HF,
-                save_format=converter_pb2.CHECKPOINT_FORMAT_NATIVE,
+                load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
+                save_format=checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE,
                 load_dir=str(hf),
                 save_dir=str(root / "native"),
             )

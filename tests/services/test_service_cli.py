@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -179,8 +179,8 @@ def _invalid_call(name: str, channel: grpc.Channel, data_root: Path) -> tuple[ob
         return (lambda: call(request, timeout=10)), "nproc_per_node"
     if name == "converter":
         request = converter_pb2.ConvertRequest(
-            load_format=converter_pb2.CHECKPOINT_FORMAT_HF,
-            save_format=converter_pb2.CHECKPOINT_FORMAT_MEGATRON,
+            load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
+            save_format=checkpoint_pb2.CHECKPOINT_FORMAT_MEGATRON,
             load_dir=str(data_root / "hf"),
             save_dir=str(data_root / "megatron"),
             target_tensor_parallel_size=0,
@@ -227,8 +227,8 @@ def test_path_outside_data_root_is_permission_denied(
     servers: dict[str, ServerProcess], data_root: Path
 ) -> None:
     request = converter_pb2.ConvertRequest(
-        load_format=converter_pb2.CHECKPOINT_FORMAT_HF,
-        save_format=converter_pb2.CHECKPOINT_FORMAT_NATIVE,
+        load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF,
+        save_format=checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE,
         load_dir=str(data_root / ".." / "elsewhere"),
         save_dir=str(data_root / "out"),
     )

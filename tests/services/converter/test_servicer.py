@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoints import megatron_layout
-from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2, converter_pb2_grpc
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
@@ -21,9 +21,9 @@ from services.converter.servicer import bindings
 from tests.services.common.helpers import arun
 
 HF, NATIVE, MEGATRON = (
-    converter_pb2.CHECKPOINT_FORMAT_HF,
-    converter_pb2.CHECKPOINT_FORMAT_NATIVE,
-    converter_pb2.CHECKPOINT_FORMAT_MEGATRON,
+    checkpoint_pb2.CHECKPOINT_FORMAT_HF,
+    checkpoint_pb2.CHECKPOINT_FORMAT_NATIVE,
+    checkpoint_pb2.CHECKPOINT_FORMAT_MEGATRON,
 )
 
 
@@ -201,7 +201,7 @@ def test_deepspeed_source_and_read_only_formats(tmp_path):
     # `latest` names step 30; load_iteration picks step 12
     write_zero_checkpoint(_llama(), tmp_path / "ds", ZeroLayout(stage=2, world=2), step=30)
     request = converter_pb2.ConvertRequest(
-        load_format=converter_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
+        load_format=checkpoint_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
         save_format=HF,
         load_dir=str(tmp_path / "ds"),
         save_dir=str(tmp_path / "hf"),
@@ -212,8 +212,8 @@ def test_deepspeed_source_and_read_only_formats(tmp_path):
     assert operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED, operation.error.message
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     for save_format in (
-        converter_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
-        converter_pb2.CHECKPOINT_FORMAT_FSDP,
+        checkpoint_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
+        checkpoint_pb2.CHECKPOINT_FORMAT_FSDP,
     ):
         bad = converter_pb2.ConvertRequest(
             load_format=HF, save_format=save_format, load_dir="a", save_dir="b"

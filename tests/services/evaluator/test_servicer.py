@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from services.common.operations import OperationsStore
 from services.evaluator.config import EvaluatorServiceConfig
@@ -145,7 +145,7 @@ def test_local_checkpoint_evaluation(served, tmp_path):
                     tasks=["boolq"],
                     task_data_path=str(FIXTURES),
                     local=evaluator_pb2.LocalModel(
-                        load_dir=str(checkpoint), load_format=evaluator_pb2.LOAD_FORMAT_HF
+                        load_dir=str(checkpoint), load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF
                     ),
                     limit=2,
                 )

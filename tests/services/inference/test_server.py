@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from meshline.common.v1 import checkpoint_pb2
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 from services.common.config import ServerConfig
@@ -55,6 +56,7 @@ def test_model_info(served):
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert (info.family, info.vocab_size, info.context_length) == ("llama", 512, 128)
     assert info.dtype == "float32" and info.load_format == "hf" and info.device == "cpu"
+    assert info.checkpoint_format == checkpoint_pb2.CHECKPOINT_FORMAT_HF
     assert info.eos_token_id == engine.tokens.eos_id and info.bos_token_id == engine.tokens.bos_id
     assert info.parallel_layout.tensor_parallel_size == 1
     assert info.num_parameters == sum(p.numel() for p in engine.loaded.model.parameters())

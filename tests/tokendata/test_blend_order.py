@@ -88,3 +88,16 @@ def test_period_and_sample_ids() -> None:
     picks = np.array([2, 0, 2, 1, 0, 2])
     assert sample_ids(picks, 3).tolist() == [0, 0, 1, 0, 1, 2]
     assert blend_many([0.3, 0.2, 0.5], 7).tolist() == _blend_loop([0.3, 0.2, 0.5], 7)[0].tolist()
+
+
+@pytest.mark.parametrize("setting", [("_MIN_STEPS_PER_CHECK", 10**9), ("_REPAIRS", 0)])
+def test_fallback_and_unrepaired_paths_are_exact(
+    monkeypatch: pytest.MonkeyPatch, setting: tuple[str, int]
+) -> None:
+    """Giving up on guesses (the loop finishes) or never repairing them keeps the exact order."""
+    import tokendata.datasets.blend_order as blend_order
+
+    monkeypatch.setattr(blend_order, *setting)
+    for weights in ([0.31, 0.27, 0.42], [0.1, 0.1, 0.1, 0.3, 0.4], [1 / 3, 1 / 3, 1 / 3]):
+        size = 30_011
+        assert np.array_equal(blend_many(weights, size), _blend_loop(weights, size)[0])

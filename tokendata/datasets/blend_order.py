@@ -9,7 +9,7 @@ in one vectorised pass: given the guessed prefix, every step's greedy choice is 
 the loop's own double arithmetic. If the guess agrees at every step, by induction it *is* the
 greedy's order; at the first disagreement the recomputed choice is exact (its prefix is), so
 it is kept and the guess resumes after it. Floating-point ties at period boundaries show up as
-two adjacent steps in swapped order; swapping them and re-checking repairs most of them without
+two nearby steps in swapped order; swapping them back and re-checking repairs most of them without
 giving up the block. Weights without a short period, or guesses that keep failing, finish with
 the exact step-by-step loop from wherever the vectorised part stopped.
 """
@@ -26,6 +26,8 @@ PERIOD_TOLERANCE = 1e-6
 """A period P needs |w_i * P - round(w_i * P)| below this for every weight."""
 _MIN_BLOCK, _MAX_BLOCK = 1024, 1 << 16
 _REPAIRS = 4  # swap-repair rounds per block
+_SWAP_REACH = 8  # how far ahead a misplaced choice is looked for
+_MAX_FIXES = 256  # swaps tried per repair round
 _MIN_STEPS_PER_CHECK = 512  # below this (on average, after a few blocks) the loop is cheaper
 
 
@@ -92,16 +94,36 @@ def weight_targets(weights: np.ndarray, start: int, count: int) -> list[np.ndarr
     return [weight * scale for weight in weights.tolist()]
 
 
-def _swap_adjacent(guess: np.ndarray, truth: np.ndarray, wrong: np.ndarray) -> bool:
-    """Swap guess[m], guess[m+1] wherever the greedy wanted guess[m+1] first; False if none."""
-    wrong = wrong[wrong + 1 < guess.size]
-    wrong = wrong[truth[wrong] == guess[wrong + 1]]
-    if wrong.size == 0:
-        return False
-    if wrong.size > 1:  # non-overlapping pairs only
-        wrong = wrong[np.concatenate(([True], np.diff(wrong) > 1))]
-    guess[wrong], guess[wrong + 1] = guess[wrong + 1], guess[wrong].copy()
-    return True
+def _repair(guess: np.ndarray, truth: np.ndarray, wrong: np.ndarray) -> bool:
+    """Swap each wrong guess with the nearby step that holds the greedy's choice (False: none).
+
+    Rounding at near-ties reorders two steps a few apart; the choices after such a pair are
+    computed from the right counts again, so many pairs can be fixed in one pass.
+    """
+    fixed, done = False, -1
+    for m in wrong[:_MAX_FIXES].tolist():
+        if m <= done:
+            continue
+        window = guess[m + 1 : m + 1 + _SWAP_REACH]
+        found = np.flatnonzero(window == truth[m])
+        if found.size == 0:
+            break  # not a local reordering: keep the exact prefix only
+        k = m + 1 + int(found[0])
+        guess[m], guess[k] = guess[k], guess[m]
+        fixed, done = True, k
+    return fixed
+
+
+def _repeat(pattern: np.ndarray, count: int) -> np.ndarray:
+    """`pattern` repeated to `count` entries (log-many copies)."""
+    out = np.empty(count, dtype=pattern.dtype)
+    filled = min(pattern.size, count)
+    out[:filled] = pattern[:filled]
+    while filled < count:
+        more = min(filled, count - filled)
+        out[filled : filled + more] = out[:more]
+        filled += more
+    return out
 
 
 def blend_many(weights: Sequence[float], size: int) -> np.ndarray:
@@ -120,13 +142,13 @@ def blend_many(weights: Sequence[float], size: int) -> np.ndarray:
     step, block, checks = warm, _MIN_BLOCK, 0
     while step < size:
         block = min(block, size - step)
-        guess = np.resize(picks[step - period : step], block)
+        guess = _repeat(picks[step - period : step], block)
         targets = weight_targets(w, step, block)
         for repair in range(_REPAIRS + 1):
             truth = greedy_choices(w, guess, served, step, targets)
             checks += 1
             wrong = np.flatnonzero(truth != guess)
-            if wrong.size == 0 or repair == _REPAIRS or not _swap_adjacent(guess, truth, wrong):
+            if wrong.size == 0 or repair == _REPAIRS or not _repair(guess, truth, wrong):
                 break  # `truth` and `wrong` describe the current guess
         accepted = int(wrong[0]) if wrong.size else block
         if accepted < block:  # the first wrong guess: the greedy's choice there is exact

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-BATCH_TOKENS = 1 << 20
-"""Documents are converted in slices of about this many tokens (cache-sized intermediates)."""
+BATCH_TOKENS = 1 << 17
+"""Documents are converted in slices of about this many tokens: the int64 intermediate (1 MiB)
+stays in L2 cache, which measured fastest of 32K-1M tokens at 100k documents."""
 
 
 def as_arrays(documents: Sequence[Any]) -> list[np.ndarray]:

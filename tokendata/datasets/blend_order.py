@@ -50,13 +50,17 @@ def blend_steps(weights: Sequence[float], served: list[int], picks: np.ndarray, 
 
 def find_period(weights: Sequence[float], limit: int) -> int | None:
     """Smallest P <= limit with every `weight * P` within PERIOD_TOLERANCE of an integer."""
-    if limit < 1:
-        return None
-    steps = np.arange(1, limit + 1, dtype=np.float64)
-    products = np.outer(np.asarray(weights, dtype=np.float64), steps)
-    distance = np.abs(products - np.round(products)).max(axis=0)
-    found = np.flatnonzero(distance <= PERIOD_TOLERANCE)
-    return int(found[0]) + 1 if found.size else None
+    w = np.asarray(weights, dtype=np.float64)[:, None]
+    low = 1
+    while low <= limit:  # short periods first: the usual weights need no large table
+        high = min(limit, 4 * low + 60)
+        products = w * np.arange(low, high + 1, dtype=np.float64)
+        distance = np.abs(products - np.round(products)).max(axis=0)
+        found = np.flatnonzero(distance <= PERIOD_TOLERANCE)
+        if found.size:
+            return low + int(found[0])
+        low = high + 1
+    return None
 
 
 def greedy_choices(

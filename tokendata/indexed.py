@@ -21,13 +21,18 @@ import os
 import struct
 from array import array
 from collections.abc import Sequence
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tokendata.token_batches import as_arrays, concat_tokens, document_sizes, slice_bounds
+from tokendata.token_batches import (
+    as_arrays,
+    batch_index,
+    concat_tokens,
+    document_sizes,
+    slice_bounds,
+)
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -48,7 +53,6 @@ _CODE_TO_DTYPE = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
 _PARTIAL_SUFFIX = ".partial"
 WRITE_BATCH_BYTES = 1 << 22
 """Converted documents are written to the .bin in batches of about this many bytes."""
-_MAX_SEQUENCE = (1 << 31) - 1  # sequence lengths are int32 in the index
 
 
 def best_dtype(vocab_size: int | None) -> np.dtype:
@@ -75,14 +79,6 @@ def bin_path(path_prefix: str | os.PathLike[str]) -> Path:
 def idx_path(path_prefix: str | os.PathLike[str]) -> Path:
     """Path of the index file for a shard prefix."""
     return Path(f"{os.fspath(path_prefix)}.idx")
-
-
-def _check_int32(sequence_lengths: np.ndarray, where: str) -> None:
-    if sequence_lengths.size and int(sequence_lengths.max()) > _MAX_SEQUENCE:
-        raise ValueError(
-            f"{where}: a sequence of {int(sequence_lengths.max())} tokens exceeds the index's "
-            f"int32 length ({_MAX_SEQUENCE}); split the document into sequences (lengths=...)"
-        )
 
 
 def _resolve_dtype(dtype: Any) -> np.dtype:
@@ -223,7 +219,9 @@ class IndexedDatasetWriter:
                 f"{self.path_prefix}: {len(arrays)} documents but {len(lengths)} length lists"
             )
         sizes = document_sizes(arrays, self.path_prefix)
-        sequences, boundaries = self._batch_index(sizes, lengths)
+        sequences, boundaries = batch_index(
+            sizes, lengths, len(self._sequence_lengths), self.path_prefix
+        )
         chunks = []
         for start, stop in slice_bounds(sizes):
             part = arrays[start:stop]
@@ -244,35 +242,6 @@ class IndexedDatasetWriter:
                 self._pending_bytes += flat.nbytes
                 if self._pending_bytes >= WRITE_BATCH_BYTES:
                     self._flush()
-
-    def _batch_index(
-        self, sizes: np.ndarray, lengths: Sequence[Sequence[int] | None] | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(int32 sequence lengths, int64 document boundaries) a batch appends to the index."""
-        base = len(self._sequence_lengths)
-        if lengths is None:
-            _check_int32(sizes, self.path_prefix)
-            return sizes.astype(np.int32), base + np.arange(1, sizes.size + 1, dtype=np.int64)
-        totals = sizes.tolist()
-        per_doc = [(totals[i],) if item is None else item for i, item in enumerate(lengths)]
-        counts = np.fromiter(map(len, per_doc), dtype=np.int64, count=len(per_doc))
-        flat = np.fromiter(chain.from_iterable(per_doc), dtype=np.int64, count=int(counts.sum()))
-        ends = np.cumsum(counts)
-        running = np.concatenate(([0], np.cumsum(flat)))
-        wrong = np.flatnonzero(running[ends] - running[ends - counts] != sizes)
-        negative = np.flatnonzero(flat < 0)
-        if wrong.size or negative.size:
-            found = [int(wrong[0])] if wrong.size else []
-            if negative.size:
-                found.append(int(np.searchsorted(ends, negative[0], side="right")))
-            doc = min(found)
-            raise ValueError(
-                f"{self.path_prefix}: sequence lengths {[int(n) for n in per_doc[doc]]} must be "
-                f"non-negative and sum to the document's {totals[doc]} tokens "
-                f"(document {doc} of the batch)"
-            )
-        _check_int32(flat, self.path_prefix)
-        return flat.astype(np.int32), base + ends
 
     def _flush(self) -> None:
         """Write the batched documents (one write call for many small documents)."""

@@ -14,6 +14,7 @@ next to int32 arrays) are left to the per-document path (`concat_tokens` returns
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -92,3 +93,49 @@ def concat_tokens(arrays: Sequence[np.ndarray], dtype: np.dtype, where: str) -> 
             f"{[int(info.min), int(info.max)]}; pick a wider dtype (best_dtype(vocab_size))"
         )
     return flat.astype(dtype)
+
+
+MAX_SEQUENCE = (1 << 31) - 1
+"""Longest sequence the index can hold (lengths are int32)."""
+
+
+def batch_index(
+    sizes: np.ndarray, lengths: Sequence[Sequence[int] | None] | None, base: int, where: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 sequence lengths, int64 document boundaries) a batch appends to an index.
+
+    `lengths[i]` splits document i (`sizes[i]` tokens) into sequences (None: one sequence);
+    `base` is the number of sequences already in the index. ValueError names the first document
+    whose lengths are negative or do not add up.
+    """
+    if lengths is None:
+        _check_int32(sizes, where)
+        return sizes.astype(np.int32), base + np.arange(1, sizes.size + 1, dtype=np.int64)
+    totals = sizes.tolist()
+    per_doc = [(totals[i],) if item is None else item for i, item in enumerate(lengths)]
+    counts = np.fromiter(map(len, per_doc), dtype=np.int64, count=len(per_doc))
+    flat = np.fromiter(chain.from_iterable(per_doc), dtype=np.int64, count=int(counts.sum()))
+    ends = np.cumsum(counts)
+    running = np.concatenate(([0], np.cumsum(flat)))
+    wrong = np.flatnonzero(running[ends] - running[ends - counts] != sizes)
+    negative = np.flatnonzero(flat < 0)
+    if wrong.size or negative.size:
+        found = [int(wrong[0])] if wrong.size else []
+        if negative.size:
+            found.append(int(np.searchsorted(ends, negative[0], side="right")))
+        doc = min(found)
+        raise ValueError(
+            f"{where}: sequence lengths {[int(n) for n in per_doc[doc]]} must be "
+            f"non-negative and sum to the document's {totals[doc]} tokens "
+            f"(document {doc} of the batch)"
+        )
+    _check_int32(flat, where)
+    return flat.astype(np.int32), base + ends
+
+
+def _check_int32(sequence_lengths: np.ndarray, where: str) -> None:
+    if sequence_lengths.size and int(sequence_lengths.max()) > MAX_SEQUENCE:
+        raise ValueError(
+            f"{where}: a sequence of {int(sequence_lengths.max())} tokens exceeds the index's "
+            f"int32 length ({MAX_SEQUENCE}); split the document into sequences (lengths=...)"
+        )

@@ -210,7 +210,10 @@ class IndexedDatasetWriter:
         `lengths[i]` splits document i into sequences (None: one sequence). Documents are
         converted, range-checked and written in slices of about `BATCH_TOKENS` tokens. On a
         ValueError (bad shape, ids out of range, lengths that do not add up) nothing of the
-        batch is added, so a caller may retry document by document.
+        batch is added, so a caller may retry document by document; for that the converted
+        batch is held in memory until it is written, so pass batches of bounded size (the
+        preprocess sink passes ~128K tokens). The documents are copied: the caller may reuse
+        its arrays afterwards.
         """
         self._check_open()
         arrays = as_arrays(documents)

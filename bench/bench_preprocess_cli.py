@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     documents = args.documents or (3_000 if args.quick else 20_000)
     rounds = args.rounds or (2 if args.quick else 3)
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        print("megatron-core is not installed; install the dev extras to compare")
+        return 1
     from models.tokenizer import train_bpe_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_cli_") as tmp:

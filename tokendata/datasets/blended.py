@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokendata.datasets.blend_order import blend_many, sample_ids
 from tokendata.datasets.cache import CachedArraysMixin, IndexCache
 
 
@@ -19,14 +20,18 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     Each step serves the dataset furthest behind its target share (`weight * step - served`),
     the first one on ties: a deterministic interleave whose prefix of any length tracks the
     weights. Same arithmetic (doubles) and tie-breaking as megatron-core, so the order matches.
-    Two datasets take a vectorised path with the identical result (`_blend_two`); more run the
-    step-by-step loop.
+    Two datasets take a vectorised path with the identical result (`_blend_two`); three or more
+    guess blocks of steps from the order's period and verify them exactly
+    (`blend_order.blend_many`), falling back to the loop where that does not pay.
     """
     weights = [float(w) for w in weights]
     if len(weights) == 2 and size > 0:
         fast = _blend_two(weights[0], weights[1], size)
         if fast is not None:
             return fast
+    if len(weights) > 2 and size > 0:
+        picks = blend_many(weights, size)
+        return picks.astype(np.int16), sample_ids(picks, len(weights))
     return _blend_loop(weights, size)
 
 

@@ -4,7 +4,7 @@ other layout tests): Llama-3 (llama3 RoPE, tied head), Qwen3 (per-head q/k norms
 heads; explicit head_dim), Qwen2 (qkv bias) and Mistral (sliding window, which context
 parallelism refuses: ring attention has no window).
 
-Qwen2's k bias is left out of the parameter comparison: it cannot change the attention (it adds
+Qwen2's (and Qwen2-MoE's) k bias is left out of the parameter comparison: it cannot change the attention (it adds
 q·b_k to every score of a query), so its gradient is rounding noise that Adam turns into
 ±lr steps in any layout."""
 
@@ -34,11 +34,11 @@ CASES = [
 
 
 def _without_k_bias(params: dict[str, torch.Tensor], model: str) -> dict[str, torch.Tensor]:
-    if model != "tiny-qwen2":
-        return params
     from models.registry import get_config
 
     c = get_config(model)
+    if not c.qkv_bias:
+        return params
     q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
     out = dict(params)
     for name, tensor in params.items():
@@ -70,3 +70,25 @@ def test_sliding_window_refuses_context_parallelism():
     dims = ParallelDims(world_size=2, cp=2)
     with pytest.raises(ValueError, match="sliding_window=8"):
         check_model(dims, get_config("tiny-mistral"))
+
+
+MOE_PP_CASES = ["tiny-mixtral-hf", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MOE_PP_CASES)
+def test_moe_family_trains_under_pp2_like_one_process(model):
+    """Mixtral (routed experts, sliding window), Qwen2-MoE (gated shared expert) and Qwen3-MoE
+    split over 2 pipeline stages (2 of the 4 layers each) train like one process: the router's
+    load-balancing loss of each stage's layers reaches the same gradients."""
+    ref = run_distributed(run_layout, 1, ["--model", model], STEPS)[0]
+    flags = ["--model", model, *LAYOUTS["pp2"]]
+    ranks = run_distributed(run_layout, 2, flags, STEPS)
+    for rank in ranks:
+        assert max_loss_diff(ref["losses"], rank["losses"]) < 1e-5
+        diff = max_param_diff(
+            _without_k_bias(ref["params"], model), _without_k_bias(rank["params"], model)
+        )
+        assert diff < 1e-4, diff
+    assert sum(len(r["params"]) for r in ranks) >= len(ref["params"])  # both stages compared

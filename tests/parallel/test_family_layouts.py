@@ -72,23 +72,28 @@ def test_sliding_window_refuses_context_parallelism():
         check_model(dims, get_config("tiny-mistral"))
 
 
-MOE_PP_CASES = ["tiny-mixtral-hf", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+MOE_CASES = [
+    ("tiny-mixtral-hf", ["pp2"]),  # TP/EP: tests/finetune; CP refuses its sliding window
+    ("tiny-qwen2-moe", ["tp2", "pp2", "cp2"]),
+    ("tiny-qwen3-moe", ["tp2", "tp2-sp", "pp2", "cp2"]),
+]
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MOE_PP_CASES)
-def test_moe_family_trains_under_pp2_like_one_process(model):
+@pytest.mark.parametrize("model,layouts", MOE_CASES)
+def test_moe_family_trains_like_one_process(model, layouts):
     """Mixtral (routed experts, sliding window), Qwen2-MoE (gated shared expert) and Qwen3-MoE
-    split over 2 pipeline stages (2 of the 4 layers each) train like one process: the router's
-    load-balancing loss of each stage's layers reaches the same gradients."""
+    (q/k norm) under TP2, PP2 (2 of the 4 layers per stage) and CP2 train like one process:
+    the router's load-balancing loss reaches the same gradients in every layout."""
     ref = run_distributed(run_layout, 1, ["--model", model], STEPS)[0]
-    flags = ["--model", model, *LAYOUTS["pp2"]]
-    ranks = run_distributed(run_layout, 2, flags, STEPS)
-    for rank in ranks:
-        assert max_loss_diff(ref["losses"], rank["losses"]) < 1e-5
-        diff = max_param_diff(
-            _without_k_bias(ref["params"], model), _without_k_bias(rank["params"], model)
-        )
-        assert diff < 1e-4, diff
-    assert sum(len(r["params"]) for r in ranks) >= len(ref["params"])  # both stages compared
+    for layout in layouts:
+        ranks = run_distributed(run_layout, 2, ["--model", model, *LAYOUTS[layout]], STEPS)
+        for rank in ranks:
+            assert max_loss_diff(ref["losses"], rank["losses"]) < 1e-5, layout
+            diff = max_param_diff(
+                _without_k_bias(ref["params"], model), _without_k_bias(rank["params"], model)
+            )
+            assert diff < 1e-4, (layout, diff)
+        # Every parameter was compared (a pipeline stage returns only its own).
+        assert set().union(*(r["params"] for r in ranks)) == set(ref["params"]), layout

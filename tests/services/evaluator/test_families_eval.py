@@ -1,15 +1,16 @@
 """The evaluator on issue #18's families: Llama-3 (llama3 RoPE, tied head), Qwen2 (qkv bias),
-Qwen3 (q/k norm, explicit head_dim) and Mistral (sliding window 8).
+Qwen3 (q/k norm, explicit head_dim), Mistral (sliding window 8, served from a ring cache of 8
+slots), Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE.
 
 For each, transformers' own class writes a random checkpoint with `save_pretrained` (plus the
 fixture-trained sentencepiece `tokenizer.model`); the user's two ways in are run: `meshline eval
 --load DIR --load-format hf` on that directory and, after `meshline convert` (HF → native,
-verified), `--load-format native` on the conversion. The evaluator's runner drives the in-process
-engine over fixture subsets of BoolQ and MMLU (log-likelihood; prompts of 100-700 tokens, far past
-the window and the llama3 original context of 16) and GSM8K (greedy generation, 5-shot). The
-reference is lm-evaluation-harness's own `HFLM` wrapped around the transformers model: the same
-requests must give the same per-choice log-likelihoods and is-greedy flags, and the same generated
-text.
+verified), `--load-format native` on the conversion. The evaluator's runner drives the
+in-process engine over fixture subsets of BoolQ and MMLU (log-likelihood; contexts of 80-750
+tokens, far past the window and the llama3 original context of 16) and GSM8K (greedy
+generation, 5-shot prompts of 550-630 tokens). The reference is transformers' model itself:
+lm-evaluation-harness's own `HFLM` around it must give the same per-choice log-likelihoods and
+is-greedy flags, and HF `generate` the same greedy answers.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def tokenizer_model(tmp_path_factory):
     return train_fixture_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.fixture(
+    scope="module",
+    params=["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"],
+)
 def family(request, tmp_path_factory, tokenizer_model):
     """(family, HF model, its save_pretrained directory with tokenizer.model)."""
     import sentencepiece

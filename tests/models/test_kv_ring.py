@@ -162,3 +162,23 @@ def test_engine_greedy_and_beam_past_the_window_equal_hf_generate():
         hf, ids, max_new_tokens=12, num_beams=3, num_return_sequences=3, eos_token_id=None
     )
     assert [g.token_ids for g in got] == [row[len(ids) :].tolist() for row in expected]
+
+
+def test_engine_score_of_choices_sharing_a_context_past_the_window():
+    """Scoring runs a shared context once into a ring (a prefill longer than the window), copies
+    the row, then one right-padded multi-token forward of the continuations over the rings: the
+    per-token log-probabilities equal HF's log-softmax."""
+    config = get_config("tiny-mistral")
+    hf = hf_model("tiny-mistral", seed=12)
+    ours = build_model(config, device="cpu").eval()
+    ours.load_state_dict(from_hf(hf.state_dict(), config))
+    engine = Engine(ours, TokenizerInfo(config.vocab_size, eos_id=None), EngineConfig())
+    context = prompt(19, config.vocab_size, seed=40)
+    choices = [prompt(n, config.vocab_size, seed=41 + n) for n in (11, 4, 1)]
+    results = engine.score([(context, c) for c in choices])
+    for cont, result in zip(choices, results, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([context + cont])).logits[0], -1)
+        rows = logp[len(context) - 1 : len(context) - 1 + len(cont)]
+        expected = rows.gather(1, torch.tensor(cont)[:, None])[:, 0]
+        assert result.token_logprobs == pytest.approx(expected.tolist(), abs=1e-4)

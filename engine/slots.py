@@ -3,9 +3,10 @@
 Shapes: R pool rows, S cache slots per row, K kv heads, D head dim.
 
 The pool is one `models.kv_cache.KVCache` allocated once for `max_rows` rows of `max_seq_len`
-slots. Active sequences occupy rows [0, n): a forward over them runs on zero-copy views of those
-rows, so the model never touches idle rows. When sequences leave (or beam search reorders its
-beams) `gather` moves the surviving rows to the front, copying only the slots in use.
+slots (a sliding-window model's rows are rings of its window). Active sequences occupy rows
+[0, n): a forward over them runs on zero-copy views of those rows, so the model never touches
+idle rows. When sequences leave (or beam search reorders its beams) `gather` moves the surviving
+rows to the front, copying only the slots in use.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class SlotPool:
             model.config.head_dim,
             dtype=dtype or param.dtype,
             device=param.device,
+            window=model.config.sliding_window,
         )
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len

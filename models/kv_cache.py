@@ -9,6 +9,10 @@ the number of positions written per row. A model forward with `kv_cache=` calls 
 layer calls `attend()` (its `write()`, then attention over every key its queries see), and the
 forward ends with `commit()`, which advances the lengths; until then a failed forward leaves the
 cache as it was.
+
+With a sliding window W shorter than max_seq_len (Mistral) each row is a ring of W slots instead
+(position p at slot p mod W; `models/kv_ring.py`): memory is bounded by the window, `lengths_B`
+still counts positions, and max_seq_len still bounds them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.attention import attention
+from models.kv_ring import RingPrefill
 
 if TYPE_CHECKING:
     from models.transformer import CausalLM
@@ -47,6 +52,11 @@ class CacheStep:
     plan_3: torch.Tensor | None = None
     """(start or -1, key_len, q_offset) as a host int64 tensor: what the cache op of a compiled
     forward reads (Python ints there would be baked into the graph, one graph per length)."""
+    ring: bool = False
+    """Sliding-window ring, one token per row: the slots are positions mod W and every stored
+    key is inside the window, so attention reads the slots with the key mask alone (no window)."""
+    ring_prefill: RingPrefill | None = None
+    """Sliding-window ring, several tokens reaching past the ring: how they read and write it."""
 
     @classmethod
     def from_plan(
@@ -84,21 +94,26 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> None:
         if batch_size <= 0 or max_seq_len <= 0:
             raise ValueError(
                 f"KVCache: batch_size={batch_size} and max_seq_len={max_seq_len} must be positive"
             )
+        if window is not None and window <= 0:
+            raise ValueError(f"KVCache: window={window} must be positive (or None)")
+        # A sliding window shorter than the sequence makes each row a ring of `window` slots.
+        slots = max_seq_len if window is None else min(window, max_seq_len)
         # Head-major memory ([B, K, max_S, D]) behind the [B, max_S, K, D] shape: attention then
         # reads each head's keys as one contiguous run, not rows interleaving every head (~30%
         # faster one-query attention over 8 cached rows on CPU).
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        shape = (batch_size, num_kv_heads, slots, head_dim)
         self.k_BSKD = {
             str(i): torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
             for i in layer_ids
         }
         self.v_BSKD = {key: torch.zeros_like(buf) for key, buf in self.k_BSKD.items()}
-        self.key_mask_BS = torch.zeros(batch_size, max_seq_len, dtype=torch.bool, device=device)
+        self.key_mask_BS = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)
         self.lengths_B = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -112,7 +127,8 @@ class KVCache:
         *,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """A cache sized for `model` (a CausalLM or pipeline stage), on its parameters' device."""
+        """A cache sized for `model` (a CausalLM or pipeline stage), on its parameters' device;
+        a sliding-window model gets rings of its window."""
         config = model.config
         param = next(model.parameters())
         return cls(
@@ -123,7 +139,18 @@ class KVCache:
             config.head_dim,
             dtype=dtype or param.dtype,
             device=param.device,
+            window=config.sliding_window,
         )
+
+    @property
+    def slots(self) -> int:
+        """Key/value slots per row: max_seq_len, or the window when rows are rings."""
+        return self.key_mask_BS.shape[1]
+
+    @property
+    def is_ring(self) -> bool:
+        """Rows are sliding-window rings (fewer slots than positions)."""
+        return self.slots < self.max_seq_len
 
     def reset(self) -> None:
         """Forget every row (buffers stay allocated)."""
@@ -173,6 +200,8 @@ class KVCache:
                 f"KVCache: {new_tokens} new token(s) would need {key_len} slots but the cache holds "
                 f"{self.max_seq_len}; allocate a longer cache (max_seq_len)"
             )
+        slots = self.slots
+        ring = self.is_ring and (new_tokens == 1 or key_len > slots)
         uniform = min(lengths) == lengths[0] == max(lengths)
         if not uniform and new_tokens > 1:
             raise ValueError(
@@ -192,6 +221,22 @@ class KVCache:
             if key_padding_mask_BS is None
             else key_padding_mask_BS.to(torch.bool)
         )
+        if ring and new_tokens > 1:
+            plan = RingPrefill.plan(lengths[0], new_tokens, slots, self.key_mask_BS, new_mask_BS)
+            mask_BW = plan.ring_mask(self.key_mask_BS, new_mask_BS)
+            return CacheStep(
+                start_B,
+                new_tokens,
+                slots,
+                plan.past_slots_P.numel(),
+                None if bool(mask_BW.all()) else mask_BW,
+                None,
+                ring_prefill=plan,
+            )
+        if ring:
+            # One token per row at slot length mod W, over the key its query no longer sees.
+            key_len = min(key_len, slots)
+            lengths = [n % slots for n in lengths]
         q_offset = key_len - new_tokens
         step = CacheStep(
             start_B,
@@ -200,8 +245,9 @@ class KVCache:
             q_offset,
             None,
             lengths[0] if uniform else None,
-            None if uniform else start_B[:, None],
+            None if uniform else start_B[:, None] % slots,
             torch.tensor([lengths[0] if uniform else -1, key_len, q_offset]),
+            ring,
         )
         mask_BS = self.key_mask_BS[:, :key_len].clone()
         # Slots past a shorter row's end were never written, so its stored mask is already False.
@@ -212,7 +258,9 @@ class KVCache:
     def write(
         self, layer_id: int | str, step: CacheStep, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's keys/values for one layer; return every key/value its queries read."""
+        """Store this step's keys/values for one layer; return every key/value its queries read
+        (a ring's multi-token step reads and writes in `attend` only)."""
+        assert step.ring_prefill is None
         key = str(layer_id)
         return _store(self.k_BSKD[key], self.v_BSKD[key], step, k_BSKD, v_BSKD)
 
@@ -228,8 +276,8 @@ class KVCache:
     ) -> torch.Tensor:
         """Store this step's keys/values for one layer, then attend from this step's queries over
         every key they may see (cached and new, causal among the new, within the last `window`
-        slots with a sliding window); out [B, S, H, D]. The buffers keep every slot: a sliding
-        window masks old keys, it does not shrink the cache.
+        positions with a sliding window); out [B, S, H, D]. A cache of sliding-window rings
+        (`is_ring`) holds only the last `window` positions of each row (`models/kv_ring.py`).
 
         Under torch.compile this is one opaque op, `meshline::kv_cache_attend`: the slots written
         and the keys read change every step, so a graph that held them would be rebuilt every
@@ -237,6 +285,11 @@ class KVCache:
         """
         key = str(layer_id)
         k_cache, v_cache = self.k_BSKD[key], self.v_BSKD[key]
+        if step.ring_prefill is not None:
+            assert window == self.slots and alibi_slopes_H is None  # rings: RoPE windows only
+            return step.ring_prefill.attend(k_cache, v_cache, q_BSHD, k_BSKD, v_BSKD, window)
+        if step.ring:
+            window = None  # every key left in the ring is inside the window
         if torch.compiler.is_compiling():
             assert step.plan_3 is not None  # set by begin()
             return kv_cache_attend(
@@ -332,6 +385,8 @@ def _kv_cache_attend(
     window: int | None = None,
 ) -> torch.Tensor:
     step = CacheStep.from_plan(plan_3, start_B, k_BSKD.shape[1], key_mask_BS)
+    if step.slots_B is not None:
+        step.slots_B = step.slots_B % k_cache_BSKD.shape[1]  # a ring's slots: positions mod W
     out_BSHD = _store_and_attend(
         k_cache_BSKD, v_cache_BSKD, step, q_BSHD, k_BSKD, v_BSKD, alibi_slopes_H, window
     )

@@ -48,9 +48,10 @@ SEQ = 40  # > sliding window 8 and > tiny-llama3's original context 16
 ATOL = 5e-5
 
 
-def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """transformers' class for registry config `name`, with random non-trivial weights."""
-    return _randomised(hf_config(get_config(name)), seed)
+def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """transformers' class for registry config `name` (with `overrides` of its fields), with
+    random non-trivial weights."""
+    return _randomised(hf_config(get_config(name, **overrides)), seed)
 
 
 def _randomised(fields: dict, seed: int = 0, scale: float = 0.15) -> torch.nn.Module:

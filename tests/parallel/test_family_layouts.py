@@ -4,7 +4,7 @@ other layout tests): Llama-3 (llama3 RoPE, tied head), Qwen3 (per-head q/k norms
 heads; explicit head_dim), Qwen2 (qkv bias) and Mistral (sliding window, which context
 parallelism refuses: ring attention has no window).
 
-Qwen2's k bias is left out of the parameter comparison: it cannot change the attention (it adds
+Qwen2's (and Qwen2-MoE's) k bias is left out of the parameter comparison: it cannot change the attention (it adds
 q·b_k to every score of a query), so its gradient is rounding noise that Adam turns into
 ±lr steps in any layout."""
 
@@ -34,11 +34,11 @@ CASES = [
 
 
 def _without_k_bias(params: dict[str, torch.Tensor], model: str) -> dict[str, torch.Tensor]:
-    if model != "tiny-qwen2":
-        return params
     from models.registry import get_config
 
     c = get_config(model)
+    if not c.qkv_bias:
+        return params
     q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
     out = dict(params)
     for name, tensor in params.items():
@@ -70,3 +70,30 @@ def test_sliding_window_refuses_context_parallelism():
     dims = ParallelDims(world_size=2, cp=2)
     with pytest.raises(ValueError, match="sliding_window=8"):
         check_model(dims, get_config("tiny-mistral"))
+
+
+MOE_CASES = [
+    ("tiny-mixtral-hf", ["pp2"]),  # TP/EP: tests/finetune; CP refuses its sliding window
+    ("tiny-qwen2-moe", ["tp2", "pp2", "cp2"]),
+    ("tiny-qwen3-moe", ["tp2", "tp2-sp", "pp2", "cp2"]),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layouts", MOE_CASES)
+def test_moe_family_trains_like_one_process(model, layouts):
+    """Mixtral (routed experts, sliding window), Qwen2-MoE (gated shared expert) and Qwen3-MoE
+    (q/k norm) under TP2, PP2 (2 of the 4 layers per stage) and CP2 train like one process:
+    the router's load-balancing loss reaches the same gradients in every layout."""
+    ref = run_distributed(run_layout, 1, ["--model", model], STEPS)[0]
+    for layout in layouts:
+        ranks = run_distributed(run_layout, 2, ["--model", model, *LAYOUTS[layout]], STEPS)
+        for rank in ranks:
+            assert max_loss_diff(ref["losses"], rank["losses"]) < 1e-5, layout
+            diff = max_param_diff(
+                _without_k_bias(ref["params"], model), _without_k_bias(rank["params"], model)
+            )
+            assert diff < 1e-4, (layout, diff)
+        # Every parameter was compared (a pipeline stage returns only its own).
+        assert set().union(*(r["params"] for r in ranks)) == set(ref["params"]), layout

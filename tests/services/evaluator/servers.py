@@ -49,18 +49,25 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
+def train_fixture_tokenizer(directory: Path) -> Path:
+    """A 512-piece sentencepiece model trained on the evaluator fixture texts (ids 0-3: unk, bos,
+    eos, pad); returns the `.model` path."""
+    from models.tokenizer import train_sentencepiece
+
+    corpus = directory / "corpus.txt"
+    texts = [p.read_text(encoding="utf-8") for p in sorted(FIXTURES.rglob("*")) if p.is_file()]
+    corpus.write_text("\n".join(texts) * 3, encoding="utf-8")
+    return train_sentencepiece([corpus], directory / "sp", 512)
+
+
 def write_tiny_checkpoint(directory: Path) -> Path:
     """An HF Llama checkpoint (random weights, seeded) with a sentencepiece tokenizer trained on
     the fixture texts; returns the checkpoint directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models.tokenizer import train_sentencepiece
     from tests.services.inference.helpers import save_hf_checkpoint
 
-    corpus = directory / "corpus.txt"
-    texts = [p.read_text(encoding="utf-8") for p in sorted(FIXTURES.rglob("*")) if p.is_file()]
-    corpus.write_text("\n".join(texts) * 3, encoding="utf-8")
-    sp_model = train_sentencepiece([corpus], directory / "sp", 512)
+    sp_model = train_fixture_tokenizer(directory)
     import sentencepiece
 
     vocab = sentencepiece.SentencePieceProcessor(model_file=str(sp_model)).vocab_size()

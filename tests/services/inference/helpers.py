@@ -7,13 +7,20 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BloomConfig,
+    BloomForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from models import build_model
 from models.hf_adapters import from_hf, hf_config
 from models.registry import get_config
 
-MODELS = {"llama-gqa": "tiny-llama-gqa", "bloom": "tiny-bloom"}
+MODELS = {"llama-gqa": "tiny-llama-gqa", "bloom": "tiny-bloom", "mistral": "tiny-mistral"}
 EOS_ID = 2
 PAD_ID = 1
 """HF fills finished rows with `pad_token_id or eos`: a non-zero pad keeps padding recognisable."""
@@ -26,10 +33,15 @@ def hf_reference(name: str, seed: int = 0, **overrides):
         hf = BloomForCausalLM._from_config(
             BloomConfig(**hf_config(config)), attn_implementation="eager"
         )
-    else:
+    elif config.family == "llama":
         hf = LlamaForCausalLM._from_config(
             LlamaConfig(**hf_config(config)), attn_implementation="eager"
         )
+    else:  # the family's own transformers class (Mistral: sliding window)
+        fields = hf_config(config)
+        fields.pop("architectures")
+        hf_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, param in hf.named_parameters():

@@ -81,8 +81,10 @@ def _worker(rank: int, world: int, directory: str, layout: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp", "pp"])
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom", "mistral"])
 def test_two_processes_match_one(tmp_path, name, layout):
+    """Mistral: prompts and generations run past the sliding window (8), so every rank's KV
+    cache is a ring of 8 slots (models/kv_ring.py)."""
     hf, ours, config = hf_reference(name, seed=5)
     directory = save_hf_checkpoint(hf, tmp_path / "ckpt")
     tokens, scores, o_proj_shape, layers = run_distributed(_worker, 2, str(directory), layout)[0]

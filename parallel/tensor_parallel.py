@@ -41,7 +41,7 @@ from models.parallel_plan import check_tp_size, match_plan, tp_plan
 from parallel.peft_tp import parallelize_with_adapters
 from parallel.tp_random import install_tp_rng_regions
 from parallel.tp_serving import ServingShard
-from parallel.tp_styles import SlicedColwise, training_styles
+from parallel.tp_styles import training_styles
 
 Mode = Literal["train", "serve"]
 """How `apply_tensor_parallel` lays out the plan: DTensor training styles or plain serving ones."""
@@ -196,7 +196,6 @@ def tp_cross_entropy_sum(
 
 __all__ = [
     "Mode",
-    "SlicedColwise",
     "apply_tensor_parallel",
     "loss_parallel",
     "resolve_tp_plan",

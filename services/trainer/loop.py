@@ -113,10 +113,10 @@ class Trainer:
         config.validate(self.world_size)
         self.platform = device.current()
         self.device = self.platform.torch_device()
-        self.dp_size = config.dp_size(self.world_size)
         # The run's parallel layout, built once: the feed, the data ranks and the parallelized
         # model all read it.
         self.dims = build_dims(config, self.world_size)
+        self.dp_size = self.dims.dp
         self.dp_rank = self.rank
         self.feed = None
         if self.dims.is_model_parallel:

@@ -1,1 +1,1 @@
-"""The inference engine any stage may use: KV-cache decoding, batching, sampling, beam search, scoring, loading a checkpoint for serving."""
+"""The inference engine any stage may use: KV-cache decoding, batching, sampling, beam search, scoring, loading a checkpoint for serving, TP/PP serving (leader/follower ranks, pipeline stages, TP shards)."""

@@ -43,8 +43,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.moe import Experts, MoE, expert_outputs, moe_layers
-from parallel.peft_tp import _all_gather_dim1, _reduce_scatter_dim1
-from parallel.tensor_parallel import _SumGradOverGroup
+from parallel.collectives import (
+    copy_to_group,
+    gather_sequence_for_both,
+    reduce_from_group,
+    reduce_scatter_sequence,
+    sum_over_group,
+)
 
 EXPERT_LEAVES = ("gate_up_proj", "down_proj")
 
@@ -144,30 +149,6 @@ def _local_forward(experts: Experts) -> Any:
     return forward
 
 
-class _SumStatistics(torch.autograd.Function):
-    """All-reduce (sum) forward and backward: per-rank sums of a micro-batch's statistics made
-    the micro-batch's, from which every rank of `group` forms the same loss L.
-
-    Backward is the adjoint of the sum: the sum of the ranks' identical upstream gradients, i.e.
-    group-size x dL/dstats. Each rank injects L, and data-parallel averaging divides the sum of
-    the ranks' gradients (each through its own tokens) by the group size too, so the result is
-    dL/dθ once, as if one process had formed L.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        out = stats.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def apply_moe_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> int:
     """Form every MoE layer's auxiliary losses from statistics summed over `cp_group`.
 
@@ -180,12 +161,8 @@ def apply_moe_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) ->
     """
     layers = moe_layers(model)
     for _, moe in layers:
-        moe.reduce_aux_statistics = functools.partial(_sum_statistics, group=cp_group)
+        moe.reduce_aux_statistics = functools.partial(sum_over_group, group=cp_group)
     return len(layers)
-
-
-def _sum_statistics(stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return cast(torch.Tensor, _SumStatistics.apply(stats, group))
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -294,20 +271,6 @@ def _write_mean(flat: torch.Tensor, grads: list[torch.Tensor], size: int) -> Non
         offset += g.numel()
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward: partial outputs of the TP ranks combined."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        out = tensor.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
 class ExpertsTensorParallel(ParallelStyle):
     """Tensor parallelism of every expert in an `Experts` module (Megatron's expert TP).
 
@@ -355,58 +318,17 @@ class ExpertsTensorParallel(ParallelStyle):
         partial = self.sequence_parallel
 
         def forward(x_TE: torch.Tensor, counts: list[int]) -> torch.Tensor:
-            gate_up = _SumGradOverGroup.apply(cast(DTensor, module.gate_up_proj).to_local(), group)
+            gate_up = copy_to_group(cast(DTensor, module.gate_up_proj).to_local(), group)
             down = cast(DTensor, module.down_proj).to_local()
             if partial:
                 return expert_outputs(x_TE, counts, gate_up.index_select(1, rows), down)
             # Every rank's rows see the whole input: its gradient is a partial sum over ranks.
-            x_TE = _SumGradOverGroup.apply(x_TE, group)
+            x_TE = copy_to_group(x_TE, group)
             partial_TE = expert_outputs(x_TE, counts, gate_up.index_select(1, rows), down)
-            return _ReduceFromGroup.apply(partial_TE, group)
+            return reduce_from_group(partial_TE, group)
 
         module.forward = forward  # type: ignore[method-assign]
         return module
-
-
-class _GatherSequence(torch.autograd.Function):
-    """[B, S/t, E] shards → the whole [B, S, E] for a replicated consumer (its gradient is the
-    same on every rank: backward keeps this rank's slice) and, `with_partial`, a copy for a
-    partial one (each rank's gradient is a partial sum: backward reduce-scatters it); else None.
-    One all-gather either way."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x_BsE: torch.Tensor, group: dist.ProcessGroup, with_partial: bool
-    ) -> Any:
-        ctx.group = group
-        ctx.rank, ctx.s = dist.get_rank(group), x_BsE.shape[1]
-        full_BSE = _all_gather_dim1(x_BsE, group)
-        return full_BSE, full_BSE.detach().clone() if with_partial else None
-
-    @staticmethod
-    def backward(ctx: Any, replicated_BSE: Any, partial_BSE: Any) -> Any:  # type: ignore[override]
-        grad = None
-        if replicated_BSE is not None:
-            grad = replicated_BSE[:, ctx.rank * ctx.s : (ctx.rank + 1) * ctx.s]
-        if partial_BSE is not None:
-            scattered = _reduce_scatter_dim1(partial_BSE, ctx.group)
-            grad = scattered if grad is None else grad + scattered
-        return grad, None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Partial [B, S, E] outputs summed over `group`, each rank keeping its [B, S/t, E] slice;
-    backward all-gathers the slices' gradients (the row-parallel output of sequence
-    parallelism)."""
-
-    @staticmethod
-    def forward(ctx: Any, x_BSE: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _reduce_scatter_dim1(x_BSE, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad_BsE: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _all_gather_dim1(grad_BsE, ctx.group), None
 
 
 class MoESequenceParallel(ParallelStyle):
@@ -443,10 +365,10 @@ class MoESequenceParallel(ParallelStyle):
 
         def forward(x_BsE: torch.Tensor) -> torch.Tensor:
             b, s, e = x_BsE.shape
-            full_BSE, partial_BSE = _GatherSequence.apply(x_BsE, group, not whole_experts)
+            full_BSE, partial_BSE = gather_sequence_for_both(x_BsE, group, not whole_experts)
             logits_NX, weights_NK, experts_NK = module.route(full_BSE.reshape(-1, e))
             keep_NK = module.keep_mask(experts_NK)
-            weights_NK = _SumGradOverGroup.apply(weights_NK, group)
+            weights_NK = copy_to_group(weights_NK, group)
             if whole_experts:
                 own = (torch.arange(b)[:, None] * s * size + rank * s + torch.arange(s)).flatten()
                 own = own.to(x_BsE.device)
@@ -457,7 +379,7 @@ class MoESequenceParallel(ParallelStyle):
                 out_NE = module.routed_experts(
                     partial_BSE.reshape(-1, e), weights_NK, experts_NK, keep_NK
                 )
-                out_nE = _ReduceScatterSequence.apply(out_NE.view(b, s * size, e), group)
+                out_nE = reduce_scatter_sequence(out_NE.view(b, s * size, e), group)
             out_nE = module.attach_aux_loss(out_nE, module.aux_loss(logits_NX, experts_NK))
             return out_nE.reshape(b, s, e)
 

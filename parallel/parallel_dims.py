@@ -14,6 +14,7 @@ over the same ranks. Ranks along `ep` split the experts (and read different batc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -86,6 +87,13 @@ class ParallelDims:
     def model_parallel(self) -> int:
         """Ranks that hold one copy of the batch: tensor x pipeline x context."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def is_model_parallel(self) -> bool:
+        """Tensor, pipeline, context or expert parallelism is on: the model is parallelized by
+        `parallel.parallelize.parallelize_model` and fed by its `ModelParallelFeed`; otherwise
+        the run is data-parallel only (or a single process)."""
+        return self.model_parallel > 1 or self.ep > 1
 
     def check_model(
         self,
@@ -193,6 +201,30 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which batch slice it reads)."""
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
+
+
+def build_dims(config: Any, world_size: int) -> ParallelDims:
+    """The job's `ParallelDims` from the training config's `parallel` section (built once per
+    run and passed down).
+
+    HSDP: `--hsdp-shard-size N` shards within groups of N data-parallel ranks and replicates
+    across them; 0 (the default) shards over all data-parallel ranks (one replica), as
+    torchtitan's `data_parallel_shard_degree=-1` with one replica and Megatron's default of one
+    distributed-optimizer instance do. The layout never depends on the launcher's per-node
+    process count.
+    """
+    par = config.parallel
+    dp = world_size // par.model_parallel_size()
+    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
+    return ParallelDims(
+        world_size=world_size,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        cp=par.context_parallel_size,
+        dp_replicate=replicate,
+        sequence_parallel=par.sequence_parallel,
+        ep=par.expert_model_parallel_size,
+    )
 
 
 def _factors(tp: int, pp: int, cp: int, dp_replicate: int = 1) -> str:

@@ -29,25 +29,6 @@ log = logging.getLogger(__name__)
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids")
 
 
-def build_dims(config: Any, world_size: int) -> ParallelDims:
-    """`ParallelDims` from the training config's parallel section for a job of `world_size`."""
-    par = config.parallel
-    dp = world_size // par.model_parallel_size()
-    replicate = 1
-    if par.hsdp:
-        shard = par.hsdp_shard_size or dp
-        replicate = dp // shard
-    return ParallelDims(
-        world_size=world_size,
-        tp=par.tensor_model_parallel_size,
-        pp=par.pipeline_model_parallel_size,
-        cp=par.context_parallel_size,
-        dp_replicate=replicate,
-        sequence_parallel=par.sequence_parallel,
-        ep=par.expert_model_parallel_size,
-    )
-
-
 def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
     experts (the layer split against `par`'s uneven first/last stage sizes, when given)."""
@@ -176,6 +157,7 @@ def parallelize_model(
     """
     from parallel import pipeline
     from parallel.data_parallel import apply_run_data_parallel, wrap_optimizer
+    from parallel.pipeline_schedules import default_schedule, get_schedule
 
     par = config.parallel
     dims.virtual_pp = pipeline.virtual_chunks(
@@ -190,8 +172,8 @@ def parallelize_model(
     own_sync = mesh is not None and (dims.tp > 1 or dims.pp > 1) and par.zero_stage < 2
     if par.hsdp:
         mesh = dims.hsdp_mesh()
-    schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
-    v_shaped = schedule in pipeline.V_SHAPED
+    schedule = par.pipeline_schedule or default_schedule(dims.virtual_pp)
+    v_shaped = get_schedule(schedule).v_shaped
     _check_tied_v_schedule(
         model_config, schedule, mesh is not None and not own_sync, par.zero_stage
     )
@@ -244,12 +226,13 @@ def _parallelize_expert_model(
         apply_expert_parallel,
         expert_parameters,
     )
+    from parallel.pipeline_schedules import default_schedule, get_schedule
 
     mesh = dims.expert_mesh()
     fsdp = par.zero_stage >= 2
-    schedule = par.pipeline_schedule or pipeline.default_schedule(dims.virtual_pp)
+    schedule = par.pipeline_schedule or default_schedule(dims.virtual_pp)
     _check_tied_v_schedule(model_config, schedule, fsdp, par.zero_stage)
-    v_shaped = schedule in pipeline.V_SHAPED
+    v_shaped = get_schedule(schedule).v_shaped
     # Chunks are cut from the whole model before any sharding (a deep copy per stage).
     chunks = (
         pipeline.build_chunks(
@@ -340,9 +323,9 @@ def _with_grad_sync(
 
 def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_stage: int) -> None:
     """Refuse tied embeddings under FSDP2 with a V-shaped schedule (ValueError naming flags)."""
-    from parallel import pipeline
+    from parallel.pipeline_schedules import get_schedule
 
-    if model_config.tie_word_embeddings and schedule in pipeline.V_SHAPED and fsdp:
+    if model_config.tie_word_embeddings and get_schedule(schedule).v_shaped and fsdp:
         raise ValueError(
             f"tied embeddings with --pipeline-schedule {schedule} share one parameter between "
             f"two FSDP-wrapped chunks of pipeline rank 0, which FSDP2 does not support; use "

@@ -43,80 +43,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.lora import LoraLinear
+from parallel.collectives import (
+    RowExchange,
+    copy_to_group,
+    gather_rows,
+    gather_sequence,
+    reduce_from_group,
+    reduce_scatter_sequence,
+)
 
 _COLWISE_KINDS = ("colwise", "colwise_loss_parallel")
 _SLICED_KINDS = ("colwise_packed_qkv", "colwise_packed_gate_up", "kv_replicated")
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (Megatron's copy-to-region)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce forward (partial sums → total); identity backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        out = tensor.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """[B, S, O] partial sums → this rank's [B, S/t, O] of the total; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x_BSO: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _reduce_scatter_dim1(x_BSO, group)
-
-    @staticmethod
-    def backward(ctx, grad_BsO: torch.Tensor):  # type: ignore[override]
-        return _all_gather_dim1(grad_BsO, ctx.group), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """[B, S/t, E] shards → the whole [B, S, E]; backward reduce-scatters the partial gradient."""
-
-    @staticmethod
-    def forward(ctx, x_BsE: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _all_gather_dim1(x_BsE, group)
-
-    @staticmethod
-    def backward(ctx, grad_BSE: torch.Tensor):  # type: ignore[override]
-        return _reduce_scatter_dim1(grad_BSE, ctx.group), None
-
-
-def _reduce_scatter_dim1(x_BSO: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    x_SBO = x_BSO.transpose(0, 1).contiguous()
-    out_sBO = x_SBO.new_empty((x_SBO.shape[0] // size, *x_SBO.shape[1:]))
-    dist.reduce_scatter_single(out_sBO, x_SBO, group=group)
-    return out_sBO.transpose(0, 1)
-
-
-def _all_gather_dim1(x_BsO: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    x_sBO = x_BsO.transpose(0, 1).contiguous()
-    out_SBO = x_sBO.new_empty((x_sBO.shape[0] * size, *x_sBO.shape[1:]))
-    dist.all_gather_single(out_SBO, x_sBO, group=group)
-    return out_SBO.transpose(0, 1)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -182,29 +119,27 @@ class LoraTensorParallel(ParallelStyle):
 
     def _columns(self, module: LoraLinear, mesh: DeviceMesh) -> Callable[..., Any]:
         """Column-parallel (plain, loss-parallel head, or chosen rows of row-sharded weights)."""
-        from parallel.tensor_parallel import _GatherRows, _RowExchange
-
         group = mesh.get_group()
         exchange = None
         if self.kind in _SLICED_KINDS:
             assert self.rows_of_rank is not None, "sliced styles select rows per rank"
-            exchange = _RowExchange(
+            exchange = RowExchange(
                 self.rows_of_rank, module.out_features, mesh.get_local_rank(), mesh.size()
             ).to(module.weight.device)
         gather = self.kind == "colwise_loss_parallel" and self.sequence_parallel
 
         def forward(x_NI: torch.Tensor) -> torch.Tensor:
             # Every rank's columns read the whole input: its gradient is a sum over the ranks.
-            x_NI = _GatherSequence.apply(x_NI, group) if gather else _CopyToGroup.apply(x_NI, group)
+            x_NI = gather_sequence(x_NI, group) if gather else copy_to_group(x_NI, group)
             weight = _local(module.weight)
             bias = _local(module.bias) if module.bias is not None else None
             A_RI, B_OR = _local(module.lora_A.weight), _local(module.lora_B.weight)
-            A_RI = _CopyToGroup.apply(A_RI, group)
+            A_RI = copy_to_group(A_RI, group)
             if exchange is not None:
                 # One exchange for the rows of [W | b | B] this rank computes with.
                 i, r = weight.shape[1], B_OR.shape[1]
                 parts = [weight, *([bias[:, None]] if bias is not None else []), B_OR]
-                rows = _GatherRows.apply(torch.cat(parts, dim=1), exchange, group)
+                rows = gather_rows(torch.cat(parts, dim=1), exchange, group)
                 weight, B_OR = rows[:, :i], rows[:, -r:]
                 bias = rows[:, i] if bias is not None else None
             out_NO = F.linear(x_NI, weight, bias)
@@ -223,18 +158,18 @@ class LoraTensorParallel(ParallelStyle):
         def forward(x_NI: torch.Tensor) -> torch.Tensor:
             A_RI = _local(module.lora_A.weight)
             # B multiplies a partial sum: its gradient is partial too.
-            B_OR = _CopyToGroup.apply(_local(module.lora_B.weight), group)
+            B_OR = copy_to_group(_local(module.lora_B.weight), group)
             partial_NO = F.linear(x_NI, _local(module.weight))
             x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=False)
             partial_NO = partial_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling
             if seq:
-                out_NO = _ReduceScatterSequence.apply(partial_NO, group)
+                out_NO = reduce_scatter_sequence(partial_NO, group)
             else:
-                out_NO = _ReduceFromGroup.apply(partial_NO, group)
+                out_NO = reduce_from_group(partial_NO, group)
             if module.bias is not None:
                 bias = _local(module.bias)
                 # Under sequence parallelism each rank adds it to other tokens.
-                out_NO = out_NO + (_CopyToGroup.apply(bias, group) if seq else bias)
+                out_NO = out_NO + (copy_to_group(bias, group) if seq else bias)
             return out_NO
 
         return forward
@@ -316,8 +251,8 @@ def _replicated_prefix(
     head's gradient is a sum over the ranks sharing it."""
 
     def prefix_key_value() -> tuple[torch.Tensor, torch.Tensor]:
-        key = _CopyToGroup.apply(_local(module.prefix_key), group).index_select(1, head)
-        value = _CopyToGroup.apply(_local(module.prefix_value), group).index_select(1, head)
+        key = copy_to_group(_local(module.prefix_key), group).index_select(1, head)
+        value = copy_to_group(_local(module.prefix_value), group).index_select(1, head)
         return key, value
 
     return prefix_key_value

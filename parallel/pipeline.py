@@ -22,31 +22,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
+from parallel.pipeline_schedules import SCHEDULES, get_schedule
 from parallel.tensor_parallel import tp_cross_entropy_sum
 from parallel.tied_embeddings import EmbeddingGroup, share_on_rank
-
-# Keys double as --pipeline-schedule choices. Single-chunk schedules need v = 1; the looped ones
-# run any number of chunks per rank in the interleaved placement (stage c·P + r on rank r); the
-# V schedules need exactly 2 chunks per rank in the V placement (rank r: stages r and 2P-1-r).
-SINGLE_STAGE = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-V_SHAPED = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-MULTI_STAGE = {
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    **V_SHAPED,
-}
-SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)
 
 
 def stage_rank(stage_index: int, pp: int, v_shaped: bool) -> int:
@@ -54,11 +33,6 @@ def stage_rank(stage_index: int, pp: int, v_shaped: bool) -> int:
     if v_shaped and stage_index >= pp:
         return 2 * pp - 1 - stage_index
     return stage_index % pp
-
-
-def default_schedule(virtual: int) -> str:
-    """1F1B without virtual chunks, interleaved 1F1B with them."""
-    return "1f1b" if virtual == 1 else "interleaved_1f1b"
 
 
 def layer_counts(par: Any, num_layers: int) -> list[int] | None:
@@ -232,12 +206,12 @@ class PipelineRunner:
         grad_sync: ChunkGradSync | None = None,
         overlap_grad_reduce: bool = False,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if len(chunks) > 1 and schedule in SINGLE_STAGE:
+        self.schedule = get_schedule(schedule)
+        if len(chunks) > 1 and not self.schedule.multi_stage:
+            multi = tuple(name for name, s in SCHEDULES.items() if s.multi_stage)
             raise ValueError(
                 f"--pipeline-schedule {schedule} runs one stage per rank but virtual pipelining "
-                f"gives {len(chunks)}; use one of {tuple(MULTI_STAGE)}"
+                f"gives {len(chunks)}; use one of {multi}"
             )
         self.group = dims.submesh("pp").get_group()
         self.pp = dims.pp
@@ -258,14 +232,13 @@ class PipelineRunner:
             )
             for index, (stage, chunk) in enumerate(chunks)
         ]
-        self.schedule_name = schedule
         self.has_loss = any(stage.has_head for stage, _ in chunks)
-        self.forward_only = PipelineForward(chunks, dims, v_shaped=schedule in V_SHAPED)
+        self.forward_only = PipelineForward(chunks, dims, v_shaped=self.schedule.v_shaped)
         self._schedules: dict[int, Any] = {}
         self._sums: list[torch.Tensor] = []
         self._factor = 1.0
         self.grad_sync = grad_sync
-        last_rank = stage_rank(num_stages - 1, dims.pp, schedule in V_SHAPED)
+        last_rank = stage_rank(num_stages - 1, dims.pp, self.schedule.v_shaped)
         self.tied = EmbeddingGroup.build(chunks, dims, last_rank)
         # The last stage's head copy counts once in the gradient norm (as the embedding).
         self.tied_copy = self.tied.copy if self.tied is not None else None
@@ -278,11 +251,8 @@ class PipelineRunner:
 
     def _schedule(self, n_micro: int) -> Any:
         if n_micro not in self._schedules:
-            if self.schedule_name in SINGLE_STAGE:
-                cls: Any = SINGLE_STAGE[self.schedule_name]
-                stage: Any = self.stages[0]
-            else:
-                cls, stage = MULTI_STAGE[self.schedule_name], self.stages
+            cls = self.schedule.schedule_class
+            stage: Any = self.stages if self.schedule.multi_stage else self.stages[0]
             if n_micro < self.pp:
                 raise ValueError(
                     f"a step has {n_micro} micro-batches but --pipeline-model-parallel-size is "

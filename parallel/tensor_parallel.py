@@ -1,30 +1,28 @@
-"""Tensor and sequence parallelism: `models.parallel_plan` styles turned into DTensor plans.
+"""Tensor and sequence parallelism: the one applier of a model's TP plan, for training and serving.
 
 Shapes: B batch, S sequence, E hidden, V vocab; S/t is a sequence shard over t TP ranks.
 
-Plain styles map onto `torch.distributed.tensor.parallel` (embedding rows and the output head
-sharded over the vocabulary, Megatron column/row linears, `SequenceParallel` norms). With
-sequence parallelism the residual stream between blocks is [B, S/t, E] per rank: each attention
-and MLP block all-gathers its input sequence and its row-parallel output is reduce-scattered back
-(instead of all-reduced), so norms and dropout run on 1/t of the tokens.
+`models.parallel_plan.tp_plan` names a style per submodule; `resolve_tp_plan` is the one place
+that reads it for a model and TP size, and `apply_tensor_parallel` applies it in one of two
+modes through a style registry:
 
-Packed projections ([q; k; v], [gate; up]) and KV heads beyond the TP size are `SlicedColwise`:
-a rank computes with rows that are not one contiguous block (its q, k and v heads; its gate and
-up halves), so the weight is stored as a plain Shard(0) DTensor in its global row order (1/tp of
-the memory; checkpoints keep the global name, shape and order, so they move between layouts) and
-each forward gathers the rank's rows with one all-to-all, whose backward returns the row
-gradients to their owners. Megatron instead stores the rows permuted per rank and converts on
-checkpointing; a 1-D `_StridedShard` would describe [gate; up] and MHA qkv but not GQA's unequal
-parts, and DCP records one contiguous chunk per DTensor shard, which a strided shard is not.
+- "train": DTensor styles (`parallel.tp_styles.training_styles`): embedding rows and the output
+  head sharded over the vocabulary, Megatron column/row linears, `SequenceParallel` norms,
+  `SlicedColwise` packed projections, the MoE styles of `parallel.expert_parallel`, LoRA-aware
+  variants (`parallel.peft_tp`). With sequence parallelism the residual stream between blocks
+  is [B, S/t, E] per rank: each attention and MLP block all-gathers its input sequence and its
+  row-parallel output is reduce-scattered back (instead of all-reduced), so norms and dropout
+  run on 1/t of the tokens.
+- "serve": plain local tensors and explicit collectives, no autograd
+  (`parallel.tp_serving.SERVING_STYLES`); every rank keeps the rows its training style computes
+  with, and ends with the whole logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,201 +33,27 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-)
+from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.config import ModelConfig
-from models.parallel_plan import match_plan, tp_plan
+from models.parallel_plan import check_tp_size, match_plan, tp_plan
 from parallel.peft_tp import parallelize_with_adapters
 from parallel.tp_random import install_tp_rng_regions
+from parallel.tp_serving import ServingShard
+from parallel.tp_styles import training_styles
+
+Mode = Literal["train", "serve"]
+"""How `apply_tensor_parallel` lays out the plan: DTensor training styles or plain serving ones."""
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (each rank fed other rows)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """This rank's rows of a weight stored row-sharded (Shard(0)) over `group`, via all-to-all.
-
-    Forward: every rank sends each other rank the rows it stores that the other one computes
-    with; backward sends the row gradients back to their owners, which add them up (a row that
-    several ranks use, a replicated KV head, gets the sum of their gradients).
-    """
-
-    @staticmethod
-    def forward(ctx, shard_NE: torch.Tensor, plan: _RowExchange, group: dist.ProcessGroup):  # type: ignore[override]
-        ctx.plan, ctx.group, ctx.shard_rows = plan, group, shard_NE.shape[0]
-        send = shard_NE.index_select(0, plan.send_index).contiguous()
-        received = send.new_empty((plan.recv_order.numel(), *shard_NE.shape[1:]))
-        dist.all_to_all_single(received, send, plan.recv_counts, plan.send_counts, group=group)
-        return received.index_select(0, plan.recv_order)
-
-    @staticmethod
-    def backward(ctx, grad_RE: torch.Tensor):  # type: ignore[override]
-        plan = ctx.plan
-        grad_sent = grad_RE.new_empty((plan.recv_order.numel(), *grad_RE.shape[1:]))
-        grad_sent.index_copy_(0, plan.recv_order, grad_RE.contiguous())
-        grad_back = grad_RE.new_empty((plan.send_index.numel(), *grad_RE.shape[1:]))
-        dist.all_to_all_single(
-            grad_back, grad_sent, plan.send_counts, plan.recv_counts, group=ctx.group
-        )
-        grad_shard = grad_RE.new_zeros((ctx.shard_rows, *grad_RE.shape[1:]))
-        return grad_shard.index_add_(0, plan.send_index, grad_back), None, None
-
-
-class _RowExchange:
-    """Who sends which stored rows to whom, for `_GatherRows` (fixed per weight shape and rank)."""
-
-    def __init__(
-        self, rows_of_rank: Callable[[int, int], torch.Tensor], num_rows: int, rank: int, tp: int
-    ) -> None:
-        # DTensor's Shard(0) split (torch.chunk): rank s stores rows [bounds[s], bounds[s+1]).
-        per = -(-num_rows // tp)
-        bounds = [min(s * per, num_rows) for s in range(tp + 1)]
-        self.stored_rows = bounds[rank + 1] - bounds[rank]
-        wanted = [rows_of_rank(r, tp) for r in range(tp)]
-        send_index, self.send_counts = [], []
-        for rows in wanted:
-            held = rows[(rows >= bounds[rank]) & (rows < bounds[rank + 1])]
-            send_index.append(held - bounds[rank])
-            self.send_counts.append(held.numel())
-        self.send_index = torch.cat(send_index)
-        # Received blocks arrive by source rank; recv_order puts them back in this rank's order.
-        rows = wanted[rank]
-        owner = torch.bucketize(rows, torch.tensor(bounds[1:]), right=True)
-        arrival = torch.argsort(owner, stable=True)
-        self.recv_counts = [int((owner == s).sum()) for s in range(tp)]
-        self.recv_order = torch.argsort(arrival)
-
-    def to(self, device: torch.device) -> _RowExchange:
-        """Index tensors on `device` (where the weight lives)."""
-        self.send_index = self.send_index.to(device)
-        self.recv_order = self.recv_order.to(device)
-        return self
-
-
-class SlicedColwise(ParallelStyle):
-    """Column-parallel over chosen rows (`rows_of_rank`) of a weight stored row-sharded.
-
-    The weight and bias are Shard(0) DTensors in their global row order (1/tp of the memory
-    per rank; a checkpoint holds the unsharded layout under the same name and shape, so it moves
-    between layouts). Each forward gathers the rows this rank computes with an all-to-all
-    (`_GatherRows`): about 1/tp of the weight crosses the group per rank, and the same for its
-    gradient in backward.
-    """
-
-    def __init__(self, rows_of_rank: Callable[[int, int], torch.Tensor]) -> None:
-        self.rows_of_rank = rows_of_rank
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        assert isinstance(module, nn.Linear), "SlicedColwise applies to nn.Linear"
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        plan = _RowExchange(self.rows_of_rank, module.out_features, rank, size)
-        plan.to(module.weight.device)
-        group = device_mesh.get_group()
-        for name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
-            assert sharded.to_local().shape[0] == plan.stored_rows, "Shard(0) split mismatch"
-            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = cast(DTensor, module.weight).to_local()
-            bias = module.bias
-            if bias is not None:
-                # One exchange for both: the bias travels as an extra column.
-                local_bias = cast(DTensor, bias).to_local()
-                packed = torch.cat([weight, local_bias.unsqueeze(1)], dim=1)
-                packed = _GatherRows.apply(packed, plan, group)
-                weight, bias = packed[:, :-1], packed[:, -1]
-            else:
-                weight = _GatherRows.apply(weight, plan, group)
-            # Each rank's rows see the whole input: its gradient is a partial sum over ranks.
-            x = _SumGradOverGroup.apply(x, group)
-            return F.linear(x, weight, bias)
-
-        module.forward = forward  # type: ignore[method-assign,assignment]
-        return module
-
-
-def _packed_rows(parts: list[tuple[int, int]], head_dim: int) -> Callable[[int, int], torch.Tensor]:
-    """Rows of a row-packed weight for a rank: from each (heads, tp_heads_used) part, the rank's
-    heads. A part with fewer heads than TP ranks gives rank r head r·heads // tp (replication)."""
-
-    def rows(rank: int, tp: int) -> torch.Tensor:
-        picked, offset = [], 0
-        for heads, _ in parts:
-            if heads >= tp:
-                per = heads // tp
-                first, count = rank * per, per
-            else:
-                first, count = rank * heads // tp, 1
-            start = (offset + first) * head_dim
-            picked.append(torch.arange(start, start + count * head_dim))
-            offset += heads
-        return torch.cat(picked)
-
-    return rows
-
-
-def _styles(config: ModelConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Plan style name -> ParallelStyle for this model and TP size."""
-    from parallel.expert_parallel import (
-        ExpertsTensorParallel,
-        MoESequenceParallel,
-    )
-
-    seq = Shard(1) if sequence_parallel else Replicate()
-    h, k, d = config.num_attention_heads, config.kv_heads, config.head_dim
-    styles: dict[str, ParallelStyle] = {
-        "vocab_parallel_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(output_layouts=seq),
-        "colwise_packed_qkv": SlicedColwise(_packed_rows([(h, h), (k, k), (k, k)], d)),
-        "colwise_packed_gate_up": SlicedColwise(
-            _packed_rows([(config.ffn_hidden_size, 0), (config.ffn_hidden_size, 0)], 1)
-        ),
-        # Plain local outputs: a norm output may become the residual stream (embed_layernorm).
-        "sequence_parallel": SequenceParallel(use_local_output=True),
-        "colwise_loss_parallel": ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-        ),
-        "kv_replicated": SlicedColwise(_packed_rows([(k, k)], d)),
-        "moe_experts": ExpertsTensorParallel(
-            config.ffn_hidden_size, sequence_parallel=sequence_parallel
-        ),
-        "moe_sequence_parallel": MoESequenceParallel(),
-    }
-    return styles
-
-
-def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig, *, sequence_parallel: bool
+def resolve_tp_plan(
+    model: nn.Module, config: ModelConfig, tp: int, *, sequence_parallel: bool
 ) -> dict[str, str]:
-    """Shard `model` (a CausalLM or one pipeline stage of it) over `tp_mesh` in place.
+    """The model's TP plan for `tp` ranks, expanded to `model`'s module names (name -> style).
 
-    Returns the resolved plan (module name -> style) for logging. Logits come out as a DTensor
-    sharded over the vocabulary: compute the loss with `tp_cross_entropy_sum`.
+    KV projections get "kv_replicated" when there are fewer KV heads than ranks (unfused qkv).
     """
-    tp = tp_mesh.size()
-    if config.embedding_layernorm and not sequence_parallel:
-        raise ValueError("embedding layernorm models need --sequence-parallel under TP")
     h, k = config.num_attention_heads, config.kv_heads
     # The model reads a packed shard's head counts from its width and the full q:kv ratio; with
     # replicated KV heads (tp > K) that arithmetic only holds for some shapes.
@@ -239,21 +63,49 @@ def apply_tensor_parallel(
             f"and {h} heads cannot be split; use a TP size <= {k} or an unfused qkv model"
         )
     plan = tp_plan(config, sequence_parallel=sequence_parallel)
-    if config.kv_heads < tp and not config.fused_qkv:
+    if k < tp and not config.fused_qkv:
         for name in ("k_proj", "v_proj"):
             plan["layers.*.self_attn." + name] = "kv_replicated"
-    styles = _styles(config, tp, sequence_parallel)
-    names = [name for name, _ in model.named_modules()]
-    resolved = match_plan(plan, names)
-    heads_per_rank = config.num_attention_heads // tp
+    return match_plan(plan, [name for name, _ in model.named_modules()])
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    config: ModelConfig,
+    *,
+    sequence_parallel: bool = False,
+    mode: Mode = "train",
+) -> dict[str, str]:
+    """Shard `model` (a CausalLM or one pipeline stage of it) over `tp_mesh` in place.
+
+    Returns the resolved plan (module name -> style) for logging. "train": parameters become
+    DTensors and logits come out sharded over the vocabulary (compute the loss with
+    `tp_cross_entropy_sum`). "serve": parameters stay plain local tensors (no autograd) and
+    every rank gets the whole logits; no sequence parallelism.
+    """
+    if mode not in ("train", "serve"):
+        raise ValueError(f"apply_tensor_parallel mode must be 'train' or 'serve', got {mode!r}")
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    if mode == "serve":
+        if sequence_parallel:
+            raise ValueError("tensor-parallel serving runs without sequence parallelism")
+        check_tp_size(config, tp)
+    elif config.embedding_layernorm and not sequence_parallel:
+        raise ValueError("embedding layernorm models need --sequence-parallel under TP")
+    resolved = resolve_tp_plan(model, config, tp, sequence_parallel=sequence_parallel)
     for name, style in resolved.items():
         if style == "alibi_heads":
             # Column-parallel q keeps heads [r·H/t, (r+1)·H/t) on rank r: their slopes.
             attn = model.get_submodule(name)
-            attn.head_offset = tp_mesh.get_local_rank() * heads_per_rank  # type: ignore[assignment]
-    module_plan: dict[str, ParallelStyle] = {
-        n: styles[s] for n, s in resolved.items() if s != "alibi_heads"
-    }
+            attn.head_offset = rank * (config.num_attention_heads // tp)  # type: ignore[assignment]
+    sharded = {n: s for n, s in resolved.items() if s != "alibi_heads"}
+    if mode == "serve":
+        ServingShard(model, config, tp_mesh.get_group(), rank, tp).apply(sharded)
+        return resolved
+    styles = training_styles(config, sequence_parallel=sequence_parallel)
+    names = [name for name, _ in model.named_modules()]
+    module_plan: dict[str, ParallelStyle] = {n: styles[s] for n, s in sharded.items()}
     if sequence_parallel:
         # Attention takes (x, rope, padding mask, segment ids, cache); the MLP takes x. A
         # block with its own style (an MoE layer) gathers its input itself.
@@ -342,4 +194,10 @@ def tp_cross_entropy_sum(
     return (per_token * loss_mask_BS.flatten().to(per_token.dtype)).sum()
 
 
-__all__ = ["SlicedColwise", "apply_tensor_parallel", "loss_parallel", "tp_cross_entropy_sum"]
+__all__ = [
+    "Mode",
+    "apply_tensor_parallel",
+    "loss_parallel",
+    "resolve_tp_plan",
+    "tp_cross_entropy_sum",
+]

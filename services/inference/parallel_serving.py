@@ -1,12 +1,9 @@
 """Multi-process serving: tensor-parallel shards, pipeline stages or both; rank 0 serves gRPC.
 
-Every rank runs the same `Engine` on its part of the model. Rank 0 owns the request queue: at
-the start of each step it broadcasts the step's new requests and cancellations (and score
-batches, resets, and the final stop) to the other ranks, which wait for these commands in
-`follow()`. Every rank ends each forward with identical logits — all-gathered under tensor
-parallelism (`tensor_parallel.py`), broadcast from the last stage under pipeline parallelism
-(`pipeline_serving.py`) — and per-request generators are seeded identically, so all ranks pick
-the same tokens and their caches stay in lock step without sending tokens around.
+This is the process side: rank 0 (the server) spawns ranks 1..N-1, every rank joins the process
+group and builds its engine from the service config. The engines themselves — the leader /
+follower step loop, the pipeline stage engine, the TP shard — live in `engine/`
+(`engine.parallel_engine.build_parallel_engine`).
 """
 
 from __future__ import annotations
@@ -22,83 +19,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.engine import Engine, EngineConfig
-from engine.requests import GenerationRequest, ScoreResult
-from engine.tensor_parallel import shard_for_serving
+from engine.engine import EngineConfig
+from engine.leader_follower import LeaderFollowerEngine
+from engine.parallel_engine import build_parallel_engine
 from engine.tokens import TokenizerInfo
 from kernels import device as devices
-from models.transformer import CausalLM
 from services.inference.config import InferenceServiceConfig
 
 log = logging.getLogger(__name__)
-STEP, SCORE, RESET, STOP = "step", "score", "reset", "stop"
 PR_SET_PDEATHSIG = 1
 TIMEOUT_S = 7 * 24 * 3600.0
 """Collective timeout: followers wait in a broadcast for as long as the server sits idle."""
-
-
-class LeaderFollowerEngine(Engine):
-    """An Engine on one serving rank; rank 0 leads, the others `follow()` its commands."""
-
-    def __init__(
-        self,
-        model: CausalLM,
-        tokens: TokenizerInfo,
-        config: EngineConfig,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        super().__init__(model, tokens, config)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._leader = dist.get_global_rank(group, 0) if group is not None else 0
-        self._received: tuple[list[GenerationRequest], set[int]] = ([], set())
-
-    def _send(self, *command: Any) -> None:
-        dist.broadcast_object_list([command], src=self._leader, group=self.group)
-
-    def _sync_inbox(
-        self, requests: list[GenerationRequest], cancelled: set[int]
-    ) -> tuple[list[GenerationRequest], set[int]]:
-        if self.rank == 0:
-            self._send(STEP, requests, cancelled)
-            return requests, cancelled
-        return self._received
-
-    def score(
-        self, items: list[tuple[list[int], list[int]]], pad_id: int = 0, top_logprobs: int = 0
-    ) -> list[ScoreResult]:
-        """Scores on every rank (rank 0 tells the others what; only it picks the top tokens)."""
-        if self.rank == 0:
-            self._send(SCORE, items, pad_id)
-        return super().score(items, pad_id, top_logprobs)
-
-    def reset(self) -> set[int]:
-        """Reset every rank's engine; returns the ids of the requests forgotten."""
-        if self.rank == 0:
-            self._send(RESET)
-        return super().reset()
-
-    def shutdown(self) -> None:
-        """Rank 0: release the followers (they return from `follow()`)."""
-        if self.rank == 0:
-            self._send(STOP)
-
-    def follow(self) -> None:
-        """Ranks > 0: run rank 0's commands until it stops."""
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=self._leader, group=self.group)
-            command, *args = box[0]
-            if command == STEP:
-                self._received = (args[0], args[1])
-                self.step()
-            elif command == SCORE:
-                super().score(*args)
-            elif command == RESET:
-                super().reset()
-            elif command == STOP:
-                return
 
 
 def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEngine, Any]:
@@ -114,29 +45,16 @@ def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEng
         lora=config.lora_load,
         device=devices.current().torch_device(),
     )
-    world = dist.group.WORLD
-    assert world is not None, "multi-process serving needs the default process group"
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
     engine_config = EngineConfig(max_batch_rows=config.max_batch_rows, cpu_linear=config.cpu_linear)
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if pp > 1:
-        from services.inference.pipeline_serving import PipelineEngine, keep_stage
-
-        # Rank = stage * tp + tp rank: a stage's TP group is tp consecutive ranks.
-        stage, stages = keep_stage(loaded.model, dist.get_rank() // tp, pp)
-        if tp > 1:
-            shard_for_serving(loaded.model, _stage_groups(tp, pp))
-        engine = PipelineEngine(loaded.model, tokens, engine_config, stage, stages, tp_size=tp)
-        return engine, loaded
-    shard_for_serving(loaded.model, world)
-    return LeaderFollowerEngine(loaded.model, tokens, engine_config), loaded
-
-
-def _stage_groups(tp: int, pp: int) -> dist.ProcessGroup:
-    """This rank's tensor-parallel group within its pipeline stage (every rank creates every
-    stage's group, in the same order, as `new_group` requires)."""
-    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
-    return groups[dist.get_rank() // tp]
+    engine = build_parallel_engine(
+        loaded.model,
+        tokens,
+        engine_config,
+        tp=config.tensor_parallel_size,
+        pp=config.pipeline_parallel_size,
+    )
+    return engine, loaded
 
 
 def _join(rank: int, world: int, port: int) -> None:

@@ -32,9 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
+from parallel.parallel_dims import AXES, build_dims
 from services.trainer.train_config import TrainConfig
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -112,16 +111,8 @@ def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, world_
 
 def _sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
     """Sizes of the mesh axes, outermost first (parallel.parallel_dims.AXES)."""
-    par = config.parallel
-    dp = config.dp_size(world_size)
-    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
-    return {
-        "pp": par.pipeline_model_parallel_size,
-        "dp_replicate": replicate,
-        "dp_shard": dp // replicate,
-        "cp": par.context_parallel_size,
-        "tp": par.tensor_model_parallel_size,
-    }
+    dims = build_dims(config, world_size)
+    return {axis: getattr(dims, axis) for axis in AXES}
 
 
 def unique_elements(counts: dict[str, int], coords: dict[str, int], config: TrainConfig) -> int:
@@ -148,7 +139,6 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from models.mixtral import build_causal_lm
-    from parallel.parallelize import build_dims
     from services.trainer.optimizer import build_training_optimizer
     from services.trainer.precision import plan_precision
     from services.trainer.setup import build_model_config, build_parallel
@@ -156,17 +146,13 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         par = config.parallel
-        dims = None
-        if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
-            dims = build_dims(config, world_size)
+        dims = build_dims(config, world_size)
         plan = plan_precision(
             config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
         )
         model_config = build_model_config(config)
         meta_model: torch.nn.Module = build_causal_lm(model_config, device="meta")
-        model, _, wrap = build_parallel(
-            meta_model.to(plan.model_dtype), config, plan, world_size, dims=dims
-        )
+        model, _, wrap = build_parallel(meta_model.to(plan.model_dtype), config, plan, dims)
         optimizer = build_training_optimizer(model, config.optim, plan, wrap_inner=wrap)
         params = list(model.parameters())
         parameters = sum(_local(p).numel() for p in params)

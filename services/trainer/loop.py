@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import device, peak_flops
+from parallel.parallel_dims import build_dims
 from parallel.tp_random import tp_seed_offset
 from services.trainer.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
 from services.trainer.loss_scaler import build_loss_scaler
@@ -112,15 +113,17 @@ class Trainer:
         config.validate(self.world_size)
         self.platform = device.current()
         self.device = self.platform.torch_device()
-        self.dp_size = config.dp_size(self.world_size)
-        self.dp_rank = self.rank // config.parallel.model_parallel_size()
+        # The run's parallel layout, built once: the feed, the data ranks and the parallelized
+        # model all read it.
+        self.dims = build_dims(config, self.world_size)
+        self.dp_size = self.dims.dp
+        self.dp_rank = self.rank
         self.feed = None
-        par = config.parallel
-        if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
-            from parallel.parallelize import ModelParallelFeed, build_dims
+        if self.dims.is_model_parallel:
+            from parallel.parallelize import ModelParallelFeed
 
-            self.feed = ModelParallelFeed(build_dims(config, self.world_size))
-            self.dp_rank = self.feed.dims.dp_rank
+            self.feed = ModelParallelFeed(self.dims)
+            self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
         self.plan = plan_precision(
             config.precision,
@@ -141,13 +144,7 @@ class Trainer:
         from services.trainer.model_arch import apply_attention_backend
 
         apply_attention_backend(model, config.arch.kernel_backend())
-        self.model, self.mesh, wrap_inner = build_parallel(
-            model,
-            config,
-            self.plan,
-            self.world_size,
-            dims=self.feed.dims if self.feed is not None else None,
-        )
+        self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
             from parallel.adaptive_recompute import AdaptiveRecompute

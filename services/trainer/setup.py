@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.parallel_dims import ParallelDims
 from services.trainer.batching import stack_samples
 from services.trainer.mock_data import MockDataset
 from services.trainer.precision import PrecisionPlan
@@ -152,40 +153,35 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
 
 
 def build_parallel(
-    model: nn.Module,
-    config: TrainConfig,
-    plan: PrecisionPlan,
-    world_size: int,
-    *,
-    dims: Any = None,
+    model: nn.Module, config: TrainConfig, plan: PrecisionPlan, dims: ParallelDims
 ) -> tuple[nn.Module, Any, Any]:
-    """Apply data parallelism for a multi-process job: (model, mesh, optimizer wrapper or None).
+    """Apply the run's parallelism to `model`: (model, mesh, optimizer wrapper or None).
 
-    With tensor, pipeline or context parallelism `distributed` applies them and the
-    data parallelism over the named mesh (`dims`: the job's `ParallelDims`, built if not given).
-    A --peft-method adapter is added first (issue #10).
+    `dims` is the run's layout (`parallel.parallel_dims.build_dims`, built once by the caller).
+    With tensor, pipeline, context or expert parallelism `parallel.parallelize` applies them and
+    the data parallelism over the named mesh; otherwise DDP/FSDP2 over the (`dp_replicate`,
+    `dp_shard`) mesh of `dims`. A --peft-method adapter is added first (issue #10).
     """
     from services.trainer.finetune import prepare_model
 
     model = prepare_model(model, config)
     par = config.parallel
-    if par.recompute_granularity is not None and par.model_parallel_size() == 1:
+    if par.recompute_granularity is not None and dims.model_parallel == 1:
         from parallel.recompute import apply_recompute
 
         apply_recompute(
             model, par.recompute_granularity, par.recompute_method, par.recompute_num_layers
         )
-    if par.compile and par.model_parallel_size() == 1:
+    if par.compile and dims.model_parallel == 1:
         from parallel.compile import apply_compile
 
         apply_compile(model)
-    if world_size == 1:
+    if dims.world_size == 1:
         return model, None, None
-    if par.model_parallel_size() > 1 or par.expert_model_parallel_size > 1:
-        from parallel.parallelize import build_dims, parallelize_model
+    param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
+    if dims.is_model_parallel:
+        from parallel.parallelize import parallelize_model
 
-        param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
-        dims = dims if dims is not None else build_dims(config, world_size)
         return parallelize_model(model, model.config, config, dims, param_dtype)
     from parallel.data_parallel import (
         apply_run_data_parallel,
@@ -193,13 +189,7 @@ def build_parallel(
         wrap_optimizer,
     )
 
-    dp = config.dp_size(world_size)
-    if par.hsdp:
-        shard = par.hsdp_shard_size or int(__import__("os").environ.get("LOCAL_WORLD_SIZE", dp))
-        mesh = build_dp_mesh(dp, dp // shard, shard)
-    else:
-        mesh = build_dp_mesh(dp, 1, dp)
-    param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
+    mesh = build_dp_mesh(dims.dp, dims.dp_replicate, dims.dp_shard)
     model = apply_run_data_parallel(model, mesh, par, param_dtype)
 
     def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

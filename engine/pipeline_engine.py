@@ -4,7 +4,7 @@ Shapes: B batch, S sequence, E hidden, V vocab.
 
 Stage r runs its layers on the hidden states stage r-1 sent (stage 0 embeds the token ids) and
 sends its output to stage r+1; the last stage applies the final norm and head, and broadcasts
-the logits so every rank's replicated engine makes the same decisions (see parallel_serving.py).
+the logits so every rank's replicated engine makes the same decisions (see leader_follower.py).
 Each stage's KV cache holds only its layers; all stages see the same rows and lengths, so RoPE
 positions and masks agree. Micro-batching is not done: one request batch flows through the
 stages at a time, so this serves models too large for one process rather than adding throughput.
@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from engine.engine import EngineConfig, head_logits, hidden_states
+from engine.leader_follower import LeaderFollowerEngine
 from engine.tokens import TokenizerInfo
 from models.kv_cache import KVCache
 from models.pipeline import StageRange, build_stage, split_stages
 from models.transformer import CausalLM
-from services.inference.parallel_serving import LeaderFollowerEngine
 
 
 def keep_stage(model: CausalLM, rank: int, pp_size: int) -> tuple[StageRange, int]:

@@ -13,6 +13,7 @@ over the same ranks. Ranks along `ep` split the experts (and read different batc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,19 +204,40 @@ class ParallelDims:
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
 
 
-def build_dims(config: Any, world_size: int) -> ParallelDims:
+def default_hsdp_shard_size(dp: int, model_parallel: int, local_world_size: int | None) -> int:
+    """Data-parallel ranks per HSDP shard group when `--hsdp-shard-size` is not given.
+
+    Node-local, as PyTorch FSDP's HYBRID_SHARD and DeepSpeed's hpZ: shard over the data-parallel
+    ranks of one node (processes per node / model-parallel size), replicate across nodes, so the
+    parameter all-gathers stay on the fast intra-node links. When the per-node count is unknown
+    (no launcher) or does not tile the data-parallel ranks, shard over all of them (one replica).
+    """
+    if local_world_size and local_world_size % model_parallel == 0:
+        per_node = local_world_size // model_parallel
+        if 0 < per_node <= dp and dp % per_node == 0:
+            return per_node
+    return dp
+
+
+def build_dims(config: Any, world_size: int, local_world_size: int | None = None) -> ParallelDims:
     """The job's `ParallelDims` from the training config's `parallel` section (built once per
     run and passed down).
 
     HSDP: `--hsdp-shard-size N` shards within groups of N data-parallel ranks and replicates
-    across them; 0 (the default) shards over all data-parallel ranks (one replica), as
-    torchtitan's `data_parallel_shard_degree=-1` with one replica and Megatron's default of one
-    distributed-optimizer instance do. The layout never depends on the launcher's per-node
-    process count.
+    across them; without it, the groups are the data-parallel ranks of one node
+    (`default_hsdp_shard_size`). `local_world_size` is the launcher's processes per node
+    (default: the LOCAL_WORLD_SIZE torchrun and `meshline train` set).
     """
     par = config.parallel
     dp = world_size // par.model_parallel_size()
-    replicate = dp // (par.hsdp_shard_size or dp) if par.hsdp else 1
+    replicate = 1
+    if par.hsdp:
+        if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        shard = par.hsdp_shard_size or default_hsdp_shard_size(
+            dp, par.model_parallel_size(), local_world_size
+        )
+        replicate = dp // shard
     return ParallelDims(
         world_size=world_size,
         tp=par.tensor_model_parallel_size,

@@ -136,8 +136,8 @@ class ParallelSection:
     hsdp: bool = False
     """Hybrid sharding: shard within groups of --hsdp-shard-size ranks, replicate across them."""
     hsdp_shard_size: int = 0
-    """Ranks per HSDP shard group (0: all data-parallel ranks, one replica, as torchtitan's
-    dp_shard=-1; give the processes per node for node-local shards)."""
+    """Data-parallel ranks per HSDP shard group (0: the data-parallel ranks of one node, as FSDP's
+    HYBRID_SHARD; all of them when the launcher's processes per node are unknown)."""
     cpu_offload: bool = False
     """Keep sharded parameters, grads and optimizer state on the CPU (ZeRO-3)."""
     overlap_grad_reduce: bool = False

@@ -1,7 +1,8 @@
-"""The HSDP shard-size default, pinned: `--hsdp` without `--hsdp-shard-size` shards over all
-data-parallel ranks (one replica), as torchtitan's dp_shard=-1 does, whatever the launcher's
-per-node process count (LOCAL_WORLD_SIZE). The loop builds the run's `ParallelDims` once
-(`parallel.parallel_dims.build_dims`) and the data-parallel mesh follows it."""
+"""The HSDP shard-size default, pinned: `--hsdp` without `--hsdp-shard-size` shards over the
+data-parallel ranks of one node and replicates across nodes (FSDP's HYBRID_SHARD), taking the
+processes per node from the launcher (LOCAL_WORLD_SIZE); with no launcher count, or one that does
+not tile the data-parallel ranks, it shards over all of them. The loop builds the run's
+`ParallelDims` once (`parallel.parallel_dims.build_dims`) and the data-parallel mesh follows it."""
 
 from __future__ import annotations
 
@@ -18,21 +19,33 @@ FLAGS = ["--model", "tiny-llama", "--mock-data", "--seq-length", "32", "--micro-
 
 
 @pytest.mark.parametrize(
-    ("world", "extra", "expected"),
+    ("world", "local", "extra", "expected"),
     [
-        (8, ["--hsdp"], (1, 8)),
-        (8, ["--hsdp", "--hsdp-shard-size", "2"], (4, 2)),
-        (8, ["--hsdp", "--tensor-model-parallel-size", "2"], (1, 4)),
-        (8, ["--hsdp", "--tensor-model-parallel-size", "2", "--hsdp-shard-size", "2"], (2, 2)),
-        (8, [], (1, 8)),
+        (8, "4", ["--hsdp"], (2, 4)),  # 2 nodes x 4: shard in a node, 2 replicas
+        (8, "8", ["--hsdp"], (1, 8)),  # one node: one replica
+        (8, None, ["--hsdp"], (1, 8)),  # no launcher count: all data-parallel ranks
+        (8, "3", ["--hsdp"], (1, 8)),  # a count that does not tile: all ranks
+        (8, "4", ["--hsdp", "--hsdp-shard-size", "2"], (4, 2)),  # explicit size wins
+        (8, "4", ["--hsdp", "--tensor-model-parallel-size", "2"], (2, 2)),  # 2 dp ranks a node
+        (8, "2", ["--hsdp", "--tensor-model-parallel-size", "4"], (1, 2)),  # TP spans nodes
+        (8, "4", [], (1, 8)),  # no --hsdp: never replicated
     ],
 )
-def test_hsdp_default_shards_over_all_data_parallel_ranks(monkeypatch, world, extra, expected):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a launcher's per-node count does not count
+def test_hsdp_default_shards_within_a_node(monkeypatch, world, local, extra, expected):
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     config = parse_args([*FLAGS, *extra]).validate(world)
     dims = build_dims(config, world)
     assert (dims.dp_replicate, dims.dp_shard) == expected
     assert dims.dp == world // config.parallel.model_parallel_size()
+
+
+def test_explicit_local_world_size_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    config = parse_args([*FLAGS, "--hsdp"]).validate(8)
+    assert (build_dims(config, 8, local_world_size=2).dp_replicate) == 4
 
 
 def test_only_tp_pp_cp_ep_make_a_run_model_parallel():
@@ -49,7 +62,7 @@ def test_only_tp_pp_cp_ep_make_a_run_model_parallel():
 def _hsdp_mesh(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[int, ...], float]:
     from services.trainer.loop import Trainer
 
-    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one process per "node": the old default's replicas
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one process per "node": two nodes, two replicas
     trainer = Trainer(parse_args([*FLAGS, "--hsdp"]))
     loss = trainer.train_step().loss
     mesh = trainer.mesh
@@ -62,5 +75,5 @@ def test_data_parallel_hsdp_mesh_follows_the_run_dims():
     results = run_distributed(_hsdp_mesh, 2)
     for names, shape, _ in results:
         assert names == ("dp_replicate", "dp_shard")
-        assert shape == (1, 2)
+        assert shape == (2, 1)
     assert results[0][2] == results[1][2]

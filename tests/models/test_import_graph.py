@@ -35,9 +35,8 @@ def _graph() -> dict[str, set[str]]:
         for module, names in _imports(path):
             if module.startswith("models."):
                 edges.add(module.split(".")[1])
-            elif module == "models":
-                edges.update(n for n in names if n in modules)
-                edges.add("__init__")
+            elif module == "models":  # a submodule, or a name the package's __init__ gives
+                edges.update(n if n in modules else "__init__" for n in names)
         graph[path.stem] = edges & (modules | {"__init__"})
     return graph
 

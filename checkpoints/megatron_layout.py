@@ -158,7 +158,8 @@ def _moe_to_megatron(layer: int, tensors: Tensors, tp: int) -> Shards:
 def _moe_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tensors:
     prefix = f"layers.{layer}.mlp."
     out: Tensors = {prefix + "gate.weight": _replicated(shards["mlp.router.weight"], "router")}
-    experts = int(config.extra["moe"]["num_experts"])
+    assert config.moe is not None  # the caller checked
+    experts = config.moe.num_experts
     gate_up, down = [], []
     for j in range(experts):
         name = f"mlp.experts.local_experts.{j}."
@@ -204,7 +205,7 @@ def layer_to_megatron(layer: int, tensors: Tensors, config: ModelConfig, tp: int
         if f"{prefix}self_attn.{norm}.weight" in tensors:
             theirs = f"self_attention.{norm[0]}_layernorm.weight"
             out[theirs] = [tensors[f"{prefix}self_attn.{norm}.weight"]] * tp
-    if config.extra.get("moe") is not None:
+    if config.moe is not None:
         out.update(_moe_to_megatron(layer, tensors, tp))
         _norms_to_megatron(prefix, tensors, tp, out)
         return out
@@ -270,7 +271,7 @@ def layer_from_megatron(layer: int, shards: Shards, config: ModelConfig) -> Tens
         for norm in ("q_norm", "k_norm"):
             theirs = f"self_attention.{norm[0]}_layernorm.weight"
             out[f"{prefix}self_attn.{norm}.weight"] = _replicated(shards[theirs], theirs)
-    if config.extra.get("moe") is not None:
+    if config.moe is not None:
         out.update(_moe_from_megatron(layer, shards, config))
         _norms_from_megatron(layer, prefix, shards, out)
         return out

@@ -4,7 +4,7 @@ FLOPs per token follow PaLM's 6N + 12·L·H·Q·T (training: forward + backward)
 the input embedding table (a lookup, not a matmul) unless it is tied to the output head, and the
 attention term is counted for the full T×T score matrix — no halving for the causal mask.
 
-Mixture-of-experts models (`config.extra["moe"]`): each token passes through the router, its K
+Mixture-of-experts models (`config.moe`): each token passes through the router, its K
 routed experts and the shared experts only, so N in 6N is the *active* count — the total minus
 the (X - K) routed experts per layer that a token skips (`active_parameters`).
 """
@@ -58,11 +58,8 @@ def parameter_breakdown(config: ModelConfig) -> ParameterBreakdown:
     mlp_matrices = branches * e * f + f * e
     mlp_bias = (branches * f + e) if config.mlp_bias else 0
     routed = active = router = 0
-    moe = config.extra.get("moe")
-    if moe is not None:
-        from models.moe import MoEConfig
-
-        moe_cfg = MoEConfig(**moe)
+    moe_cfg = config.moe
+    if moe_cfg is not None:
         # Experts are SwiGLU without biases ([gate; up] and down); shared experts are one dense
         # SwiGLU MLP of width shared_expert_ffn (default F·num_shared_experts); the router is an
         # [X, E] matrix, the optional shared-expert gate a [1, E] one.

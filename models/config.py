@@ -1,10 +1,11 @@
 """`ModelConfig`: the typed description of one decoder-only network.
 
 One generic decoder covers the Llama family (Llama 1/2/3, Baichuan 1/2, InternLM, Aquila),
-Qwen2/2.5/3, Mistral, the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: `extra["moe"]`, see
-models/mixtral.py) and Bloom through these options; `models/registry.py` holds the named configurations. Every field has
-a default and a one-line docstring; a config is validated when built (`ValueError` naming the
-field), and `to_dict()` / `from_dict()` round-trip through JSON.
+Qwen2/2.5/3, Mistral, the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: the typed `moe` field,
+`models/moe_config.py`) and Bloom through these options; `models/registry.py` holds the named
+configurations. Every field has a default and a one-line docstring; a config is validated when
+built (`ValueError` naming the field), and `to_dict()` / `from_dict()` round-trip through JSON
+(`from_dict` also reads files written before `moe` was a field, which carried `extra["moe"]`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from models.moe_config import MoEConfig
 
 FAMILIES = (
     "llama",
@@ -112,10 +115,15 @@ class ModelConfig:
     """Dropout probability on attention probabilities (training only)."""
     hidden_dropout: float = 0.0
     """Dropout probability on each residual branch output (training only)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts settings: every layer's MLP is an MoE block (Mixtral, Qwen-MoE); None =
+    dense. A dict of `MoEConfig` fields is accepted and converted."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-safe metadata (e.g. the HF architecture name); never read by the model."""
 
     def __post_init__(self) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            self.moe = MoEConfig.from_dict(self.moe)
         self.validate()
 
     @property
@@ -147,6 +155,13 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field when the configuration cannot describe a network."""
         _choice("family", self.family, FAMILIES)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"ModelConfig.extra={self.extra!r}: must be an object")
+        if "moe" in self.extra:
+            raise ValueError(
+                'ModelConfig.extra["moe"] is no longer read: pass the MoE settings as '
+                "ModelConfig(moe=MoEConfig(...)) (ModelConfig.from_dict converts old files)"
+            )
         _choice("norm_type", self.norm_type, NORM_TYPES)
         _choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         _choice("activation", self.activation, ACTIVATIONS)
@@ -232,11 +247,27 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from `to_dict()` output; unknown keys raise ValueError naming them."""
+        """Build from `to_dict()` output; unknown keys raise ValueError naming them.
+
+        Files written before `moe` was a field carry the MoE settings as `extra["moe"]`; they are
+        moved to `moe` (both at once is ambiguous and raises).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"ModelConfig: expected an object of fields, got {type(data).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig key(s) {unknown}; known keys: {sorted(known)}")
+        extra = data.get("extra")
+        if isinstance(extra, dict) and "moe" in extra:
+            if data.get("moe") is not None:
+                raise ValueError(
+                    'ModelConfig: both "moe" and the older extra["moe"] are set; keep "moe"'
+                )
+            legacy = {k: v for k, v in extra.items() if k != "moe"}
+            data = {**data, "extra": legacy, "moe": extra["moe"]}
         return cls(**data)
 
 

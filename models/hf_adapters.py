@@ -181,7 +181,7 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
     `per_expert` writes MoE experts one tensor each, as `save_pretrained` stores them on disk.
     """
     canon = _unfuse(state, config)
-    moe = config.extra.get("moe") is not None
+    moe = config.moe is not None
     mixtral = config.family in ("mixtral", "llama")
     out: StateDict = {}
     bloom = config.family == "bloom"
@@ -228,7 +228,7 @@ def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     canon: StateDict = {}
     bloom_top = {hf: ours for ours, hf in _BLOOM_TOP.items()}
     bloom_layer = {hf: ours for ours, hf in _BLOOM_NAMES.items()}
-    if config.extra.get("moe") is not None:
+    if config.moe is not None:
         hf_state = _moe_from_hf(hf_state)
     for name, tensor in hf_state.items():
         if name.endswith(("rotary_emb.inv_freq", "attention.bias", "masked_bias")):

@@ -1,7 +1,7 @@
 """HF `config.json` ↔ `ModelConfig`, in both directions, for every supported family.
 
 Every field of a family's config.json that changes the math is read into a `ModelConfig` field (or
-`extra["moe"]` for MoE families) and written back by `hf_config`; a math-changing value Meshline
+the typed `moe` field for MoE families) and written back by `hf_config`; a math-changing value Meshline
 cannot honour raises ValueError naming the field. RoPE parameters are read from transformers 5's
 `rope_parameters` or 4.x's `rope_scaling` (+ `rope_theta`) and written in 5's spelling. Fields
 that do not change the math but that an export needs (bos/eos/pad token ids) travel in
@@ -147,10 +147,8 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         hf.get("position_embedding", "alibi" if hf["hidden_size"] == 5120 else "rope") == "alibi"
     )
     moe = moe_fields_from_hf(hf, family) if family in _MOE_FAMILIES else None
-    if moe is not None:
-        extra["moe"] = moe
-        if family != "mixtral":
-            extra["hf_intermediate_size"] = hf.get("intermediate_size")
+    if moe is not None and family != "mixtral":
+        extra["hf_intermediate_size"] = hf.get("intermediate_size")
     ffn = hf["moe_intermediate_size"] if family in ("qwen2_moe", "qwen3_moe") else None
     fields = dict(
         family=family,
@@ -175,6 +173,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         norm_head=family == "baichuan" and hf.get("norm_head", hf["vocab_size"] == 125696),
         init_std=hf.get("initializer_range", 0.02),
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        moe=moe,
         extra=extra,
     )
     fields.update(overrides)
@@ -207,12 +206,10 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The HF `config.json` content that describes `config`'s network (and its token ids)."""
-    from models.mixtral import moe_config
-
     family = config.family
-    moe = moe_config(config)
+    moe = config.moe
     if moe is not None and family not in _MOE_FAMILIES:
-        family = "mixtral"  # a Llama-style config with extra["moe"] (tiny-mixtral)
+        family = "mixtral"  # a Llama-style config with MoE layers (tiny-mixtral)
     arch, model_type = HF_ARCH[family]
     common: dict[str, Any] = {
         "architectures": [arch],

@@ -1,11 +1,12 @@
-"""The MoE fields of HF `config.json` (Mixtral, Qwen2-MoE, Qwen3-MoE) ↔ `MoEConfig` fields
-(`ModelConfig.extra["moe"]`); used by models/hf_config.py."""
+"""The MoE fields of HF `config.json` (Mixtral, Qwen2-MoE, Qwen3-MoE) ↔ `MoEConfig`
+(`ModelConfig.moe`); used by models/hf_config.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from models.config import ModelConfig
+from models.moe_config import MoEConfig
 
 
 def unsupported_field(field: str, value: Any, why: str) -> ValueError:
@@ -33,8 +34,8 @@ def moe_fields_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return moe
 
 
-def moe_fields_to_hf(config: ModelConfig, family: str, moe: Any) -> dict[str, Any]:
-    """The config.json MoE fields of `family` for `moe` (a MoEConfig); HF-inexpressible raise."""
+def moe_fields_to_hf(config: ModelConfig, family: str, moe: MoEConfig) -> dict[str, Any]:
+    """The config.json MoE fields of `family` for `moe`; HF-inexpressible settings raise."""
     if moe.capacity_factor is not None:
         raise ValueError(
             f"hf_config: moe capacity_factor={moe.capacity_factor} drops tokens; HF MoE classes "

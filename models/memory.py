@@ -230,9 +230,9 @@ def in_flight_microbatches(layout: TrainingLayout, pp_rank: int) -> float:
 
 def model_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     """(name, shape) of every parameter of the model `config` builds (built on meta: free)."""
-    from models.mixtral import build_causal_lm
+    from models.transformer import build_model
 
-    model = build_causal_lm(config, device="meta")
+    model = build_model(config, device="meta")
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 

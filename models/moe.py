@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,53 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import activation as act
-
-
-@dataclass
-class MoEConfig:
-    """Experts, routing and auxiliary-loss settings of every MoE layer."""
-
-    num_experts: int = 8
-    """Experts X per layer (--num-experts)."""
-    top_k: int = 2
-    """Experts each token is routed to (--moe-router-topk)."""
-    capacity_factor: float | None = None
-    """Per-expert capacity = ceil(factor·N·K/X) tokens, extra copies dropped; None = dropless."""
-    aux_loss_coeff: float = 0.0
-    """Weight of the load-balancing loss X·Σ f_i·P_i (--moe-aux-loss-coeff)."""
-    z_loss_coeff: float = 0.0
-    """Weight of the router z-loss mean(logsumexp(logits)²) (--moe-z-loss-coeff)."""
-    num_shared_experts: int = 0
-    """Dense experts every token also passes through (DeepSeek/Qwen-MoE style); 0 = none."""
-    norm_topk_prob: bool = True
-    """Renormalise the top-k probabilities to sum to 1 (Mixtral) instead of raw softmax values."""
-    shared_expert_ffn: int | None = None
-    """Inner width of the shared-expert MLP (Qwen2-MoE shared_expert_intermediate_size); None:
-    the expert width times num_shared_experts."""
-    shared_expert_gate: bool = False
-    """Scale the shared experts' output by sigmoid(shared_expert_gate(x)), a [1, E] linear
-    (Qwen2-MoE)."""
-
-    def __post_init__(self) -> None:
-        if self.num_experts <= 0:
-            raise ValueError(f"--num-experts must be positive, got {self.num_experts}")
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(
-                f"--moe-router-topk {self.top_k} must be in [1, --num-experts {self.num_experts}]"
-            )
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(
-                f"--moe-expert-capacity-factor must be positive, got {self.capacity_factor}"
-            )
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        if self.shared_expert_ffn is not None and self.shared_expert_ffn <= 0:
-            raise ValueError(f"shared_expert_ffn must be positive, got {self.shared_expert_ffn}")
-        if self.shared_expert_gate and not self.num_shared_experts:
-            raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+from models.mlp import MLP
+from models.moe_config import MoEConfig
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -156,17 +110,8 @@ class MoE(nn.Module):
         if config.shared_expert_gate:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         if config.num_shared_experts:
-            from models.config import ModelConfig
-            from models.transformer import MLP
-
-            shared = ModelConfig(
-                hidden_size=hidden,
-                ffn_hidden_size=config.shared_expert_ffn or ffn * config.num_shared_experts,
-                num_attention_heads=1,
-                vocab_size=1,
-                num_layers=1,
-            )
-            self.shared_experts = MLP(shared)
+            width = config.shared_expert_ffn or ffn * config.num_shared_experts
+            self.shared_experts = MLP(hidden, width)
         self.dispatcher: Any = LocalDispatcher()
         self.reduce_aux_statistics: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Sums `aux_statistics` over the ranks that split a micro-batch's tokens (set by a

@@ -60,7 +60,7 @@ def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str,
     plan[layer + "self_attn.o_proj"] = "rowwise"
     if config.position_embedding == "alibi":
         plan[layer + "self_attn"] = "alibi_heads"
-    if config.extra.get("moe") is not None:
+    if config.moe is not None:
         if sequence_parallel:
             plan[layer + "mlp"] = "moe_sequence_parallel"
         plan[layer + "mlp.experts"] = "moe_experts"

@@ -91,7 +91,7 @@ _MISTRAL = dict(
 
 
 def _moe(experts: int, top_k: int, **more: Any) -> dict[str, Any]:
-    return {"extra": {"moe": {"num_experts": experts, "top_k": top_k, **more}}}
+    return {"moe": {"num_experts": experts, "top_k": top_k, **more}}
 
 
 _TINY = dict(
@@ -179,13 +179,13 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-baichuan": {"family": "baichuan", **_TINY},
     "tiny-baichuan-alibi": {"family": "baichuan", **_TINY, "position_embedding": "alibi"},
     "tiny-internlm": {**_INTERNLM, **_TINY},
-    # Mixtral-style MoE (issue #10): built by models.mixtral.build_causal_lm from extra["moe"].
+    # Mixtral-style MoE (issue #10): a Llama config whose layers are MoE (`moe`); HF Mixtral.
     "tiny-mixtral": {
         "family": "llama",
         **_TINY,
         "num_kv_heads": 2,
         "ffn_hidden_size": 96,
-        "extra": {"moe": {"num_experts": 4, "top_k": 2}},
+        **_moe(4, 2),
     },
     # Issue #18 families, tiny: prompts of 24+ tokens pass the window and the original context.
     "tiny-llama3": {

@@ -1,5 +1,6 @@
 """One generic causal decoder covering the Llama, Qwen, Mistral and Bloom families (see
-`ModelConfig`: biases, explicit head dim, q/k norms, sliding windows and RoPE scalings are config).
+`ModelConfig`: biases, explicit head dim, q/k norms, sliding windows and RoPE scalings are config),
+dense or mixture-of-experts (`ModelConfig.moe`: every layer's MLP is a `models.moe.MoE`).
 
 Shapes: B batch, S sequence, E hidden, H heads, K kv heads, D head dim, F ffn, V vocab.
 
@@ -16,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import activation as act
 from kernels.attention import alibi_slopes, attention
 from kernels.norm import LayerNorm, RMSNorm
 from kernels.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from models.config import ModelConfig
 from models.kv_cache import CacheStep, KVCache
+from models.mlp import MLP
+from models.moe import MoE
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
@@ -141,41 +143,17 @@ class Attention(nn.Module):
         return q_BSHD, k_BSKD, v_BSKD
 
 
-class MLP(nn.Module):
-    """Gated (SwiGLU / GeGLU) or plain GeLU feed-forward block."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        e, f, bias = config.hidden_size, config.ffn_hidden_size, config.mlp_bias
-        self.activation = config.activation
-        self.fused = config.gated and config.fused_gate_up
-        if self.fused:
-            self.gate_up_proj = nn.Linear(e, 2 * f, bias=bias)
-        else:
-            if config.gated:
-                self.gate_proj = nn.Linear(e, f, bias=bias)
-            self.up_proj = nn.Linear(e, f, bias=bias)
-        self.down_proj = nn.Linear(f, e, bias=bias)
-
-    def forward(self, x_BSE: torch.Tensor) -> torch.Tensor:
-        """down(act(gate(x)) * up(x)) for gated activations, down(gelu(up(x))) otherwise."""
-        if self.fused:
-            packed = act.swiglu_packed if self.activation == "swiglu" else act.geglu_packed
-            return self.down_proj(packed(self.gate_up_proj(x_BSE)))
-        if self.activation == "gelu":
-            return self.down_proj(act.gelu(self.up_proj(x_BSE), approximate="tanh"))
-        gated = act.swiglu if self.activation == "swiglu" else act.geglu
-        return self.down_proj(gated(self.gate_proj(x_BSE), self.up_proj(x_BSE)))
-
-
 def build_mlp(config: ModelConfig) -> nn.Module:
-    """The layer's feed-forward: an MoE block when `config.extra["moe"]` is set, else the MLP."""
-    moe = config.extra.get("moe")
-    if moe is None:
-        return MLP(config)
-    from models.moe import MoE, MoEConfig
-
-    return MoE(config.hidden_size, config.ffn_hidden_size, MoEConfig(**moe))
+    """The layer's feed-forward: an MoE block when `config.moe` is set, else the dense MLP."""
+    if config.moe is not None:
+        return MoE(config.hidden_size, config.ffn_hidden_size, config.moe)
+    return MLP(
+        config.hidden_size,
+        config.ffn_hidden_size,
+        activation=config.activation,
+        bias=config.mlp_bias,
+        fused_gate_up=config.fused_gate_up,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -370,6 +348,8 @@ def build_model(
     dtype: torch.dtype = torch.float32,
 ) -> CausalLM:
     """Construct a CausalLM on `device` in `dtype`; on a real device it is initialised at once.
+
+    The one builder of every family, dense or MoE (`config.moe`); callers use `models.build_model`.
 
     On "meta" nothing is allocated: call `model.to_empty(device=...)` then `init_weights()`.
     """

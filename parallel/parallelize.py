@@ -32,7 +32,6 @@ SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_id
 def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
     experts (the layer split against `par`'s uneven first/last stage sizes, when given)."""
-    from models.mixtral import moe_config
     from parallel import pipeline
 
     uneven = par is not None and pipeline.layer_counts(par, model_config.num_layers) is not None
@@ -50,7 +49,7 @@ def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
             f"{window}) is not supported: ring attention has no window; use "
             "--context-parallel-size 1"
         )
-    moe = moe_config(model_config)
+    moe = model_config.moe
     if moe is not None and moe.num_shared_experts and dims.sequence_parallel:
         raise ValueError(
             f"--sequence-parallel with shared experts (num_shared_experts="

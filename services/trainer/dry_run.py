@@ -138,7 +138,7 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
     """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from models.mixtral import build_causal_lm
+    from models import build_model
     from services.trainer.optimizer import build_training_optimizer
     from services.trainer.precision import plan_precision
     from services.trainer.setup import build_model_config, build_parallel
@@ -151,7 +151,7 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
             config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
         )
         model_config = build_model_config(config)
-        meta_model: torch.nn.Module = build_causal_lm(model_config, device="meta")
+        meta_model: torch.nn.Module = build_model(model_config, device="meta")
         model, _, wrap = build_parallel(meta_model.to(plan.model_dtype), config, plan, dims)
         optimizer = build_training_optimizer(model, config.optim, plan, wrap_inner=wrap)
         params = list(model.parameters())

@@ -22,6 +22,7 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
     (`services.trainer.model_arch`), the vocabulary being the tokenizer's padded up to
     --make-vocab-size-divisible-by.
     """
+    from models.moe_config import MoEConfig
     from models.registry import get_config, list_configs
     from services.trainer.model_arch import check_against_model, megatron_fields, pad_vocab
 
@@ -53,16 +54,15 @@ def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) 
         model_config = get_config(name, **{**overrides, "vocab_size": padded})
     moe = config.model.moe_overrides()
     if moe:
-        from models.mixtral import moe_config
-
-        merged = {**model_config.extra.get("moe", {}), **moe}
+        base = model_config.moe.to_dict() if model_config.moe is not None else {}
+        merged = {**base, **moe}
         if "num_experts" not in merged:
             raise ValueError(
                 f"--model {name} has no experts: {', '.join('--' + k for k in _moe_flags(config))} "
                 "need --num-experts (or an MoE model such as tiny-mixtral)"
             )
-        model_config = model_config.replace(extra={**model_config.extra, "moe": merged})
-        moe_config(model_config)  # validates (ValueError naming the flag)
+        # MoEConfig validates (ValueError naming the flag).
+        model_config = model_config.replace(moe=MoEConfig(**merged))
     if model_config.max_position_embeddings < config.model.seq_length:
         raise ValueError(
             f"--seq-length {config.model.seq_length} exceeds the model's --max-position-embeddings "
@@ -78,9 +78,9 @@ def _moe_flags(config: TrainConfig) -> list[str]:
 
 def create_model(model_config: Any, device: torch.device, seed: int) -> nn.Module:
     """Build on the meta device, materialise on `device`, initialise from `seed` (fp32)."""
-    from models.mixtral import build_causal_lm
+    from models import build_model
 
-    model = build_causal_lm(model_config, device="meta")
+    model = build_model(model_config, device="meta")
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     return model

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from models import build_model
 from models.lora import LoraConfig, apply_lora, resolve_targets
-from models.mixtral import build_causal_lm
 from models.registry import get_config
 from services.trainer.arguments import parse_args
 from services.trainer.launch_checks import check_paths, load_action
@@ -76,19 +76,19 @@ def test_load_follows_megatron(tmp_path):
     ],
 )  # fmt: skip
 def test_lora_targets_in_both_spellings_select_the_fused_layers(targets, leaves):
-    model = build_causal_lm(get_config("tiny-llama"))
+    model = build_model(get_config("tiny-llama"))
     names = resolve_targets(model, targets)
     assert {n.rpartition(".")[2] for n in names} == leaves
 
 
 def test_part_of_a_fused_projection_alone_is_still_refused():
-    model = build_causal_lm(get_config("tiny-llama"))
+    model = build_model(get_config("tiny-llama"))
     with pytest.raises(ValueError, match="fuses it into qkv_proj"):
         resolve_targets(model, ["q_proj", "v_proj"])
 
 
 def test_megatron_module_names_to_save():
-    model = build_causal_lm(get_config("tiny-llama"))
+    model = build_model(get_config("tiny-llama"))
     config = LoraConfig(target_modules=["dense"], modules_to_save=["word_embeddings",
                                                                    "output_layer"])  # fmt: skip
     apply_lora(model, config)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from kernels.cross_entropy import cross_entropy
-from models.mixtral import build_causal_lm
+from models import build_model
 from models.registry import get_config
 from tests.harness import run_distributed
 
@@ -25,7 +25,7 @@ def _data() -> torch.Tensor:
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_causal_lm(get_config("tiny-mixtral", extra={"moe": MOE}), device="cpu").train()
+    return build_model(get_config("tiny-mixtral", moe=MOE), device="cpu").train()
 
 
 def _train(model, rows, tokens_total, step_hook):
@@ -293,7 +293,7 @@ def test_expert_parallel_flag_is_validated():
     check_model(ParallelDims(world_size=4, ep=2), mixtral)
     sp = ParallelDims(world_size=2, tp=2, sequence_parallel=True)
     check_model(sp, mixtral)
-    shared = get_config("tiny-mixtral", extra={"moe": {**MOE, "num_shared_experts": 1}})
+    shared = get_config("tiny-mixtral", moe={**MOE, "num_shared_experts": 1})
     with pytest.raises(ValueError, match="--sequence-parallel with shared experts"):
         check_model(sp, shared)
 

@@ -11,8 +11,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from kernels.cross_entropy import cross_entropy
+from models import build_model
 from models.hf_adapters import from_hf, to_hf
-from models.mixtral import build_causal_lm, mixtral_hf_config
+from models.hf_config import hf_config
 from models.moe import MoE, MoEConfig, moe_layers, set_aux_loss_scale
 from models.registry import get_config
 from tests.models.test_hf_parity import _randomise
@@ -22,7 +23,7 @@ ATOL = 1e-5
 
 def _hf_mixtral(config) -> MixtralForCausalLM:
     hf = MixtralForCausalLM._from_config(
-        MixtralConfig(**mixtral_hf_config(config)), attn_implementation="eager"
+        MixtralConfig(**hf_config(config)), attn_implementation="eager"
     ).eval()
     _randomise(hf, seed=0)
     return hf
@@ -32,7 +33,7 @@ def _hf_mixtral(config) -> MixtralForCausalLM:
 def test_logits_equal_hf_mixtral(fused):
     config = get_config("tiny-mixtral", fused_qkv=fused)
     hf = _hf_mixtral(config)
-    ours = build_causal_lm(config, device="cpu").eval()
+    ours = build_model(config, device="cpu").eval()
     missing = ours.load_state_dict(from_hf(hf.state_dict(), config), strict=True)
     assert not missing.missing_keys
     x = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -49,9 +50,9 @@ def test_load_balancing_loss_matches_hf_formula():
     """One layer: ours (Megatron's normalisation, f = copies / (N·K)) equals HF's
     `load_balancing_loss_func` (f = copies / N) divided by K."""
     moe = {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 1.0}
-    config = get_config("tiny-mixtral", num_layers=1, extra={"moe": moe})
+    config = get_config("tiny-mixtral", num_layers=1, moe=moe)
     hf = _hf_mixtral(config)
-    ours = build_causal_lm(config, device="cpu").eval()
+    ours = build_model(config, device="cpu").eval()
     ours.load_state_dict(from_hf(hf.state_dict(), config))
     x = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -131,9 +132,8 @@ def test_aux_and_z_loss_reach_the_router_gradient():
 
 
 def test_moe_model_trains():
-    config = get_config("tiny-mixtral", extra={"moe": {"num_experts": 4, "top_k": 2,
-                                                        "aux_loss_coeff": 0.01}})  # fmt: skip
-    model = build_causal_lm(config, device="cpu").train()
+    config = get_config("tiny-mixtral", moe={"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.01})
+    model = build_model(config, device="cpu").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     losses = []
@@ -188,19 +188,18 @@ def test_parameter_and_flop_counts_of_moe_by_hand():
     per_layer = attention + 4 * expert + router + norms
     total = 256 * 64 + 2 * per_layer + 64 + 256 * 64  # embedding, layers, final norm, head
     assert count_parameters(config) == total == 205_632
-    model = build_causal_lm(config)  # meta: nothing allocated
+    model = build_model(config)  # meta: nothing allocated
     assert sum(p.numel() for p in model.parameters()) == total
     active = total - 2 * (4 - 2) * expert  # a token skips 2 of the 4 experts in each layer
     assert active_parameters(config) == active == 131_904
     seq = 32
     expected = 6 * (active - 256 * 64) + 12 * 2 * 4 * 16 * seq
     assert flops_per_token(config, seq) == expected
-    dense = get_config("tiny-mixtral", extra={})
+    dense = get_config("tiny-mixtral", moe=None)
     assert active_parameters(dense) == count_parameters(dense)
-    shared = get_config("tiny-mixtral", extra={"moe": {"num_experts": 4, "top_k": 1,
-                                                       "num_shared_experts": 2}})  # fmt: skip
+    shared = get_config("tiny-mixtral", moe={"num_experts": 4, "top_k": 1, "num_shared_experts": 2})
     assert active_parameters(shared) == total - 2 * 3 * expert + 2 * 2 * expert
-    assert sum(p.numel() for p in build_causal_lm(shared).parameters()) == count_parameters(shared)
+    assert sum(p.numel() for p in build_model(shared).parameters()) == count_parameters(shared)
 
 
 def test_tp_plan_of_moe_names_the_experts():
@@ -210,7 +209,7 @@ def test_tp_plan_of_moe_names_the_experts():
     plan = tp_plan(config, sequence_parallel=False)
     assert plan["layers.*.mlp.experts"] == "moe_experts"
     assert not any(k.endswith(("mlp.gate_up_proj", "mlp.down_proj")) for k in plan)
-    model = build_causal_lm(config)
+    model = build_model(config)
     resolved = match_plan(plan, [n for n, _ in model.named_modules()])
     assert {n for n, s in resolved.items() if s == "moe_experts"} == {
         "layers.0.mlp.experts",
@@ -227,10 +226,10 @@ def test_moe_flags_reach_the_model_config():
         return build_model_config(parse_args(["--mock-data", *flags]))
 
     dense_to_moe = config("--model", "tiny-llama", "--num-experts", "4", "--moe-router-topk", "1")
-    assert dense_to_moe.extra["moe"] == {"num_experts": 4, "top_k": 1}
-    assert len(moe_layers(build_causal_lm(dense_to_moe))) == dense_to_moe.num_layers
+    assert dense_to_moe.moe == MoEConfig(num_experts=4, top_k=1)
+    assert len(moe_layers(build_model(dense_to_moe))) == dense_to_moe.num_layers
     mixtral = config("--model", "tiny-mixtral", "--moe-z-loss-coeff", "0.01")
-    assert mixtral.extra["moe"] == {"num_experts": 4, "top_k": 2, "z_loss_coeff": 0.01}
+    assert mixtral.moe == MoEConfig(num_experts=4, top_k=2, z_loss_coeff=0.01)
     with pytest.raises(ValueError, match="has no experts: --moe-router-topk need --num-experts"):
         config("--model", "tiny-llama", "--moe-router-topk", "1")
     with pytest.raises(ValueError, match="--moe-router-topk 8 must be in"):

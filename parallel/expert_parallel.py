@@ -376,6 +376,7 @@ class MoESequenceParallel(ParallelStyle):
                     x_BsE.reshape(-1, e), weights_NK[own], experts_NK[own], keep_NK[own]
                 )
             else:
+                assert partial_BSE is not None  # asked for when the experts are split
                 out_NE = module.routed_experts(
                     partial_BSE.reshape(-1, e), weights_NK, experts_NK, keep_NK
                 )

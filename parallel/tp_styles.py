@@ -97,8 +97,8 @@ class SlicedColwise(ParallelStyle):
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = cast(DTensor, module.weight).to_local()
-            bias = module.bias
+            weight: torch.Tensor = cast(DTensor, module.weight).to_local()
+            bias: torch.Tensor | None = module.bias
             if bias is not None:
                 # One exchange for both: the bias travels as an extra column.
                 local_bias = cast(DTensor, bias).to_local()

@@ -1,7 +1,8 @@
 """Tensor-parallel plans: submodule name pattern → parallel style, as plain data.
 
 The trainer turns a plan into DTensor `parallelize_module` calls; the same plan serves inference.
-Patterns use `*` for one name component (the layer index). Styles:
+Patterns use `*` for one name component (the layer index). Style names are the keys of
+`parallel.tp_registry.TP_STYLES`, which says how training and serving lay each one out:
 
 - "vocab_parallel_embedding": embedding rows sharded over the vocabulary (RowwiseParallel on an
   nn.Embedding); output replicated, or sequence-sharded with sequence parallelism.
@@ -28,19 +29,6 @@ from __future__ import annotations
 import fnmatch
 
 from models.config import ModelConfig
-
-STYLES = (
-    "vocab_parallel_embedding",
-    "colwise",
-    "rowwise",
-    "colwise_packed_qkv",
-    "colwise_packed_gate_up",
-    "sequence_parallel",
-    "colwise_loss_parallel",
-    "alibi_heads",
-    "moe_experts",
-    "moe_sequence_parallel",
-)
 
 
 def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str, str]:

@@ -14,7 +14,7 @@ modes through a style registry:
   row-parallel output is reduce-scattered back (instead of all-reduced), so norms and dropout
   run on 1/t of the tokens.
 - "serve": plain local tensors and explicit collectives, no autograd
-  (`parallel.tp_serving.SERVING_STYLES`); every rank keeps the rows its training style computes
+  (the serving layouts of `parallel.tp_registry.TP_STYLES`); every rank keeps the rows its training style computes
   with, and ends with the whole logits.
 """
 
@@ -40,8 +40,8 @@ from models.config import ModelConfig
 from models.parallel_plan import check_tp_size, match_plan, tp_plan
 from parallel.peft_tp import parallelize_with_adapters
 from parallel.tp_random import install_tp_rng_regions
+from parallel.tp_registry import get_style, serving_layouts, training_styles
 from parallel.tp_serving import ServingShard
-from parallel.tp_styles import training_styles
 
 Mode = Literal["train", "serve"]
 """How `apply_tensor_parallel` lays out the plan: DTensor training styles or plain serving ones."""
@@ -94,14 +94,15 @@ def apply_tensor_parallel(
     elif config.embedding_layernorm and not sequence_parallel:
         raise ValueError("embedding layernorm models need --sequence-parallel under TP")
     resolved = resolve_tp_plan(model, config, tp, sequence_parallel=sequence_parallel)
+    sharded = {}
     for name, style in resolved.items():
-        if style == "alibi_heads":
-            # Column-parallel q keeps heads [r·H/t, (r+1)·H/t) on rank r: their slopes.
-            attn = model.get_submodule(name)
-            attn.head_offset = rank * (config.num_attention_heads // tp)  # type: ignore[assignment]
-    sharded = {n: s for n, s in resolved.items() if s != "alibi_heads"}
+        attribute = get_style(style, name).attribute
+        if attribute is not None:
+            attribute(model.get_submodule(name), config, rank, tp)
+        else:
+            sharded[name] = style
     if mode == "serve":
-        ServingShard(model, config, tp_mesh.get_group(), rank, tp).apply(sharded)
+        ServingShard(model, config, tp_mesh.get_group(), rank, tp).apply(sharded, serving_layouts())
         return resolved
     styles = training_styles(config, sequence_parallel=sequence_parallel)
     names = [name for name, _ in model.named_modules()]

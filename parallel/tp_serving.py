@@ -95,6 +95,10 @@ class GatheredLMHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
+ServingLayout = Callable[["ServingShard", str, nn.Module], None]
+"""Lays out one module for serving on this rank (sliced or swapped in place)."""
+
+
 class ServingShard:
     """Applies serving layouts to one model for this rank of `group` (state: the embedding
     shard, which a tied output head reuses)."""
@@ -113,15 +117,16 @@ class ServingShard:
         self.embedding: VocabParallelEmbedding | None = None
 
     @torch.no_grad()
-    def apply(self, resolved: dict[str, str]) -> None:
-        """Lay out every module of `resolved` (module name -> style, in plan order)."""
+    def apply(self, resolved: dict[str, str], layouts: dict[str, ServingLayout | None]) -> None:
+        """Lay out every module of `resolved` (module name -> style, in plan order) with
+        `layouts` (style -> layout: `parallel.tp_registry`'s serving column)."""
         for name, style in resolved.items():
-            layout = SERVING_STYLES.get(style)
+            layout = layouts.get(style)
             if layout is None:
                 raise ValueError(
                     f"tensor-parallel serving has no layout for plan style {style!r} (module "
-                    f"{name}); serve with --tensor-parallel-size 1 or add the style to "
-                    "parallel.tp_serving.SERVING_STYLES"
+                    f"{name}); serve with --tensor-parallel-size 1 or give the style a serving "
+                    "layout in parallel.tp_registry.TP_STYLES"
                 )
             layout(self, name, self.model.get_submodule(name))
 
@@ -147,29 +152,29 @@ def _keep_rows(shard: ServingShard, rows: torch.Tensor | None, module: nn.Module
     module.out_features = module.weight.shape[0]
 
 
-def _colwise(shard: ServingShard, name: str, module: nn.Module) -> None:
+def colwise_layout(shard: ServingShard, name: str, module: nn.Module) -> None:
     _keep_rows(shard, None, module)
 
 
-def _sliced(style: str) -> Callable[[ServingShard, str, nn.Module], None]:
+def sliced_layout(style: str) -> ServingLayout:
     def layout(shard: ServingShard, name: str, module: nn.Module) -> None:
         _keep_rows(shard, shard.rows[style](shard.rank, shard.world), module)
 
     return layout
 
 
-def _rowwise(shard: ServingShard, name: str, module: nn.Module) -> None:
+def rowwise_layout(shard: ServingShard, name: str, module: nn.Module) -> None:
     assert isinstance(module, nn.Linear)
     shard.replace(name, RowParallelLinear(module, shard.group, shard.rank, shard.world))
 
 
-def _embedding(shard: ServingShard, name: str, module: nn.Module) -> None:
+def embedding_layout(shard: ServingShard, name: str, module: nn.Module) -> None:
     assert isinstance(module, nn.Embedding)
     shard.embedding = VocabParallelEmbedding(module, shard.group, shard.rank, shard.world)
     shard.replace(name, shard.embedding)
 
 
-def _lm_head(shard: ServingShard, name: str, module: nn.Module) -> None:
+def lm_head_layout(shard: ServingShard, name: str, module: nn.Module) -> None:
     assert isinstance(module, nn.Linear)
     config = shard.config
     if config.tie_word_embeddings and shard.embedding is not None:
@@ -186,17 +191,5 @@ def _lm_head(shard: ServingShard, name: str, module: nn.Module) -> None:
     shard.replace(name, GatheredLMHead(weight, shard.group, shard.world))
 
 
-def _whole(shard: ServingShard, name: str, module: nn.Module) -> None:
+def whole_layout(shard: ServingShard, name: str, module: nn.Module) -> None:
     """Kept whole on every rank (every rank computes the module's whole output)."""
-
-
-SERVING_STYLES: dict[str, Callable[[ServingShard, str, nn.Module], None]] = {
-    "vocab_parallel_embedding": _embedding,
-    "colwise": _colwise,
-    "rowwise": _rowwise,
-    "colwise_packed_qkv": _sliced("colwise_packed_qkv"),
-    "colwise_packed_gate_up": _sliced("colwise_packed_gate_up"),
-    "colwise_loss_parallel": _lm_head,
-    "moe_experts": _whole,
-}
-"""Plan style name -> serving layout (module swapped or sliced in place on this rank)."""

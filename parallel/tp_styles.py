@@ -1,9 +1,7 @@
-"""The training registry of tensor-parallel styles: plan style name -> DTensor `ParallelStyle`.
+"""Tensor-parallel training styles of Meshline's own (DTensor `ParallelStyle`s beside torch's).
 
-`models.parallel_plan` names a style per submodule; `training_styles` is the one table that
-turns those names into `torch.distributed.tensor.parallel` styles for training (serving's table
-of plain-tensor layouts is `parallel.tp_serving.SERVING_STYLES`; both are applied by
-`parallel.tensor_parallel.apply_tensor_parallel`). A new style is one entry here and one there.
+The registry that maps plan style names to these (and to the serving layouts) is
+`parallel.tp_registry.TP_STYLES`; `parallel.tensor_parallel.apply_tensor_parallel` applies it.
 
 Packed projections ([q; k; v], [gate; up]) and KV heads beyond the TP size are `SlicedColwise`:
 a rank computes with rows that are not one contiguous block (its q, k and v heads; its gate and
@@ -25,17 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.config import ModelConfig
 from parallel.collectives import RowExchange, copy_to_group, gather_rows
-from parallel.expert_parallel import ExpertsTensorParallel, MoESequenceParallel
 
 RowsOfRank = Callable[[int, int], torch.Tensor]
 """(rank, tp) -> the global rows of a weight that `rank` computes with."""
@@ -113,30 +105,3 @@ class SlicedColwise(ParallelStyle):
 
         module.forward = forward  # type: ignore[method-assign,assignment]
         return module
-
-
-def training_styles(config: ModelConfig, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Plan style name -> DTensor ParallelStyle for this model (the training registry).
-
-    "alibi_heads" is not here: it sets an attribute and `apply_tensor_parallel` does it for both
-    training and serving.
-    """
-    seq = Shard(1) if sequence_parallel else Replicate()
-    rows = row_selectors(config)
-    return {
-        "vocab_parallel_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(output_layouts=seq),
-        "colwise_packed_qkv": SlicedColwise(rows["colwise_packed_qkv"]),
-        "colwise_packed_gate_up": SlicedColwise(rows["colwise_packed_gate_up"]),
-        # Plain local outputs: a norm output may become the residual stream (embed_layernorm).
-        "sequence_parallel": SequenceParallel(use_local_output=True),
-        "colwise_loss_parallel": ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-        ),
-        "kv_replicated": SlicedColwise(rows["kv_replicated"]),
-        "moe_experts": ExpertsTensorParallel(
-            config.ffn_hidden_size, sequence_parallel=sequence_parallel
-        ),
-        "moe_sequence_parallel": MoESequenceParallel(),
-    }

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
+from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
 from engine.linear_choice import choose_cpu_linear
 from engine.requests import (
@@ -79,6 +80,7 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
 
 
 CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv")
+DECODE_STEPS = ("auto", "module")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class EngineConfig:
     which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
     linear layers and the KV-cache write + attention run as they are. The first decode steps
     at a new batch shape compile (seconds each, a few shapes in all); prefill stays eager."""
+    decode_step: str = "auto"
+    """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
+    computation, bit-identical, without per-module dispatch) when it covers the model, else the
+    module forward; "module": always the module forward (`model(...)`)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -108,6 +114,10 @@ class EngineConfig:
             raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(
+                f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
+            )
 
 
 @dataclass
@@ -173,6 +183,7 @@ class Engine:
             pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
+        self._decode_step = self._build_decode_step()
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
@@ -187,6 +198,16 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    def _build_decode_step(self) -> DecodeStep | None:
+        """The lean decode step (see EngineConfig.decode_step), or None: the module forward."""
+        if self.config.decode_step == "module" or self._compiled_model is not None:
+            return None
+        if type(self)._last_logits is not Engine._last_logits:
+            return None  # a subclass runs its own forward (a pipeline stage)
+        step, why = DecodeStep.build(self.model)
+        log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
+        return step
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -308,7 +329,11 @@ class Engine:
     ) -> torch.Tensor:
         """Logits [B, V] of rows [start, stop) fed `ids_B1` (the compiled forward if asked)."""
         view = self.pool.view(start, stop)
-        if self._compiled_model is None or not compiled:
+        if self._decode_step is not None:
+            step = view.begin(1, None)
+            logits_BV = self._decode_step(ids_B1, view, step)
+            view.commit(step)
+        elif self._compiled_model is None or not compiled:
             logits_BV = self._last_logits(ids_B1, view)
         else:
             # The cache's host-side planning (begin/commit) stays outside the compiled graph.

@@ -37,6 +37,9 @@ class InferenceServiceConfig:
     (see EngineConfig)."""
     compile_decode: bool = False
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
+    decode_step: str = "auto"
+    """auto: the lean one-token decode step where it covers the model, else the module
+    forward; module: always the module forward (see EngineConfig.decode_step)."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -168,6 +171,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "residuals; seconds of compiling per new batch shape on the first requests)",
     )
     group.add_argument(
+        "--decode-step",
+        choices=("auto", "module"),
+        default=d.decode_step,
+        help="one-token decode steps: auto (a lean step over the model's own weights, "
+        "bit-identical to the module forward, where it covers the model: RoPE + RMSNorm + "
+        "SwiGLU decoders without sliding windows; else the module forward) or module (always "
+        f"the module forward) (default {d.decode_step})",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -233,6 +245,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         max_batch_rows=args.max_batch_rows,
         cpu_linear=args.cpu_linear,
         compile_decode=args.compile_decode,
+        decode_step=args.decode_step,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

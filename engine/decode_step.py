@@ -31,9 +31,9 @@ from torch import nn
 
 from kernels.activation import SWIGLU, SWIGLU_PACKED
 from kernels.attention import ATTENTION
-from kernels.norm import RMS_NORM, RMSNorm
+from kernels.norm import RMS_NORM, RMSNorm, rms_norm_reference
 from kernels.packed_linear import PackedLinear
-from kernels.rotary import APPLY_ROTARY, inverse_frequencies
+from kernels.rotary import APPLY_ROTARY, apply_rotary_reference, inverse_frequencies
 from models.kv_cache import CacheStep, KVCache
 from models.transformer import MLP, Attention, CausalLM, DecoderLayer
 
@@ -100,6 +100,13 @@ class DecodeStep:
         self.swiglu = SWIGLU.get(SWIGLU.default())
         self.swiglu_packed = SWIGLU_PACKED.get(SWIGLU_PACKED.default())
         self.layers = [_read_layer(key, layer) for key, layer in model.layers.items()]
+        if (
+            self.embedding.dtype == torch.float32
+            and self.rms_norm is rms_norm_reference
+            and self.rotate is apply_rotary_reference
+        ):
+            # fp32 under the reference kernels: the same ops minus their no-op fp32 casts.
+            self.rms_norm, self.rotate = _rms_norm_fp32, _rotate_fp32
 
     @classmethod
     def build(cls, model: CausalLM) -> tuple[DecodeStep | None, str]:
@@ -176,6 +183,21 @@ class DecodeStep:
             qk = torch.cat([self.rms_norm(q, *layer.q_norm), self.rms_norm(k, *layer.k_norm)], 2)
         q, k = self.rotate(qk, cos_B1D, sin_B1D, False).split([heads, kv_heads], dim=2)
         return q, k, v
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference` for fp32 x and weight (its casts are identities there)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_fp32(
+    x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """`apply_rotary_reference` (not interleaved) for fp32 x and fp32 cos/sin."""
+    assert not interleaved
+    half = x_BSHD.shape[-1] // 2
+    rotated = torch.cat((-x_BSHD[..., half:], x_BSHD[..., :half]), dim=-1)
+    return x_BSHD * cos_BSD.unsqueeze(2) + rotated * sin_BSD.unsqueeze(2)
 
 
 def _read_layer(key: str, layer: nn.Module) -> _Layer:

@@ -283,7 +283,7 @@ class Engine:
         self.steps += 1
         if self.on_step is not None:
             self.on_step(self)
-        logits_BV = torch.cat(logits).float()
+        logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
         plain = self._pick_plain(logits_BV, events, failed)
         beams = self._pick_beams(logits_BV, events, failed)
         keep: list[int] = []
@@ -488,7 +488,7 @@ class Engine:
         if not index:
             return picks
         seqs = [row.seq for row in self._rows if row.seq is not None]
-        logits_PV = logits_BV[index]
+        logits_PV = logits_BV if len(index) == len(self._rows) else logits_BV[index]
         next_P: list[int | None]
         tops: list[list[tuple[int, float]] | None]
         try:
@@ -545,10 +545,10 @@ class Engine:
             ).any(-1)
             if not bool(drawable_S.all()):
                 raise ValueError("the processed logits of a sampled row have no finite value")
-        next_P = sample_rows(processed_PV, generators).tolist()
-        picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
+        next_t = sample_rows(processed_PV, generators)
+        picked_P = logprobs_PV.gather(1, next_t[:, None])[:, 0]
         tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
-        return next_P, picked_P.tolist(), tops
+        return next_t.tolist(), picked_P.tolist(), tops
 
     def _advance(
         self,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine.beam_search import BeamSearch
 from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
-from engine.linear_choice import choose_cpu_linear
+from engine.linear_choice import choose_cpu_linear, to_column_major
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -79,7 +79,7 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
     return head(h_BxE)
 
 
-CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv")
+CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
 DECODE_STEPS = ("auto", "module")
 
 
@@ -96,7 +96,8 @@ class EngineConfig:
     and keeps the faster (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
     and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
-    the linear weights' memory). A head tied to the embedding stays dense."""
+    the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
+    memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
     compile_decode: bool = False
     """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
     which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
@@ -175,11 +176,13 @@ class Engine:
         shared_head = model.config.tie_word_embeddings or model.config.norm_head
         skip = ("lm_head",) if shared_head else ()
         self.cpu_linear = self.config.cpu_linear
-        """The layout in use ("auto" resolved to "dense" or "packed")."""
+        """The layout in use ("auto" resolved to "dense", "packed" or "colmajor")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
             self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"
-        if self.cpu_linear != "dense":
+        if self.cpu_linear == "colmajor":
+            to_column_major(model, skip)
+        elif self.cpu_linear != "dense":
             pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None

@@ -33,8 +33,8 @@ class InferenceServiceConfig:
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
     cpu_linear: str = "auto"
-    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN) or packed+gemv
-    (see EngineConfig)."""
+    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN), packed+gemv or
+    colmajor (see EngineConfig)."""
     compile_decode: bool = False
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     decode_step: str = "auto"
@@ -158,11 +158,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--cpu-linear",
-        choices=("auto", "dense", "packed", "packed+gemv"),
+        choices=("auto", "dense", "packed", "packed+gemv", "colmajor"),
         default=d.cpu_linear,
-        help="CPU linear weights: auto (dense and packed timed on the model's shapes at "
-        "start-up, the faster kept), as loaded, oneDNN-packed (same memory), or packed plus a "
-        f"column-major copy for batch-1 decoding (2x their memory) (default {d.cpu_linear})",
+        help="CPU linear weights: auto (dense, packed and colmajor timed on the model's shapes "
+        "at start-up, the fastest kept), dense (as loaded), packed (oneDNN-packed, same memory), "
+        "packed+gemv (plus a column-major copy for batch-1 decoding, 2x their memory) or "
+        f"colmajor (column-major dense weights, same memory) (default {d.cpu_linear})",
     )
     group.add_argument(
         "--compile-decode",

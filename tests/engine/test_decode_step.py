@@ -146,7 +146,7 @@ def test_declines_lora_hooks_and_training():
     assert step is None and "LoRA" in why
 
 
-@pytest.mark.parametrize("cpu_linear", ["dense", "packed"])
+@pytest.mark.parametrize("cpu_linear", ["dense", "packed", "colmajor"])
 def test_engine_outputs_equal_with_either_decode_step(cpu_linear):
     """Continuous batching (rows of unequal length join and leave) with greedy, sampled, beam and
     repetition-penalty requests: identical tokens and log-probabilities either way."""

@@ -16,8 +16,11 @@ weight the step multiplies by (the layers and the output head; the embedding is 
 so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
 every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
 
-Transports: `--transport grpc` (default). Another front end (HTTP) plugs in by adding a client
-class with the same `generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
+Transports: `--transport grpc` (default, Generate calls) or `--transport http` (the OpenAI
+`/v1/completions` endpoint of the same server started with `--http-port 0`; token-id prompts,
+temperature 0, `logprobs: 0` so that the reply carries the token ids). Another front end plugs
+in by adding a client class with the same `generate(prompts, max_new_tokens)` coroutine to
+TRANSPORTS.
 """
 
 from __future__ import annotations
@@ -79,18 +82,27 @@ def write_checkpoint(shape: dict, directory: Path) -> Any:
     return hf
 
 
-def start_server(directory: Path) -> tuple[subprocess.Popen, int]:
-    """`python -m services.inference serve --load DIR --port 0` (default flags) and its port."""
+def start_server(directory: Path, transport: str = "grpc") -> tuple[subprocess.Popen, int]:
+    """`python -m services.inference serve --load DIR --port 0` (default flags; plus
+    `--http-port 0` for the HTTP transport) and the port of `transport`."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--load", str(directory)]
+    if transport == "http":
+        command += ["--http-port", "0"]
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     deadline = time.monotonic() + START_TIMEOUT_S
+    ports: dict[str, int] = {}
     for line in server.stderr:
-        match = re.search(r"serving .* on \S+:(\d+)", line)
-        if match:
+        grpc_match = re.search(r"serving .* on \S+:(\d+)", line)
+        http_match = re.search(r"HTTP API on https?://\S+:(\d+)/v1", line)
+        if grpc_match:
+            ports["grpc"] = int(grpc_match.group(1))
+        if http_match:
+            ports["http"] = int(http_match.group(1))
+        if "grpc" in ports and transport in ports:
             threading.Thread(target=server.stderr.read, daemon=True).start()
-            return server, int(match.group(1))
+            return server, ports[transport]
         if time.monotonic() > deadline:
             break
     server.kill()
@@ -120,7 +132,38 @@ class GrpcClient:
         return [list(r.sequences[0].token_ids) for r in replies]
 
 
-TRANSPORTS = {"grpc": GrpcClient}
+class HttpClient:
+    """Greedy OpenAI `/v1/completions` calls (token-id prompts, temperature 0), one call per
+    prompt on its own connection, all in flight together (stdlib HTTP in worker threads)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        calls = [asyncio.to_thread(self._complete, p, max_new_tokens) for p in prompts]
+        return list(await asyncio.gather(*calls))
+
+    def _complete(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        import http.client
+
+        # logprobs 0: the generated tokens come back as "token_id:<id>" (no tokenizer here).
+        body = {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0, "logprobs": 0}
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            connection.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            reply = json.loads(response.read())
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {reply}")
+        tokens = reply["choices"][0]["logprobs"]["tokens"]
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient}
 """Front ends the benchmark can drive: name -> class(port) with `async generate(...)`."""
 
 
@@ -176,7 +219,7 @@ def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> No
     shape = SHAPES[hidden]
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(shape, Path(tmp) / "ckpt")
-        server, port = start_server(Path(tmp) / "ckpt")
+        server, port = start_server(Path(tmp) / "ckpt", transport)
         try:
             client = TRANSPORTS[transport](port)
             gen = torch.Generator().manual_seed(1)

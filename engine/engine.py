@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
+from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
-from engine.linear_choice import choose_cpu_linear
+from engine.linear_choice import choose_cpu_linear, to_column_major
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -78,7 +79,8 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
     return head(h_BxE)
 
 
-CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv")
+CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
+DECODE_STEPS = ("auto", "module")
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,17 @@ class EngineConfig:
     and keeps the faster (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
     and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
-    the linear weights' memory). A head tied to the embedding stays dense."""
+    the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
+    memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
     compile_decode: bool = False
     """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
     which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
     linear layers and the KV-cache write + attention run as they are. The first decode steps
     at a new batch shape compile (seconds each, a few shapes in all); prefill stays eager."""
+    decode_step: str = "auto"
+    """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
+    computation, bit-identical, without per-module dispatch) when it covers the model, else the
+    module forward; "module": always the module forward (`model(...)`)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -108,6 +115,10 @@ class EngineConfig:
             raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(
+                f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
+            )
 
 
 @dataclass
@@ -165,14 +176,17 @@ class Engine:
         shared_head = model.config.tie_word_embeddings or model.config.norm_head
         skip = ("lm_head",) if shared_head else ()
         self.cpu_linear = self.config.cpu_linear
-        """The layout in use ("auto" resolved to "dense" or "packed")."""
+        """The layout in use ("auto" resolved to "dense", "packed" or "colmajor")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
             self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"
-        if self.cpu_linear != "dense":
+        if self.cpu_linear == "colmajor":
+            to_column_major(model, skip)
+        elif self.cpu_linear != "dense":
             pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
+        self._decode_step = self._build_decode_step()
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
@@ -187,6 +201,16 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    def _build_decode_step(self) -> DecodeStep | None:
+        """The lean decode step (see EngineConfig.decode_step), or None: the module forward."""
+        if self.config.decode_step == "module" or self._compiled_model is not None:
+            return None
+        if type(self)._last_logits is not Engine._last_logits:
+            return None  # a subclass runs its own forward (a pipeline stage)
+        step, why = DecodeStep.build(self.model)
+        log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
+        return step
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -262,7 +286,7 @@ class Engine:
         self.steps += 1
         if self.on_step is not None:
             self.on_step(self)
-        logits_BV = torch.cat(logits).float()
+        logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
         plain = self._pick_plain(logits_BV, events, failed)
         beams = self._pick_beams(logits_BV, events, failed)
         keep: list[int] = []
@@ -308,7 +332,11 @@ class Engine:
     ) -> torch.Tensor:
         """Logits [B, V] of rows [start, stop) fed `ids_B1` (the compiled forward if asked)."""
         view = self.pool.view(start, stop)
-        if self._compiled_model is None or not compiled:
+        if self._decode_step is not None:
+            step = view.begin(1, None)
+            logits_BV = self._decode_step(ids_B1, view, step)
+            view.commit(step)
+        elif self._compiled_model is None or not compiled:
             logits_BV = self._last_logits(ids_B1, view)
         else:
             # The cache's host-side planning (begin/commit) stays outside the compiled graph.
@@ -463,7 +491,7 @@ class Engine:
         if not index:
             return picks
         seqs = [row.seq for row in self._rows if row.seq is not None]
-        logits_PV = logits_BV[index]
+        logits_PV = logits_BV if len(index) == len(self._rows) else logits_BV[index]
         next_P: list[int | None]
         tops: list[list[tuple[int, float]] | None]
         try:
@@ -520,10 +548,10 @@ class Engine:
             ).any(-1)
             if not bool(drawable_S.all()):
                 raise ValueError("the processed logits of a sampled row have no finite value")
-        next_P = sample_rows(processed_PV, generators).tolist()
-        picked_P = logprobs_PV.gather(1, torch.tensor(next_P, device=self.device)[:, None])[:, 0]
+        next_t = sample_rows(processed_PV, generators)
+        picked_P = logprobs_PV.gather(1, next_t[:, None])[:, 0]
         tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
-        return next_P, picked_P.tolist(), tops
+        return next_t.tolist(), picked_P.tolist(), tops
 
     def _advance(
         self,

@@ -142,10 +142,9 @@ def warp(
     min_keep: int = 1,
 ) -> torch.Tensor:
     """Temperature, top-k and top-p of each row's config (rows that do not sample pass through)."""
-    device = logits_BV.device
-    sampling = torch.tensor([c.sampling for c in configs], device=device)
-    if not bool(sampling.any()):
+    if not any(c.sampling for c in configs):  # greedy rows only: no tensor, no device sync
         return logits_BV
+    device = logits_BV.device
     temp_B = torch.tensor([c.temperature if c.sampling else 1.0 for c in configs], device=device)
     top_k_B = torch.tensor([c.top_k if c.sampling else 0 for c in configs], device=device)
     top_p_B = torch.tensor([c.top_p if c.sampling else 1.0 for c in configs], device=device)

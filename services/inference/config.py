@@ -36,10 +36,13 @@ class InferenceServiceConfig:
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
     cpu_linear: str = "auto"
-    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN) or packed+gemv
-    (see EngineConfig)."""
+    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN), packed+gemv or
+    colmajor (see EngineConfig)."""
     compile_decode: bool = False
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
+    decode_step: str = "auto"
+    """auto: the lean one-token decode step where it covers the model, else the module
+    forward; module: always the module forward (see EngineConfig.decode_step)."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -158,17 +161,27 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--cpu-linear",
-        choices=("auto", "dense", "packed", "packed+gemv"),
+        choices=("auto", "dense", "packed", "packed+gemv", "colmajor"),
         default=d.cpu_linear,
-        help="CPU linear weights: auto (dense and packed timed on the model's shapes at "
-        "start-up, the faster kept), as loaded, oneDNN-packed (same memory), or packed plus a "
-        f"column-major copy for batch-1 decoding (2x their memory) (default {d.cpu_linear})",
+        help="CPU linear weights: auto (dense, packed and colmajor timed on the model's shapes "
+        "at start-up, the fastest kept), dense (as loaded), packed (oneDNN-packed, same memory), "
+        "packed+gemv (plus a column-major copy for batch-1 decoding, 2x their memory) or "
+        f"colmajor (column-major dense weights, same memory) (default {d.cpu_linear})",
     )
     group.add_argument(
         "--compile-decode",
         action="store_true",
         help="CPU, one process: compile the decode step with torch.compile (fused norms, RoPE, "
         "residuals; seconds of compiling per new batch shape on the first requests)",
+    )
+    group.add_argument(
+        "--decode-step",
+        choices=("auto", "module"),
+        default=d.decode_step,
+        help="one-token decode steps: auto (a lean step over the model's own weights, "
+        "bit-identical to the module forward, where it covers the model: RoPE + RMSNorm + "
+        "SwiGLU decoders without sliding windows; else the module forward) or module (always "
+        f"the module forward) (default {d.decode_step})",
     )
     group.add_argument(
         "--max-new-tokens-limit",
@@ -236,6 +249,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         max_batch_rows=args.max_batch_rows,
         cpu_linear=args.cpu_linear,
         compile_decode=args.compile_decode,
+        decode_step=args.decode_step,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

@@ -94,5 +94,6 @@ def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
         max_batch_rows=config.max_batch_rows,
         cpu_linear=config.cpu_linear,
         compile_decode=config.compile_decode,
+        decode_step=config.decode_step,
     )
     return loaded, Engine(loaded.model, tokens, engine_config)

@@ -142,9 +142,10 @@ def test_stop_string_cuts_text_and_streams_nothing_past_it(sentencepiece_model):
     assert result.token_ids == free.token_ids[: len(result.token_ids)]
 
 
-@pytest.mark.parametrize("cpu_linear", ["dense", "packed+gemv"])
+@pytest.mark.parametrize("cpu_linear", ["dense", "packed+gemv", "colmajor"])
 def test_cpu_linear_layouts_give_the_same_tokens(cpu_linear):
-    """Dense, packed and packed+gemv linears (batch-1 steps take the gemv copy) agree."""
+    """Dense, packed, packed+gemv (batch-1 steps take the gemv copy) and column-major linears
+    agree."""
     _, packed_model, config = hf_reference("llama-gqa", seed=1)
     other = hf_reference("llama-gqa", seed=1)[1]
     prompts = [prompt(n, config.vocab_size, seed=n) for n in (5, 8)]
@@ -156,7 +157,9 @@ def test_cpu_linear_layouts_give_the_same_tokens(cpu_linear):
     engine = Engine(other, tokens, EngineConfig(cpu_linear=cpu_linear))
     qkv = other.layers["0"].self_attn.qkv_proj
     if cpu_linear == "dense":
-        assert type(qkv) is torch.nn.Linear
+        assert type(qkv) is torch.nn.Linear and qkv.weight.is_contiguous()
+    elif cpu_linear == "colmajor":
+        assert type(qkv) is torch.nn.Linear and qkv.weight.t().is_contiguous()
     else:
         assert isinstance(qkv, PackedLinear) and qkv.gemv_weight is not None
     for got, expected in (

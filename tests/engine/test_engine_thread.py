@@ -103,11 +103,13 @@ def test_run_returns_results_and_raises_errors_of_calls():
 
 def test_auto_cpu_linear_picks_a_layout_and_keeps_the_tokens():
     _, model, _ = hf_reference("llama-gqa", seed=1)
-    assert choose_cpu_linear(model) in ("dense", "packed")
+    assert choose_cpu_linear(model) in ("dense", "packed", "colmajor")
     engine, ids, _ = _engine("auto")
-    assert engine.cpu_linear in ("dense", "packed")
+    assert engine.cpu_linear in ("dense", "packed", "colmajor")
     qkv = engine.model.layers["0"].self_attn.qkv_proj
     assert isinstance(qkv, PackedLinear) == (engine.cpu_linear == "packed")
+    if engine.cpu_linear != "packed":
+        assert qkv.weight.t().is_contiguous() == (engine.cpu_linear == "colmajor")
     dense, _, _ = _engine("dense")
     config = SamplingConfig(max_new_tokens=6)
     got = engine.generate([ids], [config])[0][0].token_ids

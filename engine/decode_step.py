@@ -1,0 +1,256 @@
+"""The one-token decode forward without per-module dispatch: the engine's default decode step.
+
+Shapes: B rows, E hidden, H heads, K kv heads, D head dim, V vocab (one new token per row).
+
+A decode step of a small model is bound by fixed per-call costs, not by arithmetic: the module
+forward spends most of a hidden-256 step in `nn.Module.__call__`, kernel-registry look-ups, the
+attention front end's request checks and no-op dtype casts, around ~300 dispatched ops (HF's
+`generate` ~335). `DecodeStep` runs the same computation as `CausalLM.forward` for one token per
+row over the model's own parameters (nothing is copied): the same kernels (the ones the kernel
+registry picked for this process, resolved once here), the same torch calls in the same order,
+so its logits are bit-identical to the module forward's (tested) — only the Python between the
+kernels is gone.
+
+It covers the decoder the common families share: token embedding, pre-norm RMSNorm layers,
+RoPE without "dynamic" scaling, fused or separate q/k/v (biases and Qwen3's q/k norms
+included), SwiGLU MLP (fused or not), a final RMSNorm and an untied or tied plain head, with the
+SDPA attention backend and plain (or oneDNN-packed) linear layers. `DecodeStep.build` returns
+None with the reason for anything else (ALiBi, sliding windows, MoE, LoRA, tensor-parallel
+shards, hooks, another attention backend...), and the engine keeps the module forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.activation import SWIGLU, SWIGLU_PACKED
+from kernels.attention import ATTENTION
+from kernels.norm import RMS_NORM, RMSNorm, rms_norm_reference
+from kernels.packed_linear import PackedLinear
+from kernels.rotary import APPLY_ROTARY, apply_rotary_reference, inverse_frequencies
+from models.kv_cache import CacheStep, KVCache
+from models.transformer import MLP, Attention, CausalLM, DecoderLayer
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Unsupported(Exception):
+    """The model has a part the decode step does not cover (the module forward runs instead)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parameters, read once from its modules."""
+
+    key: str
+    norm1: tuple[torch.Tensor, float]
+    norm2: tuple[torch.Tensor, float]
+    qkv: Linear | None
+    q: Linear | None
+    k: Linear | None
+    v: Linear | None
+    o: Linear
+    q_norm: tuple[torch.Tensor, float] | None
+    k_norm: tuple[torch.Tensor, float] | None
+    q_size: int
+    kv_size: int
+    gate_up: Linear | None
+    gate: Linear | None
+    up: Linear | None
+    down: Linear
+
+
+class DecodeStep:
+    """`model(ids_B1, kv_cache=cache, cache_step=step, logits_to_keep=1)[:, -1]`, leaner."""
+
+    def __init__(self, model: CausalLM) -> None:
+        config = model.config
+        if model.training:
+            raise Unsupported("the model is in training mode")
+        if model.embed_tokens is None or model.lm_head is None or model.norm is None:
+            raise Unsupported("a pipeline stage (no embedding, final norm or head)")
+        if type(model.embed_tokens) is not nn.Embedding or model.embed_layernorm is not None:
+            raise Unsupported("the embedding is not a plain nn.Embedding")
+        if config.norm_head or model.rotary is None:
+            raise Unsupported("a normalised head or no RoPE (ALiBi)")
+        scaling = model.rotary.scaling
+        if scaling is not None and scaling.kind == "dynamic":
+            raise Unsupported("dynamic RoPE scaling (the frequencies depend on the length)")
+        if ATTENTION.default() != "sdpa":
+            raise Unsupported(f"attention backend {ATTENTION.default()!r} (this step mirrors sdpa)")
+        _no_hooks(model)
+        self.embedding = model.embed_tokens.weight
+        self.final_norm = _norm(model.norm)
+        self.head = _linear(model.lm_head)
+        self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.inv_freq = inverse_frequencies(config.head_dim, model.rotary.theta, scaling).to(
+            self.embedding.device
+        )
+        self.rope_scale = model.rotary.scale
+        # The kernels the registry chose for this process (what the module forward calls).
+        self.rms_norm = RMS_NORM.get(RMS_NORM.default())
+        self.rotate = APPLY_ROTARY.get(APPLY_ROTARY.default())
+        self.swiglu = SWIGLU.get(SWIGLU.default())
+        self.swiglu_packed = SWIGLU_PACKED.get(SWIGLU_PACKED.default())
+        self.layers = [_read_layer(key, layer) for key, layer in model.layers.items()]
+        if (
+            self.embedding.dtype == torch.float32
+            and self.rms_norm is rms_norm_reference
+            and self.rotate is apply_rotary_reference
+        ):
+            # fp32 under the reference kernels: the same ops minus their no-op fp32 casts.
+            self.rms_norm, self.rotate = _rms_norm_fp32, _rotate_fp32
+
+    @classmethod
+    def build(cls, model: CausalLM) -> tuple[DecodeStep | None, str]:
+        """The step for `model`, or None and why the module forward must run instead."""
+        try:
+            return cls(model), "covered"
+        except Unsupported as exc:
+            return None, str(exc)
+
+    def __call__(self, ids_B1: torch.Tensor, cache: KVCache, step: CacheStep) -> torch.Tensor:
+        """Logits [B, V] of one new token per row, written into `cache` at `step` (begun on
+        `cache` by the caller, who commits it afterwards)."""
+        b = ids_B1.shape[0]
+        h_B1E = F.embedding(ids_B1, self.embedding)
+        freqs_B1d = step.start_B[:, None, None].float() * self.inv_freq
+        emb_B1D = torch.cat((freqs_B1d, freqs_B1d), dim=-1)
+        cos_B1D, sin_B1D = emb_B1D.cos(), emb_B1D.sin()
+        if self.rope_scale != 1.0:
+            cos_B1D, sin_B1D = cos_B1D * self.rope_scale, sin_B1D * self.rope_scale
+        mask_B11S = None if step.key_mask_BS is None else step.key_mask_BS[:, None, None, :]
+        d = self.head_dim
+        for layer in self.layers:
+            x_B1E = self.rms_norm(h_B1E, *layer.norm1)
+            q_B1HD, k_B1KD, v_B1KD = self._project(layer, x_B1E, cos_B1D, sin_B1D, b, d)
+            k_all, v_all = cache.write(layer.key, step, k_B1KD, v_B1KD)
+            out_BH1D = F.scaled_dot_product_attention(
+                q_B1HD.transpose(1, 2),
+                k_all.transpose(1, 2),
+                v_all.transpose(1, 2),
+                attn_mask=mask_B11S,
+                dropout_p=0.0,
+                is_causal=False,
+                scale=self.scale,
+                enable_gqa=q_B1HD.shape[2] != k_B1KD.shape[2],
+            )
+            h_B1E = h_B1E + layer.o(out_BH1D.transpose(1, 2).flatten(2))
+            x_B1E = self.rms_norm(h_B1E, *layer.norm2)
+            if layer.gate_up is not None:
+                act_B1F = self.swiglu_packed(layer.gate_up(x_B1E))
+            else:
+                assert layer.gate is not None and layer.up is not None
+                act_B1F = self.swiglu(layer.gate(x_B1E), layer.up(x_B1E))
+            h_B1E = h_B1E + layer.down(act_B1F)
+        return self.head(self.rms_norm(h_B1E, *self.final_norm))[:, -1]
+
+    def _project(
+        self,
+        layer: _Layer,
+        x_B1E: torch.Tensor,
+        cos_B1D: torch.Tensor,
+        sin_B1D: torch.Tensor,
+        b: int,
+        d: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k rotated, and v: `Attention._project` for one token per row."""
+        if layer.qkv is None:
+            assert layer.q is not None and layer.k is not None and layer.v is not None
+            q = layer.q(x_B1E).view(b, 1, -1, d)
+            k = layer.k(x_B1E).view(b, 1, -1, d)
+            v = layer.v(x_B1E).view(b, 1, -1, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = self.rms_norm(q, *layer.q_norm), self.rms_norm(k, *layer.k_norm)
+            return (
+                self.rotate(q, cos_B1D, sin_B1D, False),
+                self.rotate(k, cos_B1D, sin_B1D, False),
+                v,
+            )
+        qkv = layer.qkv(x_B1E).view(b, 1, -1, d)
+        heads = qkv.shape[2] * layer.q_size // (layer.q_size + 2 * layer.kv_size)
+        kv_heads = (qkv.shape[2] - heads) // 2
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qk.split([heads, kv_heads], dim=2)
+            qk = torch.cat([self.rms_norm(q, *layer.q_norm), self.rms_norm(k, *layer.k_norm)], 2)
+        q, k = self.rotate(qk, cos_B1D, sin_B1D, False).split([heads, kv_heads], dim=2)
+        return q, k, v
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference` for fp32 x and weight (its casts are identities there)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_fp32(
+    x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """`apply_rotary_reference` (not interleaved) for fp32 x and fp32 cos/sin."""
+    assert not interleaved
+    half = x_BSHD.shape[-1] // 2
+    rotated = torch.cat((-x_BSHD[..., half:], x_BSHD[..., :half]), dim=-1)
+    return x_BSHD * cos_BSD.unsqueeze(2) + rotated * sin_BSD.unsqueeze(2)
+
+
+def _read_layer(key: str, layer: nn.Module) -> _Layer:
+    if type(layer) is not DecoderLayer:
+        raise Unsupported(f"layer {key} is a {type(layer).__name__}")
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or type(mlp) is not MLP:
+        raise Unsupported(f"layer {key}: attention or MLP of another kind (MoE?)")
+    if attn.alibi or attn.window is not None:
+        raise Unsupported(f"layer {key}: ALiBi or a sliding window")
+    if mlp.activation != "swiglu":
+        raise Unsupported(f"layer {key}: activation {mlp.activation!r}")
+    q_norm = k_norm = None
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q_norm, k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
+    fused_qkv, fused_mlp = attn.fused, mlp.fused
+    return _Layer(
+        key=key,
+        norm1=_norm(layer.input_layernorm),
+        norm2=_norm(layer.post_attention_layernorm),
+        qkv=_linear(attn.qkv_proj) if fused_qkv else None,
+        q=None if fused_qkv else _linear(attn.q_proj),
+        k=None if fused_qkv else _linear(attn.k_proj),
+        v=None if fused_qkv else _linear(attn.v_proj),
+        o=_linear(attn.o_proj),
+        q_norm=q_norm,
+        k_norm=k_norm,
+        q_size=attn.q_size,
+        kv_size=attn.kv_size,
+        gate_up=_linear(mlp.gate_up_proj) if fused_mlp else None,
+        gate=None if fused_mlp else _linear(mlp.gate_proj),
+        up=None if fused_mlp else _linear(mlp.up_proj),
+        down=_linear(mlp.down_proj),
+    )
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    if type(module) is not RMSNorm:
+        raise Unsupported(f"a {type(module).__name__} norm (RMSNorm only)")
+    return module.weight, module.eps
+
+
+def _linear(module: nn.Module) -> Linear:
+    """The layer as a call: F.linear on a plain nn.Linear's parameters, a packed layer itself."""
+    if isinstance(module, PackedLinear):
+        return module
+    if type(module) is not nn.Linear:
+        raise Unsupported(f"a {type(module).__name__} linear layer (LoRA, quantised or sharded)")
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _no_hooks(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            raise Unsupported(f"module {name or 'model'} has forward hooks")

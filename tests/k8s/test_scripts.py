@@ -147,6 +147,25 @@ def test_stage_needs_its_run_directory(tmp_path):
     assert result.returncode != 0 and "PIPELINE_DIR" in result.stderr
 
 
+RUNTIME_PACKAGES = (
+    "kernels",
+    "models",
+    "tokendata",
+    "checkpoints",
+    "parallel",
+    "engine",
+    "services",
+)
+"""The packages a service imports at run time (the libraries and services/)."""
+
+
+def test_runtime_packages_are_the_packaged_ones():
+    include = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert include
+    packaged = {name.strip('" *') for name in include.group(1).split(",")}
+    assert packaged - {"meshline"} == set(RUNTIME_PACKAGES)
+
+
 def test_dockerfiles_are_pinned_non_root_and_use_the_entrypoint():
     for flavour in ("cpu", "cuda", "ascend"):
         text = (ROOT / "docker" / f"Dockerfile.{flavour}").read_text()
@@ -164,3 +183,6 @@ def test_dockerfiles_are_pinned_non_root_and_use_the_entrypoint():
                 assert (ROOT / source).exists(), f"Dockerfile.{flavour} copies missing {source}"
         ignore = (ROOT / "docker" / f"Dockerfile.{flavour}.dockerignore").read_text()
         assert "!k8s/training/**" in ignore and "!docker/entrypoint.sh" in ignore
+        for package in RUNTIME_PACKAGES:  # every library and the services go into the image
+            assert re.search(rf"^COPY {package} {package}$", text, re.M), (flavour, package)
+            assert f"!{package}/**" in ignore, (flavour, package)

@@ -118,3 +118,23 @@ def test_auto_cpu_linear_picks_a_layout_and_keeps_the_tokens():
 
 def test_no_probe_without_packable_linears():
     assert choose_cpu_linear(torch.nn.Sequential(torch.nn.ReLU())) == "dense"
+
+
+def test_auto_cpu_linear_never_trades_batch_one_for_batch_eight():
+    from engine.linear_choice import pick_layout
+
+    def times(**per_layout: tuple[float, float]) -> dict[tuple[str, int], float]:
+        return {
+            (name, rows): t
+            for name, pair in per_layout.items()
+            for rows, t in zip((1, 8), pair, strict=True)
+        }
+
+    # colmajor: 40% faster at 8 rows but 13% slower at one row -> dense
+    assert pick_layout(times(dense=(10, 20), packed=(12, 25), colmajor=(11.3, 12))) == "dense"
+    # faster at both -> taken
+    assert pick_layout(times(dense=(10, 20), packed=(12, 25), colmajor=(10.1, 12))) == "colmajor"
+    # no slower anywhere but under 10% faster overall -> dense
+    assert pick_layout(times(dense=(10, 20), packed=(10, 19), colmajor=(10, 19.5))) == "dense"
+    # both eligible: the faster total wins
+    assert pick_layout(times(dense=(10, 20), packed=(9, 14), colmajor=(9.5, 12))) == "colmajor"

@@ -6,7 +6,7 @@ Shapes: B batch, S sequence, E hidden, V vocab; S/t is a sequence shard over t T
 that reads it for a model and TP size, and `apply_tensor_parallel` applies it in one of two
 modes through a style registry:
 
-- "train": DTensor styles (`parallel.tp_styles.training_styles`): embedding rows and the output
+- "train": DTensor styles (`parallel.tp_registry.training_styles`): embedding rows and the output
   head sharded over the vocabulary, Megatron column/row linears, `SequenceParallel` norms,
   `SlicedColwise` packed projections, the MoE styles of `parallel.expert_parallel`, LoRA-aware
   variants (`parallel.peft_tp`). With sequence parallelism the residual stream between blocks

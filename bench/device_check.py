@@ -24,9 +24,14 @@ runs (tests/bench/test_device_check.py) to keep the script working. Writes `repo
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import math
 import os
 import platform
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +50,11 @@ SHAPES: dict[str, dict[str, int]] = {
     ),
 }  # fmt: skip
 REPO = Path(__file__).resolve().parents[1]
+# Time caps in seconds: the whole check, the gpu tests, and one benchmark child (twice that for
+# the --compile side). The GPU budget keeps `make device-check` within 8 minutes.
+BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
+TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
+CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
 
 
 def _train_flags(shape: dict[str, int], bf16: bool, compile_layers: bool) -> list[str]:
@@ -208,42 +218,136 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
     return result
 
 
+KERNEL_SHAPES = {
+    "gpu": dict(batch=2, seq=2048, heads=16, kv_heads=8, head_dim=128, ffn=5632, vocab=32000),
+    "smoke": dict(batch=1, seq=64, heads=4, kv_heads=2, head_dim=16, ffn=64, vocab=256),
+}
+
+
+def kernels_worker(mode: str, bf16: bool) -> dict[str, Any]:
+    """Each kernel's default backend on this device (on CUDA: the torch.compile-generated ones)
+    against HF's / torch's eager equivalent, forward+backward, via bench.bench_kernels."""
+    import torch
+
+    from bench import bench_kernels
+    from kernels import device
+
+    torch.set_default_device(device.current().torch_device())
+    torch.manual_seed(0)
+    args = argparse.Namespace(**KERNEL_SHAPES[mode])
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    table = bench_kernels.Table(
+        min_run_time=0.05 if mode == "gpu" else 0.005, rounds=2 if mode == "gpu" else 1
+    )
+    bench_kernels.bench_norm_rotary_activation(table, args, dtype)
+    bench_kernels.bench_attention(table, args, dtype)
+    bench_kernels.bench_cross_entropy(table, args, dtype)
+    rows = [
+        {"op": op, "impl": impl, "ms": t * 1e3, "baseline": base, "speedup": speedup}
+        for op, impl, t, base, speedup in table.rows
+    ]
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+
+
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
-    """Run `python -m bench.device_check --worker ...` and parse its last JSON line."""
+    """Run `python -m bench.device_check --worker ...` and parse its last JSON line.
+
+    A failure keeps the tail of the child's stderr in the report, so one device run is enough to
+    see what broke.
+    """
+    if timeout < 10:
+        return {"error": "skipped: the check's time budget was spent"}
     cmd = [sys.executable, "-m", "bench.device_check", *args]
+    try:
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail}
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines()
+        return {"error": lines[-1] if lines else "failed", "stderr_tail": "\n".join(lines[-30:])}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_launch(mode: str, timeout: float) -> dict[str, Any]:
+    """The user's path: `meshline train --nproc-per-node 1` (torchrun, and NCCL on a GPU) on the
+    same shape and flags as the in-process `ours` side; tokens/s is the median of the step lines
+    after the warm-up steps."""
+    if timeout < 10:
+        return {"error": "skipped: the check's time budget was spent"}
+    shape = SHAPES[mode]
+    flags = [f if f != "1000" else "1" for f in _train_flags(shape, mode == "gpu", False)]
+    cmd = [sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "1", *flags]
     try:
         out = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    text = out.stdout + out.stderr
+    rates = [
+        float(match.group(1).replace(",", ""))
+        for match in re.finditer(r"tokens/s/dev ([\d,]+)", text)
+    ]
+    measured = rates[shape["warmup"] :]
+    if out.returncode != 0 or not measured:
+        lines = text.strip().splitlines()
+        return {"error": f"exit {out.returncode}", "stderr_tail": "\n".join(lines[-40:])}
+    mfu = [float(m) / 100 for m in re.findall(r"MFU ([\d.]+)%", text)][shape["warmup"] :]
+    return {
+        "tokens_per_s": statistics.median(measured),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "steps": len(measured),
+    }
+
+
+def gpu_test_files() -> list[str]:
+    """Test files that carry a `gpu` mark: collecting only these keeps a GPU image that lacks
+    the service dependencies (datasets, kubernetes, openai, ...) from failing collection."""
+    return sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if "mark.gpu" in path.read_text(encoding="utf-8", errors="replace")
+    )
 
 
 def run_gpu_tests(out_dir: Path, mode: str, timeout: float) -> dict[str, Any]:
     """The `gpu`-marked tests (smoke mode: the peak-FLOP/s tests, to exercise the reporting)."""
     junit = out_dir / "gpu-tests.xml"
-    selection = ["-m", "gpu", "tests/"] if mode == "gpu" else ["tests/kernels/test_peak_flops.py"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
+    if timeout < 10:
+        return {"error": "skipped: the check's time budget was spent"}
+    selection = ["-m", "gpu", *gpu_test_files()] if mode == "gpu" else [
+        "tests/kernels/test_peak_flops.py"
+    ]
+    # Compiled-kernel tests spend their time in inductor/Triton compiles (CPU-bound): spread them
+    # over a few workers where xdist is installed; one GPU holds them all easily.
+    workers = "4" if mode == "gpu" and importlib.util.find_spec("xdist") else "0"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-n", workers] if importlib.util.find_spec("xdist") else []
     cmd += ["--junitxml", str(junit), *selection]
     try:
-        subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if not junit.exists():
-        return {"error": "pytest wrote no report"}
+        return {"error": "pytest wrote no report", "stdout_tail": done.stdout[-3000:]}
     root = ET.parse(junit).getroot()
     suite = root if root.tag == "testsuite" else root[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
+    details: dict[str, str] = {}
+    for case in suite.iter("testcase"):
+        problem = case.find("failure")
+        problem = problem if problem is not None else case.find("error")
+        if problem is not None:
+            text = (problem.get("message") or "") + "\n" + (problem.text or "")
+            details[f"{case.get('classname')}::{case.get('name')}"] = text[-1500:]
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"]
-            - counts["skipped"], "failed": failed}  # fmt: skip
+            - counts["skipped"], "failed": sorted(details), "failure_details": details}  # fmt: skip
 
 
 def environment() -> dict[str, Any]:
@@ -254,6 +358,19 @@ def environment() -> dict[str, Any]:
 
     platform_ = device.current()
     peak = peak_flops.peak_tflops()
+    extras: dict[str, Any] = {}
+    if platform_.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        extras = {
+            "cuda": torch.version.cuda,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+        }
+    for package in ("transformers", "triton", "flash_attn"):
+        try:
+            extras[package] = importlib.import_module(package).__version__
+        except ImportError:
+            extras[package] = None
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -261,6 +378,7 @@ def environment() -> dict[str, Any]:
         "device": platform_.device_name(),
         "peak_tflops": peak.tflops,
         "peak_source": peak.source,
+        **extras,
     }
 
 
@@ -295,6 +413,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {side} | {row['tokens_per_s']:,.0f} | {row['tflops']:.4g} | {row['mfu']:.1%} | "
             f"{row['peak_memory_gib']:.2f} | {row['warmup_s']:.1f} | {ratio:.2f}x |"
         )
+    launch = report.get("launch", {})
+    if "error" in launch:
+        lines.append(f"| meshline train (CLI) | {launch['error']} | | | | | |")
+    elif launch:
+        ratio = launch["tokens_per_s"] / hf["tokens_per_s"] if "tokens_per_s" in hf else math.nan
+        mfu = f"{launch['mfu']:.1%}" if launch.get("mfu") is not None else ""
+        lines.append(
+            f"| meshline train (CLI) | {launch['tokens_per_s']:,.0f} | | {mfu} | | | {ratio:.2f}x |"
+        )
     decode = report["decode"]
     lines += [
         "",
@@ -311,6 +438,20 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x |"
             )
         lines.append(f"\ngreedy tokens identical to HF: {decode['identical_greedy']}")
+    kernels = report.get("kernels", {})
+    if "error" in kernels:
+        lines += ["", f"Kernels: {kernels['error']}"]
+    elif kernels:
+        lines += [
+            "",
+            f"| kernel ({kernels['dtype']}, fwd+bwd) | implementation | ms | vs baseline |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row['op']} | {row['impl']} | {row['ms']:.3f} | {row['speedup']:.2f}x "
+            f"({row['baseline']}) |"
+            for row in kernels["rows"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -320,16 +461,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes even on a GPU")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="wall-clock budget for the whole check in seconds (default: 450 on a GPU, 300 in "
+        "smoke mode); phases left without time are reported as skipped",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
-        result = (
-            decode_worker(shape, bf16)
-            if args.worker == "decode"
-            else train_worker(args.worker, shape, bf16)
-        )
+        if args.worker == "decode":
+            result = decode_worker(shape, bf16)
+        elif args.worker == "kernels":
+            result = kernels_worker(args.mode, bf16)
+        else:
+            result = train_worker(args.worker, shape, bf16)
         print(json.dumps(result))
         return 0
     if args.out is None:
@@ -337,27 +485,50 @@ def main(argv: list[str] | None = None) -> int:
     from kernels import device
 
     mode = "gpu" if device.current().type == "cuda" and not args.smoke else "smoke"
-    timeout = 240.0 if mode == "gpu" else 120.0
+    deadline = time.monotonic() + (args.budget_s or BUDGET_S[mode])
+
+    def left(cap: float) -> float:
+        return max(0.0, min(cap, deadline - time.monotonic()))
+
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "mode": mode,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "shape": SHAPES[mode],
         "environment": environment(),
+        "train": {},
+        "decode": {"error": "not run yet"},
     }
+    _write(args.out, report)
+    # Each phase is capped, and the whole check stays within the budget; the report is rewritten
+    # after every phase, so a check cut short still leaves what it measured.
     if not args.skip_tests:
-        report["tests"] = run_gpu_tests(args.out, mode, timeout=180.0)
+        report["tests"] = run_gpu_tests(args.out, mode, timeout=left(TESTS_CAP_S[mode]))
+        _write(args.out, report)
     sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
-    report["train"] = {side: _child(["--worker", side, "--mode", mode], timeout) for side in sides}
-    report["decode"] = _child(["--worker", "decode", "--mode", mode], timeout)
-    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    page = markdown(report)
-    (args.out / "report.md").write_text(page)
+    for side in sides:
+        cap = CHILD_CAP_S[mode] * (2 if side == "ours-compile" else 1)
+        report["train"][side] = _child(["--worker", side, "--mode", mode], left(cap))
+        _write(args.out, report)
+    report["decode"] = _child(["--worker", "decode", "--mode", mode], left(CHILD_CAP_S[mode]))
+    _write(args.out, report)
+    report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
+    _write(args.out, report)
+    report["kernels"] = _child(["--worker", "kernels", "--mode", mode], left(CHILD_CAP_S[mode]))
+    page = _write(args.out, report)
     print(page)
     failed = any("error" in row for row in report["train"].values()) or "error" in report["decode"]
     tests = report.get("tests", {})
     failed = failed or "error" in tests or bool(tests.get("failed"))
     return 1 if failed else 0
+
+
+def _write(out: Path, report: dict[str, Any]) -> str:
+    """Write report.json and report.md; returns the Markdown."""
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    page = markdown(report)
+    (out / "report.md").write_text(page)
+    return page
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def bench_attention(table: Table, args: argparse.Namespace, dtype: torch.dtype) 
         return lambda q, k, v: attention.attention(q, k, v, backend=backend, **kw)
 
     label = f"[B{B} S{S} H{H} K{K} D{D}]"
-    backends = [b for b in attention.ATTENTION.candidates() if b != "reference"] + ["reference"]
+    backends = [b for b in attention.ATTENTION.available() if b != "reference"] + ["reference"]
     table.group(
         f"attention causal fwd+bwd {label}",
         ("HF sdpa_attention_forward", _fwd_bwd(hf, q, k, v)),

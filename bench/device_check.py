@@ -41,11 +41,11 @@ from typing import Any
 
 SHAPES: dict[str, dict[str, int]] = {
     "gpu": dict(
-        hidden=2048, layers=16, heads=16, kv=8, ffn=5632, vocab=32000, seq=2048, mbs=2,
-        warmup=3, steps=10, prompt=128, new=128,
+        hidden=2048, layers=16, heads=16, kv=8, ffn=5632, vocab=32000, seq=2048, mbs=2, gbs=16,
+        warmup=2, steps=4, prompt=128, new=128,
     ),
     "smoke": dict(
-        hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=64, mbs=2,
+        hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=64, mbs=2, gbs=4,
         warmup=1, steps=2, prompt=8, new=8,
     ),
 }  # fmt: skip
@@ -64,6 +64,7 @@ def _train_flags(shape: dict[str, int], bf16: bool, compile_layers: bool) -> lis
         "--num-query-groups", str(shape["kv"]), "--ffn-hidden-size", str(shape["ffn"]),
         "--vocab-size", str(shape["vocab"]), "--max-position-embeddings", str(shape["seq"]),
         "--seq-length", str(shape["seq"]), "--micro-batch-size", str(shape["mbs"]),
+        "--global-batch-size", str(shape["gbs"]),
         "--mock-data", "--train-iters", str(shape["warmup"] + shape["steps"]), "--lr", "1e-4",
         "--lr-decay-style", "constant", "--weight-decay", "0.1", "--clip-grad", "1.0",
         "--eval-interval", "0", "--optimizer", "fused_adam", "--log-interval", "1000",
@@ -104,13 +105,16 @@ def _hf_train_step(config: Any, bf16: bool) -> Any:
         fused=True,
     )
 
+    n_micro = config.batch.global_batch_size // config.batch.micro_batch_size
+
     def step() -> None:
-        batch = {k: v.to(target) for k, v in stream.next().items()}
-        out = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-        loss = torch.nn.functional.cross_entropy(
-            out.logits.flatten(0, 1).float(), batch["labels"].flatten()
-        )
-        loss.backward()
+        for _ in range(n_micro):  # gradient accumulation, as the trainer does for the same sizes
+            batch = {k: v.to(target) for k, v in stream.next().items()}
+            out = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+            loss = torch.nn.functional.cross_entropy(
+                out.logits.flatten(0, 1).float(), batch["labels"].flatten()
+            )
+            (loss / n_micro).backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -118,9 +122,17 @@ def _hf_train_step(config: Any, bf16: bool) -> Any:
     return step
 
 
-def train_worker(side: str, shape: dict[str, int], bf16: bool) -> dict[str, Any]:
-    """One training side in this process: tokens/s, TFLOP/s, MFU, peak memory, compile time."""
+def train_worker(
+    side: str, shape: dict[str, int], bf16: bool, profile_dir: Path | None = None
+) -> dict[str, Any]:
+    """One training side in this process: tokens/s, TFLOP/s, MFU, peak memory, compile time.
+
+    With `profile_dir`, one more step runs under torch.profiler and its operator table (sorted by
+    device time) is written to `profile-<side>.txt` there: where a step's time goes, from the
+    same run that measured it.
+    """
     import torch
+    from torch._dynamo.utils import counters
 
     from kernels import device, peak_flops
     from models.accounting import flops_per_token
@@ -142,17 +154,39 @@ def train_worker(side: str, shape: dict[str, int], bf16: bool) -> dict[str, Any]
         step()
     device.synchronize()
     elapsed = time.perf_counter() - begin
-    tokens_per_s = shape["mbs"] * shape["seq"] * shape["steps"] / elapsed
+    tokens_per_s = shape["gbs"] * shape["seq"] * shape["steps"] / elapsed
     tflops = tokens_per_s * flops_per_token(build_model_config(config), shape["seq"]) / 1e12
     peak = peak_flops.peak_tflops()
-    return {
+    result = {
         "side": side,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "mfu": tflops / peak.tflops,
         "peak_memory_gib": device.memory_stats().peak / 2**30,
         "warmup_s": warmup_s,
+        "graph_breaks": sum(counters["graph_break"].values()),
     }
+    if profile_dir is not None:
+        _profile_step(step, profile_dir / f"profile-{side}.txt")
+    return result
+
+
+def _profile_step(step: Any, path: Path) -> None:
+    """One step under torch.profiler; the operator table sorted by device (else CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import device
+
+    on_cuda = device.current().type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    begin = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        device.synchronize()
+    wall = time.perf_counter() - begin
+    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
+    path.write_text(f"one profiled step: {wall * 1e3:.1f} ms wall (profiler on)\n{table}\n")
 
 
 def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
@@ -319,9 +353,9 @@ def run_gpu_tests(out_dir: Path, mode: str, timeout: float) -> dict[str, Any]:
     junit = out_dir / "gpu-tests.xml"
     if timeout < 10:
         return {"error": "skipped: the check's time budget was spent"}
-    selection = ["-m", "gpu", *gpu_test_files()] if mode == "gpu" else [
-        "tests/kernels/test_peak_flops.py"
-    ]
+    selection = (
+        ["-m", "gpu", *gpu_test_files()] if mode == "gpu" else ["tests/kernels/test_peak_flops.py"]
+    )
     # Compiled-kernel tests spend their time in inductor/Triton compiles (CPU-bound): spread them
     # over a few workers where xdist is installed; one GPU holds them all easily.
     workers = "4" if mode == "gpu" and importlib.util.find_spec("xdist") else "0"
@@ -467,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         help="wall-clock budget for the whole check in seconds (default: 450 on a GPU, 300 in "
         "smoke mode); phases left without time are reported as skipped",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one training step of each side (profile-<side>.txt under --out)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -477,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.worker == "kernels":
             result = kernels_worker(args.mode, bf16)
         else:
-            result = train_worker(args.worker, shape, bf16)
+            result = train_worker(args.worker, shape, bf16, profile_dir=args.out)
         print(json.dumps(result))
         return 0
     if args.out is None:
@@ -508,13 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
     for side in sides:
         cap = CHILD_CAP_S[mode] * (2 if side == "ours-compile" else 1)
-        report["train"][side] = _child(["--worker", side, "--mode", mode], left(cap))
+        worker = ["--worker", side, "--mode", mode]
+        worker += ["--out", str(args.out.resolve())] if args.profile else []
+        report["train"][side] = _child(worker, left(cap))
         _write(args.out, report)
-    report["decode"] = _child(["--worker", "decode", "--mode", mode], left(CHILD_CAP_S[mode]))
-    _write(args.out, report)
     report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
     _write(args.out, report)
     report["kernels"] = _child(["--worker", "kernels", "--mode", mode], left(CHILD_CAP_S[mode]))
+    _write(args.out, report)
+    report["decode"] = _child(["--worker", "decode", "--mode", mode], left(CHILD_CAP_S[mode]))
     page = _write(args.out, report)
     print(page)
     failed = any("error" in row for row in report["train"].values()) or "error" in report["decode"]

@@ -46,6 +46,7 @@ from engine.sampling import (
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
+from kernels import registry
 from kernels.packed_linear import pack_linears
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
@@ -185,6 +186,8 @@ class Engine:
         elif self.cpu_linear != "dense":
             pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).
+        if self.config.compile_decode:
+            registry.preload()  # backend choices made eagerly, outside the traced graph
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
         self._decode_step = self._build_decode_step()
         self._rows: list[_Row] = []

@@ -285,13 +285,30 @@ def dist_info_from_env(
     )
 
 
+def process_group_backend(platform_type: str, device_backend: str) -> str:
+    """The default process group's backend string for a platform.
+
+    On an accelerator the group gets two backends, "cpu:gloo,cuda:nccl" (or "npu:hccl"): device
+    tensors go over NCCL/HCCL, and the small host-side agreements a training step makes (token
+    counts, the loss, an Inf/NaN or signal vote, a data-cache status) go over gloo. NCCL alone
+    refuses a CPU tensor ("No backend type associated with device type cpu"), which is what
+    `meshline train --nproc-per-node 1` met on its first GPU run. torchtitan does the same for
+    its CPU-side collectives.
+    """
+    if platform_type == "cpu" or device_backend == "gloo":
+        return device_backend
+    return f"cpu:gloo,{platform_type}:{device_backend}"
+
+
 def init_distributed(
     timeout_s: float = 600.0, backend: str | None = None, env: dict[str, str] | None = None
 ) -> DistInfo:
     """Set this process's device and join the default process group from torchrun's environment.
 
     A single process (WORLD_SIZE unset or 1) gets no process group unless MASTER_ADDR is set, so
-    plain `python -m ...` runs need no launcher. Calling it again returns the same info.
+    plain `python -m ...` runs need no launcher. Calling it again returns the same info. Without
+    an explicit `backend`, an accelerator's group also carries gloo for CPU tensors
+    (`process_group_backend`).
     """
     platform = current()
     info = dist_info_from_env(env, platform)
@@ -300,10 +317,11 @@ def init_distributed(
     chosen = backend or info.backend
     if info.backend != chosen:
         info = DistInfo(**{**info.__dict__, "backend": chosen})
+    group_backend = backend or process_group_backend(platform.type, chosen)
     wanted = info.world_size > 1 or "MASTER_ADDR" in (os.environ if env is None else env)
     if wanted and not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend=chosen,
+            backend=group_backend,
             rank=info.rank,
             world_size=info.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -41,11 +41,33 @@ class Backend:
     target: Callable[..., Any] | str
 
     def load(self) -> Callable[..., Any]:
-        """The callable, importing its module on first use."""
+        """The callable, importing its module on first use (then cached, so a graph that
+        torch.compile traces through a loaded backend reads a dict, not an import)."""
         if callable(self.target):
             return self.target
-        module_name, _, attr = self.target.partition(":")
-        return getattr(importlib.import_module(module_name), attr)
+        loaded = _LOADED.get(self.target)
+        if loaded is None:
+            module_name, _, attr = self.target.partition(":")
+            loaded = _LOADED[self.target] = getattr(importlib.import_module(module_name), attr)
+        return loaded
+
+    def importable(self) -> bool:
+        """Whether `load` succeeds here (flash-attn / torch_npu may be missing)."""
+        try:
+            self.load()
+        except ImportError:
+            return False
+        return True
+
+
+# "module:attribute" -> the loaded callable.
+_LOADED: dict[str, Callable[..., Any]] = {}
+
+
+def forget_loaded() -> None:
+    """Drop the loaded backend callables, so the next use imports their modules afresh (tests
+    that swap a stand-in torch_npu in and out)."""
+    _LOADED.clear()
 
 
 @dataclass
@@ -83,8 +105,14 @@ class Op:
 
     def candidates(self, device_type: str | None = None) -> list[str]:
         """Backend names serving `device_type` (current device if None), preferred first."""
-        device_type = device_type or device.current().type
+        device_type = device_type or _current_device_type()
         return [b.name for b in self.backends if device_type in b.devices] + [REFERENCE]
+
+    def available(self, device_type: str | None = None) -> list[str]:
+        """`candidates` whose implementation imports on this machine."""
+        names = self.candidates(device_type)
+        importable = {b.name for b in self.backends if b.name in names and b.importable()}
+        return [name for name in names if name == REFERENCE or name in importable]
 
     def default(self) -> str:
         """The backend name this process uses when no `backend=` is given (chosen once)."""
@@ -123,6 +151,22 @@ def parse_override(value: str | None) -> dict[str, str]:
             )
         choices[op_name.strip()] = backend_name.strip()
     return choices
+
+
+@torch.compiler.assume_constant_result
+def _current_device_type() -> str:
+    """This process's device type, a constant to torch.compile (no device probing traced)."""
+    return device.current().type
+
+
+def preload() -> None:
+    """Choose and import every op's default backend now, eagerly.
+
+    Called before torch.compile wraps the model, so tracing meets only cached choices and loaded
+    callables: no import or device probe inside a graph (each would be a graph break).
+    """
+    for op in OPS.values():
+        op.get(op.default())
 
 
 @torch.compiler.assume_constant_result

@@ -16,6 +16,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from kernels import registry
+
 log = logging.getLogger(__name__)
 
 
@@ -26,6 +28,7 @@ def apply_compile(model: nn.Module) -> list[int]:
     torch._dynamo.config.cache_size_limit = max(
         torch._dynamo.config.cache_size_limit, 8 * max(len(layers), 1)
     )
+    registry.preload()  # backend choices and imports happen here, not inside the traced graph
     ids = []
     for key, layer in layers.items():
         layer.compile()

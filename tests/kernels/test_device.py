@@ -97,3 +97,56 @@ def _tensor_body(rank: int, world_size: int) -> torch.Tensor:
 def test_harness_returns_tensors_from_children() -> None:
     results = run_distributed(_tensor_body, 2)
     assert [r.tolist() for r in results] == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def test_accelerator_process_group_carries_gloo_for_cpu_tensors() -> None:
+    assert device.process_group_backend("cpu", "gloo") == "gloo"
+    assert device.process_group_backend("cuda", "nccl") == "cpu:gloo,cuda:nccl"
+    assert device.process_group_backend("npu", "hccl") == "cpu:gloo,npu:hccl"
+
+
+def _host_and_device_body(rank: int, world_size: int) -> tuple[float, str]:
+    # The backend string an accelerator gets, with gloo standing in for its device backend on a
+    # CPU machine: a host tensor all-reduce goes through the "cpu:" entry.
+    torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group(
+        backend=device.process_group_backend("cuda", "nccl").replace("nccl", "gloo"),
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+    )
+    value = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(value)
+    return value.item(), torch.distributed.get_backend()
+
+
+@pytest.mark.dist
+def test_two_backend_group_reduces_host_tensors() -> None:
+    results = run_distributed(_host_and_device_body, 2)
+    assert [r[0] for r in results] == [3.0, 3.0]
+    assert all("cpu:gloo" in r[1] for r in results)
+
+
+@pytest.mark.gpu
+def test_single_process_launch_reduces_host_tensors_over_the_device_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun --nproc-per-node 1 on a GPU: MASTER_ADDR set, world size 1, NCCL for the device;
+    a CPU tensor all-reduce (the trainer's signal vote) must not fail."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        device.init_distributed(timeout_s=60)
+        host = torch.tensor([2.0])
+        torch.distributed.all_reduce(host)
+        on_device = torch.tensor([3.0], device=device.current().torch_device())
+        torch.distributed.all_reduce(on_device)
+        assert host.item() == 2.0 and on_device.item() == 3.0
+    finally:
+        device.destroy_distributed()

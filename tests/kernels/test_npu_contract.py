@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kernels import registry
 from kernels.activation import swiglu_packed_reference
 from kernels.attention import attention
 from kernels.norm import rms_norm_reference
@@ -96,9 +97,11 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn]:
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     for name in NPU_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
+    registry.forget_loaded()
     yield module
     for name in NPU_MODULES:
         sys.modules.pop(name, None)
+    registry.forget_loaded()
 
 
 def _leaf(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

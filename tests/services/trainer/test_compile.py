@@ -45,3 +45,19 @@ def test_compiled_layers_train_like_eager(recompute: tuple[str, ...]) -> None:
 def test_compile_refuses_adaptive_recompute() -> None:
     with pytest.raises(ValueError, match="--compile"):
         parse_args([*FLAGS, "--compile", "--auto-recompute-device-size", "1000"])
+
+
+@pytest.mark.slow
+def test_compiled_layer_is_one_graph() -> None:
+    """Each decoder layer traces as one graph: backend choice and device probing happen before
+    compile (kernels.registry.preload), so no import or probe splits the layer (on a GPU one such
+    graph break per layer made --compile slower than eager)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(parse_args([*FLAGS, "--compile", "--train-iters", "2"]))
+    trainer.train_step()
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] >= 1

@@ -165,8 +165,12 @@ def preload() -> None:
     Called before torch.compile wraps the model, so tracing meets only cached choices and loaded
     callables: no import or device probe inside a graph (each would be a graph break).
     """
-    for op in OPS.values():
-        op.get(op.default())
+    done: set[str] = set()
+    while len(done) < len(OPS):  # loading a backend module may define more ops
+        for name, op in list(OPS.items()):
+            if name not in done:
+                op.get(op.default())
+                done.add(name)
 
 
 @torch.compiler.assume_constant_result

@@ -46,10 +46,11 @@ def model_flags(shape: dict, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-def run_ours(shape: dict, steps: int) -> list[float]:
+def run_ours(shape: dict, steps: int, extra: list[str] | None = None) -> list[float]:
     """Per-step tokens/s of `meshline train --nproc-per-node 1` (warm-up steps dropped)."""
     cmd = [sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "1"]
-    out = subprocess.run(cmd + model_flags(shape, steps), capture_output=True, text=True)
+    cmd += model_flags(shape, steps) + (extra or [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"meshline train failed ({out.returncode}):\n{out.stderr[-3000:]}")
     rates = [float(m.replace(",", "")) for m in STEP_RATE.findall(out.stdout + out.stderr)]
@@ -108,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--rounds", type=int, default=None, help="ours/HF alternations")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    parser.add_argument(
+        "--ours-flag",
+        action="append",
+        default=[],
+        help="a flag added to ours (repeat; e.g. --ours-flag=--compile); the headline is none",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -115,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     hidden = args.hidden or sorted(SHAPES)
     rounds = args.rounds or (1 if args.quick else 2)
-    print(f"meshline train --nproc-per-node 1 (default flags) vs HF + torch AdamW; {rounds} rounds")
+    flags = " ".join(args.ours_flag) or "default flags"
+    print(f"meshline train --nproc-per-node 1 ({flags}) vs HF + torch AdamW; {rounds} rounds")
     for h in hidden:
         shape = SHAPES[h]
         steps = args.steps or (QUICK_STEPS if args.quick else STEPS)[h]
         ours: list[float] = []
         theirs: list[float] = []
         for _ in range(rounds):
-            ours += run_ours(shape, steps)
+            ours += run_ours(shape, steps, args.ours_flag)
             theirs += run_hf(shape, steps)
         med_o, med_h = statistics.median(ours), statistics.median(theirs)
         best_o, best_h = max(ours), max(theirs)

@@ -11,6 +11,7 @@ one first-party module imported by another.
 from __future__ import annotations
 
 import ast
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,16 @@ def _sources() -> dict[str, Path]:
     return modules
 
 
-MODULES = _sources()
-IMPORTS = {name: _imports(path) for name, path in MODULES.items()}
+def _extensions() -> dict[str, Path]:
+    """Compiled extension modules (pyproject's ext-modules): C sources, no Python imports."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    modules = config.get("tool", {}).get("setuptools", {}).get("ext-modules", [])
+    return {ext["name"]: ROOT / ext["sources"][0] for ext in modules}
+
+
+EXTENSIONS = _extensions()
+MODULES = {**_sources(), **EXTENSIONS}
+IMPORTS = {name: [] if name in EXTENSIONS else _imports(path) for name, path in MODULES.items()}
 
 
 def _resolve(dotted: str) -> str | None:

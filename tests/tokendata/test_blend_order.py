@@ -1,12 +1,46 @@
-"""Blend order of three or more datasets (guess-and-verify) is megatron-core's, step for step."""
+"""Blend order is megatron-core's, step for step: the compiled loop (`blend_loop.c`) and the numpy
+paths it replaces where no compiler was present (two datasets in closed form, three or more
+guess-and-verify)."""
 
 from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+import tokendata.datasets.blended as blended
 from tokendata.datasets.blend_order import blend_many, find_period, greedy_choices, sample_ids
 from tokendata.datasets.blended import _blend_loop, build_blending_indices
+
+
+@pytest.fixture(params=["compiled", "numpy"], autouse=True)
+def blend_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every test runs on both paths of `build_blending_indices`."""
+    if request.param == "compiled" and blended.compiled_blend is None:
+        pytest.skip("the compiled blend loop was not built here")
+    if request.param == "numpy":
+        monkeypatch.setattr(blended, "compiled_blend", None)
+    yield request.param
+
+
+def test_compiled_loop_is_built_where_a_compiler_exists(blend_path: str) -> None:
+    """setuptools builds `blend_loop.c` as an optional extension: with a C compiler present (CI, the
+    dev machine) a silent build failure would only show as a slower blend."""
+    if blend_path == "numpy" or shutil.which("cc") is None:
+        pytest.skip("checked once, where a C compiler exists")
+    assert blended.compiled_blend is not None
+
+
+def test_compiled_loop_refuses_bad_buffers(blend_path: str) -> None:
+    if blend_path == "numpy":
+        pytest.skip("compiled path only")
+    picks, ids = np.empty(4, np.int16), np.empty(4, np.int64)
+    with pytest.raises(ValueError, match="int16 buffer"):
+        blended.compiled_blend.order(np.array([0.5, 0.5]).tobytes(), 5, picks, ids)
+    with pytest.raises(ValueError, match="float64 weights"):
+        blended.compiled_blend.order(b"", 4, picks, ids)
 
 WEIGHT_SETS = [
     [0.3, 0.2, 0.5],
@@ -67,6 +101,15 @@ def test_unnormalised_weights_match_megatron() -> None:
     np.testing.assert_array_equal(
         build_blending_indices(weights, 50_000)[0], _megatron(weights, 50_000)[0]
     )
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.5, 0.5], [0.9, 0.1], [1.0]], ids=str)
+def test_one_and_two_datasets_match_megatron(weights: list[float]) -> None:
+    for size in (1, 2, 3, 58_878):
+        got = build_blending_indices(weights, size)
+        expected = _megatron(weights, size)
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
 
 
 def test_verifier_finds_the_first_wrong_guess() -> None:

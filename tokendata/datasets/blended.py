@@ -13,6 +13,11 @@ import torch.distributed as dist
 from tokendata.datasets.blend_order import blend_many, sample_ids
 from tokendata.datasets.cache import CachedArraysMixin, IndexCache
 
+try:  # the greedy loop in C, built at install time where a compiler is present (blend_loop.c)
+    import tokendata.datasets.blend_loop as compiled_blend
+except ImportError:  # pragma: no cover - exercised where the optional build was skipped
+    compiled_blend = None
+
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset id, sample id within that dataset) for each of `size` blended samples.
@@ -22,9 +27,12 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     weights. Same arithmetic (doubles) and tie-breaking as megatron-core, so the order matches.
     Two datasets take a vectorised path with the identical result (`_blend_two`); three or more
     guess blocks of steps from the order's period and verify them exactly
-    (`blend_order.blend_many`), falling back to the loop where that does not pay.
+    (`blend_order.blend_many`), falling back to the loop where that does not pay. Where the C
+    loop was built at install (`blend_loop.c`, same arithmetic), it serves every case instead.
     """
     weights = [float(w) for w in weights]
+    if compiled_blend is not None and 0 < len(weights) <= np.iinfo(np.int16).max:
+        return compiled_order(weights, size)
     if len(weights) == 2 and size > 0:
         fast = _blend_two(weights[0], weights[1], size)
         if fast is not None:
@@ -33,6 +41,16 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
         picks = blend_many(weights, size)
         return picks.astype(np.int16), sample_ids(picks, len(weights))
     return _blend_loop(weights, size)
+
+
+def compiled_order(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`build_blending_indices` through the compiled loop (requires `compiled_blend`)."""
+    if compiled_blend is None:
+        raise RuntimeError("the compiled blend loop was not built (no C compiler at install)")
+    picks = np.empty(size, dtype=np.int16)
+    ids = np.empty(size, dtype=np.int64)
+    compiled_blend.order(np.asarray(weights, dtype=np.float64).tobytes(), size, picks, ids)
+    return picks, ids
 
 
 def _blend_loop(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:

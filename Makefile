@@ -20,7 +20,7 @@ DATA_DIR ?= data
 RUN_DIR ?= runs/make-train
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto lint test test-fast train eval serve bench device-check clean
+.PHONY: help setup proto lint test test-fast test-oldest-torch train eval serve bench device-check clean
 
 help: ## List the targets
 	@echo "Meshline targets (each sets itself up on a fresh machine):"
@@ -52,6 +52,16 @@ test: setup ## The whole test suite (what CI runs)
 test-fast: setup ## Tests without the slow and multi-process ones
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not dist"
 
+# The oldest torch Meshline supports (kernels/torch_support.py). PyPI's Linux wheel of it is a CUDA
+# build: it runs on a CPU machine, with ~3 GB of NVIDIA libraries installed beside it.
+OLDEST_TORCH_SPEC ?= torch==2.11.0
+OLDEST_VENV ?= .venv-oldest-torch
+
+test-oldest-torch: ## The fast tests on the oldest supported torch, in its own venv (CI runs it too)
+	$(MAKE) setup VENV=$(OLDEST_VENV) TORCH_SPEC="$(OLDEST_TORCH_SPEC)"
+	$(OLDEST_VENV)/bin/python -c "import torch; print('oldest supported torch:', torch.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not dist"
+
 train: setup ## Main job: tokenizer + shards from the stdlib, 2-process CPU training, checkpoint, summary
 	$(PY) -m services.demos.train --data-dir $(DATA_DIR) --run-dir $(RUN_DIR)
 
@@ -72,7 +82,7 @@ device-check: ## GPU: gpu tests + training/decode benchmarks vs HF, report in OU
 	$(DEVICE_PY) -m bench.device_check --out $(OUT)
 
 clean: ## Remove the venv, generated stubs and caches (keeps data/ and runs/)
-	rm -rf $(VENV) meshline .pytest_cache .ruff_cache .mypy_cache build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) meshline .pytest_cache .ruff_cache .mypy_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # Container images: one per accelerator, all five services in each (docker/entrypoint.sh picks).

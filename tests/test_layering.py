@@ -11,7 +11,6 @@ one first-party module imported by another.
 from __future__ import annotations
 
 import ast
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +91,13 @@ def _sources() -> dict[str, Path]:
 
 
 def _extensions() -> dict[str, Path]:
-    """Compiled extension modules (pyproject's ext-modules): C sources, no Python imports."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    modules = config.get("tool", {}).get("setuptools", {}).get("ext-modules", [])
-    return {ext["name"]: ROOT / ext["sources"][0] for ext in modules}
+    """Compiled extension modules (a `.c` source in a package, built by pyproject's ext-modules):
+    modules with no Python imports."""
+    return {
+        _module_name(path.with_suffix(".py")): path
+        for top in FIRST_PARTY
+        for path in sorted((ROOT / top).rglob("*.c"))
+    }
 
 
 EXTENSIONS = _extensions()

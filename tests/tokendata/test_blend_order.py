@@ -42,6 +42,7 @@ def test_compiled_loop_refuses_bad_buffers(blend_path: str) -> None:
     with pytest.raises(ValueError, match="float64 weights"):
         blended.compiled_blend.order(b"", 4, picks, ids)
 
+
 WEIGHT_SETS = [
     [0.3, 0.2, 0.5],
     [1 / 3, 1 / 3, 1 / 3],

@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="samples to index")
     parser.add_argument("--reads", type=int, default=2000, help="samples read through each dataset")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--blend-samples",
+        type=int,
+        default=None,
+        help="samples in each blend order (default: the indexed samples, at most 200,000)",
+    )
     args = parser.parse_args(argv)
     docs = args.docs or (5_000 if args.quick else 100_000)
     reads = min(args.reads, 300) if args.quick else args.reads
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             _best(lambda: [theirs[int(i)] for i in ids], args.repeats),
             f"{reads} random samples, {reads * seq / 1e6:.1f}M tokens",
         )
-        size = min(samples, 200_000)
+        size = args.blend_samples or min(samples, 200_000)
         for weights in ([0.3, 0.7], [0.3, 0.2, 0.5], [0.1, 0.1, 0.1, 0.3, 0.4], [0.31, 0.27, 0.42]):
 
             def blend_megatron(weights: list[float] = weights) -> None:

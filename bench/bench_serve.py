@@ -1,6 +1,7 @@
 """Served greedy decode as a user meets it vs HF `generate(do_sample=False)`, in the same run.
 
     python -m bench.bench_serve [--quick] [--hidden 256 1024] [--batch 1 8] [--rounds 3]
+                                [--transport grpc http]
 
 For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
 request makes all its tokens) is written to a temporary directory and served by
@@ -18,15 +19,18 @@ every round (reading, copying and a matrix-vector product over a 512 MiB array; 
 
 Transports: `--transport grpc` (default, Generate calls) or `--transport http` (the OpenAI
 `/v1/completions` endpoint of the same server started with `--http-port 0`; token-id prompts,
-temperature 0, `logprobs: 0` so that the reply carries the token ids). Another front end plugs
-in by adding a client class with the same `generate(prompts, max_new_tokens)` coroutine to
-TRANSPORTS.
+temperature 0, `logprobs: 0` so that the reply carries the token ids). `--transport grpc http`
+drives both against ONE server process, alternating within each round: compare the fronts that
+way, since `--cpu-linear auto` times the layouts at each start and two server processes may keep
+different ones. Another front end plugs in by adding a client class with the same
+`generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import re
 import statistics
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +87,14 @@ def write_checkpoint(shape: dict, directory: Path) -> Any:
     return hf
 
 
-def start_server(directory: Path, transport: str = "grpc") -> tuple[subprocess.Popen, int]:
+def start_server(
+    directory: Path, transports: tuple[str, ...] = ("grpc",)
+) -> tuple[subprocess.Popen, dict[str, int]]:
     """`python -m services.inference serve --load DIR --port 0` (default flags; plus
-    `--http-port 0` for the HTTP transport) and the port of `transport`."""
+    `--http-port 0` for the HTTP transport) and the port of each of `transports`."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--load", str(directory)]
-    if transport == "http":
+    if "http" in transports:
         command += ["--http-port", "0"]
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
@@ -100,9 +107,9 @@ def start_server(directory: Path, transport: str = "grpc") -> tuple[subprocess.P
             ports["grpc"] = int(grpc_match.group(1))
         if http_match:
             ports["http"] = int(http_match.group(1))
-        if "grpc" in ports and transport in ports:
+        if "grpc" in ports and all(t in ports for t in transports):
             threading.Thread(target=server.stderr.read, daemon=True).start()
-            return server, ports[transport]
+            return server, ports
         if time.monotonic() > deadline:
             break
     server.kill()
@@ -134,14 +141,22 @@ class GrpcClient:
 
 class HttpClient:
     """Greedy OpenAI `/v1/completions` calls (token-id prompts, temperature 0), one call per
-    prompt on its own connection, all in flight together (stdlib HTTP in worker threads)."""
+    prompt on its own connection, all in flight together (stdlib HTTP, one thread per call).
+
+    The threads are this call's own: `asyncio.to_thread` would use the loop's default executor,
+    which has min(32, CPUs + 4) workers — 6 on a 2-core machine — so at batch 8 two requests
+    waited for the first six to finish and the server decoded two batches one after the other
+    (issue #21: "HTTP is 1.3-2 ms per step slower than gRPC at batch 8" was this).
+    """
 
     def __init__(self, port: int) -> None:
         self.port = port
 
     async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        calls = [asyncio.to_thread(self._complete, p, max_new_tokens) for p in prompts]
-        return list(await asyncio.gather(*calls))
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="http") as pool:
+            calls = [loop.run_in_executor(pool, self._complete, p, max_new_tokens) for p in prompts]
+            return list(await asyncio.gather(*calls))
 
     def _complete(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         import http.client
@@ -213,31 +228,34 @@ def streamed_weight_bytes(hf: Any) -> int:
     return sum(p.numel() * p.element_size() for p in hf.parameters() if p is not embed)
 
 
-def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> None:
+def run_size(hidden: int, batches: list[int], rounds: int, transports: tuple[str, ...]) -> None:
     import torch
 
     shape = SHAPES[hidden]
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(shape, Path(tmp) / "ckpt")
-        server, port = start_server(Path(tmp) / "ckpt", transport)
+        server, ports = start_server(Path(tmp) / "ckpt", transports)
         try:
-            client = TRANSPORTS[transport](port)
+            clients = {t: TRANSPORTS[t](ports[t]) for t in transports}
             gen = torch.Generator().manual_seed(1)
             prompts = torch.randint(0, shape["vocab"], (max(batches), PROMPT_LEN), generator=gen)
             prompts_l = prompts.tolist()
             # Warm-up both sides, and check that the served tokens are HF's.
             for b in batches:
-                ours = asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
                 theirs = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
-                same = ours == theirs
-                print(f"  hidden {hidden} batch {b}: greedy tokens identical to HF: {same}")
+                for t, client in clients.items():
+                    same = asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS)) == theirs
+                    print(
+                        f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: {same}"
+                    )
             times: dict[tuple[str, int], list[float]] = {}
             bandwidth = None
             for _ in range(rounds):
                 for b in batches:
-                    start = time.perf_counter()
-                    asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
-                    times.setdefault(("ours", b), []).append(time.perf_counter() - start)
+                    for t, client in clients.items():
+                        start = time.perf_counter()
+                        asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
+                        times.setdefault((t, b), []).append(time.perf_counter() - start)
                     start = time.perf_counter()
                     hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                     times.setdefault(("hf", b), []).append(time.perf_counter() - start)
@@ -246,8 +264,8 @@ def run_size(hidden: int, batches: list[int], rounds: int, transport: str) -> No
         finally:
             server.terminate()
             server.wait(60)
-    for b in batches:
-        o = [t / NEW_TOKENS * 1e3 for t in times[("ours", b)]]
+    for b, transport in itertools.product(batches, transports):
+        o = [t / NEW_TOKENS * 1e3 for t in times[(transport, b)]]
         h = [t / NEW_TOKENS * 1e3 for t in times[("hf", b)]]
         line = (
             f"hidden {hidden} batch {b} ({transport}): ms per token per request, ours min {min(o):.2f} "
@@ -271,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="grpc")
+    parser.add_argument(
+        "--transport",
+        choices=sorted(TRANSPORTS),
+        nargs="+",
+        default=["grpc"],
+        help="front end(s) to drive; several: all against one server process, alternated",
+    )
     args = parser.parse_args(argv)
     hidden = args.hidden or ([256] if args.quick else sorted(SHAPES))
     rounds = args.rounds or (2 if args.quick else 3)
@@ -281,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     for h in hidden:
-        run_size(h, args.batch, rounds, args.transport)
+        run_size(h, args.batch, rounds, tuple(dict.fromkeys(args.transport)))
     return 0
 
 

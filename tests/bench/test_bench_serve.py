@@ -1,0 +1,76 @@
+"""bench_serve's HTTP client puts every request of a batch in flight together (issue #21).
+
+Its old client ran the calls through `asyncio.to_thread`, whose default executor has
+min(32, CPUs + 4) workers: on a 2-core machine only 6 of 8 requests were in flight, the server
+decoded a batch of 6 and then one of 2, and HTTP looked 1.3-2 ms per step slower than gRPC.
+Here a local server holds every request until `batch` of them are open at once; a client that
+caps its concurrency below `batch` breaks the barrier and the calls fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from bench.bench_serve import HttpClient
+
+BARRIER_TIMEOUT_S = 20.0
+
+
+class _Completions(BaseHTTPRequestHandler):
+    """Answers /v1/completions like the server with no tokenizer: `token_id:<id>` strings."""
+
+    barrier: threading.Barrier
+    lock = threading.Lock()
+    open_now = 0
+    most_open = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.open_now += 1
+            cls.most_open = max(cls.most_open, cls.open_now)
+        try:
+            cls.barrier.wait()  # every request of the batch is open at once, or this breaks
+            status = 200
+            tokens = [f"token_id:{t + 1}" for t in body["prompt"][: body["max_tokens"]]]
+            reply: dict[str, Any] = {"choices": [{"logprobs": {"tokens": tokens}}]}
+        except threading.BrokenBarrierError:
+            status, reply = 503, {"error": "the batch was never in flight together"}
+        finally:
+            with cls.lock:
+                cls.open_now -= 1
+        data = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("batch", [8, 16])
+def test_http_client_has_every_request_in_flight_together(batch: int) -> None:
+    handler = type(
+        "Handler", (_Completions,), {"barrier": threading.Barrier(batch, timeout=BARRIER_TIMEOUT_S)}
+    )
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        prompts = [[i, i + 100] for i in range(batch)]
+        got = asyncio.run(HttpClient(server.server_address[1]).generate(prompts, 2))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert handler.most_open == batch
+    assert got == [[t + 1 for t in p] for p in prompts]

@@ -1,24 +1,27 @@
-"""One prepared accelerator check: gpu tests, a training and a decode benchmark, one report.
+"""One prepared accelerator check: gpu tests, training, launch, kernel and decode benchmarks.
 
-    python -m bench.device_check --out DIR [--smoke] [--skip-tests]
+    python -m bench.device_check --out DIR [--smoke] [--skip-tests] [--profile] [--budget-s S]
     make device-check OUT=DIR
 
 Uses the torch already installed (a GPU machine's own image; nothing is downloaded). On a CUDA
-device it runs, within about 8 minutes on one H100/H200:
+device it runs, within one time budget (450 s by default; each phase capped):
 
-1. the `gpu`-marked tests (every kernel backend against its reference, forward and backward,
-   bf16/fp16 tolerances as written in each test), summarised from pytest's JUnit XML;
+1. the `gpu`-marked test files (every kernel backend against its reference, forward and
+   backward, bf16/fp16 tolerances as written in each test), summarised from pytest's JUnit XML;
 2. training: a Llama-family model of ~1.2B parameters (hidden 2048, 16 layers, GQA 16/8 heads,
-   SwiGLU 5632, vocab 32000), bf16, sequence 2048, Meshline's Trainer eager and with
-   `--compile` against HF `LlamaForCausalLM` + torch fused AdamW on the same shapes: tokens/s,
-   TFLOP/s (6N + 12·L·H·Q·T per token), MFU against the device's peak (kernels.peak_flops);
-3. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
-   against HF `generate` on the same weights (outputs checked identical first).
+   SwiGLU 5632, vocab 32000), bf16, sequence 2048, global batch 16 by accumulation: HF
+   `LlamaForCausalLM` + torch fused AdamW, Meshline's Trainer eager and with `--compile`:
+   tokens/s, TFLOP/s (6N + 12·L·H·Q·T per token), MFU against the device's peak
+   (kernels.peak_flops); with --profile one profiled step per side;
+3. `meshline train --nproc-per-node 1` (torchrun, NCCL) on the same shape: the user's path;
+4. each kernel's default backend against HF/torch eager (bench.bench_kernels);
+5. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
+   against HF `generate` on the same weights (parity checked in fp32 first).
 
-Each measurement runs in its own child process, so memory and compile caches do not carry
-over. Without a GPU (or with --smoke) the same steps run on tiny shapes in seconds — what CI
-runs (tests/bench/test_device_check.py) to keep the script working. Writes `report.json` and
-`report.md` under --out and prints the Markdown.
+Each measurement runs in its own child process (bench/device_workers.py), so memory and compile
+caches do not carry over. Without a GPU (or with --smoke) the same steps run on tiny shapes in
+seconds — what CI runs (tests/bench/test_device_check.py) to keep the script working. Writes
+`report.json` and `report.md` under --out after every phase and prints the Markdown.
 """
 
 from __future__ import annotations
@@ -39,268 +42,20 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-SHAPES: dict[str, dict[str, int]] = {
-    "gpu": dict(
-        hidden=2048, layers=16, heads=16, kv=8, ffn=5632, vocab=32000, seq=2048, mbs=2, gbs=16,
-        warmup=2, steps=4, prompt=128, new=128,
-    ),
-    "smoke": dict(
-        hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=64, mbs=2, gbs=4,
-        warmup=1, steps=2, prompt=8, new=8,
-    ),
-}  # fmt: skip
+from bench.device_workers import (
+    SHAPES,
+    decode_worker,
+    kernels_worker,
+    train_flags,
+    train_worker,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 # Time caps in seconds: the whole check, the gpu tests, and one benchmark child (twice that for
 # the --compile side). The GPU budget keeps `make device-check` within 8 minutes.
 BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
 TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
 CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
-
-
-def _train_flags(shape: dict[str, int], bf16: bool, compile_layers: bool) -> list[str]:
-    flags = [
-        "--model", "tiny-llama", "--num-layers", str(shape["layers"]),
-        "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
-        "--num-query-groups", str(shape["kv"]), "--ffn-hidden-size", str(shape["ffn"]),
-        "--vocab-size", str(shape["vocab"]), "--max-position-embeddings", str(shape["seq"]),
-        "--seq-length", str(shape["seq"]), "--micro-batch-size", str(shape["mbs"]),
-        "--global-batch-size", str(shape["gbs"]),
-        "--mock-data", "--train-iters", str(shape["warmup"] + shape["steps"]), "--lr", "1e-4",
-        "--lr-decay-style", "constant", "--weight-decay", "0.1", "--clip-grad", "1.0",
-        "--eval-interval", "0", "--optimizer", "fused_adam", "--log-interval", "1000",
-    ]  # fmt: skip
-    if bf16:
-        flags.append("--bf16")
-    if compile_layers:
-        flags.append("--compile")
-    return flags
-
-
-def _hf_train_step(config: Any, bf16: bool) -> Any:
-    """HF LlamaForCausalLM on the same batches, torch fused AdamW, same clipping."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kernels import device
-    from models.hf_adapters import hf_config
-    from services.trainer.batching import MicroBatchStream
-    from services.trainer.setup import build_data, build_model_config
-
-    (train, _), _, _ = build_data(config, dp_size=1)
-    target = device.current().torch_device()
-    hf = LlamaForCausalLM._from_config(
-        LlamaConfig(**hf_config(build_model_config(config))), attn_implementation="sdpa"
-    ).to(target)
-    if bf16:
-        hf = hf.to(torch.bfloat16)
-    stream = MicroBatchStream(
-        train, consumed_samples=0, micro_batch_size=config.batch.micro_batch_size,
-        dp_rank=0, dp_size=1,
-    )  # fmt: skip
-    decay = [p for p in hf.parameters() if p.ndim >= 2]
-    no_decay = [p for p in hf.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4,
-        fused=True,
-    )
-
-    n_micro = config.batch.global_batch_size // config.batch.micro_batch_size
-
-    def step() -> None:
-        for _ in range(n_micro):  # gradient accumulation, as the trainer does for the same sizes
-            batch = {k: v.to(target) for k, v in stream.next().items()}
-            out = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-            loss = torch.nn.functional.cross_entropy(
-                out.logits.flatten(0, 1).float(), batch["labels"].flatten()
-            )
-            (loss / n_micro).backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def train_worker(
-    side: str, shape: dict[str, int], bf16: bool, profile_dir: Path | None = None
-) -> dict[str, Any]:
-    """One training side in this process: tokens/s, TFLOP/s, MFU, peak memory, compile time.
-
-    With `profile_dir`, one more step runs under torch.profiler and its operator table (sorted by
-    device time) is written to `profile-<side>.txt` there: where a step's time goes, from the
-    same run that measured it.
-    """
-    import torch
-    from torch._dynamo.utils import counters
-
-    from kernels import device, peak_flops
-    from models.accounting import flops_per_token
-    from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
-    from services.trainer.setup import build_model_config
-
-    torch.manual_seed(0)
-    config = parse_args(_train_flags(shape, bf16, compile_layers=side == "ours-compile"))
-    step = Trainer(config).train_step if side.startswith("ours") else _hf_train_step(config, bf16)
-    start = time.perf_counter()
-    for _ in range(shape["warmup"]):
-        step()
-    device.synchronize()
-    warmup_s = time.perf_counter() - start
-    device.reset_peak_memory_stats()
-    begin = time.perf_counter()
-    for _ in range(shape["steps"]):
-        step()
-    device.synchronize()
-    elapsed = time.perf_counter() - begin
-    tokens_per_s = shape["gbs"] * shape["seq"] * shape["steps"] / elapsed
-    tflops = tokens_per_s * flops_per_token(build_model_config(config), shape["seq"]) / 1e12
-    peak = peak_flops.peak_tflops()
-    result = {
-        "side": side,
-        "tokens_per_s": tokens_per_s,
-        "tflops": tflops,
-        "mfu": tflops / peak.tflops,
-        "peak_memory_gib": device.memory_stats().peak / 2**30,
-        "warmup_s": warmup_s,
-        "graph_breaks": sum(counters["graph_break"].values()),
-    }
-    if profile_dir is not None:
-        _profile_step(step, profile_dir / f"profile-{side}.txt")
-    return result
-
-
-def _profile_step(step: Any, path: Path) -> None:
-    """One step under torch.profiler; the operator table sorted by device (else CPU) time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from kernels import device
-
-    on_cuda = device.current().type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    begin = time.perf_counter()
-    with profile(activities=activities) as prof:
-        step()
-        device.synchronize()
-    wall = time.perf_counter() - begin
-    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
-    path.write_text(f"one profiled step: {wall * 1e3:.1f} ms wall (profiler on)\n{table}\n")
-
-
-def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
-    """Greedy decode, batch 1 and 8: Meshline's engine vs HF generate on the same weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.engine import Engine, EngineConfig
-    from engine.sampling import SamplingConfig
-    from engine.tokens import TokenizerInfo
-    from kernels import device
-    from models import build_model
-    from models.hf_adapters import from_hf, hf_config
-    from models.registry import get_config
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    target = device.current().torch_device()
-    config = get_config(
-        "tiny-llama-gqa", vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        num_layers=shape["layers"], num_attention_heads=shape["heads"], num_kv_heads=shape["kv"],
-        ffn_hidden_size=shape["ffn"], max_position_embeddings=shape["prompt"] + shape["new"] + 8,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM._from_config(LlamaConfig(**hf_config(config)), attn_implementation="sdpa")
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.normal_(0, 0.02)
-    hf = hf.to(device=target).eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(4, config.vocab_size, (8, shape["prompt"]), generator=gen).tolist()
-    engine: Engine | None = None
-
-    def load(dtype_: torch.dtype) -> None:
-        nonlocal hf, engine
-        hf = hf.to(dtype=dtype_)
-        ours = build_model(config, device=target, dtype=dtype_).eval()
-        ours.load_state_dict(from_hf(hf.state_dict(), config))
-        engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=8))
-
-    def hf_run(batch: list[list[int]]) -> list[list[int]]:
-        ids = torch.tensor(batch, device=target)
-        with torch.inference_mode():
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=shape["new"],
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-                top_k=None, top_p=None, temperature=None,
-            )  # fmt: skip
-        return out[:, shape["prompt"] :].tolist()
-
-    def ours_run(batch: list[list[int]]) -> list[list[int]]:
-        assert engine is not None
-        settings = [SamplingConfig(max_new_tokens=shape["new"]) for _ in batch]
-        return [r[0].token_ids for r in engine.generate(batch, settings)]
-
-    # Parity in fp32 with TF32 off (random weights give near-flat logits, where bf16 rounding
-    # alone flips an argmax); then the timed runs in the benchmark dtype, whose greedy tokens are
-    # reported as the length of the prefix shared with HF.
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    load(torch.float32)
-    result: dict[str, Any] = {"identical_greedy": ours_run(prompts[:2]) == hf_run(prompts[:2])}
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    load(dtype)
-    if dtype != torch.float32:
-        mine, theirs = ours_run(prompts[:1])[0], hf_run(prompts[:1])[0]
-        shared = next(
-            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), len(mine)
-        )
-        result[f"shared_prefix_{str(dtype).removeprefix('torch.')}"] = shared
-    for rows in (1, 8):
-        batch = prompts[:rows]
-        times: dict[str, list[float]] = {"hf": [], "ours": []}
-        for _ in range(3):
-            for name, fn in (("hf", hf_run), ("ours", ours_run)):
-                device.synchronize()
-                begin = time.perf_counter()
-                fn(batch)
-                device.synchronize()
-                times[name].append(time.perf_counter() - begin)
-        tokens = rows * shape["new"]
-        hf_tps, ours_tps = (tokens / min(times[name]) for name in ("hf", "ours"))
-        result[f"batch{rows}"] = {"hf_tokens_per_s": hf_tps, "ours_tokens_per_s": ours_tps}
-    return result
-
-
-KERNEL_SHAPES = {
-    "gpu": dict(batch=2, seq=2048, heads=16, kv_heads=8, head_dim=128, ffn=5632, vocab=32000),
-    "smoke": dict(batch=1, seq=64, heads=4, kv_heads=2, head_dim=16, ffn=64, vocab=256),
-}
-
-
-def kernels_worker(mode: str, bf16: bool) -> dict[str, Any]:
-    """Each kernel's default backend on this device (on CUDA: the torch.compile-generated ones)
-    against HF's / torch's eager equivalent, forward+backward, via bench.bench_kernels."""
-    import torch
-
-    from bench import bench_kernels
-    from kernels import device
-
-    torch.set_default_device(device.current().torch_device())
-    torch.manual_seed(0)
-    args = argparse.Namespace(**KERNEL_SHAPES[mode])
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    table = bench_kernels.Table(
-        min_run_time=0.05 if mode == "gpu" else 0.005, rounds=2 if mode == "gpu" else 1
-    )
-    bench_kernels.bench_norm_rotary_activation(table, args, dtype)
-    bench_kernels.bench_attention(table, args, dtype)
-    bench_kernels.bench_cross_entropy(table, args, dtype)
-    rows = [
-        {"op": op, "impl": impl, "ms": t * 1e3, "baseline": base, "speedup": speedup}
-        for op, impl, t, base, speedup in table.rows
-    ]
-    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
 
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
@@ -333,7 +88,7 @@ def run_launch(mode: str, timeout: float) -> dict[str, Any]:
     if timeout < 10:
         return {"error": "skipped: the check's time budget was spent"}
     shape = SHAPES[mode]
-    flags = [f if f != "1000" else "1" for f in _train_flags(shape, mode == "gpu", False)]
+    flags = [f if f != "1000" else "1" for f in train_flags(shape, mode == "gpu", False)]
     cmd = [sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "1", *flags]
     try:
         out = subprocess.run(

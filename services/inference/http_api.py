@@ -27,6 +27,7 @@ from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.http_middleware import GuardMiddleware
 from services.inference.http_streaming import merged, sse, until_disconnect
+from services.inference.off_loop import off_loop
 from services.inference.openai_generation import (
     FINISH_REASONS,
     ChoiceResult,
@@ -176,10 +177,12 @@ class _Api:
         tokens = engine.tokens
         if tokens.tokenizer is None:
             raise invalid("prompt", "this server has no tokenizer")
-        ids = (
-            tokens.encode_prompt(body.prompt)
-            if body.add_special_tokens
-            else (tokens.require().encode(body.prompt))
+        ids = await off_loop(
+            lambda: (
+                tokens.encode_prompt(body.prompt)
+                if body.add_special_tokens
+                else tokens.require().encode(body.prompt)
+            )
         )
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_seq_len}
 
@@ -191,7 +194,7 @@ class _Api:
         bad = [t for t in body.tokens if not 0 <= t < tokens.vocab_size]
         if bad:
             raise invalid("tokens", f"ids {bad[:5]} are outside [0, {tokens.vocab_size})")
-        return {"prompt": tokens.detokenize(body.tokens, True)}
+        return {"prompt": await off_loop(lambda: tokens.detokenize(body.tokens, True))}
 
     async def tokenizer_info(self) -> dict[str, Any]:
         engine = self._require(None)
@@ -217,7 +220,11 @@ class _Api:
         engine = self._require(body.model)
         if body.suffix:
             raise invalid("suffix", "not supported")
-        prompts = resolve_prompts(engine, body.prompt, self.http.max_prompts)
+        # Tokenising runs in a worker thread, as on the gRPC front: a long prompt must not stall
+        # the event loop that serves every other stream and the health probes.
+        prompts = await off_loop(
+            lambda: resolve_prompts(engine, body.prompt, self.http.max_prompts)
+        )
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:
             raise invalid("max_tokens", "0 generates nothing; set echo true to score the prompt")
@@ -334,7 +341,7 @@ class _Api:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine = self._require(body.model)
-        prompt = render_chat(engine, body, self.http.chat_template)
+        prompt = await off_loop(lambda: render_chat(engine, body, self.http.chat_template))
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(

@@ -8,11 +8,9 @@ answers well-formed model calls with FAILED_PRECONDITION "no model loaded".
 
 from __future__ import annotations
 
-import asyncio
 import math
 import secrets
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -31,6 +29,7 @@ from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
+from services.inference.off_loop import off_loop
 from services.inference.serving import ServingEngine, build_serving_engine
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -44,15 +43,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (OpenAI's limit for top_logprobs)."""
-T = TypeVar("T")
 MAX_REPORTED_VIOLATIONS = 20
 """A Score request stops being checked after this many bad fields (the error stays readable)."""
-
-
-async def off_loop(fn: Callable[[], T]) -> T:
-    """Run CPU-heavy request work (tokenising, detokenising) in a worker thread, so the event
-    loop — health checks, other streams — keeps answering while it runs."""
-    return await asyncio.to_thread(fn)
 
 
 def request_failed(error: RequestError) -> MeshlineError:

@@ -78,3 +78,30 @@ def test_concurrent_http_requests_decode_as_one_batch(served, monkeypatch):
     assert together == alone
     assert rows_per_step[0] == BATCH
     assert len(rows_per_step) <= NEW_TOKENS
+
+
+def test_prompt_tokenising_leaves_the_event_loop_free(served, monkeypatch):
+    """A text prompt is tokenised in a worker thread (as on the gRPC front): while one request's
+    tokenising is held, the same event loop still answers /health."""
+    tokens = served.engine.tokens
+    encode = tokens.encode_prompt
+    started, release = threading.Event(), threading.Event()
+
+    def held_encode(text):
+        started.set()
+        release.wait(WAIT_S)
+        return encode(text)
+
+    monkeypatch.setattr(tokens, "encode_prompt", held_encode)
+    body = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reply = pool.submit(
+            requests.post, f"{served.http_url}/v1/completions", json=body, timeout=WAIT_S
+        )
+        try:
+            assert started.wait(WAIT_S), "the completion never reached the tokenizer"
+            health = requests.get(f"{served.http_url}/health", timeout=10)
+            assert health.status_code == 200
+        finally:
+            release.set()
+        assert reply.result(WAIT_S).status_code == 200

@@ -119,29 +119,67 @@ class DecodeStep:
     def __call__(self, ids_B1: torch.Tensor, cache: KVCache, step: CacheStep) -> torch.Tensor:
         """Logits [B, V] of one new token per row, written into `cache` at `step` (begun on
         `cache` by the caller, who commits it afterwards)."""
+        mask_B11S = None if step.key_mask_BS is None else step.key_mask_BS[:, None, None, :]
+
+        def attend(
+            layer: _Layer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
+        ) -> torch.Tensor:
+            k_all, v_all = cache.write(layer.key, step, k_B1KD, v_B1KD)
+            return self._attention(q_B1HD, k_all, v_all, mask_B11S)
+
+        return self._forward(ids_B1, step.start_B, attend)
+
+    def static(self, ids_B1: torch.Tensor, cache: KVCache, rows: int, key_len: int) -> torch.Tensor:
+        """The step for rows [0, rows) of `cache` with no host read and no shape that changes
+        from one step to the next, so a CUDA graph can capture it (engine/cuda_graphs.py).
+
+        Each row's position is read on the device from `cache.lengths_B`; its key and value
+        are scattered there; attention reads the first `key_len` slots (a fixed bucket at least
+        as long as every row after this step) under the cache's key mask; the step commits
+        itself (mask and lengths advance in place). Logits [rows, V] equal `__call__`'s up to
+        the order of the attention's reduction (the masked slots add exact zeros).
+        """
+        pos_B = cache.lengths_B[:rows]
+        slots_S = torch.arange(key_len, device=pos_B.device)
+        new_BS = slots_S[None, :] == pos_B[:, None]
+        mask_B11S = (cache.key_mask_BS[:rows, :key_len] | new_BS)[:, None, None, :]
+        pos_B1 = pos_B[:, None]
+
+        def attend(
+            layer: _Layer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
+        ) -> torch.Tensor:
+            k_cache = cache.k_BSKD[layer.key][:rows]
+            v_cache = cache.v_BSKD[layer.key][:rows]
+            index_B1KD = pos_B1[:, :, None, None].expand_as(k_B1KD)
+            k_cache.scatter_(1, index_B1KD, k_B1KD)
+            v_cache.scatter_(1, index_B1KD, v_B1KD)
+            return self._attention(q_B1HD, k_cache[:, :key_len], v_cache[:, :key_len], mask_B11S)
+
+        logits_BV = self._forward(ids_B1, pos_B, attend)
+        cache.key_mask_BS[:rows].scatter_(1, pos_B1, True)
+        cache.lengths_B[:rows] += 1  # last: pos_B and pos_B1 are views of these lengths
+        return logits_BV
+
+    def _forward(
+        self,
+        ids_B1: torch.Tensor,
+        pos_B: torch.Tensor,
+        attend: Callable[[_Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder over one token per row at positions `pos_B`; `attend(layer, q, k, v)`
+        stores k/v and returns attention's output [B, H, 1, D]."""
         b = ids_B1.shape[0]
         h_B1E = F.embedding(ids_B1, self.embedding)
-        freqs_B1d = step.start_B[:, None, None].float() * self.inv_freq
+        freqs_B1d = pos_B[:, None, None].float() * self.inv_freq
         emb_B1D = torch.cat((freqs_B1d, freqs_B1d), dim=-1)
         cos_B1D, sin_B1D = emb_B1D.cos(), emb_B1D.sin()
         if self.rope_scale != 1.0:
             cos_B1D, sin_B1D = cos_B1D * self.rope_scale, sin_B1D * self.rope_scale
-        mask_B11S = None if step.key_mask_BS is None else step.key_mask_BS[:, None, None, :]
         d = self.head_dim
         for layer in self.layers:
             x_B1E = self.rms_norm(h_B1E, *layer.norm1)
             q_B1HD, k_B1KD, v_B1KD = self._project(layer, x_B1E, cos_B1D, sin_B1D, b, d)
-            k_all, v_all = cache.write(layer.key, step, k_B1KD, v_B1KD)
-            out_BH1D = F.scaled_dot_product_attention(
-                q_B1HD.transpose(1, 2),
-                k_all.transpose(1, 2),
-                v_all.transpose(1, 2),
-                attn_mask=mask_B11S,
-                dropout_p=0.0,
-                is_causal=False,
-                scale=self.scale,
-                enable_gqa=q_B1HD.shape[2] != k_B1KD.shape[2],
-            )
+            out_BH1D = attend(layer, q_B1HD, k_B1KD, v_B1KD)
             h_B1E = h_B1E + layer.o(out_BH1D.transpose(1, 2).flatten(2))
             x_B1E = self.rms_norm(h_B1E, *layer.norm2)
             if layer.gate_up is not None:
@@ -151,6 +189,25 @@ class DecodeStep:
                 act_B1F = self.swiglu(layer.gate(x_B1E), layer.up(x_B1E))
             h_B1E = h_B1E + layer.down(act_B1F)
         return self.head(self.rms_norm(h_B1E, *self.final_norm))[:, -1]
+
+    def _attention(
+        self,
+        q_B1HD: torch.Tensor,
+        k_BSKD: torch.Tensor,
+        v_BSKD: torch.Tensor,
+        mask_B11S: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One query per row over the keys given: out [B, H, 1, D]."""
+        return F.scaled_dot_product_attention(
+            q_B1HD.transpose(1, 2),
+            k_BSKD.transpose(1, 2),
+            v_BSKD.transpose(1, 2),
+            attn_mask=mask_B11S,
+            dropout_p=0.0,
+            is_causal=False,
+            scale=self.scale,
+            enable_gqa=q_B1HD.shape[2] != k_BSKD.shape[2],
+        )
 
     def _project(
         self,

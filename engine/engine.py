@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
+from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
 from engine.linear_choice import choose_cpu_linear, to_column_major
@@ -108,6 +109,9 @@ class EngineConfig:
     """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
     computation, bit-identical, without per-module dispatch) when it covers the model, else the
     module forward; "module": always the module forward (`model(...)`)."""
+    enforce_eager: bool = False
+    """CUDA: run every decode step eagerly. By default the lean decode step is replayed from
+    CUDA graphs, one per active row count and slot bucket (engine/cuda_graphs.py)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -190,6 +194,7 @@ class Engine:
             registry.preload()  # backend choices made eagerly, outside the traced graph
         self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
         self._decode_step = self._build_decode_step()
+        self._graphs = self._build_graphs()
         self._rows: list[_Row] = []
         self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
@@ -214,6 +219,15 @@ class Engine:
         step, why = DecodeStep.build(self.model)
         log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
         return step
+
+    def _build_graphs(self) -> GraphedDecode | None:
+        """CUDA graphs of the lean decode step, or None (eager steps)."""
+        if self._decode_step is None or self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.pool.cache.is_ring:
+            log.info("decode: eager steps (sliding-window rings are not graphed)")
+            return None
+        return GraphedDecode(self._decode_step, self.pool.cache)
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -333,7 +347,11 @@ class Engine:
     def _decode_rows(
         self, ids_B1: torch.Tensor, start: int, stop: int, compiled: bool = False
     ) -> torch.Tensor:
-        """Logits [B, V] of rows [start, stop) fed `ids_B1` (the compiled forward if asked)."""
+        """Logits [B, V] of rows [start, stop) fed `ids_B1` (when `compiled`: the compiled forward,
+        or the CUDA graphs for all active rows)."""
+        if self._graphs is not None and compiled and start == 0 and stop == self.pool.num_rows:
+            # Every active row at once, from a CUDA graph (it commits the rows itself).
+            return self._graphs(ids_B1, self.pool.lengths())
         view = self.pool.view(start, stop)
         if self._decode_step is not None:
             step = view.begin(1, None)

@@ -43,6 +43,9 @@ class InferenceServiceConfig:
     decode_step: str = "auto"
     """auto: the lean one-token decode step where it covers the model, else the module
     forward; module: always the module forward (see EngineConfig.decode_step)."""
+    enforce_eager: bool = False
+    """CUDA: no CUDA graphs; every decode step launches its kernels (see
+    EngineConfig.enforce_eager)."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -184,6 +187,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         f"the module forward) (default {d.decode_step})",
     )
     group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying them from CUDA graphs (by "
+        "default the lean decode step is captured once per active row count and slot bucket, "
+        "as vLLM does; this flag is vLLM's name for turning that off)",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -250,6 +260,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         cpu_linear=args.cpu_linear,
         compile_decode=args.compile_decode,
         decode_step=args.decode_step,
+        enforce_eager=args.enforce_eager,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

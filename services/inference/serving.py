@@ -95,5 +95,6 @@ def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
         cpu_linear=config.cpu_linear,
         compile_decode=config.compile_decode,
         decode_step=config.decode_step,
+        enforce_eager=config.enforce_eager,
     )
     return loaded, Engine(loaded.model, tokens, engine_config)

@@ -98,10 +98,14 @@ def bench_norm_rotary_activation(
     x = torch.randn(B, S, E, dtype=dtype)
     hf_norm = LlamaRMSNorm(E).to(dtype)
     ours_norm = norm.RMSNorm(E, dtype=dtype)
+    w, eps = ours_norm.weight, ours_norm.eps
     table.group(
         f"rms_norm fwd+bwd [{B}x{S}x{E}]",
         ("HF LlamaRMSNorm", _fwd_bwd(hf_norm, x)),
-        {f"ours ({norm.RMS_NORM.default()})": _fwd_bwd(ours_norm, x)},
+        {
+            f"ours ({norm.RMS_NORM.default()})": _fwd_bwd(ours_norm, x),
+            **_variants(x, norm.rms_norm_reference, lambda f: _fwd_bwd(lambda x: f(x, w, eps), x)),
+        },
     )
     q = torch.randn(B, S, H, D, dtype=dtype)
     k = torch.randn(B, S, H, D, dtype=dtype)
@@ -121,6 +125,13 @@ def bench_norm_rotary_activation(
         {
             "ours half": _fwd_bwd(ours_rope, q, k),
             "ours interleaved": _fwd_bwd(lambda q, k: ours_rope(q, k, interleaved=True), q, k),
+            **_variants(
+                q,
+                rotary.apply_rotary_reference,
+                lambda f: _fwd_bwd(
+                    lambda q, k: f(q, cos, sin, False) + f(k, cos, sin, False), q, k
+                ),
+            ),
         },
     )
     F_ = args.ffn
@@ -135,6 +146,14 @@ def bench_norm_rotary_activation(
         {
             "ours swiglu": _fwd_bwd(activation.swiglu, gate.contiguous(), up.contiguous()),
             "ours swiglu_packed": _fwd_bwd(activation.swiglu_packed, gate_up),
+            **_variants(
+                gate,
+                activation.swiglu_reference,
+                lambda f: _fwd_bwd(f, gate.contiguous(), up.contiguous()),
+            ),
+            **_variants(
+                gate, activation.swiglu_packed_reference, lambda f: _fwd_bwd(f, gate_up), "packed "
+            ),
         },
     )
 
@@ -211,8 +230,45 @@ def bench_cross_entropy(table: Table, args: argparse.Namespace, dtype: torch.dty
             f"ours chunk={N // 4}": _fwd_bwd(
                 lambda x: cross_entropy(x, labels, chunk_size=N // 4), logits
             ),
+            **_chunked_variants(logits, labels),
         },
     )
+
+
+def _variants(
+    like: torch.Tensor,
+    reference: Callable[..., torch.Tensor],
+    timed: Callable[[Callable[..., torch.Tensor]], Callable[[], None]],
+    prefix: str = "",
+) -> dict[str, Callable[[], None]]:
+    """On CUDA, diagnosis rows beside the registered backend: the op's reference run eagerly,
+    and compiled with static shapes (dynamic=False) rather than the backends' dynamic=True."""
+    if like.device.type != "cuda":
+        return {}
+    return {
+        f"{prefix}reference eager": timed(reference),
+        f"{prefix}compiled static": timed(torch.compile(reference, dynamic=False)),
+    }
+
+
+def _chunked_variants(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """On CUDA: the chunked loss with plain (eager) and static-shape compiled chunk functions,
+    in one chunk and in four."""
+    if logits.device.type != "cuda":
+        return {}
+    from kernels.cross_entropy import chunk_grad, chunk_loss, per_token_chunked
+
+    n = logits.shape[0]
+    valid = torch.ones(n, dtype=torch.bool)
+    static = (torch.compile(chunk_loss, dynamic=False), torch.compile(chunk_grad, dynamic=False))
+    rows: dict[str, Callable[[], None]] = {}
+    for chunk in (n, n // 4):
+        for name, fns in (("eager", (chunk_loss, chunk_grad)), ("static", static)):
+            rows[f"chunked {name} chunk={chunk}"] = _fwd_bwd(
+                lambda x, c=chunk, f=fns: per_token_chunked(x, labels, valid, 0.0, c, chunk_fns=f),
+                logits,
+            )
+    return rows
 
 
 def bench_optimizers(table: Table, args: argparse.Namespace) -> None:

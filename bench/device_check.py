@@ -16,7 +16,10 @@ device it runs, within one time budget (450 s by default; each phase capped):
 3. `meshline train --nproc-per-node 1` (torchrun, NCCL) on the same shape: the user's path;
 4. each kernel's default backend against HF/torch eager (bench.bench_kernels);
 5. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
-   against HF `generate` on the same weights (parity checked in fp32 first).
+   (CUDA-graph decode steps, as served; and with --enforce-eager for diagnosis) against HF
+   `generate` on the same weights (parity checked in fp32 first).
+
+`--phases` runs a subset (for example `--phases tests,decode` on a short device lease).
 
 Each measurement runs in its own child process (bench/device_workers.py), so memory and compile
 caches do not carry over. Without a GPU (or with --smoke) the same steps run on tiny shapes in
@@ -56,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
 TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
 CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
+PHASES = ("tests", "train", "launch", "kernels", "decode")
 
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
@@ -234,17 +238,19 @@ def markdown(report: dict[str, Any]) -> str:
     decode = report["decode"]
     lines += [
         "",
-        "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio |",
-        "|---|---|---|---|",
+        "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio | Meshline eager tokens/s |",
+        "|---|---|---|---|---|",
     ]
     if "error" in decode:
-        lines.append(f"| {decode['error']} | | | |")
+        lines.append(f"| {decode['error']} | | | | |")
     else:
         for rows in (1, 8):
             row = decode[f"batch{rows}"]
+            eager = row.get("ours_eager_tokens_per_s")
             lines.append(
                 f"| batch {rows} | {row['hf_tokens_per_s']:,.0f} | {row['ours_tokens_per_s']:,.0f} "
-                f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x |"
+                f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x "
+                f"| {'' if eager is None else f'{eager:,.0f}'} |"
             )
         lines.append(f"\ngreedy tokens identical to HF in fp32: {decode['identical_greedy']}")
         for key, value in decode.items():
@@ -277,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes even on a GPU")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated phases to run, in the fixed order {','.join(PHASES)} (default: "
+        "all): a rerun of one phase on a short device lease",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         help="wall-clock budget for the whole check in seconds (default: 450 on a GPU, 300 in "
@@ -290,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+    if not phases or phases - set(PHASES):
+        parser.error(f"--phases takes names from {','.join(PHASES)}; got {args.phases!r}")
+    if args.skip_tests:
+        phases.discard("tests")
     if args.worker:
         shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
         if args.worker == "decode":
@@ -322,24 +339,33 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.out, report)
     # Each phase is capped, and the whole check stays within the budget; the report is rewritten
     # after every phase, so a check cut short still leaves what it measured.
-    if not args.skip_tests:
+    report["phases"] = [p for p in PHASES if p in phases]
+    if "tests" in phases:
         report["tests"] = run_gpu_tests(args.out, mode, timeout=left(TESTS_CAP_S[mode]))
         _write(args.out, report)
     sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
-    for side in sides:
+    for side in sides if "train" in phases else []:
         cap = CHILD_CAP_S[mode] * (2 if side == "ours-compile" else 1)
         worker = ["--worker", side, "--mode", mode]
         worker += ["--out", str(args.out.resolve())] if args.profile else []
         report["train"][side] = _child(worker, left(cap))
         _write(args.out, report)
-    report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
-    _write(args.out, report)
-    report["kernels"] = _child(["--worker", "kernels", "--mode", mode], left(CHILD_CAP_S[mode]))
-    _write(args.out, report)
-    report["decode"] = _child(["--worker", "decode", "--mode", mode], left(CHILD_CAP_S[mode]))
+    if "launch" in phases:
+        report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
+        _write(args.out, report)
+    if "kernels" in phases:
+        worker = ["--worker", "kernels", "--mode", mode]
+        report["kernels"] = _child(worker, left(CHILD_CAP_S[mode]))
+        _write(args.out, report)
+    if "decode" in phases:
+        worker = ["--worker", "decode", "--mode", mode]
+        report["decode"] = _child(worker, left(CHILD_CAP_S[mode]))
+    else:
+        report["decode"] = {"error": "not run: not in --phases"}
     page = _write(args.out, report)
     print(page)
-    failed = any("error" in row for row in report["train"].values()) or "error" in report["decode"]
+    failed = any("error" in row for row in report["train"].values())
+    failed = failed or ("decode" in phases and "error" in report["decode"])
     tests = report.get("tests", {})
     failed = failed or "error" in tests or bool(tests.get("failed"))
     return 1 if failed else 0

@@ -2,9 +2,10 @@
 
 `train_worker`: one training side (HF + torch fused AdamW, Meshline eager, Meshline `--compile`)
 on the ~1.2B Llama shape, tokens/s, TFLOP/s, MFU and peak memory, optionally one profiled step.
-`decode_worker`: greedy decode, batch 1 and 8, Meshline's engine against HF `generate`, parity
-checked in fp32. `kernels_worker`: each kernel's default backend against HF/torch eager
-(bench.bench_kernels). `SHAPES` holds the GPU shapes and the CPU smoke shapes.
+`decode_worker`: greedy decode, batch 1 and 8, Meshline's engine (CUDA graphs on a GPU, and
+eagerly for comparison) against HF `generate`, parity checked in fp32. `kernels_worker`: each
+kernel's default backend against HF/torch eager (bench.bench_kernels). `SHAPES` holds the GPU
+shapes and the CPU smoke shapes.
 """
 
 from __future__ import annotations
@@ -187,13 +188,20 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, config.vocab_size, (8, shape["prompt"]), generator=gen).tolist()
     engine: Engine | None = None
+    eager: Engine | None = None
 
     def load(dtype_: torch.dtype) -> None:
-        nonlocal hf, engine
+        nonlocal hf, engine, eager
         hf = hf.to(dtype=dtype_)
         ours = build_model(config, device=target, dtype=dtype_).eval()
         ours.load_state_dict(from_hf(hf.state_dict(), config))
-        engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=8))
+        tokens = TokenizerInfo(config.vocab_size)
+        engine = Engine(ours, tokens, EngineConfig(max_batch_rows=8))
+        # A copy whose every step launches eagerly (diagnosis: what CUDA graphs gain); its own
+        # model, since an engine may repack its model's CPU linear layers.
+        twin = build_model(config, device=target, dtype=dtype_).eval()
+        twin.load_state_dict(from_hf(hf.state_dict(), config))
+        eager = Engine(twin, tokens, EngineConfig(max_batch_rows=8, enforce_eager=True))
 
     def hf_run(batch: list[list[int]]) -> list[list[int]]:
         ids = torch.tensor(batch, device=target)
@@ -205,10 +213,14 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
             )  # fmt: skip
         return out[:, shape["prompt"] :].tolist()
 
-    def ours_run(batch: list[list[int]]) -> list[list[int]]:
-        assert engine is not None
+    def ours_run(batch: list[list[int]], which: Engine | None = None) -> list[list[int]]:
+        run = which or engine
+        assert run is not None
         settings = [SamplingConfig(max_new_tokens=shape["new"]) for _ in batch]
-        return [r[0].token_ids for r in engine.generate(batch, settings)]
+        return [r[0].token_ids for r in run.generate(batch, settings)]
+
+    def eager_run(batch: list[list[int]]) -> list[list[int]]:
+        return ours_run(batch, eager)
 
     # Parity in fp32 with TF32 off (random weights give near-flat logits, where bf16 rounding
     # alone flips an argmax); then the timed runs in the benchmark dtype, whose greedy tokens are
@@ -227,17 +239,18 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
         result[f"shared_prefix_{str(dtype).removeprefix('torch.')}"] = shared
     for rows in (1, 8):
         batch = prompts[:rows]
-        times: dict[str, list[float]] = {"hf": [], "ours": []}
+        times: dict[str, list[float]] = {"hf": [], "ours": [], "ours_eager": []}
         for _ in range(3):
-            for name, fn in (("hf", hf_run), ("ours", ours_run)):
+            for name, fn in (("hf", hf_run), ("ours", ours_run), ("ours_eager", eager_run)):
                 device.synchronize()
                 begin = time.perf_counter()
                 fn(batch)
                 device.synchronize()
                 times[name].append(time.perf_counter() - begin)
         tokens = rows * shape["new"]
-        hf_tps, ours_tps = (tokens / min(times[name]) for name in ("hf", "ours"))
-        result[f"batch{rows}"] = {"hf_tokens_per_s": hf_tps, "ours_tokens_per_s": ours_tps}
+        result[f"batch{rows}"] = {
+            f"{name}_tokens_per_s": tokens / min(t) for name, t in times.items()
+        }
     return result
 
 

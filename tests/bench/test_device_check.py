@@ -37,6 +37,23 @@ def test_smoke_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert "| ours |" in page and "| batch 8 |" in page
 
 
+def test_phases_run_a_subset(tmp_path: Path) -> None:
+    """A rerun of one phase on a short lease: only decode runs; an unknown phase is refused."""
+    cmd = [sys.executable, "-m", "bench.device_check", "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [*cmd, "--phases", "decode"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["phases"] == ["decode"]
+    assert "tests" not in report and report["train"] == {} and "kernels" not in report
+    assert report["decode"]["batch1"]["ours_eager_tokens_per_s"] > 0
+    bad = subprocess.run(
+        [*cmd, "--phases", "decode,warp"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--phases takes names from" in bad.stderr
+
+
 def test_make_target_runs_the_script() -> None:
     dry = subprocess.run(
         ["make", "-n", "device-check", "OUT=/tmp/x"], cwd=REPO, capture_output=True, text=True

@@ -39,6 +39,9 @@ class Backend:
     name: str
     devices: tuple[str, ...]
     target: Callable[..., Any] | str
+    preferred: bool = True
+    """False: selectable with `backend=` or MESHLINE_KERNELS, but the reference stays the
+    default (a backend measured slower than the reference on its device)."""
 
     def load(self) -> Callable[..., Any]:
         """The callable, importing its module on first use (then cached, so a graph that
@@ -79,15 +82,21 @@ class Op:
     backends: list[Backend] = field(default_factory=list)
 
     def register(
-        self, name: str, devices: tuple[str, ...], target: Callable[..., Any] | str
+        self,
+        name: str,
+        devices: tuple[str, ...],
+        target: Callable[..., Any] | str,
+        *,
+        preferred: bool = True,
     ) -> None:
-        """Add a backend; earlier registrations are preferred for a device."""
+        """Add a backend; earlier registrations are preferred for a device, and a backend
+        registered with preferred=False comes after the reference."""
         unknown = [d for d in devices if d not in ALL_DEVICES]
         if unknown:
             raise ValueError(f"backend {name!r} of op {self.name!r}: unknown devices {unknown}")
         if name == REFERENCE or any(b.name == name for b in self.backends):
             raise ValueError(f"op {self.name!r} already has a backend named {name!r}")
-        self.backends.append(Backend(name, devices, target))
+        self.backends.append(Backend(name, devices, target, preferred))
         _default_backend_name.cache_clear()
 
     def names(self) -> list[str]:
@@ -106,7 +115,12 @@ class Op:
     def candidates(self, device_type: str | None = None) -> list[str]:
         """Backend names serving `device_type` (current device if None), preferred first."""
         device_type = device_type or _current_device_type()
-        return [b.name for b in self.backends if device_type in b.devices] + [REFERENCE]
+        serving = [b for b in self.backends if device_type in b.devices]
+        return (
+            [b.name for b in serving if b.preferred]
+            + [REFERENCE]
+            + [b.name for b in serving if not b.preferred]
+        )
 
     def available(self, device_type: str | None = None) -> list[str]:
         """`candidates` whose implementation imports on this machine."""

@@ -3,8 +3,12 @@
 Each backend is its op's reference (or, for cross entropy, the chunked loss's per-chunk math)
 run through `torch.compile`: inductor fuses the upcast, reduction, scale and downcast of an
 RMSNorm, the rotary multiply-add, the SiLU gate and a chunk's log-sum-exp and gradient into one
-generated Triton kernel each on CUDA, with the reference's semantics by construction. Shapes
-are marked dynamic so new sequence lengths do not recompile. They are registered for CUDA only
+generated Triton kernel each on CUDA, with the reference's semantics by construction. Each
+compiles for the first shape it sees with static sizes, and recompiles once with only the
+changing sizes symbolic when another shape comes (`dynamic=None`, torch's automatic dynamic):
+the static kernels measured 1.2-1.7x faster than the `dynamic=None` ones on an H200 (a training
+step's shapes repeat), while varying sequence lengths still cost one recompile, not one each.
+SwiGLU's compiled kernels are registered but not preferred on CUDA (slower than eager there). They are registered for CUDA only
 (kernels.norm, .rotary, .activation, .cross_entropy); on CPU the same functions compile to C++,
 which is what the tests on a CPU-only machine exercise.
 """
@@ -19,11 +23,11 @@ from kernels.cross_entropy import per_token_chunked as _per_token_chunked
 from kernels.norm import rms_norm_reference
 from kernels.rotary import apply_rotary_reference
 
-rms_norm = torch.compile(rms_norm_reference, dynamic=True)
-apply_rotary = torch.compile(apply_rotary_reference, dynamic=True)
-swiglu = torch.compile(swiglu_reference, dynamic=True)
-swiglu_packed = torch.compile(swiglu_packed_reference, dynamic=True)
-_chunk_fns = (torch.compile(chunk_loss, dynamic=True), torch.compile(chunk_grad, dynamic=True))
+rms_norm = torch.compile(rms_norm_reference, dynamic=None)
+apply_rotary = torch.compile(apply_rotary_reference, dynamic=None)
+swiglu = torch.compile(swiglu_reference, dynamic=None)
+swiglu_packed = torch.compile(swiglu_packed_reference, dynamic=None)
+_chunk_fns = (torch.compile(chunk_loss, dynamic=None), torch.compile(chunk_grad, dynamic=None))
 
 
 def per_token_chunked(

@@ -79,9 +79,15 @@ def _check(op_name: str, dtype: torch.dtype, device: str) -> None:
         torch.testing.assert_close(g, w, **TOLERANCES[dtype])
 
 
-def test_compiled_backends_are_cuda_defaults() -> None:
+# Measured slower than their eager reference on CUDA (bench/RESULTS.md): selectable, not default.
+NOT_PREFERRED_ON_CUDA = {"swiglu", "swiglu_packed"}
+
+
+def test_compiled_backends_are_cuda_defaults_where_they_measured_faster() -> None:
     for op in OPS.values():
-        assert op.candidates("cuda")[0] == "compiled", op.name
+        first = "reference" if op.name in NOT_PREFERRED_ON_CUDA else "compiled"
+        assert op.candidates("cuda")[0] == first, op.name
+        assert "compiled" in op.candidates("cuda"), op.name
         assert "compiled" not in op.candidates("cpu"), op.name
 
 

@@ -42,6 +42,26 @@ def test_env_override_all_and_per_op(toy_op, monkeypatch):
         toy_op.default()
 
 
+def test_a_backend_not_preferred_comes_after_the_reference(monkeypatch):
+    """Registered (selectable by name and MESHLINE_KERNELS) but never the default."""
+    monkeypatch.delenv(registry.KERNELS_ENV, raising=False)
+    op = registry.define("toy_test_op3", lambda x: x + 1)
+    try:
+        op.register("slow_cpu", ("cpu",), lambda x: x + 2, preferred=False)
+        op.register("fast_cpu", ("cpu",), lambda x: x + 3)
+        assert op.candidates("cpu") == ["fast_cpu", "reference", "slow_cpu"]
+        assert op.available("cpu") == ["fast_cpu", "reference", "slow_cpu"]
+        assert op.default() == "fast_cpu"
+        assert op(torch.zeros(1), backend="slow_cpu").item() == 2.0
+        only_slow = registry.define("toy_test_op4", lambda x: x + 1)
+        only_slow.register("slow_cpu", ("cpu",), lambda x: x + 2, preferred=False)
+        assert only_slow.default() == "reference"
+    finally:
+        registry.OPS.pop("toy_test_op3", None)
+        registry.OPS.pop("toy_test_op4", None)
+        registry._default_backend_name.cache_clear()
+
+
 def test_unavailable_backend_is_skipped(monkeypatch):
     monkeypatch.delenv(registry.KERNELS_ENV, raising=False)
     op = registry.define("toy_test_op2", lambda x: x)

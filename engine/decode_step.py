@@ -31,6 +31,7 @@ from torch import nn
 
 from kernels.activation import SWIGLU, SWIGLU_PACKED
 from kernels.attention import ATTENTION
+from kernels.attention.sdpa import folds_query_groups, grouped_single_query
 from kernels.norm import RMS_NORM, RMSNorm, rms_norm_reference
 from kernels.packed_linear import PackedLinear
 from kernels.rotary import APPLY_ROTARY, apply_rotary_reference, inverse_frequencies
@@ -197,7 +198,13 @@ class DecodeStep:
         v_BSKD: torch.Tensor,
         mask_B11S: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One query per row over the keys given: out [B, H, 1, D]."""
+        """One query per row over the keys given: out [B, H, 1, D] (grouped kv heads on CPU
+        as the sdpa backend runs them: G queries per kv head, no repeated keys)."""
+        q_BH1D = q_B1HD.transpose(1, 2)
+        if folds_query_groups(q_BH1D, k_BSKD.shape[2], mask_B11S):
+            return grouped_single_query(
+                q_BH1D, k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2), mask_B11S, self.scale
+            )
         return F.scaled_dot_product_attention(
             q_B1HD.transpose(1, 2),
             k_BSKD.transpose(1, 2),

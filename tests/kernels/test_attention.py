@@ -376,3 +376,30 @@ def test_blockwise_backward_saves_linear_not_quadratic_memory():
     # Output (fp32) and lse only: O(S·H·D), far below one [H, S, S] score matrix.
     assert blockwise <= h * s * (d + 1) * 4 + 1024
     assert reference >= scores_bytes
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_single_query_gqa_folds_query_groups_and_matches_reference(monkeypatch, masked):
+    """One query per row with grouped kv heads (decode): the sdpa backend runs the G query
+    heads of each kv head as one sequence of G queries (no repeated keys), with the reference's
+    result, under a per-row key mask too; a per-head bias (ALiBi) keeps the plain call."""
+    from kernels.attention import sdpa
+
+    calls = []
+    original = sdpa.grouped_single_query
+    monkeypatch.setattr(sdpa, "grouped_single_query", lambda *a: calls.append(1) or original(*a))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 8, 16, generator=gen)
+    k = torch.randn(3, 9, 2, 16, generator=gen)
+    v = torch.randn(3, 9, 2, 16, generator=gen)
+    mask = torch.rand(3, 9, generator=gen) > 0.3 if masked else None
+    if mask is not None:
+        mask[:, -1] = True
+    kw = dict(causal=True, q_offset=8, key_padding_mask_BS=mask)
+    got = attn.attention(q, k, v, backend="sdpa", **kw)
+    want = attn.attention(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    slopes = torch.rand(8, generator=gen)
+    attn.attention(q, k, v, backend="sdpa", alibi_slopes_H=slopes, **kw)
+    assert calls == [1]

@@ -59,6 +59,9 @@ class StepEvent:
     """With SamplingConfig.logprobs: log-probability of each of `token_ids`."""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """With SamplingConfig.logprobs: per token, the most likely (id, log-prob) at its position."""
+    time_s: float = 0.0
+    """`time.perf_counter()` when the engine thread handed this step's events over (0: never
+    handed over), so latency metrics do not depend on when the event loop saw them."""
 
 
 @dataclass

@@ -78,19 +78,25 @@ def instrument(engine: Engine) -> None:
 
 
 async def metered(
-    front: AsyncEngine, prompt_ids: list[int], config: SamplingConfig, protocol: str
+    front: AsyncEngine,
+    prompt_ids: list[int],
+    config: SamplingConfig,
+    protocol: str,
+    *,
+    hold: bool = False,
 ) -> AsyncIterator[StepEvent]:
-    """`front.stream(prompt_ids, config)`, measured (see the module docstring)."""
+    """`front.stream(prompt_ids, config, hold=hold)`, measured (see the module docstring);
+    latencies use the time the engine handed each event over, so held events count too."""
     PROMPT_TOKENS.inc(len(prompt_ids))
     start = last = time.perf_counter()
     first = True
     finish = "cancelled"
     try:
-        async for event in front.stream(prompt_ids, config):
+        async for event in front.stream(prompt_ids, config, hold=hold):
             if event.token_ids:
                 GENERATED_TOKENS.inc(len(event.token_ids))
                 if event.index == 0:
-                    now = time.perf_counter()
+                    now = event.time_s or time.perf_counter()
                     if first:
                         TIME_TO_FIRST_TOKEN.observe(now - start)
                         first = False

@@ -208,7 +208,8 @@ async def generate(engine: ServingEngine, prompt: list[int], current: Plan) -> l
     """Run one prompt to completion; its `n` choices, best first when best_of > n."""
     results = [ChoiceResult() for _ in range(current.config.num_return_sequences)]
     try:
-        async for event in metered(engine.front, prompt, current.config, "http"):
+        # Answered once, at the end: the engine posts this request's events once it finishes.
+        async for event in metered(engine.front, prompt, current.config, "http", hold=True):
             fold(results[event.index], event)
     except ValueError as exc:
         raise invalid("prompt", str(exc)) from None

@@ -328,7 +328,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         prompt_ids, config = await self._prepare(engine, request)
         sequences = [inference_pb2.Sequence() for _ in range(config.num_return_sequences)]
         try:
-            async for event in metered(engine.front, prompt_ids, config, "grpc"):
+            # One reply at the end: the engine posts this request's events once it finishes.
+            async for event in metered(engine.front, prompt_ids, config, "grpc", hold=True):
                 seq = sequences[event.index]
                 seq.token_ids.extend(event.token_ids)
                 seq.text += event.text

@@ -12,10 +12,10 @@ next step.
 A caller that answers once, at the end (unary Generate, a non-streamed completion), asks for
 `stream(..., hold=True)`: the engine thread keeps that request's events until its last sequence
 finishes (or it fails) and posts them together. Waking the loop at every step costs the engine
-thread the GIL while the loop routes the events and resumes each waiting coroutine; with 8
-unary requests on two cores that was ~20% of a small model's decode (median 4.4 -> 3.5 ms per
-step, bench/RESULTS.md). Events carry the time the engine handed them over (`time_s`), so
-latency metrics stay per token.
+thread the GIL while the loop routes the events and resumes each waiting coroutine (8 unary
+requests on two cores: 2-7% of a small model's step in paired runs, up to 20% in one run;
+bench/RESULTS.md). Events carry the time the engine handed them over (`time_s`), so latency
+metrics stay per token.
 """
 
 from __future__ import annotations

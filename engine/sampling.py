@@ -154,12 +154,46 @@ def warp(
     return top_p_filter(logits_BV, top_p_B, min_keep)
 
 
+ARGMAX_BLOCK = 64
+BLOCKED_ARGMAX_MIN = 1 << 16
+"""Logits (rows × vocab) from which `argmax_rows` goes by blocks on CPU."""
+
+
+def argmax_rows(logits_BV: torch.Tensor) -> torch.Tensor:
+    """`logits_BV.argmax(-1)`, the same index in every case (first maximum; first NaN if any).
+
+    On CPU torch's arg-max over the last dim compares one element at a time (~2 ns each:
+    0.6 ms per step at 8 rows and a 32k vocabulary, 2.8 ms at 152k), while `amax` runs
+    vectorised. For large inputs, then: the max of each block of 64, the first block holding
+    the row's maximum (arg-max over the block maxima), and the arg-max inside that block; a
+    tail shorter than a block is compared after. amax and argmax both treat NaN as the
+    largest value, so a row with NaN gets its first NaN's index, as argmax gives it.
+    """
+    b, v = logits_BV.shape
+    if logits_BV.device.type != "cpu" or b * v < BLOCKED_ARGMAX_MIN or v < 2 * ARGMAX_BLOCK:
+        return logits_BV.argmax(dim=-1)
+    n = v // ARGMAX_BLOCK * ARGMAX_BLOCK
+    blocks_BNK = logits_BV[:, :n].reshape(b, n // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block_B = blocks_BNK.amax(-1).argmax(-1)
+    inside_BK = blocks_BNK.gather(1, block_B[:, None, None].expand(b, 1, ARGMAX_BLOCK))[:, 0]
+    index_B = block_B * ARGMAX_BLOCK + inside_BK.argmax(-1)
+    if n == v:
+        return index_B
+    tail_BT = logits_BV[:, n:]
+    tail_B = tail_BT.argmax(-1)
+    head_best_B = logits_BV.gather(1, index_B[:, None])[:, 0]
+    tail_best_B = tail_BT.gather(1, tail_B[:, None])[:, 0]
+    # The tail comes after the blocks: it wins only with a larger value, or a NaN they lack.
+    tail_wins_B = (tail_best_B > head_best_B) | (tail_best_B.isnan() & ~head_best_B.isnan())
+    return torch.where(tail_wins_B, tail_B + n, index_B)
+
+
 def sample_rows(
     logits_BV: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """One token per row: drawn with the row's generator from softmax(logits), or the arg-max
     where the generator is None. Returns ids [B]."""
-    next_B = logits_BV.argmax(dim=-1)
+    next_B = argmax_rows(logits_BV)
     probs_BV = None
     for row, gen in enumerate(generators):
         if gen is None:

@@ -163,3 +163,34 @@ def test_beam_sampling_is_reproducible(llama):
     first = run(5)
     assert run(5) == first
     assert any(run(seed) != first for seed in (6, 7, 8))
+
+
+@pytest.mark.parametrize("rows,vocab", [(8, 32000), (3, 32003), (1, 151936), (16, 4096)])
+def test_blocked_argmax_gives_argmax_index_in_every_case(rows: int, vocab: int) -> None:
+    """Random rows, then ties across and inside blocks and with the tail, NaN in the blocks
+    and in the tail, all -inf and all equal rows: the same index as torch's argmax."""
+    from engine.sampling import BLOCKED_ARGMAX_MIN, argmax_rows
+
+    assert rows * vocab >= BLOCKED_ARGMAX_MIN  # the blocked path runs
+    gen = torch.Generator().manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    tail = vocab - 3 if vocab % 64 else vocab - 1
+    cases = [
+        {5: 9.0, 700: 9.0},  # a tie across blocks: the first
+        {130: 9.0, 131: 9.0},  # a tie inside a block
+        {vocab - 100: 9.0, tail: 9.0},  # a tie with the last element / tail
+        {tail: 10.0},  # the maximum in the tail
+        {900: float("nan"), 17: 50.0},  # NaN wins, as in argmax
+        {tail: float("nan")},  # NaN in the tail
+        {tail: float("nan"), 300: float("nan")},  # the first NaN
+    ]
+    for case in cases:
+        y = x.clone()
+        for i, value in case.items():
+            y[0, i] = value
+        assert torch.equal(argmax_rows(y), y.argmax(-1)), case
+    flat = torch.full((rows, vocab), float("-inf"))
+    assert torch.equal(argmax_rows(flat), flat.argmax(-1))
+    same = torch.zeros(rows, vocab)
+    assert torch.equal(argmax_rows(same), same.argmax(-1))

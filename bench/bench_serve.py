@@ -10,7 +10,10 @@ default flags — in a child process. Each round times, alternately: ours, `batc
 Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy); HF, one
 `generate(do_sample=False)` over the same `batch` prompts in this process (torch's default
 threads, eager attention). Printed: ms per new token of each request (wall time / 64, so at
-batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 = we are faster); ours must return HF's tokens.
+batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 =
+we are faster): of the minima, of the medians, and "paired", the median over rounds of each
+round's ratio (ours and HF run back to back in a round, so a machine whose speed drifts slows
+both). Ours must return HF's tokens.
 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
@@ -271,7 +274,8 @@ def run_size(hidden: int, batches: list[int], rounds: int, transports: tuple[str
             f"hidden {hidden} batch {b} ({transport}): ms per token per request, ours min {min(o):.2f} "
             f"median {statistics.median(o):.2f}, HF min {min(h):.2f} median "
             f"{statistics.median(h):.2f} -> HF/ours min {min(h) / min(o):.2f}x, median "
-            f"{statistics.median(h) / statistics.median(o):.2f}x"
+            f"{statistics.median(h) / statistics.median(o):.2f}x, paired "
+            f"{statistics.median(hr / orr for hr, orr in zip(h, o, strict=True)):.2f}x"
         )
         if bandwidth is not None and b == 1:
             bound_ms = streamed_weight_bytes(hf) / bandwidth * 1e3

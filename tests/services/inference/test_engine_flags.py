@@ -1,0 +1,55 @@
+"""Every engine setting of `serve inference` reaches the engine: flag -> config -> EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.engine import EngineConfig
+from services.inference import serving
+from services.inference.config import InferenceServiceConfig, add_flags, from_args
+
+# A value other than the default for each EngineConfig field the server exposes.
+NON_DEFAULT = {
+    "max_batch_rows": ("--max-batch-rows", "3", 3),
+    "cpu_linear": ("--cpu-linear", "packed", "packed"),
+    "compile_decode": ("--compile-decode", None, True),
+    "decode_step": ("--decode-step", "module", "module"),
+    "enforce_eager": ("--enforce-eager", None, True),
+}
+
+
+def test_every_served_engine_setting_has_a_case_here() -> None:
+    served = {f.name for f in dataclasses.fields(InferenceServiceConfig)}
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert served & engine == set(NON_DEFAULT)
+
+
+@pytest.mark.parametrize("field", sorted(NON_DEFAULT))
+def test_flag_reaches_the_engine_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, field: str
+) -> None:
+    flag, value, expected = NON_DEFAULT[field]
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    argv = ["--load", str(tmp_path), flag] + ([value] if value is not None else [])
+    config = from_args(parser.parse_args(argv))
+    assert getattr(config, field) == expected
+    assert getattr(from_args(parser.parse_args(["--load", str(tmp_path)])), field) != expected
+
+    seen: list[EngineConfig] = []
+
+    class Loaded:
+        model = object()
+        tokenizer = None
+
+        class config:  # stands in for a ModelConfig
+            vocab_size = 8
+
+    monkeypatch.setattr(serving, "load_checkpoint", lambda *a, **k: Loaded)
+    monkeypatch.setattr(serving, "Engine", lambda model, tokens, cfg: seen.append(cfg))
+    serving._load(config)
+    assert getattr(seen[0], field) == expected

@@ -94,8 +94,9 @@ class EngineConfig:
     max_seq_len: int | None = None
     """Cache slots per row (prompt + new tokens); None: the model's context length."""
     cpu_linear: str = "auto"
-    """CPU linear weights: "auto" times dense and packed on the model's own shapes at start-up
-    and keeps the faster (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
+    """CPU linear weights: "auto" times dense, packed and column-major on the model's own shapes
+    at start-up and keeps the fastest, or packed+gemv when that is fastest and its second copy
+    of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
     and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
     the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
@@ -181,7 +182,8 @@ class Engine:
         shared_head = model.config.tie_word_embeddings or model.config.norm_head
         skip = ("lm_head",) if shared_head else ()
         self.cpu_linear = self.config.cpu_linear
-        """The layout in use ("auto" resolved to "dense", "packed" or "colmajor")."""
+        """The layout in use ("auto" resolved to "dense", "packed", "colmajor" or
+        "packed+gemv")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
             self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"

@@ -36,8 +36,9 @@ class InferenceServiceConfig:
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
     cpu_linear: str = "auto"
-    """CPU linear weights: auto (timed at start-up), dense, packed (oneDNN), packed+gemv or
-    colmajor (see EngineConfig)."""
+    """CPU linear weights: auto (timed at start-up; may keep packed+gemv's second copy when it
+    fits in 10% of the available memory), dense, packed (oneDNN), packed+gemv or colmajor (see
+    EngineConfig)."""
     compile_decode: bool = False
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     decode_step: str = "auto"
@@ -167,7 +168,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "dense", "packed", "packed+gemv", "colmajor"),
         default=d.cpu_linear,
         help="CPU linear weights: auto (dense, packed and colmajor timed on the model's shapes "
-        "at start-up, the fastest kept), dense (as loaded), packed (oneDNN-packed, same memory), "
+        "at start-up, the fastest kept; packed+gemv when fastest and its extra copy takes at "
+        "most 10%% of the available memory), dense (as loaded), packed (oneDNN-packed, same "
+        "memory), "
         "packed+gemv (plus a column-major copy for batch-1 decoding, 2x their memory) or "
         f"colmajor (column-major dense weights, same memory) (default {d.cpu_linear})",
     )

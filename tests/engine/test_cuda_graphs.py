@@ -16,27 +16,8 @@ from engine.decode_step import DecodeStep
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
-from models import build_model
-from models.config import ModelConfig
 from models.kv_cache import KVCache
-
-VOCAB = 96
-
-
-def _model(device: str = "cpu", **overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=96,
-        max_position_embeddings=64,
-        init_std=0.2,
-    )
-    fields.update(overrides)
-    torch.manual_seed(0)
-    return build_model(ModelConfig(**fields), device=device).eval()
+from tests.engine.test_decode_step import VOCAB, _model, _prefilled
 
 
 def test_slot_bucket_is_the_smallest_power_of_two_that_holds_the_step() -> None:
@@ -47,16 +28,6 @@ def test_slot_bucket_is_the_smallest_power_of_two_that_holds_the_step() -> None:
     assert slot_bucket(90, 100) == 100  # capped at the cache's slots
     with pytest.raises(ValueError, match="key_len=101"):
         slot_bucket(101, 100)
-
-
-def _prefilled(model, lengths: list[int], slots: int = 32) -> KVCache:
-    cache = KVCache.for_model(model, len(lengths), slots)
-    gen = torch.Generator().manual_seed(5)
-    with torch.inference_mode():
-        for b, n in enumerate(lengths):
-            ids = torch.randint(0, VOCAB, (1, n), generator=gen)
-            model(ids, kv_cache=cache.rows(b, b + 1), logits_to_keep=1)
-    return cache
 
 
 @pytest.mark.parametrize("lengths", [[5, 5, 5], [3, 9, 1]])

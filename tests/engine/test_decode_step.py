@@ -22,7 +22,7 @@ from models.lora import LoraConfig, apply_lora
 VOCAB = 96
 
 
-def _model(**overrides) -> torch.nn.Module:
+def _model(device: str = "cpu", **overrides) -> torch.nn.Module:
     fields = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -35,11 +35,11 @@ def _model(**overrides) -> torch.nn.Module:
     )
     fields.update(overrides)
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**fields), device="cpu").eval()
+    model = build_model(ModelConfig(**fields), device=device).eval()
     with torch.no_grad():  # norm weights away from 1, so a skipped scale would show
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.add_(0.1 * torch.randn(param.shape))
+                param.add_(0.1 * torch.randn(param.shape).to(param.device))
     return model
 
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine.decode_step import DecodeStep
+from kernels.cuda import graphs
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class _Graph:
         run: Callable[[torch.Tensor], torch.Tensor],
         ids_B1: torch.Tensor,
         logits_BV: torch.Tensor,
-        graph: torch.cuda.CUDAGraph | None,
+        graph: graphs.Graph | None,
     ) -> None:
         self.run = run
         self.ids_B1 = ids_B1
@@ -97,7 +99,7 @@ class GraphedDecode:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.captures = 0
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool: Any = graphs.new_pool() if capture else None
 
     def __call__(self, ids_B1: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Logits [B, V] for rows [0, B) fed `ids_B1`, whose cached lengths are `lengths` (the
@@ -123,22 +125,16 @@ class GraphedDecode:
         if not self.capture:
             return _Graph(run, ids_B1, ids_B1, None)
         static_ids_B1 = ids_B1.clone()
-        # Warm-up on a side stream (lazy cuBLAS set-up, kernel compiles and autotuning happen
-        # here, not under capture); its writes past each row's end are rewritten by the real
-        # step, and the mask and lengths it advanced are put back.
+        # Warm-up (lazy cuBLAS set-up, kernel compiles and autotuning happen here, not under
+        # capture): its writes past each row's end are rewritten by the real step, and the mask
+        # and lengths it advanced are put back. Capturing records kernels without running them,
+        # so the cache is untouched.
         lengths_B = cache.lengths_B[:rows].clone()
         mask_BS = cache.key_mask_BS[:rows].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run(static_ids_B1)
-        torch.cuda.current_stream().wait_stream(side)
+        graphs.warm_up(lambda: run(static_ids_B1))
         cache.lengths_B[:rows].copy_(lengths_B)
         cache.key_mask_BS[:rows].copy_(mask_BS)
-        graph = torch.cuda.CUDAGraph()
-        # Capturing records kernels without running them, so the cache is untouched.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits_BV = run(static_ids_B1)
+        graph, logits_BV = graphs.capture(lambda: run(static_ids_B1), self._pool)
         self.captures += 1
         log.info("decode: captured a CUDA graph for %d row(s) over %d slots", rows, slots)
         return _Graph(run, static_ids_B1, logits_BV, graph)

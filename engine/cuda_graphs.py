@@ -70,7 +70,7 @@ class _Graph:
 
     def __call__(self, ids_B1: torch.Tensor) -> torch.Tensor:
         if self.graph is None:
-            return self.run(ids_B1).clone()
+            return self.run(ids_B1)  # a fresh tensor each call
         self.ids_B1.copy_(ids_B1, non_blocking=True)
         self.graph.replay()
         # A copy: the next replay of any graph sharing the pool may reuse the output's memory.

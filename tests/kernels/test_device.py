@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import device
-from tests.harness import run_distributed
+from tests.harness import free_port, run_distributed
 
 
 def test_resolves_cpu_here_once() -> None:
@@ -105,13 +105,19 @@ def test_accelerator_process_group_carries_gloo_for_cpu_tensors() -> None:
     assert device.process_group_backend("npu", "hccl") == "cpu:gloo,npu:hccl"
 
 
-def _host_and_device_body(rank: int, world_size: int) -> tuple[float, str]:
+def _host_and_device_body(rank: int, world_size: int, port: int) -> tuple[float, str]:
     # The backend string an accelerator gets, with gloo standing in for its device backend on a
     # CPU machine: a host tensor all-reduce goes through the "cpu:" entry.
+    #
+    # The new group meets at its own store. Re-joining at the harness's port raced: destroying
+    # the default group resets torch's group count, so the new group's keys equal the old ones,
+    # and a rank that re-joined before rank 0 tore the old store down read rank 0's old gloo
+    # address from it; its all-reduce then failed with "Connection reset by peer" (CI, stop 27).
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     torch.distributed.init_process_group(
         backend=device.process_group_backend("cuda", "nccl").replace("nccl", "gloo"),
-        init_method="env://",
+        init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
     )
@@ -122,7 +128,7 @@ def _host_and_device_body(rank: int, world_size: int) -> tuple[float, str]:
 
 @pytest.mark.dist
 def test_two_backend_group_reduces_host_tensors() -> None:
-    results = run_distributed(_host_and_device_body, 2)
+    results = run_distributed(_host_and_device_body, 2, free_port())
     assert [r[0] for r in results] == [3.0, 3.0]
     assert all("cpu:gloo" in r[1] for r in results)
 

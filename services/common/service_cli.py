@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.config import ServerConfig, add_server_flags, server_config_from_args
+from services.common.logging import setup_logging
 from services.common.server import ServiceBinding, run
 
 
@@ -55,6 +56,8 @@ def service_main(spec: ServiceCli, argv: list[str] | None = None) -> int:
     prog = f"{spec.name} serve"
     try:
         server_config = server_config_from_args(args)
+        # Before the build: loading a model logs what it chose (layouts, decode step, devices).
+        setup_logging(server_config.log_level, server_config.log_format)
         bindings = spec.build(args, server_config)
     except (ValueError, NotImplementedError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -110,3 +110,33 @@ def test_json_and_text_lines_carry_extras_and_tracebacks_on_one_line() -> None:
             if handler not in saved[1]:
                 root.removeHandler(handler)
         root.setLevel(saved[0])
+
+
+def test_what_a_service_logs_while_it_builds_reaches_the_log(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Building a service loads its model, which logs the choices it made (the inference
+    engine's `--cpu-linear auto` layout, the decode step). Those lines were dropped: logging
+    was set up by `run`, after the build."""
+    from services.common.service_cli import ServiceCli, service_main
+
+    def build(args: argparse.Namespace, config: ServerConfig) -> list:
+        logging.getLogger("engine.test").info("layout chosen", extra={"layout": "colmajor"})
+        raise ValueError("--load: stop here (the test needs no server)")
+
+    spec = ServiceCli("probe", 50099, "test service", lambda parser: None, build)
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    try:
+        assert service_main(spec, ["serve", "--log-format", "json"]) == 2
+    finally:
+        for handler in list(root.handlers):
+            if handler not in saved[1]:
+                root.removeHandler(handler)
+        root.setLevel(saved[0])
+    err = capsys.readouterr().err.splitlines()
+    logged = [json.loads(line) for line in err if line.startswith("{")]
+    assert [(e["logger"], e["msg"], e["layout"]) for e in logged] == [
+        ("engine.test", "layout chosen", "colmajor")
+    ]
+    assert err[-1] == "probe serve: --load: stop here (the test needs no server)"

@@ -165,7 +165,9 @@ def test_beam_sampling_is_reproducible(llama):
     assert any(run(seed) != first for seed in (6, 7, 8))
 
 
-@pytest.mark.parametrize("rows,vocab", [(8, 32000), (3, 32003), (1, 151936), (16, 4096)])
+@pytest.mark.parametrize(
+    "rows,vocab", [(8, 32000), (3, 32003), (1, 151936), (16, 4096), (6, 4096), (1, 32000)]
+)
 def test_blocked_argmax_gives_argmax_index_in_every_case(rows: int, vocab: int) -> None:
     """Random rows, then ties across and inside blocks and with the tail, NaN in the blocks
     and in the tail, all -inf and all equal rows: the same index as torch's argmax."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -105,19 +106,24 @@ def test_accelerator_process_group_carries_gloo_for_cpu_tensors() -> None:
     assert device.process_group_backend("npu", "hccl") == "cpu:gloo,npu:hccl"
 
 
-def _host_and_device_body(rank: int, world_size: int, port: int) -> tuple[float, str]:
+def _host_and_device_body(rank: int, world_size: int) -> tuple[float, str]:
     # The backend string an accelerator gets, with gloo standing in for its device backend on a
     # CPU machine: a host tensor all-reduce goes through the "cpu:" entry.
     #
-    # The new group meets at its own store. Re-joining at the harness's port raced: destroying
-    # the default group resets torch's group count, so the new group's keys equal the old ones,
-    # and a rank that re-joined before rank 0 tore the old store down read rank 0's old gloo
-    # address from it; its all-reduce then failed with "Connection reset by peer" (CI, stop 27).
+    # The new group meets at a store of its own, on a port rank 0 picks and sends over the old
+    # group. Re-joining at the harness's port raced: destroying the default group resets torch's
+    # group count, so the new group's keys equal the old ones, and a rank that re-joined before
+    # rank 0 tore the old store down read rank 0's old gloo address from it; its all-reduce then
+    # failed with "Connection reset by peer" (CI, stop 27).
+    port = [free_port() if rank == 0 else None]
+    while port[0] == int(os.environ["MASTER_PORT"]):
+        port = [free_port()]
+    torch.distributed.broadcast_object_list(port, src=0)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     torch.distributed.init_process_group(
         backend=device.process_group_backend("cuda", "nccl").replace("nccl", "gloo"),
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://127.0.0.1:{port[0]}",
         rank=rank,
         world_size=world_size,
     )
@@ -128,7 +134,7 @@ def _host_and_device_body(rank: int, world_size: int, port: int) -> tuple[float,
 
 @pytest.mark.dist
 def test_two_backend_group_reduces_host_tensors() -> None:
-    results = run_distributed(_host_and_device_body, 2, free_port())
+    results = run_distributed(_host_and_device_body, 2)
     assert [r[0] for r in results] == [3.0, 3.0]
     assert all("cpu:gloo" in r[1] for r in results)
 

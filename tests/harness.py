@@ -10,26 +10,26 @@
 Each child gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 joins through `kernels.device.init_distributed`, runs the body, and sends its return value back.
 A child's exception fails the caller with the child's traceback.
+
+As under torchrun, the rendezvous store is the launcher's: this process hosts a TCPStore on a
+port the OS assigns as it binds, and every rank joins it as a client
+(TORCHELASTIC_USE_AGENT_STORE). A port picked free and handed to rank 0 to bind later could be
+taken meanwhile. Under pytest-xdist, another worker's launch could even get the same port. Its
+ranks then met this launch's store: one CI run failed with a rank timing out on a port whose
+store had already finished with somebody else's rank 1.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessRaisedException
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from torch.distributed import TCPStore
 
 
 def _child(
@@ -72,36 +72,22 @@ def _child(
     os._exit(0)
 
 
-LAUNCH_ATTEMPTS = 3
-
-
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return results by rank.
-
-    `free_port`'s port can be taken (another process's outgoing connection gets it as its
-    ephemeral port) before rank 0's store listens on it; that launch fails in rendezvous, before
-    `fn` runs, and is retried on a new port.
-    """
-    for attempt in range(LAUNCH_ATTEMPTS):
-        try:
-            return _launch(fn, world_size, args, env)
-        except ProcessRaisedException as error:
-            if "EADDRINUSE" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _launch(
-    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], env: dict[str, str] | None
-) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return results by rank."""
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    child_env = {"MESHLINE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {
+        "MESHLINE_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **(env or {}),
+    }
     context = mp.start_processes(
         _child,
-        args=(fn, world_size, free_port(), results, args, child_env),
+        args=(fn, world_size, store.port, results, args, child_env),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -114,6 +100,7 @@ def _launch(
         if context.join(timeout=0.2):
             break
     _drain(results, collected)
+    del store  # the children are gone; the store's server stops with its last reference
     return [collected[rank] for rank in range(world_size)]
 
 

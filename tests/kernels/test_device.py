@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from kernels import device
-from tests.harness import free_port, run_distributed
+from tests.harness import run_distributed
 
 
 def test_resolves_cpu_here_once() -> None:
@@ -110,20 +110,25 @@ def _host_and_device_body(rank: int, world_size: int) -> tuple[float, str]:
     # The backend string an accelerator gets, with gloo standing in for its device backend on a
     # CPU machine: a host tensor all-reduce goes through the "cpu:" entry.
     #
-    # The new group meets at a store of its own, on a port rank 0 picks and sends over the old
-    # group. Re-joining at the harness's port raced: destroying the default group resets torch's
-    # group count, so the new group's keys equal the old ones, and a rank that re-joined before
-    # rank 0 tore the old store down read rank 0's old gloo address from it; its all-reduce then
+    # The new group meets at a store of its own: rank 0 hosts it on a port the OS assigns and
+    # sends the port over the old group. Re-joining through the launcher's store raced:
+    # destroying the default group resets torch's group count, so the new group's keys equal the
+    # old ones, and a rank could read the other's old gloo address there; its all-reduce then
     # failed with "Connection reset by peer" (CI, stop 27).
-    port = [free_port() if rank == 0 else None]
-    while port[0] == int(os.environ["MASTER_PORT"]):
-        port = [free_port()]
+    store = (
+        TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        if rank == 0
+        else None
+    )
+    port = [store.port if store is not None else None]
     torch.distributed.broadcast_object_list(port, src=0)
+    if store is None:
+        store = TCPStore("127.0.0.1", port[0], world_size, is_master=False)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     torch.distributed.init_process_group(
         backend=device.process_group_backend("cuda", "nccl").replace("nccl", "gloo"),
-        init_method=f"tcp://127.0.0.1:{port[0]}",
+        store=store,
         rank=rank,
         world_size=world_size,
     )

@@ -144,6 +144,65 @@ def test_auto_cpu_linear_never_trades_batch_one_for_batch_eight():
     assert pick_layout(times(dense=(10, 20), packed=(9, 14), colmajor=(9.5, 12))) == "colmajor"
 
 
+def test_held_requests_reach_the_loop_once_with_the_same_events():
+    """hold=True: the engine thread posts the request's events once, when it ends; a request
+    beside it still gets one post per step; events are stamped in order; nothing is left held."""
+    engine, ids, _ = _engine()
+    front = AsyncEngine(engine)
+    routed: list[set[int]] = []
+    original = front._route
+
+    def route(events):
+        routed.append({e.request_id for e in events})
+        original(events)
+
+    front._route = route  # type: ignore[method-assign]
+    config = SamplingConfig(max_new_tokens=6, num_return_sequences=2, do_sample=True, seed=4)
+
+    async def run(hold: bool) -> list:
+        return [e async for e in front.stream(ids, config, hold=hold)]
+
+    async def main() -> tuple[list, list]:
+        return tuple(await asyncio.gather(run(True), run(False)))  # type: ignore[return-value]
+
+    try:
+        held, plain = asyncio.run(main())
+    finally:
+        asyncio.run(front.close())
+    tokens = lambda events, i: [t for e in events if e.index == i for t in e.token_ids]  # noqa: E731
+    assert [tokens(held, i) for i in (0, 1)] == [tokens(plain, i) for i in (0, 1)]
+    assert all(len(tokens(held, i)) == 6 for i in (0, 1))
+    held_id, plain_id = held[0].request_id, plain[0].request_id
+    assert sum(held_id in ids_ for ids_ in routed) == 1  # one post, at the end
+    assert sum(plain_id in ids_ for ids_ in routed) >= 6  # one per step
+    times = [e.time_s for e in held]
+    assert times == sorted(times) and times[0] > 0
+    assert not front._hold_open and not front._held
+
+
+def test_leaving_a_held_stream_early_cancels_it_and_forgets_its_events():
+    engine, ids, _ = _engine()
+    front = AsyncEngine(engine)
+    room = engine.max_seq_len - len(ids) - 1
+
+    async def main() -> None:
+        stream = front.stream(ids, SamplingConfig(max_new_tokens=room), hold=True)
+        task = asyncio.ensure_future(stream.__anext__())
+        while not front._held and not task.done():  # until some steps' events are held
+            await asyncio.sleep(0.005)
+        assert front._held and not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(front.close())
+    assert not front._hold_open and not front._held
+
+
 def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatch):
     """packed+gemv = column-major at one row, packed at 8 rows: chosen when that beats every
     single-copy layout and the copy fits in 10% of the available memory."""

@@ -96,8 +96,9 @@ class EngineConfig:
     cpu_linear: str = "auto"
     """CPU linear weights: "auto" times dense, packed and column-major on the model's own shapes
     at start-up and keeps the fastest, or packed+gemv when that is fastest and its second copy
-    of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense" as loaded; "packed" repacked once for oneDNN (faster decode
-    and prefill, same memory, the model becomes inference-only, see kernels/packed_linear.py);
+    of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense"
+    as loaded; "packed" repacked once for oneDNN (faster decode and prefill, same memory, the
+    model becomes inference-only, see kernels/packed_linear.py);
     "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
     the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
     memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""

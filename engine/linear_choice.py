@@ -15,7 +15,8 @@ of its own: its one-row calls are column-major calls and its other calls packed 
 a second copy of every linear weight, so auto considers it only when that copy takes at most
 GEMV_COPY_MEMORY_SHARE of the memory available at start-up (the smaller of the system's and
 the cgroup's). On the 2-core test box the hidden-1024 bench model ran 11% faster at 8 rows with
-it than column-major, and as fast at one row.
+it than column-major (21.99 vs 24.74 ms a step), and 3.5% slower at one row (11.36 vs 10.98 ms),
+still no slower than dense (11.38 ms).
 """
 
 from __future__ import annotations

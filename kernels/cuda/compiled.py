@@ -7,10 +7,11 @@ generated Triton kernel each on CUDA, with the reference's semantics by construc
 compiles for the first shape it sees with static sizes, and recompiles once with only the
 changing sizes symbolic when another shape comes (`dynamic=None`, torch's automatic dynamic):
 on an H200 (bf16, fwd+bwd) static-shape kernels beat the `dynamic=True` ones by 1.16x (RMSNorm)
-and 1.24x (rotary) and tied for SwiGLU (a training step's shapes repeat), while varying sequence lengths still cost one recompile, not one each.
-SwiGLU's compiled kernels are registered but not preferred on CUDA (slower than eager there). They are registered for CUDA only
-(kernels.norm, .rotary, .activation, .cross_entropy); on CPU the same functions compile to C++,
-which is what the tests on a CPU-only machine exercise.
+and 1.24x (rotary) and tied for SwiGLU (a training step's shapes repeat), while varying
+sequence lengths still cost one recompile, not one each.
+SwiGLU's compiled kernels are registered but not preferred on CUDA (slower than eager there).
+They are registered for CUDA only (kernels.norm, .rotary, .activation, .cross_entropy); on CPU
+the same functions compile to C++, which is what the tests on a CPU-only machine exercise.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """CUDA graph capture of a fixed-shape function (what engine/cuda_graphs.py replays).
 
-The device layer's part of graphed decoding: a memory pool graphs can share, and `capture`,
-which runs the function once eagerly on a side stream (lazy cuBLAS set-up, kernel compiles and
-autotuning happen there, never under capture) and then records it into a graph. Capture errors
-are thread-local: another thread's CUDA work does not invalidate a capture in progress.
+The device layer's part of graphed decoding: a memory pool graphs can share; `warm_up`, which
+runs the function once eagerly on a side stream (lazy cuBLAS set-up, kernel compiles and
+autotuning happen there, never under capture); and `capture`, which records it into a graph.
+Capture errors are thread-local: another thread's CUDA work does not invalidate a capture in
+progress.
 """
 
 from __future__ import annotations

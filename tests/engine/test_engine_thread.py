@@ -228,4 +228,5 @@ def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatc
     choose_cpu_linear(model, available_bytes=copy_bytes * 10)  # the copy is 10%: allowed
     choose_cpu_linear(model, available_bytes=copy_bytes * 10 - 1)
     assert allowed == [True, False]
-    assert (linear_choice.available_memory() or 1) > 0
+    available = linear_choice.available_memory()  # /proc/meminfo: any Linux test machine
+    assert available is not None and available > 0

@@ -12,6 +12,7 @@ DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
 """`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_BATCH_WAIT_MS = 1000.0
 
 
 @dataclass
@@ -35,6 +36,10 @@ class InferenceServiceConfig:
     tensor_parallel_size processes (tp × pp processes in all)."""
     max_batch_rows: int = 32
     """KV-cache rows: sequences decoded together (each beam takes one row)."""
+    batch_wait_ms: float = 1.0
+    """A request reaching an idle engine waits until no other request has come for this long
+    (at most 5 times it), so that requests sent together are prefilled and decoded together;
+    0 admits it at once (see engine/engine_thread.py)."""
     cpu_linear: str = "auto"
     """CPU linear weights: auto (timed at start-up; may keep packed+gemv's second copy when it
     fits in 10% of the available memory), dense, packed (oneDNN), packed+gemv or colmajor (see
@@ -78,6 +83,11 @@ class InferenceServiceConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS:
+            raise ValueError(
+                f"--batch-wait-ms must be between 0 and {MAX_BATCH_WAIT_MS}, got "
+                f"{self.batch_wait_ms} (0 turns the wait off)"
+            )
         if self.tokenizer is not None:
             if self.load is None:
                 raise ValueError("--tokenizer is only used with --load; give the checkpoint too")
@@ -162,6 +172,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_batch_rows,
         help=f"KV-cache rows decoded together, a beam takes one (default {d.max_batch_rows})",
+    )
+    group.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_ms,
+        help="a request reaching an idle server waits until no other request has come for "
+        "this many milliseconds (at most 5 times it), so that requests sent together are "
+        "prefilled and decoded in step instead of a step or two apart; 0 admits at once "
+        f"(default {d.batch_wait_ms:g})",
     )
     group.add_argument(
         "--cpu-linear",
@@ -260,6 +279,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_batch_rows=args.max_batch_rows,
+        batch_wait_ms=args.batch_wait_ms,
         cpu_linear=args.cpu_linear,
         compile_decode=args.compile_decode,
         decode_step=args.decode_step,

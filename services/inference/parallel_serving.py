@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from engine.engine import EngineConfig
+from engine.engine_thread import EngineThread
 from engine.leader_follower import LeaderFollowerEngine
 from engine.parallel_engine import build_parallel_engine
 from engine.tokens import TokenizerInfo
@@ -121,4 +122,5 @@ def launch_parallel(config: InferenceServiceConfig) -> Any:
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         children=children,
+        worker=EngineThread(batch_wait_s=config.batch_wait_ms / 1e3),
     )

@@ -69,7 +69,7 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
     Loading, the engine's set-up and later every step run on one `EngineThread` (see there).
     """
     assert config.load is not None
-    worker = EngineThread()
+    worker = EngineThread(batch_wait_s=config.batch_wait_ms / 1e3)
     try:
         loaded, engine = worker.call(lambda: _load(config)).result()
     except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -230,3 +231,74 @@ def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatc
     assert allowed == [True, False]
     available = linear_choice.available_memory()  # /proc/meminfo: any Linux test machine
     assert available is not None and available > 0
+
+
+class _StepLog:
+    """Drives `engine` on a fresh EngineThread(batch_wait_s=...) and records, per step that
+    emitted events, when it ended and which requests got a first token in it."""
+
+    def __init__(self, engine: Engine, batch_wait_s: float) -> None:
+        self.engine = engine
+        self.worker = EngineThread(batch_wait_s=batch_wait_s)
+        self.steps: list[tuple[float, set[int]]] = []
+        self.done = threading.Event()
+        self.expected = 0
+        self.first: set[int] = set()
+        self.worker.drive(engine, self._sink)
+
+    def _sink(self, events) -> None:
+        new = {e.request_id for e in events if e.request_id not in self.first and e.token_ids}
+        self.first |= new
+        self.steps.append((time.monotonic(), new))
+        if len(self.first) == self.expected and not self.engine.has_work():
+            self.done.set()
+
+    def submit(self, ids: list[int], n: int) -> int:
+        self.expected += 1
+        request_id = self.engine.submit(ids, SamplingConfig(max_new_tokens=n))
+        self.worker.wake()
+        return request_id
+
+    def first_token_step(self, request_id: int) -> int:
+        return next(i for i, (_, new) in enumerate(self.steps) if request_id in new)
+
+
+def test_an_idle_engine_waits_for_the_rest_of_a_burst():
+    """Requests 50 ms apart, within --batch-wait-ms of each other, are prefilled in one step."""
+    engine, ids, _ = _engine()
+    log = _StepLog(engine, batch_wait_s=0.4)
+    try:
+        first = log.submit(ids, 3)
+        time.sleep(0.05)
+        second = log.submit(ids[:4], 3)
+        assert log.done.wait(30)
+    finally:
+        log.worker.stop(10)
+    assert log.first_token_step(first) == log.first_token_step(second) == 0
+
+
+def test_the_burst_wait_is_capped_and_skipped_while_rows_decode():
+    """Requests arriving every 50 ms with a 300 ms quiet window: the first step still comes at
+    about 5 x 300 ms; a request arriving while rows decode is admitted without waiting."""
+    engine, ids, _ = _engine()
+    log = _StepLog(engine, batch_wait_s=0.3)
+    room = engine.max_seq_len - len(ids) - 1
+    try:
+        start = time.monotonic()
+        long = log.submit(ids, room)
+        while not log.steps and time.monotonic() - start < 5:
+            log.submit(ids[:3], 1)
+            time.sleep(0.05)
+        assert log.steps, "no step within 5 s: the wait is not capped"
+        assert 1.5 * 0.9 <= log.steps[0][0] - start < 4
+        while len(log.steps) < 3:  # the long request is decoding now
+            time.sleep(0.005)
+        submitted = time.monotonic()
+        late = log.submit(ids[:5], 1)
+        while late not in log.first:
+            assert time.monotonic() - submitted < 0.3 * 0.9, "a busy engine waited for a burst"
+            time.sleep(0.002)
+        engine.cancel(long)
+        log.worker.wake()
+    finally:
+        log.worker.stop(10)

@@ -53,3 +53,24 @@ def test_flag_reaches_the_engine_config(
     monkeypatch.setattr(serving, "Engine", lambda model, tokens, cfg: seen.append(cfg))
     serving._load(config)
     assert getattr(seen[0], field) == expected
+
+
+def test_batch_wait_reaches_the_engine_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    config = from_args(parser.parse_args(["--load", str(tmp_path), "--batch-wait-ms", "2.5"]))
+    assert from_args(parser.parse_args(["--load", str(tmp_path)])).batch_wait_ms == 1.0
+    monkeypatch.setattr(serving, "_load", lambda config: (object(), object()))
+    served = serving.build_serving_engine(config)
+    try:
+        assert served.worker is not None and served.worker.batch_wait_s == 0.0025
+    finally:
+        served.stop(5)
+
+
+@pytest.mark.parametrize("value", [-1.0, 1001.0])
+def test_batch_wait_out_of_range_names_the_flag(tmp_path: Path, value: float) -> None:
+    with pytest.raises(ValueError, match=r"--batch-wait-ms must be between 0 and 1000"):
+        InferenceServiceConfig(load=tmp_path, batch_wait_ms=value)

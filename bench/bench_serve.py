@@ -1,13 +1,14 @@
 """Served greedy decode as a user meets it vs HF `generate(do_sample=False)`, in the same run.
 
     python -m bench.bench_serve [--quick] [--hidden 256 1024] [--batch 1 8] [--rounds 3]
-                                [--transport grpc http]
+                                [--transport grpc http] [--server-flag=--batch-wait-ms=0 ...]
 
 For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
 request makes all its tokens) is written to a temporary directory and served by
 `python -m services.inference serve --load DIR --port 0` — `meshline serve inference` with
-default flags — in a child process. Each round times, alternately: ours, `batch` concurrent
-Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy); HF, one
+default flags (plus any `--server-flag`, for diagnosis) — in a child process. Each round times, alternately: ours, `batch` concurrent
+Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy; one client
+channel for the whole run, as a client program keeps one); HF, one
 `generate(do_sample=False)` over the same `batch` prompts in this process (torch's default
 threads, eager attention). Printed: ms per new token of each request (wall time / 64, so at
 batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 =
@@ -91,12 +92,13 @@ def write_checkpoint(shape: dict, directory: Path) -> Any:
 
 
 def start_server(
-    directory: Path, transports: tuple[str, ...] = ("grpc",)
+    directory: Path, transports: tuple[str, ...] = ("grpc",), flags: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`python -m services.inference serve --load DIR --port 0` (default flags; plus
-    `--http-port 0` for the HTTP transport) and the port of each of `transports`."""
+    """`python -m services.inference serve --load DIR --port 0` (default flags unless `flags`
+    adds some; plus `--http-port 0` for the HTTP transport) and the port of each of
+    `transports`."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
-    command += ["--port", "0", "--load", str(directory)]
+    command += ["--port", "0", "--load", str(directory), *flags]
     if "http" in transports:
         command += ["--http-port", "0"]
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -120,10 +122,14 @@ def start_server(
 
 
 class GrpcClient:
-    """Greedy Generate calls over gRPC, one call per prompt, all in flight together."""
+    """Greedy Generate calls over gRPC, one call per prompt, all in flight together, on one
+    channel kept open across calls (gRPC's performance guide: reuse channels; a channel opened
+    per round cost 7 ms a round at batch 8, bench/RESULTS.md). Use it in one event loop."""
 
     def __init__(self, port: int) -> None:
         self.address = f"127.0.0.1:{port}"
+        self._channel: Any = None
+        self._stub: Any = None
 
     async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         import grpc
@@ -131,15 +137,22 @@ class GrpcClient:
         from meshline.inference.v1 import inference_pb2 as pb
         from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = pb_grpc.InferenceServiceStub(channel)
-            params = pb.SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
-            calls = [
-                stub.Generate(pb.GenerateRequest(prompt_token_ids=p, params=params), timeout=600)
-                for p in prompts
-            ]
-            replies = await asyncio.gather(*calls)
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+            self._stub = pb_grpc.InferenceServiceStub(self._channel)
+        params = pb.SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
+        calls = [
+            self._stub.Generate(pb.GenerateRequest(prompt_token_ids=p, params=params), timeout=600)
+            for p in prompts
+        ]
+        replies = await asyncio.gather(*calls)
         return [list(r.sequences[0].token_ids) for r in replies]
+
+    async def close(self) -> None:
+        """Close the channel (in the loop that made it)."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
 
 
 class HttpClient:
@@ -160,6 +173,9 @@ class HttpClient:
         with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="http") as pool:
             calls = [loop.run_in_executor(pool, self._complete, p, max_new_tokens) for p in prompts]
             return list(await asyncio.gather(*calls))
+
+    async def close(self) -> None:
+        """Nothing is kept open between calls."""
 
     def _complete(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         import http.client
@@ -182,7 +198,8 @@ class HttpClient:
 
 
 TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient}
-"""Front ends the benchmark can drive: name -> class(port) with `async generate(...)`."""
+"""Front ends the benchmark can drive: name -> class(port) with `async generate(...)` and
+`async close()`, all called in one event loop."""
 
 
 def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -231,13 +248,20 @@ def streamed_weight_bytes(hf: Any) -> int:
     return sum(p.numel() * p.element_size() for p in hf.parameters() if p is not embed)
 
 
-def run_size(hidden: int, batches: list[int], rounds: int, transports: tuple[str, ...]) -> None:
+def run_size(
+    hidden: int,
+    batches: list[int],
+    rounds: int,
+    transports: tuple[str, ...],
+    flags: tuple[str, ...] = (),
+) -> None:
     import torch
 
     shape = SHAPES[hidden]
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(shape, Path(tmp) / "ckpt")
-        server, ports = start_server(Path(tmp) / "ckpt", transports)
+        server, ports = start_server(Path(tmp) / "ckpt", transports, flags)
+        runner = asyncio.Runner()  # one event loop for every call, as a client program has
         try:
             clients = {t: TRANSPORTS[t](ports[t]) for t in transports}
             gen = torch.Generator().manual_seed(1)
@@ -247,7 +271,7 @@ def run_size(hidden: int, batches: list[int], rounds: int, transports: tuple[str
             for b in batches:
                 theirs = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                 for t, client in clients.items():
-                    same = asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS)) == theirs
+                    same = runner.run(client.generate(prompts_l[:b], NEW_TOKENS)) == theirs
                     print(
                         f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: {same}"
                     )
@@ -257,14 +281,17 @@ def run_size(hidden: int, batches: list[int], rounds: int, transports: tuple[str
                 for b in batches:
                     for t, client in clients.items():
                         start = time.perf_counter()
-                        asyncio.run(client.generate(prompts_l[:b], NEW_TOKENS))
+                        runner.run(client.generate(prompts_l[:b], NEW_TOKENS))
                         times.setdefault((t, b), []).append(time.perf_counter() - start)
                     start = time.perf_counter()
                     hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                     times.setdefault(("hf", b), []).append(time.perf_counter() - start)
                 if hidden >= 1024:  # measured as often as the decodes: the machine may be shared
                     bandwidth = max(bandwidth or 0.0, memory_bandwidth())
+            for client in clients.values():
+                runner.run(client.close())
         finally:
+            runner.close()
             server.terminate()
             server.wait(60)
     for b, transport in itertools.product(batches, transports):
@@ -300,16 +327,30 @@ def main(argv: list[str] | None = None) -> int:
         default=["grpc"],
         help="front end(s) to drive; several: all against one server process, alternated",
     )
+    parser.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        help="a flag added to the server's command line (repeat; e.g. "
+        "--server-flag=--batch-wait-ms=0); the headline runs with none",
+    )
     args = parser.parse_args(argv)
     hidden = args.hidden or ([256] if args.quick else sorted(SHAPES))
     rounds = args.rounds or (2 if args.quick else 3)
     print(
         json.dumps(
-            {"prompt": PROMPT_LEN, "new_tokens": NEW_TOKENS, "rounds": rounds, "flags": "default"}
+            {
+                "prompt": PROMPT_LEN,
+                "new_tokens": NEW_TOKENS,
+                "rounds": rounds,
+                "flags": " ".join(args.server_flag) or "default",
+            }
         )
     )
     for h in hidden:
-        run_size(h, args.batch, rounds, tuple(dict.fromkeys(args.transport)))
+        run_size(
+            h, args.batch, rounds, tuple(dict.fromkeys(args.transport)), tuple(args.server_flag)
+        )
     return 0
 
 

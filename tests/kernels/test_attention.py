@@ -403,3 +403,28 @@ def test_single_query_gqa_folds_query_groups_and_matches_reference(monkeypatch, 
     slopes = torch.rand(8, generator=gen)
     attn.attention(q, k, v, backend="sdpa", alibi_slopes_H=slopes, **kw)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_differentiated_in_low_precision_on_cpu_runs_in_fp32(dtype):
+    """CPU bf16/fp16 attention with gradients runs the fp32 kernel (its backward is 2-2.5x faster
+    than the low-precision one) and casts back; without gradients the low-precision kernel runs."""
+    import torch.nn.functional as F
+
+    q, k, v = _qkv(dtype, kv_heads=2)
+    kw = dict(causal=True, backend="sdpa")
+
+    def sdpa(qq, kk, vv):
+        return F.scaled_dot_product_attention(
+            qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=True,
+            enable_gqa=True,
+        ).transpose(1, 2)  # fmt: skip
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attn.attention(*leaves, **kw)
+    assert out.dtype == dtype
+    assert torch.equal(out, sdpa(q.float(), k.float(), v.float()).to(dtype))
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)
+    with torch.no_grad():
+        assert torch.equal(attn.attention(q, k, v, **kw), sdpa(q, k, v))

@@ -10,6 +10,16 @@ total (10% margin) and no slower at either row count (a batch-8 gain must not co
 column-major weights measured 13% slower at one row for the hidden-1024 bench model).
 Both layouts give the same tokens (tested), so the probe can only change speed.
 
+Each probe call takes the next of the model's own weights of that shape (up to PROBE_BYTES of
+them), as a decode step does, instead of one weight again and again: one weight stays in the
+CPU's cache, while a step streams every layer's weight from memory. Timed on one cached
+weight, column-major read 3-6% slower than dense at one row on the hidden-1024 bench model
+(1,512 vs 1,420 us), around the 3% "no slower" line, so the choice flipped between dense and
+packed+gemv from one start to the next (5 of 6 starts dense), and served batch 8 with it
+between 1.08x and 1.5x HF. Streamed in a decode step, column-major is no slower at one row
+(10.98 vs 11.38 ms a step). Streamed, best of 5 rounds, 14 starts in a row chose
+packed+gemv.
+
 "packed+gemv" (oneDNN-packed weights plus a column-major copy for one-row calls) needs no probe
 of its own: its one-row calls are column-major calls and its other calls packed ones. It keeps
 a second copy of every linear weight, so auto considers it only when that copy takes at most
@@ -21,6 +31,7 @@ still no slower than dense (11.38 ms).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -35,10 +46,15 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 8)
 """Rows per decode step probed: batch-1 and a small batch."""
-ROUNDS = 3
+ROUNDS = 5
+"""Alternated rounds, the best of each kept: with 3 the one-row comparison still flipped."""
 CALLS = 8
 CALL_ELEMENTS = 1 << 24
 """Calls per round shrink for big weights so that the probe stays well under a second."""
+PROBE_BYTES = 64 << 20
+"""Per shape, the probe cycles through the model's weights of that shape up to this many bytes
+(at least one): more than a CPU cache holds, so the weights stream as in a decode step. The
+packed and column-major copies of those weights live only while the probe runs."""
 MARGIN = 0.9
 """Another layout is chosen only when it takes under this fraction of the dense time."""
 SAME = 1.03
@@ -70,15 +86,19 @@ def choose_cpu_linear(
     allow_copy = available is not None and copy_bytes <= GEMV_COPY_MEMORY_SHARE * available
     times = {(layout, rows): 0.0 for layout in LAYOUTS for rows in PROBE_ROWS}
     with torch.inference_mode():
-        for linear in shapes:
-            packed = PackedLinear(linear)
-            column_major = column_major_copy(linear.weight.detach())
+        for same_shape in shapes:
+            first = same_shape[0]
+            copies = [
+                (linear, PackedLinear(linear), column_major_copy(linear.weight.detach()))
+                for linear in same_shape
+            ]
             for rows in PROBE_ROWS:
-                x = torch.randn(rows, 1, linear.in_features, dtype=linear.weight.dtype)
-                calls = max(1, min(CALLS, CALL_ELEMENTS // linear.weight.numel()))
-                layers = _layouts(linear, packed, column_major, x)
+                x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
+                calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
+                layers = _layouts(copies, x)
                 for layout, seconds in zip(LAYOUTS, _time_alternated(layers, calls), strict=True):
                     times[layout, rows] += seconds
+            del copies
     choice = pick_layout(times, allow_copy=allow_copy)
     log.info(
         "--cpu-linear auto: %s us per probe -> %s%s",
@@ -165,26 +185,40 @@ def to_column_major(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return count
 
 
-def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[nn.Linear]:
-    """One packable linear of `model` per weight shape (the layers repeat theirs)."""
-    by_shape: dict[tuple[int, int], nn.Linear] = {}
+def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[list[nn.Linear]]:
+    """The packable linears of `model` grouped by weight shape (the layers repeat theirs), each
+    group cut to its first PROBE_BYTES of weights (at least one linear)."""
+    by_shape: dict[tuple[int, int], list[nn.Linear]] = {}
     for name, module in model.named_modules():
         if name in skip or not can_pack(module):
             continue
         assert isinstance(module, nn.Linear)
-        by_shape.setdefault((module.in_features, module.out_features), module)
+        group = by_shape.setdefault((module.in_features, module.out_features), [])
+        weight = module.weight
+        if not group or (len(group) + 1) * weight.numel() * weight.element_size() <= PROBE_BYTES:
+            group.append(module)
     return list(by_shape.values())
 
 
 def _layouts(
-    linear: nn.Linear, packed: PackedLinear, column_major: torch.Tensor, x: torch.Tensor
+    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]], x: torch.Tensor
 ) -> tuple[Callable[[], object], ...]:
-    """One call of `linear` on `x` per layout, in LAYOUTS order."""
-    return (
-        lambda: F.linear(x, linear.weight, linear.bias),
-        lambda: packed(x),
-        lambda: F.linear(x, column_major, linear.bias),
-    )
+    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling)."""
+    turn = {layout: itertools.cycle(copies) for layout in LAYOUTS}
+
+    def dense() -> object:
+        linear, _, _ = next(turn["dense"])
+        return F.linear(x, linear.weight, linear.bias)
+
+    def packed() -> object:
+        _, packed_linear, _ = next(turn["packed"])
+        return packed_linear(x)
+
+    def colmajor() -> object:
+        linear, _, column_major = next(turn["colmajor"])
+        return F.linear(x, column_major, linear.bias)
+
+    return dense, packed, colmajor
 
 
 def _time_alternated(layers: tuple[Callable[[], object], ...], calls: int) -> list[float]:

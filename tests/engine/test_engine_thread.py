@@ -233,6 +233,30 @@ def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatc
     assert available is not None and available > 0
 
 
+def test_the_layout_probe_streams_every_weight_of_a_shape_up_to_its_byte_cap(monkeypatch):
+    """Each probe call takes the next same-shaped weight of the model, as a decode step does
+    (one weight timed again and again stays in cache and misjudged column-major at one row)."""
+    from engine import linear_choice
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 32) for _ in range(3)], nn.Linear(32, 16))
+    groups = linear_choice._linears_by_shape(model, skip=())
+    assert [len(g) for g in groups] == [3, 1]
+    first = groups[0]
+    copies = [(m, PackedLinear(m), linear_choice.column_major_copy(m.weight)) for m in first]
+    x = torch.randn(1, 1, 16)
+    with torch.inference_mode():
+        for layer in linear_choice._layouts(copies, x):
+            for i in [0, 1, 2, 0]:
+                expected = torch.nn.functional.linear(x, first[i].weight, first[i].bias)
+                torch.testing.assert_close(layer(), expected, rtol=1e-5, atol=1e-6)
+    weight_bytes = 16 * 32 * 4
+    monkeypatch.setattr(linear_choice, "PROBE_BYTES", 2 * weight_bytes)
+    assert [len(g) for g in linear_choice._linears_by_shape(model, skip=())] == [2, 1]
+    monkeypatch.setattr(linear_choice, "PROBE_BYTES", 1)
+    assert [len(g) for g in linear_choice._linears_by_shape(model, skip=())] == [1, 1]
+
+
 class _StepLog:
     """Drives `engine` on a fresh EngineThread(batch_wait_s=...) and records, per step that
     emitted events, when it ended and which requests got a first token in it."""

@@ -1,7 +1,8 @@
 """Served greedy decode as a user meets it vs HF `generate(do_sample=False)`, in the same run.
 
     python -m bench.bench_serve [--quick] [--hidden 256 1024] [--batch 1 8] [--rounds 3]
-                                [--transport grpc http] [--server-flag=--batch-wait-ms=0 ...]
+                                [--transport grpc http openai]
+                                [--server-flag=--batch-wait-ms=0 ...]
 
 For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
 request makes all its tokens) is written to a temporary directory and served by
@@ -21,13 +22,16 @@ weight the step multiplies by (the layers and the output head; the embedding is 
 so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
 every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
 
-Transports: `--transport grpc` (default, Generate calls) or `--transport http` (the OpenAI
-`/v1/completions` endpoint of the same server started with `--http-port 0`; token-id prompts,
-temperature 0, `logprobs: 0` so that the reply carries the token ids). `--transport grpc http`
-drives both against ONE server process, alternating within each round: compare the fronts that
-way, since `--cpu-linear auto` times the layouts at each start and two server processes may keep
-different ones. Another front end plugs in by adding a client class with the same
-`generate(prompts, max_new_tokens)` coroutine to TRANSPORTS.
+Transports: `--transport grpc` (default, Generate calls), `--transport http` (the OpenAI
+`/v1/completions` endpoint of the same server started with `--http-port 0`, stdlib HTTP, one
+thread and connection per request; token-id prompts, temperature 0, `logprobs: 0` so that the
+reply carries the token ids) or `--transport openai` (the same endpoint through the `openai`
+package's `AsyncOpenAI`, one client for the run, as an OpenAI user's program sends them).
+`--transport grpc http openai` drives them against ONE server process, alternating within each
+round: compare the fronts that way, since `--cpu-linear auto` times the layouts at each start
+and two server processes may keep different ones. Another front end plugs in by adding a
+client class with the same `generate(prompts, max_new_tokens)` and `close()` coroutines to
+TRANSPORTS.
 """
 
 from __future__ import annotations
@@ -95,11 +99,11 @@ def start_server(
     directory: Path, transports: tuple[str, ...] = ("grpc",), flags: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, dict[str, int]]:
     """`python -m services.inference serve --load DIR --port 0` (default flags unless `flags`
-    adds some; plus `--http-port 0` for the HTTP transport) and the port of each of
+    adds some; plus `--http-port 0` for the HTTP transports) and the port of each of
     `transports`."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--load", str(directory), *flags]
-    if "http" in transports:
+    if HTTP_TRANSPORTS & set(transports):
         command += ["--http-port", "0"]
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
@@ -111,7 +115,7 @@ def start_server(
         if grpc_match:
             ports["grpc"] = int(grpc_match.group(1))
         if http_match:
-            ports["http"] = int(http_match.group(1))
+            ports.update(dict.fromkeys(HTTP_TRANSPORTS, int(http_match.group(1))))
         if "grpc" in ports and all(t in ports for t in transports):
             threading.Thread(target=server.stderr.read, daemon=True).start()
             return server, ports
@@ -197,7 +201,49 @@ class HttpClient:
         return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient}
+class OpenAIClient:
+    """Greedy `/v1/completions` calls through the `openai` package's async client, as an
+    OpenAI user's program sends them: one `AsyncOpenAI` for the run (its connection pool kept),
+    every request of a batch in flight together in this event loop."""
+
+    def __init__(self, port: int) -> None:
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self._client: Any = None
+        self._model = ""
+
+    async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        import openai
+
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key="-", max_retries=0)
+            self._model = (await self._client.models.list()).data[0].id
+        calls = [
+            self._client.completions.create(
+                model=self._model,
+                prompt=prompt,
+                max_tokens=max_new_tokens,
+                temperature=0,
+                logprobs=0,  # the tokens come back as "token_id:<id>" (no tokenizer here)
+                timeout=600,
+            )
+            for prompt in prompts
+        ]
+        replies = await asyncio.gather(*calls)
+        return [
+            [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+            for reply in replies
+        ]
+
+    async def close(self) -> None:
+        """Close the client's connections (in the loop that opened them)."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+HTTP_TRANSPORTS = {"http", "openai"}
+"""Transports that talk to the server's OpenAI HTTP front."""
+TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient, "openai": OpenAIClient}
 """Front ends the benchmark can drive: name -> class(port) with `async generate(...)` and
 `async close()`, all called in one event loop."""
 

@@ -1,4 +1,4 @@
-"""bench_serve's HTTP client puts every request of a batch in flight together (issue #21).
+"""bench_serve's HTTP clients put every request of a batch in flight together (issue #21).
 
 Its old client ran the calls through `asyncio.to_thread`, whose default executor has
 min(32, CPUs + 4) workers: on a 2-core machine only 6 of 8 requests were in flight, the server
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.bench_serve import HttpClient
+from bench.bench_serve import HttpClient, OpenAIClient
 
 BARRIER_TIMEOUT_S = 20.0
 
@@ -53,21 +53,42 @@ class _Completions(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self) -> None:  # /v1/models, which the openai client asks first
+        data = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 64  # the default backlog of 5 resets simultaneous connections
+
+
+async def _generate_and_close(client: Any, prompts: list[list[int]]) -> list[list[int]]:
+    try:
+        return await client.generate(prompts, 2)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("client_class", [HttpClient, OpenAIClient])
 @pytest.mark.parametrize("batch", [8, 16])
-def test_http_client_has_every_request_in_flight_together(batch: int) -> None:
+def test_http_clients_have_every_request_in_flight_together(batch: int, client_class) -> None:
     handler = type(
         "Handler", (_Completions,), {"barrier": threading.Barrier(batch, timeout=BARRIER_TIMEOUT_S)}
     )
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         prompts = [[i, i + 100] for i in range(batch)]
-        got = asyncio.run(HttpClient(server.server_address[1]).generate(prompts, 2))
+        client = client_class(server.server_address[1])
+        got = asyncio.run(_generate_and_close(client, prompts))
     finally:
         server.shutdown()
         server.server_close()

@@ -305,6 +305,13 @@ def test_the_burst_wait_is_capped_and_skipped_while_rows_decode():
     """Requests arriving every 50 ms with a 300 ms quiet window: the first step still comes at
     about 5 x 300 ms; a request arriving while rows decode is admitted without waiting."""
     engine, ids, _ = _engine()
+    original = engine.step
+
+    def slow_step():  # 20 ms a step: the long request is still decoding when the late one comes
+        time.sleep(0.02)
+        return original()
+
+    engine.step = slow_step  # type: ignore[method-assign]
     log = _StepLog(engine, batch_wait_s=0.3)
     room = engine.max_seq_len - len(ids) - 1
     try:

@@ -14,7 +14,7 @@ dP = dO · V or the scores.
 
 On CPU, attention that will be differentiated in bf16 or fp16 runs in fp32 and is cast back
 (`_differentiated_in_low_precision`): torch's CPU flash backward is 2.5x slower in bf16 than in
-fp32 (one hidden-256 layer, micro-batch 4, seq 256: 10.6 vs 4.3 ms), more than the casts cost,
+fp32 (one hidden-256 layer, micro-batch 4, seq 256: 10.6 vs 4.3-4.6 ms), more than the casts cost,
 and it made `meshline train --bf16` slower than fp32 on a CPU with bf16 matrix units. Without
 gradients the bf16 kernel is the faster one (1.4 vs 2.1 ms) and stays.
 """

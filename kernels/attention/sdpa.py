@@ -13,7 +13,8 @@ O, a column -g to dO and a column of zeros to V (and to q, k) does exactly that 
 dP = dO · V or the scores.
 
 On CPU, attention that will be differentiated in bf16 or fp16 runs in fp32 and is cast back
-(`_differentiated_in_low_precision`): torch's CPU flash backward is 2.5x slower in bf16 than in
+(`_differentiated_in_low_precision`; both paths, so context-parallel blocks with their lse
+compute as the plain path does): torch's CPU flash backward is 2.5x slower in bf16 than in
 fp32 (one hidden-256 layer, micro-batch 4, seq 256: 10.6 vs 4.3-4.6 ms), more than the casts cost,
 and it made `meshline train --bf16` slower than fp32 on a CPU with bf16 matrix units. Without
 gradients the bf16 kernel is the faster one (1.4 vs 2.1 ms) and stays.
@@ -42,6 +43,10 @@ def attention_sdpa(
     q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA forward/backward; with return_lse, the CPU flash kernel (no dropout)."""
+    dtype = q_BSHD.dtype
+    upcast = _differentiated_in_low_precision(q_BSHD, k_BSKD, v_BSKD)
+    if upcast:
+        q_BSHD, k_BSKD, v_BSKD = q_BSHD.float(), k_BSKD.float(), v_BSKD.float()
     q_BHSD = q_BSHD.transpose(1, 2)
     simple_causal = (
         spec.causal
@@ -75,26 +80,19 @@ def attention_sdpa(
         )
         lse_BHS = None
     else:
-        k_BKSD, v_BKSD = k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
-        dtype = q_BHSD.dtype
-        upcast = _differentiated_in_low_precision(q_BHSD, k_BKSD, v_BKSD)
-        if upcast:
-            q_BHSD, k_BKSD, v_BKSD = q_BHSD.float(), k_BKSD.float(), v_BKSD.float()
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.float()
         out_BHSD = F.scaled_dot_product_attention(
             q_BHSD,
-            k_BKSD,
-            v_BKSD,
+            k_BSKD.transpose(1, 2),
+            v_BSKD.transpose(1, 2),
             attn_mask=attn_mask,
             dropout_p=spec.dropout_p,
             is_causal=simple_causal,
             scale=spec.scale,
             enable_gqa=spec.heads != spec.kv_heads,
         )
-        if upcast:
-            out_BHSD = out_BHSD.to(dtype)
         lse_BHS = None
+    if upcast:
+        out_BHSD = out_BHSD.to(dtype)
     if any_visible is not None:
         out_BHSD = out_BHSD * any_visible[..., None].to(out_BHSD.dtype)
         if lse_BHS is not None:

@@ -428,3 +428,10 @@ def test_sdpa_differentiated_in_low_precision_on_cpu_runs_in_fp32(dtype):
     assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)
     with torch.no_grad():
         assert torch.equal(attn.attention(q, k, v, **kw), sdpa(q, k, v))
+    # the lse path (context-parallel blocks) computes the same way
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attn.attention(*leaves, return_lse=True, **kw)
+    want, want_lse = attn.attention(q.float(), k.float(), v.float(), return_lse=True, **kw)
+    assert out.dtype == dtype and torch.equal(out, want.to(dtype)) and torch.equal(lse, want_lse)
+    (out.float().sum() + lse.sum()).backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)

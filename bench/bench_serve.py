@@ -5,11 +5,11 @@
                                 [--server-flag=--batch-wait-ms=0 ...]
 
 For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
-request makes all its tokens) is written to a temporary directory and served by
-`python -m services.inference serve --load DIR --port 0` — `meshline serve inference` with
-default flags (plus any `--server-flag`, for diagnosis) — in a child process. Each round times, alternately: ours, `batch` concurrent
-Generate calls over gRPC on localhost (16-token prompts, 64 new tokens, greedy; one client
-channel for the whole run, as a client program keeps one); HF, one
+request makes all its tokens) is written to a temporary directory and served by `python -m
+services.inference serve --load DIR --port 0` — `meshline serve inference` with default flags
+(plus any `--server-flag`, for diagnosis) — in a child process. Each round times, alternately:
+ours, `batch` concurrent Generate calls over gRPC on localhost (16-token prompts, 64 new tokens,
+greedy; one client channel for the whole run, as a client program keeps one); HF, one
 `generate(do_sample=False)` over the same `batch` prompts in this process (torch's default
 threads, eager attention). Printed: ms per new token of each request (wall time / 64, so at
 batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 =
@@ -20,7 +20,8 @@ both). Ours must return HF's tokens.
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
 so time per token >= weight bytes / memory bandwidth, the bandwidth measured in this run after
-every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of all). % of roofline = that bound / measured time per token.
+every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of
+all). % of roofline = that bound / measured time per token.
 
 Transports: `--transport grpc` (default, Generate calls), `--transport http` (the OpenAI
 `/v1/completions` endpoint of the same server started with `--http-port 0`, stdlib HTTP, one

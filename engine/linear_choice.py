@@ -13,8 +13,8 @@ Both layouts give the same tokens (tested), so the probe can only change speed.
 Each probe call takes the next of the model's own weights of that shape (up to PROBE_BYTES of
 them), as a decode step does, instead of one weight again and again: one weight stays in the
 CPU's cache, while a step streams every layer's weight from memory. Timed on one cached
-weight, column-major read 3-6% slower than dense at one row on the hidden-1024 bench model
-(1,512 vs 1,420 us), around the 3% "no slower" line, so the choice flipped between dense and
+weight, column-major read 3-10% slower than dense at one row on the hidden-1024 bench model
+(e.g. 1,512 vs 1,420 us), around the 3% "no slower" line, so the choice flipped between dense and
 packed+gemv from one start to the next (5 of 6 starts dense), and served batch 8 with it
 between 1.08x and 1.5x HF. Streamed in a decode step, column-major is no slower at one row
 (10.98 vs 11.38 ms a step). Streamed, best of 5 rounds, 14 starts in a row chose

@@ -2,7 +2,7 @@
 
     python -m bench.bench_serve [--quick] [--hidden 256 1024] [--batch 1 8] [--rounds 3]
                                 [--transport grpc http openai]
-                                [--server-flag=--batch-wait-ms=0 ...]
+                                [--server-flag=--batch-wait-ms=0 ...] [--device cpu|cuda]
 
 For each model size a random Llama checkpoint (HF format, 4 layers, 8/4 heads, no EOS so every
 request makes all its tokens) is written to a temporary directory and served by `python -m
@@ -23,6 +23,11 @@ so time per token >= weight bytes / memory bandwidth, the bandwidth measured in 
 every round (reading, copying and a matrix-vector product over a 512 MiB array; the best of
 all). % of roofline = that bound / measured time per token.
 
+Device: the server loads on the device `meshline serve inference` picks (CUDA when one is
+present, else the CPU; `--device` pins it through MESHLINE_DEVICE), and HF runs on the same
+device: eager attention on the CPU, sdpa on CUDA (each HF's faster choice there). On CUDA the
+bandwidth is the device's, measured the same way with the device synchronised.
+
 Transports: `--transport grpc` (default, Generate calls), `--transport http` (the OpenAI
 `/v1/completions` endpoint of the same server started with `--http-port 0`, stdlib HTTP, one
 thread and connection per request; token-id prompts, temperature 0, `logprobs: 0` so that the
@@ -41,6 +46,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -62,8 +68,9 @@ PROMPT_LEN = 16
 NEW_TOKENS = 64
 
 
-def write_checkpoint(shape: dict, directory: Path) -> Any:
-    """A random HF Llama checkpoint of `shape` in `directory`; returns the HF model (eval)."""
+def write_checkpoint(shape: dict, directory: Path, device: str = "cpu") -> Any:
+    """A random HF Llama checkpoint of `shape` in `directory`; returns the HF model (eval), on
+    `device`."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -82,7 +89,8 @@ def write_checkpoint(shape: dict, directory: Path) -> Any:
         pad_token_id=None,
     )
     torch.manual_seed(0)
-    hf = LlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    attention = "eager" if device == "cpu" else "sdpa"
+    hf = LlamaForCausalLM._from_config(config, attn_implementation=attention).eval()
     with torch.no_grad():  # larger weights: peaked logits, no near-ties between kernels
         for name, param in hf.named_parameters():
             if "norm" not in name:
@@ -93,20 +101,26 @@ def write_checkpoint(shape: dict, directory: Path) -> Any:
         str(directory / "model.safetensors"),
     )
     (directory / "config.json").write_text(hf.config.to_json_string())
-    return hf
+    return hf.to(device)
 
 
 def start_server(
-    directory: Path, transports: tuple[str, ...] = ("grpc",), flags: tuple[str, ...] = ()
+    directory: Path,
+    transports: tuple[str, ...] = ("grpc",),
+    flags: tuple[str, ...] = (),
+    device: str | None = None,
 ) -> tuple[subprocess.Popen, dict[str, int]]:
     """`python -m services.inference serve --load DIR --port 0` (default flags unless `flags`
-    adds some; plus `--http-port 0` for the HTTP transports) and the port of each of
-    `transports`."""
+    adds some; plus `--http-port 0` for the HTTP transports; MESHLINE_DEVICE=`device` if given)
+    and the port of each of `transports`."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--load", str(directory), *flags]
     if HTTP_TRANSPORTS & set(transports):
         command += ["--http-port", "0"]
-    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    from kernels.device import DEVICE_ENV
+
+    env = {**os.environ, DEVICE_ENV: device} if device else None
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     assert server.stderr is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     ports: dict[str, int] = {}
@@ -252,7 +266,7 @@ TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient, "openai": OpenAIClient}
 def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf.device)
     with torch.inference_mode():
         out = hf.generate(
             ids,
@@ -265,27 +279,29 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[
     return out[:, ids.shape[1] :].tolist()
 
 
-def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Best bytes/s streaming a large fp32 array (default threads): the best of reading it
-    (torch.sum), copying it (read + write bytes) and a matrix-vector product over it (the
-    decode access pattern), best of `repeats` each."""
+def memory_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> float:
+    """Best bytes/s streaming a large fp32 array on `device` (default threads): the best of
+    reading it (torch.sum), copying it (read + write bytes) and a matrix-vector product over it
+    (the decode access pattern), best of `repeats` each."""
     import torch
 
-    x = torch.ones(mib * 2**20 // 4)
+    x = torch.ones(mib * 2**20 // 4, device=device)
     y = torch.empty_like(x)
-    vector = torch.ones(4096)
+    vector = torch.ones(4096, device=device)
     nbytes = x.numel() * 4
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     best = 0.0
     for _ in range(repeats):
-        start = time.perf_counter()
-        torch.sum(x)
-        best = max(best, nbytes / (time.perf_counter() - start))
-        start = time.perf_counter()
-        y.copy_(x)
-        best = max(best, 2 * nbytes / (time.perf_counter() - start))
-        start = time.perf_counter()
-        torch.mv(x.view(-1, 4096), vector)
-        best = max(best, nbytes / (time.perf_counter() - start))
+        for moved, run in (
+            (nbytes, lambda: torch.sum(x)),
+            (2 * nbytes, lambda: y.copy_(x)),
+            (nbytes, lambda: torch.mv(x.view(-1, 4096), vector)),
+        ):
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            best = max(best, moved / (time.perf_counter() - start))
     return best
 
 
@@ -301,13 +317,14 @@ def run_size(
     rounds: int,
     transports: tuple[str, ...],
     flags: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> None:
     import torch
 
     shape = SHAPES[hidden]
     with tempfile.TemporaryDirectory() as tmp:
-        hf = write_checkpoint(shape, Path(tmp) / "ckpt")
-        server, ports = start_server(Path(tmp) / "ckpt", transports, flags)
+        hf = write_checkpoint(shape, Path(tmp) / "ckpt", device)
+        server, ports = start_server(Path(tmp) / "ckpt", transports, flags, device)
         runner = asyncio.Runner()  # one event loop for every call, as a client program has
         try:
             clients = {t: TRANSPORTS[t](ports[t]) for t in transports}
@@ -334,7 +351,7 @@ def run_size(
                     hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                     times.setdefault(("hf", b), []).append(time.perf_counter() - start)
                 if hidden >= 1024:  # measured as often as the decodes: the machine may be shared
-                    bandwidth = max(bandwidth or 0.0, memory_bandwidth())
+                    bandwidth = max(bandwidth or 0.0, memory_bandwidth(device=device))
             for client in clients.values():
                 runner.run(client.close())
         finally:
@@ -381,7 +398,19 @@ def main(argv: list[str] | None = None) -> int:
         help="a flag added to the server's command line (repeat; e.g. "
         "--server-flag=--batch-wait-ms=0); the headline runs with none",
     )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the server and HF run (default: where `meshline serve inference` loads: "
+        "CUDA when present, else the CPU)",
+    )
     args = parser.parse_args(argv)
+    from kernels import device as devices
+
+    device = devices.current().type if args.device == "auto" else args.device
+    if device not in ("cpu", "cuda"):
+        parser.error(f"this benchmark runs HF on the CPU or CUDA, not on {device!r}")
     hidden = args.hidden or ([256] if args.quick else sorted(SHAPES))
     rounds = args.rounds or (2 if args.quick else 3)
     print(
@@ -391,13 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                 "new_tokens": NEW_TOKENS,
                 "rounds": rounds,
                 "flags": " ".join(args.server_flag) or "default",
+                "device": device,
             }
         )
     )
     for h in hidden:
-        run_size(
-            h, args.batch, rounds, tuple(dict.fromkeys(args.transport)), tuple(args.server_flag)
-        )
+        transports = tuple(dict.fromkeys(args.transport))
+        run_size(h, args.batch, rounds, transports, tuple(args.server_flag), device)
     return 0
 
 

@@ -124,7 +124,9 @@ def start_server(
     assert server.stderr is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     ports: dict[str, int] = {}
+    seen: list[str] = []  # the server's log so far, to say why it did not start
     for line in server.stderr:
+        seen = [*seen[-29:], line]
         grpc_match = re.search(r"serving .* on \S+:(\d+)", line)
         http_match = re.search(r"HTTP API on https?://\S+:(\d+)/v1", line)
         if grpc_match:
@@ -137,7 +139,11 @@ def start_server(
         if time.monotonic() > deadline:
             break
     server.kill()
-    raise RuntimeError("the inference server did not start")
+    server.wait(60)
+    raise RuntimeError(
+        f"the inference server did not start (exit {server.returncode}); its last lines:\n"
+        + "".join(seen)
+    )
 
 
 class GrpcClient:

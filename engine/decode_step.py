@@ -304,14 +304,25 @@ def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
     return module.weight, module.eps
 
 
+class DenseLinear:
+    """F.linear on a plain nn.Linear's parameters, which stay readable (engine/native_step.py)."""
+
+    __slots__ = ("bias", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def _linear(module: nn.Module) -> Linear:
     """The layer as a call: F.linear on a plain nn.Linear's parameters, a packed layer itself."""
     if isinstance(module, PackedLinear):
         return module
     if type(module) is not nn.Linear:
         raise Unsupported(f"a {type(module).__name__} linear layer (LoRA, quantised or sharded)")
-    weight, bias = module.weight, module.bias
-    return lambda x: F.linear(x, weight, bias)
+    return DenseLinear(module.weight, module.bias)
 
 
 def _no_hooks(model: nn.Module) -> None:

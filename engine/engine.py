@@ -28,6 +28,7 @@ from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
 from engine.linear_choice import choose_cpu_linear, to_column_major
+from engine.native_step import NativeStep
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -82,7 +83,7 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
 
 
 CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
-DECODE_STEPS = ("auto", "module")
+DECODE_STEPS = ("auto", "lean", "module")
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ class EngineConfig:
     of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense"
     as loaded; "packed" repacked once for oneDNN (faster decode and prefill, same memory, the
     model becomes inference-only, see kernels/packed_linear.py);
-    "packed+gemv" also keeps a column-major copy for batch-1 steps (faster still there, twice
-    the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
+    "packed+gemv" also keeps the dense weights for batch-1 steps (twice the linear weights'
+    memory); "colmajor" stores the dense weights column-major instead (same
     memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
     compile_decode: bool = False
     """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
@@ -110,7 +111,9 @@ class EngineConfig:
     decode_step: str = "auto"
     """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
     computation, bit-identical, without per-module dispatch) when it covers the model, else the
-    module forward; "module": always the module forward (`model(...)`)."""
+    module forward; on CPU in fp32, a step of one row runs in one C call instead
+    (`engine.native_step.NativeStep`, equal to fp32 rounding) where it was built and covers the
+    model; "lean": DecodeStep alone; "module": always the module forward (`model(...)`)."""
     enforce_eager: bool = False
     """CUDA: run every decode step eagerly. By default the lean decode step is replayed from
     CUDA graphs, one per active row count and slot bucket (engine/cuda_graphs.py)."""
@@ -187,7 +190,11 @@ class Engine:
         "packed+gemv")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
-            self.cpu_linear = choose_cpu_linear(model, skip) if on_cpu else "dense"
+            # Batch-1 steps in C read the dense weights: then only steps of several rows matter.
+            native = on_cpu and self._native_planned()
+            self.cpu_linear = (
+                choose_cpu_linear(model, skip, one_row_native=native) if on_cpu else "dense"
+            )
         if self.cpu_linear == "colmajor":
             to_column_major(model, skip)
         elif self.cpu_linear != "dense":
@@ -213,15 +220,31 @@ class Engine:
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
 
-    def _build_decode_step(self) -> DecodeStep | None:
-        """The lean decode step (see EngineConfig.decode_step), or None: the module forward."""
+    def _build_decode_step(self) -> DecodeStep | NativeStep | None:
+        """The lean decode step, with batch-1 steps in C where that applies (see
+        EngineConfig.decode_step), or None: the module forward."""
         if self.config.decode_step == "module" or self._compiled_model is not None:
             return None
         if type(self)._last_logits is not Engine._last_logits:
             return None  # a subclass runs its own forward (a pipeline stage)
         step, why = DecodeStep.build(self.model)
         log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
-        return step
+        if step is None or self.config.decode_step != "auto" or self.device.type != "cpu":
+            return step
+        native, why = NativeStep.build(step)
+        log.info("batch-1 decode steps: %s (%s)", "in C" if native else "lean", why)
+        return native or step
+
+    def _native_planned(self) -> bool:
+        """Whether batch-1 steps will run in C (engine.native_step) with the weights as loaded:
+        decided before the linear layout, which must then keep the dense weights."""
+        if self.config.decode_step != "auto" or self.config.compile_decode:
+            return False
+        if type(self)._last_logits is not Engine._last_logits:
+            return False
+        lean, _ = DecodeStep.build(self.model)
+        native, _ = NativeStep.build(lean)
+        return native is not None
 
     def _build_graphs(self) -> GraphedDecode | None:
         """CUDA graphs of the lean decode step, or None (eager steps)."""

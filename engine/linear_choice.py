@@ -20,13 +20,14 @@ between 1.08x and 1.5x HF. Streamed in a decode step, column-major is no slower 
 (10.98 vs 11.38 ms a step). Streamed, best of 5 rounds, 14 starts in a row chose
 packed+gemv.
 
-"packed+gemv" (oneDNN-packed weights plus a column-major copy for one-row calls) needs no probe
-of its own: its one-row calls are column-major calls and its other calls packed ones. It keeps
+"packed+gemv" (oneDNN-packed weights, with the dense ones kept for one-row calls) needs no
+probe of its own: its one-row calls are dense calls and its other calls packed ones. It keeps
 a second copy of every linear weight, so auto considers it only when that copy takes at most
 GEMV_COPY_MEMORY_SHARE of the memory available at start-up (the smaller of the system's and
-the cgroup's). On the 2-core test box the hidden-1024 bench model ran 11% faster at 8 rows with
-it than column-major (21.99 vs 24.74 ms a step), and 3.5% slower at one row (11.36 vs 10.98 ms),
-still no slower than dense (11.38 ms).
+the cgroup's). Where the engine runs one-row steps in C over plain weights
+(engine/native_step.py), the one-row times do not matter and "packed" alone keeps no plain
+weights: auto then probes several rows only and picks among "dense", "colmajor" and
+"packed+gemv".
 """
 
 from __future__ import annotations
@@ -68,12 +69,19 @@ share of the available memory."""
 
 
 def choose_cpu_linear(
-    model: nn.Module, skip: tuple[str, ...] = (), available_bytes: int | None = None
+    model: nn.Module,
+    skip: tuple[str, ...] = (),
+    available_bytes: int | None = None,
+    one_row_native: bool = False,
 ) -> str:
     """The fastest of "dense", "packed", "colmajor" (and "packed+gemv" when its extra copy fits
     in GEMV_COPY_MEMORY_SHARE of `available_bytes`, default: `available_memory()`) for `model`'s
     linear shapes here; a layout other than dense only when it takes under MARGIN of the dense
-    time (modules named in `skip` stay dense either way and are not timed)."""
+    time (modules named in `skip` stay dense either way and are not timed).
+
+    `one_row_native`: one-row steps run in C over plain weights (engine.native_step), so
+    "packed" alone (no plain weights) does not qualify, and layouts are judged at several rows
+    only."""
     shapes = _linears_by_shape(model, skip)
     if not shapes:
         return "dense"
@@ -84,7 +92,8 @@ def choose_cpu_linear(
     )
     available = available_memory() if available_bytes is None else available_bytes
     allow_copy = available is not None and copy_bytes <= GEMV_COPY_MEMORY_SHARE * available
-    times = {(layout, rows): 0.0 for layout in LAYOUTS for rows in PROBE_ROWS}
+    probed = tuple(r for r in PROBE_ROWS if r > 1) if one_row_native else PROBE_ROWS
+    times = {(layout, rows): 0.0 for layout in LAYOUTS for rows in probed}
     with torch.inference_mode():
         for same_shape in shapes:
             first = same_shape[0]
@@ -92,47 +101,52 @@ def choose_cpu_linear(
                 (linear, PackedLinear(linear), column_major_copy(linear.weight.detach()))
                 for linear in same_shape
             ]
-            for rows in PROBE_ROWS:
+            for rows in probed:
                 x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
                 calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
                 layers = _layouts(copies, x)
                 for layout, seconds in zip(LAYOUTS, _time_alternated(layers, calls), strict=True):
                     times[layout, rows] += seconds
             del copies
-    choice = pick_layout(times, allow_copy=allow_copy)
+    choice = pick_layout(times, allow_copy=allow_copy, one_row_native=one_row_native)
     log.info(
         "--cpu-linear auto: %s us per probe -> %s%s",
         "; ".join(
-            f"{layout} " + "/".join(f"{times[layout, rows] * 1e6:.1f}" for rows in PROBE_ROWS)
+            f"{layout} " + "/".join(f"{times[layout, rows] * 1e6:.1f}" for rows in probed)
             for layout in LAYOUTS
         ),
         choice,
-        f" (+{copy_bytes / 2**20:.0f} MiB: a column-major copy of the linear weights for "
-        "one-row steps; --cpu-linear packed or colmajor keeps one copy)"
+        f" (+{copy_bytes / 2**20:.0f} MiB: the packed weights beside the dense ones, which "
+        "one-row steps read; --cpu-linear packed or colmajor keeps one copy)"
         if choice == GEMV_COPY
         else "",
     )
     return choice
 
 
-def pick_layout(times: dict[tuple[str, int], float], allow_copy: bool = False) -> str:
+def pick_layout(
+    times: dict[tuple[str, int], float], allow_copy: bool = False, one_row_native: bool = False
+) -> str:
     """The layout to keep from probe times per (layout, rows): another layout than dense only
     when it is no slower than dense at any probed row count (within SAME) and takes under
     MARGIN of the dense time over all of them, so a gain at batch 8 never costs batch 1.
-    `allow_copy` adds "packed+gemv", timed as column-major at one row and packed above."""
+    `allow_copy` adds "packed+gemv", timed as dense at one row and packed above.
+    `one_row_native` (one-row steps in C over plain weights, which "packed" alone does not
+    keep): "colmajor" and "packed+gemv" are the candidates, judged at the probed row counts."""
     times = dict(times)
-    candidates = list(LAYOUTS[1:])
+    rows_probed = sorted({rows for _, rows in times})
+    candidates = ["colmajor"] if one_row_native else list(LAYOUTS[1:])
     if allow_copy:
-        for rows in PROBE_ROWS:
-            times[GEMV_COPY, rows] = times["colmajor" if rows == 1 else "packed", rows]
+        for rows in rows_probed:
+            times[GEMV_COPY, rows] = times["dense" if rows == 1 else "packed", rows]
         candidates.append(GEMV_COPY)
-    dense = sum(times["dense", rows] for rows in PROBE_ROWS)
+    dense = sum(times["dense", rows] for rows in rows_probed)
     eligible = [
         layout
         for layout in candidates
-        if all(times[layout, rows] <= SAME * times["dense", rows] for rows in PROBE_ROWS)
+        if all(times[layout, rows] <= SAME * times["dense", rows] for rows in rows_probed)
     ]
-    total = {layout: sum(times[layout, rows] for rows in PROBE_ROWS) for layout in eligible}
+    total = {layout: sum(times[layout, rows] for rows in rows_probed) for layout in eligible}
     best = min(eligible, key=total.__getitem__, default="dense")
     return best if best != "dense" and total[best] < MARGIN * dense else "dense"
 

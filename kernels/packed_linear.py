@@ -8,9 +8,10 @@ into its blocked format runs those shapes 1.3-1.8x faster and large prefills a l
 too (the prepacking torch.compile's CPU freezing does). The packed tensor replaces the dense
 weight, so memory stays the same, but the layer is inference-only: no autograd, no state dict.
 
-A single input row (batch-1 decoding) is a matrix-vector product, fastest (~1.25x over oneDNN's
-packed weight here) from a column-major copy of W through MKL's gemv; `gemv_copy=True` keeps one
-for those calls, at the price of a second copy of the weight.
+A single input row (batch-1 decoding) is a matrix-vector product, faster (~1.25x here) through
+MKL's gemv on a plain W than on oneDNN's packed weight; `gemv_copy=True` keeps the dense W beside
+the packed one for those calls (and for the engine's batch-1 decode step in C), at the price of
+a second copy of the weight.
 Results match `F.linear` up to fp32 summation order (tested against the reference).
 """
 
@@ -60,8 +61,9 @@ class PackedLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         """The packed [O, I] weight (an opaque oneDNN tensor: only its shape is readable)."""
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.gemv_weight = linear.weight.detach().t().contiguous().t() if gemv_copy else None
-        """W [O, I] stored column-major, for single-row inputs (None without gemv_copy)."""
+        self.gemv_weight = linear.weight.detach() if gemv_copy else None
+        """W [O, I] as the layer held it (row-major), for single-row inputs (None without
+        gemv_copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same result as the nn.Linear it came from."""

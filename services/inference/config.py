@@ -48,7 +48,8 @@ class InferenceServiceConfig:
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     decode_step: str = "auto"
     """auto: the lean one-token decode step where it covers the model, else the module
-    forward; module: always the module forward (see EngineConfig.decode_step)."""
+    forward, with batch-1 CPU fp32 steps in C where built; lean: the lean step alone; module:
+    always the module forward (see EngineConfig.decode_step)."""
     enforce_eager: bool = False
     """CUDA: no CUDA graphs; every decode step launches its kernels (see
     EngineConfig.enforce_eager)."""
@@ -190,7 +191,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "at start-up, the fastest kept; packed+gemv when fastest and its extra copy takes at "
         "most 10%% of the available memory), dense (as loaded), packed (oneDNN-packed, same "
         "memory), "
-        "packed+gemv (plus a column-major copy for batch-1 decoding, 2x their memory) or "
+        "packed+gemv (packed, plus the dense weights for batch-1 decoding, 2x their memory) or "
         f"colmajor (column-major dense weights, same memory) (default {d.cpu_linear})",
     )
     group.add_argument(
@@ -201,12 +202,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--decode-step",
-        choices=("auto", "module"),
+        choices=("auto", "lean", "module"),
         default=d.decode_step,
         help="one-token decode steps: auto (a lean step over the model's own weights, "
         "bit-identical to the module forward, where it covers the model: RoPE + RMSNorm + "
-        "SwiGLU decoders without sliding windows; else the module forward) or module (always "
-        f"the module forward) (default {d.decode_step})",
+        "SwiGLU decoders without sliding windows; else the module forward; on CPU in fp32 a "
+        "step of one row runs in one C call instead, equal to fp32 rounding, where it was "
+        "built at install and covers the model: fused q|k|v and gate|up, no q/k norms), lean "
+        "(the lean step alone, bit-identical) or module (always the module forward) "
+        f"(default {d.decode_step})",
     )
     group.add_argument(
         "--enforce-eager",

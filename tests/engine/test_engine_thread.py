@@ -205,7 +205,7 @@ def test_leaving_a_held_stream_early_cancels_it_and_forgets_its_events():
 
 
 def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatch):
-    """packed+gemv = column-major at one row, packed at 8 rows: chosen when that beats every
+    """packed+gemv = dense at one row, packed at 8 rows: chosen when that beats every
     single-copy layout and the copy fits in 10% of the available memory."""
     from engine import linear_choice
 
@@ -213,15 +213,21 @@ def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatc
     measured |= {("colmajor", 1): 11.0, ("colmajor", 8): 24.7}  # the hidden-1024 bench model
     assert linear_choice.pick_layout(measured) == "colmajor"
     assert linear_choice.pick_layout(measured, allow_copy=True) == "packed+gemv"
-    # no one-row layout as fast as dense: the copy does not make packed eligible
-    slow = measured | {("colmajor", 1): 12.0}
+    # packed no faster at 8 rows either: nothing is worth the copy
+    slow = measured | {("colmajor", 1): 12.0, ("packed", 8): 31.0}
     assert linear_choice.pick_layout(slow, allow_copy=True) == "dense"
+    # one-row steps in C over plain weights: judged at 8 rows; packed alone keeps none
+    eight = {key: t for key, t in measured.items() if key[1] == 8}
+    assert linear_choice.pick_layout(eight, allow_copy=True, one_row_native=True) == "packed+gemv"
+    assert linear_choice.pick_layout(eight, allow_copy=False, one_row_native=True) == "colmajor"
+    packed_best = eight | {("colmajor", 8): 30.0}  # packed fastest, but it drops the plain weights
+    assert linear_choice.pick_layout(packed_best, one_row_native=True) == "dense"
 
     _, model, _ = hf_reference("llama-gqa", seed=1)
     copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     allowed: list[bool] = []
 
-    def spy(times, allow_copy=False):
+    def spy(times, allow_copy=False, one_row_native=False):
         allowed.append(allow_copy)
         return "dense"
 

@@ -1,0 +1,267 @@
+"""Batch-1 CPU decode steps in one C call (engine/decode_b1.c): the default where it applies.
+
+Shapes: E hidden, H heads, K kv heads, D head dim, F ffn, V vocab, S cache slots.
+
+At batch 1 a decode step streams every weight once, and the lean step (engine/decode_step.py)
+still runs ~30 small torch ops a layer between the matrix-vector products. Each comes right
+after a product has flushed the core's caches, so it costs 5-40 us instead of 1-3: a
+hidden-1024 step spent ~2 ms of its ~10 there (bench/RESULTS.md). `NativeStep` runs the same
+decoder for one row as a single C loop over the model's own tensors (nothing is copied); the
+lean step keeps every other case (several rows, or what the C step does not cover).
+
+Covered: CPU, fp32, the decoder `DecodeStep` covers with fused q|k|v (biases allowed) and a
+fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Linear, or a
+packed layer's one-row copy), a cache that is not a sliding-window ring. The sums run in another order than
+torch's, so logits agree with the lean step to fp32 rounding (tested), not bit for bit; greedy
+tokens are HF's in the parity tests. `--decode-step lean` keeps the bit-identical step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from engine.decode_step import DecodeStep, DenseLinear, _Layer
+from kernels.packed_linear import PackedLinear
+from models.kv_cache import CacheStep, KVCache
+
+log = logging.getLogger(__name__)
+
+try:  # built at install where a compiler is present (decode_b1.c)
+    import engine.decode_b1 as _compiled
+except ImportError:  # pragma: no cover - depends on the install
+    _compiled = None
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("out", ctypes.c_long),
+        ("in_", ctypes.c_long),
+        ("rs", ctypes.c_long),
+        ("cs", ctypes.c_long),
+    ]
+
+
+class _LayerTable(ctypes.Structure):
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("qkv", _Lin),
+        ("o", _Lin),
+        ("gate_up", _Lin),
+        ("down", _Lin),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("ss", ctypes.c_long),
+        ("ks", ctypes.c_long),
+    ]
+
+
+class _ModelTable(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_long) for name in ("E", "H", "K", "D", "F", "V", "L")] + [
+        ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("final_eps", ctypes.c_float),
+        ("head", _Lin),
+        ("inv_freq", ctypes.c_void_p),
+        ("rope_scale", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_LayerTable)),
+    ]
+
+
+def available() -> tuple[bool, str]:
+    """Whether the compiled step is installed and this CPU runs it, and why not."""
+    if _compiled is None:
+        return False, "engine.decode_b1 was not built (no C compiler at install, or not x86-64)"
+    if not _compiled.simd():
+        return False, "this CPU lacks AVX2/FMA, which engine.decode_b1 is built for"
+    return True, "built"
+
+
+class Unsupported(Exception):
+    """The step's model has a part the C step does not cover (the lean step runs instead)."""
+
+
+class NativeStep:
+    """`DecodeStep(ids_B1, cache, step)` for one row, in one C call; other calls go to `lean`."""
+
+    def __init__(self, lean: DecodeStep) -> None:
+        ok, why = available()
+        if not ok:
+            raise Unsupported(why)
+        self.lean = lean
+        tensors = [lean.embedding, lean.final_norm[0], lean.inv_freq]
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+            raise Unsupported("not an fp32 model on the CPU")
+        embedding = lean.embedding
+        if not embedding.is_contiguous():
+            raise Unsupported("the embedding is not contiguous")
+        layers = [_layer_parts(layer) for layer in lean.layers]
+        first = lean.layers[0]
+        heads = first.q_size // lean.head_dim
+        kv_heads = first.kv_size // lean.head_dim
+        ffn = layers[0][2][0].shape[0] // 2
+        hidden = embedding.shape[1]
+        if heads * lean.head_dim != first.q_size or heads % max(kv_heads, 1) or lean.head_dim % 2:
+            raise Unsupported("heads that do not split into whole kv-head groups of even size")
+        for parts in layers:  # the C loop trusts these sizes: any mismatch keeps the lean step
+            _expect(parts[0], (heads + 2 * kv_heads) * lean.head_dim, hidden, "q|k|v")
+            _expect(parts[1], hidden, heads * lean.head_dim, "o")
+            _expect(parts[2], 2 * ffn, hidden, "gate|up")
+            _expect(parts[3], hidden, ffn, "down")
+        norms = [lean.final_norm[0]] + [n for ly in lean.layers for n in (ly.norm1[0], ly.norm2[0])]
+        for norm in norms:
+            if norm.shape != (hidden,):
+                raise Unsupported(f"a norm weight of shape {tuple(norm.shape)}, not ({hidden},)")
+        self._keep: list[torch.Tensor] = []  # every tensor the tables point to stays alive
+        self._layers = (_LayerTable * len(layers))()
+        for table, layer, (qkv, o, gate_up, down) in zip(
+            self._layers, lean.layers, layers, strict=True
+        ):
+            table.norm1, table.eps1 = self._ptr(layer.norm1[0]), layer.norm1[1]
+            table.norm2, table.eps2 = self._ptr(layer.norm2[0]), layer.norm2[1]
+            table.qkv, table.o = self._lin(*qkv), self._lin(*o)
+            table.gate_up, table.down = self._lin(*gate_up), self._lin(*down)
+        head = _plain(lean.head)
+        if head is None:
+            raise Unsupported("the head's weight is not a plain fp32 matrix")
+        _expect(head, head[0].shape[0], hidden, "head")
+        if lean.inv_freq.numel() != lean.head_dim // 2:
+            raise Unsupported("RoPE over part of the head dim")
+        self._model = _ModelTable(
+            E=embedding.shape[1],
+            H=heads,
+            K=kv_heads,
+            D=lean.head_dim,
+            F=ffn,
+            V=head[0].shape[0],
+            L=len(layers),
+            embed=self._ptr(embedding),
+            final_norm=self._ptr(lean.final_norm[0]),
+            final_eps=lean.final_norm[1],
+            head=self._lin(*head),
+            inv_freq=self._ptr(lean.inv_freq.contiguous()),
+            rope_scale=lean.rope_scale,
+            scale=lean.scale,
+            layers=self._layers,
+        )
+        self._model_addr = ctypes.addressof(self._model)
+        self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
+        self._scratch = torch.empty(0)
+        m = self._model
+        self._fixed_scratch = 2 * m.E + (m.H + 2 * m.K) * m.D + m.H * m.D + 3 * m.F + m.D
+
+    @classmethod
+    def build(cls, lean: DecodeStep | None) -> tuple[NativeStep | None, str]:
+        """The C step around `lean`, or None and why the lean step runs batch 1 as well."""
+        if lean is None:
+            return None, "no lean step"
+        try:
+            return cls(lean), "covered"
+        except Unsupported as exc:
+            return None, str(exc)
+
+    def __call__(self, ids_B1: torch.Tensor, cache: KVCache, step: CacheStep) -> torch.Tensor:
+        """Logits [B, V], as `DecodeStep.__call__` (one row here; several go to the lean step)."""
+        if ids_B1.shape[0] != 1 or cache.is_ring or step.ring_prefill is not None:
+            return self.lean(ids_B1, cache, step)
+        pos = int(step.start_B[0])
+        self._point_at(cache)
+        mask = step.key_mask_BS
+        if mask is not None:
+            mask = mask[0].contiguous()
+        slots = pos + 1
+        need = self._fixed_scratch + self._model.H * slots
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
+        logits_1V = torch.empty(1, self._model.V)
+        _compiled.step(
+            self._model_addr,
+            int(ids_B1[0, 0]),
+            pos,
+            0 if mask is None else mask.data_ptr(),
+            logits_1V.data_ptr(),
+            self._scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return logits_1V
+
+    def _point_at(self, cache: KVCache) -> None:
+        """Aim each layer's table at row 0 of `cache` (views can move between calls)."""
+        rows = [(cache.k_BSKD[layer.key], cache.v_BSKD[layer.key]) for layer in self.lean.layers]
+        where = tuple(t.data_ptr() for pair in rows for t in pair)
+        if where == self._cache:
+            return
+        for table, (k, v) in zip(self._layers, rows, strict=True):
+            if k.dtype != torch.float32 or k.stride(3) != 1 or k.stride() != v.stride():
+                raise ValueError("NativeStep: the KV cache is not fp32 with contiguous head dims")
+            table.k, table.v = k.data_ptr(), v.data_ptr()
+            table.ss, table.ks = k.stride(1), k.stride(2)
+        self._cache = where
+
+    def _ptr(self, tensor: torch.Tensor) -> int:
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _lin(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Lin:
+        return _Lin(
+            w=self._ptr(weight),
+            b=0 if bias is None else self._ptr(bias),
+            out=weight.shape[0],
+            in_=weight.shape[1],
+            rs=weight.stride(0),
+            cs=weight.stride(1),
+        )
+
+
+Parts = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _layer_parts(layer: _Layer) -> tuple[Parts, Parts, Parts, Parts]:
+    """(weight, bias) of q|k|v, o, gate|up and down, each a plain fp32 matrix, or Unsupported."""
+    if layer.qkv is None or layer.gate_up is None:
+        raise Unsupported(f"layer {layer.key}: separate q/k/v or gate/up projections")
+    if layer.q_norm is not None:
+        raise Unsupported(f"layer {layer.key}: q/k norms")
+    for norm in (layer.norm1[0], layer.norm2[0]):
+        if norm.dtype != torch.float32 or not norm.is_contiguous():
+            raise Unsupported(f"layer {layer.key}: a norm weight that is not contiguous fp32")
+    parts = [_plain(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if any(p is None for p in parts):
+        raise Unsupported(f"layer {layer.key}: a weight that is not a plain fp32 matrix (packed?)")
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def _expect(parts: Parts, out: int, in_: int, name: str) -> None:
+    weight, bias = parts
+    if tuple(weight.shape) != (out, in_) or (bias is not None and tuple(bias.shape) != (out,)):
+        raise Unsupported(f"{name}: weight {tuple(weight.shape)}, expected ({out}, {in_})")
+
+
+def _plain(linear: object) -> Parts | None:
+    """The layer's (weight [O, I], bias) in fp32 when the weight is a plain row-major or
+    column-major matrix, else None: a plain linear (DecodeStep's DenseLinear, as loaded or
+    `--cpu-linear colmajor`) or a packed layer's one-row copy."""
+    if isinstance(linear, PackedLinear):
+        weight, bias = linear.gemv_weight, linear.bias
+    elif isinstance(linear, DenseLinear):
+        weight, bias = linear.weight, linear.bias
+    else:
+        return None
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    rows, cols = weight.shape
+    if not (weight.stride() == (cols, 1) or weight.stride() == (1, rows)):
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    return weight, bias

@@ -1,0 +1,223 @@
+"""The batch-1 decode step in C (engine/native_step.py, engine/decode_b1.c) against the lean step.
+
+The C loop sums in another order than torch, so logits and the cache it writes must agree to
+fp32 rounding (not bit for bit), greedy tokens must be the lean step's, and anything it does
+not cover must go to the lean step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native_step
+from engine.decode_step import DecodeStep
+from engine.engine import Engine, EngineConfig
+from engine.linear_choice import to_column_major
+from engine.native_step import NativeStep
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
+from kernels.packed_linear import pack_linears
+from models import build_model
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+
+VOCAB = 96
+BUILT, WHY = native_step.available()
+needs_build = pytest.mark.skipif(not BUILT, reason=WHY)
+
+
+def _model(**overrides) -> torch.nn.Module:
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        init_std=0.2,
+    )
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**fields), device="cpu").eval()
+    with torch.no_grad():  # norm weights and biases away from their defaults
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.1 * torch.randn(param.shape))
+    return model
+
+
+def _prefilled(model, n: int, pad: int = 0) -> KVCache:
+    """One row holding a random prompt of n tokens, the first `pad` of them padding."""
+    cache = KVCache.for_model(model, 1, 40)
+    ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, :pad] = False
+    with torch.inference_mode():
+        model(ids, kv_cache=cache, key_padding_mask_BS=mask if pad else None, logits_to_keep=1)
+    return cache
+
+
+def _clone(cache: KVCache) -> KVCache:
+    copy = KVCache.__new__(KVCache)
+    copy.__dict__.update(cache.__dict__)
+    copy.k_BSKD = {k: v.clone() for k, v in cache.k_BSKD.items()}
+    copy.v_BSKD = {k: v.clone() for k, v in cache.v_BSKD.items()}
+    copy.key_mask_BS = cache.key_mask_BS.clone()
+    copy.lengths_B = cache.lengths_B.clone()
+    return copy
+
+
+def _assert_close_steps(model, n: int = 6, pad: int = 0, steps: int = 5) -> None:
+    lean = DecodeStep(model)
+    native, why = NativeStep.build(lean)
+    assert native is not None, why
+    ours = _prefilled(model, n, pad)
+    theirs = _clone(ours)
+    ids_B1 = torch.tensor([[7]])
+    with torch.inference_mode():
+        for _ in range(steps):
+            step = ours.begin(1, None)
+            got = native(ids_B1, ours, step)
+            ours.commit(step)
+            step = theirs.begin(1, None)
+            want = lean(ids_B1, theirs, step)
+            theirs.commit(step)
+            assert got.shape == want.shape == (1, VOCAB)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            assert got.argmax() == want.argmax()
+            ids_B1 = want.argmax(-1, keepdim=True)
+    for key in ours.k_BSKD:
+        torch.testing.assert_close(ours.k_BSKD[key], theirs.k_BSKD[key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.v_BSKD[key], theirs.v_BSKD[key], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.lengths_B, theirs.lengths_B)
+
+
+@needs_build
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"qkv_bias": True},
+        {"attention_bias": True, "mlp_bias": True},
+        {"num_kv_heads": 4, "tie_word_embeddings": True},
+        {"num_kv_heads": 1},
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    ],
+    ids=["gqa", "qkv-bias", "all-biases", "mha-tied", "mqa", "linear-rope"],
+)
+def test_logits_and_cache_match_the_lean_step(overrides):
+    _assert_close_steps(_model(**overrides))
+
+
+@needs_build
+def test_padding_in_the_prompt_is_masked():
+    _assert_close_steps(_model(), n=9, pad=3)
+
+
+@needs_build
+def test_packed_layers_with_their_dense_copy():
+    model = _model()
+    pack_linears(model, gemv_copy=True)
+    _assert_close_steps(model)
+
+
+@needs_build
+def test_column_major_weights():
+    model = _model(qkv_bias=True)
+    to_column_major(model)
+    assert model.layers["0"].mlp.down_proj.weight.t().is_contiguous()
+    _assert_close_steps(model)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "reason"),
+    [
+        (lambda m: m, None),
+        (lambda m: pack_linears(m), "plain"),  # packed only: no plain weights
+        (lambda m: m.to(torch.bfloat16), "fp32"),
+    ],
+    ids=["covered", "packed-only", "bf16"],
+)
+def test_declines_what_it_does_not_cover(prepare, reason):
+    model = _model()
+    prepare(model)
+    native, why = NativeStep.build(DecodeStep(model))
+    if reason is None:
+        assert (native is not None) == BUILT, why
+    else:
+        assert native is None and reason in why
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"fused_qkv": False}, "separate"),
+        ({"fused_gate_up": False}, "separate"),
+        ({"qk_norm": True}, "q/k norms"),
+    ],
+)
+@needs_build
+def test_declines_other_layer_layouts(overrides, reason):
+    native, why = NativeStep.build(DecodeStep(_model(**overrides)))
+    assert native is None and reason in why
+
+
+def test_without_the_build_the_lean_step_runs(monkeypatch):
+    monkeypatch.setattr(native_step, "_compiled", None)
+    native, why = NativeStep.build(DecodeStep(_model()))
+    assert native is None and "not built" in why
+    engine = Engine(_model(), TokenizerInfo(VOCAB), EngineConfig(cpu_linear="dense"))
+    assert type(engine._decode_step) is DecodeStep
+
+
+@needs_build
+def test_several_rows_go_to_the_lean_step():
+    model = _model()
+    native = NativeStep(DecodeStep(model))
+    calls = []
+    native.lean = lambda ids, cache, step: calls.append(ids.shape[0]) or torch.zeros(2, VOCAB)
+    cache = KVCache.for_model(model, 2, 16)
+    with torch.inference_mode():
+        native(torch.tensor([[1], [2]]), cache, cache.begin(1, None))
+    assert calls == [2]
+
+
+@needs_build
+def test_the_compiled_call_checks_its_arguments():
+    native = NativeStep(DecodeStep(_model()))
+    logits, scratch = torch.empty(VOCAB), torch.empty(4096)
+    args = (native._model_addr, VOCAB, 0, 0, logits.data_ptr(), scratch.data_ptr(), 1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        native_step._compiled.step(*args)  # token id == vocab size
+    with pytest.raises(ValueError, match="null"):
+        native_step._compiled.step(0, 1, 0, 0, logits.data_ptr(), scratch.data_ptr(), 1)
+
+
+@needs_build
+@pytest.mark.parametrize("cpu_linear", ["auto", "dense", "colmajor", "packed+gemv"])
+def test_engine_default_runs_batch_one_in_c_with_the_lean_steps_tokens(cpu_linear):
+    """Lone requests (batch-1 steps) and a batch whose rows finish one by one, greedy, sampled
+    and with log-probabilities: the same tokens as `--decode-step lean`, log-probabilities to
+    fp32 rounding."""
+    prompts = [[5, 9, 11], [7] * 8, [3, 4, 5, 6, 7, 8]]
+    configs = [
+        SamplingConfig(max_new_tokens=12, logprobs=2),
+        SamplingConfig(max_new_tokens=5, do_sample=True, top_p=0.9, seed=4),
+        SamplingConfig(max_new_tokens=9, repetition_penalty=1.3),
+    ]
+    results = {}
+    for decode_step in ("auto", "lean"):
+        config = EngineConfig(max_batch_rows=3, cpu_linear=cpu_linear, decode_step=decode_step)
+        engine = Engine(_model(), TokenizerInfo(VOCAB), config)
+        assert isinstance(engine._decode_step, NativeStep) == (decode_step == "auto")
+        if decode_step == "auto":  # a layout that keeps plain weights
+            assert engine.cpu_linear in ("dense", "colmajor", "packed+gemv")
+        alone = [engine.generate([p], [c])[0] for p, c in zip(prompts, configs, strict=True)]
+        results[decode_step] = (alone, engine.generate(prompts, configs))
+    for ours, lean in zip(results["auto"], results["lean"], strict=True):
+        for got, want in zip(ours, lean, strict=True):
+            assert [r.token_ids for r in got] == [r.token_ids for r in want]
+            for g, w in zip(got, want, strict=True):
+                assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)

@@ -100,7 +100,7 @@ class EngineConfig:
     of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense"
     as loaded; "packed" repacked once for oneDNN (faster decode and prefill, same memory, the
     model becomes inference-only, see kernels/packed_linear.py);
-    "packed+gemv" also keeps the dense weights for batch-1 steps (twice the linear weights'
+    "packed+gemv" also keeps the dense weights for one-row steps (twice the linear weights'
     memory); "colmajor" stores the dense weights column-major instead (same
     memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
     compile_decode: bool = False
@@ -111,9 +111,10 @@ class EngineConfig:
     decode_step: str = "auto"
     """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
     computation, bit-identical, without per-module dispatch) when it covers the model, else the
-    module forward; on CPU in fp32, a step of one row runs in one C call instead
-    (`engine.native_step.NativeStep`, equal to fp32 rounding) where it was built and covers the
-    model; "lean": DecodeStep alone; "module": always the module forward (`model(...)`)."""
+    module forward; on CPU in fp32, a step runs in one C call instead
+    (`engine.native_step.NativeStep`, equal to fp32 rounding; one row, or several with dense
+    weights) where it was built and covers the model; "lean": DecodeStep alone; "module":
+    always the module forward (`model(...)`)."""
     enforce_eager: bool = False
     """CUDA: run every decode step eagerly. By default the lean decode step is replayed from
     CUDA graphs, one per active row count and slot bucket (engine/cuda_graphs.py)."""
@@ -190,7 +191,7 @@ class Engine:
         "packed+gemv")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
-            # Batch-1 steps in C read the dense weights: then only steps of several rows matter.
+            # One-row steps in C read plain weights: then only steps of several rows matter.
             native = on_cpu and self._native_planned()
             self.cpu_linear = (
                 choose_cpu_linear(model, skip, one_row_native=native) if on_cpu else "dense"
@@ -221,7 +222,7 @@ class Engine:
         self.on_step: Callable[[Engine], None] | None = None
 
     def _build_decode_step(self) -> DecodeStep | NativeStep | None:
-        """The lean decode step, with batch-1 steps in C where that applies (see
+        """The lean decode step, with steps in C where that applies (see
         EngineConfig.decode_step), or None: the module forward."""
         if self.config.decode_step == "module" or self._compiled_model is not None:
             return None
@@ -232,12 +233,16 @@ class Engine:
         if step is None or self.config.decode_step != "auto" or self.device.type != "cpu":
             return step
         native, why = NativeStep.build(step)
-        log.info("batch-1 decode steps: %s (%s)", "in C" if native else "lean", why)
+        log.info(
+            "decode steps in C: %s (%s)",
+            f"up to {native.max_rows} row(s)" if native else "none, the lean step",
+            why,
+        )
         return native or step
 
     def _native_planned(self) -> bool:
-        """Whether batch-1 steps will run in C (engine.native_step) with the weights as loaded:
-        decided before the linear layout, which must then keep the dense weights."""
+        """Whether one-row steps will run in C (engine.native_step) with the weights as loaded:
+        decided before the linear layout, which must then keep plain weights."""
         if self.config.decode_step != "auto" or self.config.compile_decode:
             return False
         if type(self)._last_logits is not Engine._last_logits:

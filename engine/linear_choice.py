@@ -27,7 +27,8 @@ GEMV_COPY_MEMORY_SHARE of the memory available at start-up (the smaller of the s
 the cgroup's). Where the engine runs one-row steps in C over plain weights
 (engine/native_step.py), the one-row times do not matter and "packed" alone keeps no plain
 weights: auto then probes several rows only and picks among "dense", "colmajor" and
-"packed+gemv".
+"packed+gemv", timing "dense" with the C step's product, since with dense weights the C step
+runs steps of several rows as well.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.native_step import c_linear
 from kernels.packed_linear import PackedLinear, can_pack
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,8 @@ def choose_cpu_linear(
     time (modules named in `skip` stay dense either way and are not timed).
 
     `one_row_native`: one-row steps run in C over plain weights (engine.native_step), so
-    "packed" alone (no plain weights) does not qualify, and layouts are judged at several rows
-    only."""
+    "packed" alone (no plain weights) does not qualify, layouts are judged at several rows
+    only, and "dense" is timed with the C step's own product, which then runs those steps too."""
     shapes = _linears_by_shape(model, skip)
     if not shapes:
         return "dense"
@@ -104,7 +106,7 @@ def choose_cpu_linear(
             for rows in probed:
                 x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
                 calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
-                layers = _layouts(copies, x)
+                layers = _layouts(copies, x, c_linear if one_row_native else F.linear)
                 for layout, seconds in zip(LAYOUTS, _time_alternated(layers, calls), strict=True):
                     times[layout, rows] += seconds
             del copies
@@ -215,14 +217,17 @@ def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[list[nn.L
 
 
 def _layouts(
-    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]], x: torch.Tensor
+    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]],
+    x: torch.Tensor,
+    dense_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object] = F.linear,
 ) -> tuple[Callable[[], object], ...]:
-    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling)."""
+    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling);
+    dense weights through `dense_linear` (the C step's product where it runs those steps)."""
     turn = {layout: itertools.cycle(copies) for layout in LAYOUTS}
 
     def dense() -> object:
         linear, _, _ = next(turn["dense"])
-        return F.linear(x, linear.weight, linear.bias)
+        return dense_linear(x, linear.weight, linear.bias)
 
     def packed() -> object:
         _, packed_linear, _ = next(turn["packed"])

@@ -1,19 +1,21 @@
-"""Batch-1 CPU decode steps in one C call (engine/decode_b1.c): the default where it applies.
+"""CPU decode steps in one C call (engine/cpu_decode.c): the default where they apply.
 
-Shapes: E hidden, H heads, K kv heads, D head dim, F ffn, V vocab, S cache slots.
+Shapes: B rows, E hidden, H heads, K kv heads, D head dim, F ffn, V vocab, S cache slots.
 
-At batch 1 a decode step streams every weight once, and the lean step (engine/decode_step.py)
-still runs ~30 small torch ops a layer between the matrix-vector products. Each comes right
-after a product has flushed the core's caches, so it costs 5-40 us instead of 1-3: a
-hidden-1024 step spent ~2 ms of its ~10 there (bench/RESULTS.md). `NativeStep` runs the same
-decoder for one row as a single C loop over the model's own tensors (nothing is copied); the
-lean step keeps every other case (several rows, or what the C step does not cover).
+A decode step streams every weight once, and the lean step (engine/decode_step.py) still runs
+~30 small torch ops a layer between the matrix products. Each comes right after a product has
+flushed the core's caches, so it costs 5-40 us instead of 1-3: a hidden-1024 batch-1 step spent
+~2 ms of its ~10 there (bench/RESULTS.md). `NativeStep` runs the same decoder as a single C loop
+over the model's own tensors (nothing is copied): every step of one row, and steps of up to
+MAX_ROWS rows when the weights are dense row-major (with packed or column-major weights oneDNN's
+and MKL's products are faster at several rows, so the lean step runs those).
 
 Covered: CPU, fp32, the decoder `DecodeStep` covers with fused q|k|v (biases allowed) and a
-fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Linear, or a
-packed layer's one-row copy), a cache that is not a sliding-window ring. The sums run in another order than
-torch's, so logits agree with the lean step to fp32 rounding (tested), not bit for bit; greedy
-tokens are HF's in the parity tests. `--decode-step lean` keeps the bit-identical step.
+fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Linear, or a packed
+layer's one-row copy), a cache that is not a sliding-window ring; the lean step keeps the rest.
+The sums run in another order than torch's, so logits agree with the lean step to fp32 rounding
+(tested), not bit for bit; greedy tokens are HF's in the parity tests. `--decode-step lean`
+keeps the bit-identical step.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from models.kv_cache import CacheStep, KVCache
 
 log = logging.getLogger(__name__)
 
-try:  # built at install where a compiler is present (decode_b1.c)
-    import engine.decode_b1 as _compiled
+MAX_ROWS = 64
+"""Rows per step the C step takes (cpu_decode.c's MAX_ROWS); more go to the lean step."""
+
+try:  # built at install where a compiler is present (cpu_decode.c)
+    import engine.cpu_decode as _compiled
 except ImportError:  # pragma: no cover - depends on the install
     _compiled = None
 
@@ -58,6 +63,7 @@ class _LayerTable(ctypes.Structure):
         ("down", _Lin),
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
+        ("rs", ctypes.c_long),
         ("ss", ctypes.c_long),
         ("ks", ctypes.c_long),
     ]
@@ -76,12 +82,34 @@ class _ModelTable(ctypes.Structure):
     ]
 
 
+def c_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for fp32 CPU tensors through the C step's own product (what
+    `--cpu-linear auto` times for dense weights when the C step runs several rows)."""
+    rows, features = x.numel() // x.shape[-1], x.shape[-1]
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()  # held until the call returns
+    out = torch.empty(*x.shape[:-1], weight.shape[0])
+    _compiled.linear(
+        weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        weight.shape[0],
+        features,
+        weight.stride(0),
+        weight.stride(1),
+        rows,
+        x.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
 def available() -> tuple[bool, str]:
     """Whether the compiled step is installed and this CPU runs it, and why not."""
     if _compiled is None:
-        return False, "engine.decode_b1 was not built (no C compiler at install, or not x86-64)"
+        return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
     if not _compiled.simd():
-        return False, "this CPU lacks AVX2/FMA, which engine.decode_b1 is built for"
+        return False, "this CPU lacks AVX2/FMA, which engine.cpu_decode is built for"
     return True, "built"
 
 
@@ -90,7 +118,8 @@ class Unsupported(Exception):
 
 
 class NativeStep:
-    """`DecodeStep(ids_B1, cache, step)` for one row, in one C call; other calls go to `lean`."""
+    """`DecodeStep(ids_B1, cache, step)` in one C call, for up to `max_rows` rows; other calls
+    go to `lean`."""
 
     def __init__(self, lean: DecodeStep) -> None:
         ok, why = available()
@@ -153,14 +182,21 @@ class NativeStep:
             layers=self._layers,
         )
         self._model_addr = ctypes.addressof(self._model)
+        plain = [lean.head, *(f for ly in lean.layers for f in (ly.qkv, ly.o, ly.gate_up, ly.down))]
+        self.max_rows = MAX_ROWS if all(_dense_rows(f) for f in plain) else 1
+        """Rows a step may have to run here: any number up to MAX_ROWS with dense row-major
+        weights (the C product beat MKL's there: 1.2 vs 1.9 ms a hidden-256 step of 8 rows),
+        else one (oneDNN's packed and MKL's column-major products are faster at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
         self._scratch = torch.empty(0)
         m = self._model
-        self._fixed_scratch = 2 * m.E + (m.H + 2 * m.K) * m.D + m.H * m.D + 3 * m.F + m.D
+        # cpu_decode.c's scratch per row, besides H scores per slot: h, x, q|k|v, attention
+        # out, gate|up, act, cos, sin
+        self._row_scratch = 2 * m.E + (m.H + 2 * m.K) * m.D + m.H * m.D + 3 * m.F + m.D
 
     @classmethod
     def build(cls, lean: DecodeStep | None) -> tuple[NativeStep | None, str]:
-        """The C step around `lean`, or None and why the lean step runs batch 1 as well."""
+        """The C step around `lean`, or None and why the lean step runs every step."""
         if lean is None:
             return None, "no lean step"
         try:
@@ -169,41 +205,53 @@ class NativeStep:
             return None, str(exc)
 
     def __call__(self, ids_B1: torch.Tensor, cache: KVCache, step: CacheStep) -> torch.Tensor:
-        """Logits [B, V], as `DecodeStep.__call__` (one row here; several go to the lean step)."""
-        if ids_B1.shape[0] != 1 or cache.is_ring or step.ring_prefill is not None:
+        """Logits [B, V], as `DecodeStep.__call__` (more than `max_rows` rows, or a ring cache,
+        go to the lean step)."""
+        rows = ids_B1.shape[0]
+        if rows > self.max_rows or cache.is_ring or step.ring_prefill is not None:
             return self.lean(ids_B1, cache, step)
-        pos = int(step.start_B[0])
-        self._point_at(cache)
+        self._point_at(cache, rows, step.key_len)
+        ids = ids_B1.reshape(rows).to(torch.long).contiguous()
+        positions = step.start_B.to(torch.long).contiguous()
         mask = step.key_mask_BS
-        if mask is not None:
-            mask = mask[0].contiguous()
-        slots = pos + 1
-        need = self._fixed_scratch + self._model.H * slots
+        if mask is not None and mask.stride(1) != 1:
+            mask = mask.contiguous()
+        m = self._model
+        need = rows * (self._row_scratch + m.H * step.key_len)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        logits_1V = torch.empty(1, self._model.V)
+        logits_BV = torch.empty(rows, m.V)
         _compiled.step(
             self._model_addr,
-            int(ids_B1[0, 0]),
-            pos,
+            rows,
+            ids.data_ptr(),
+            positions.data_ptr(),
             0 if mask is None else mask.data_ptr(),
-            logits_1V.data_ptr(),
+            0 if mask is None else mask.stride(0),
+            logits_BV.data_ptr(),
             self._scratch.data_ptr(),
             torch.get_num_threads(),
         )
-        return logits_1V
+        return logits_BV
 
-    def _point_at(self, cache: KVCache) -> None:
-        """Aim each layer's table at row 0 of `cache` (views can move between calls)."""
-        rows = [(cache.k_BSKD[layer.key], cache.v_BSKD[layer.key]) for layer in self.lean.layers]
-        where = tuple(t.data_ptr() for pair in rows for t in pair)
+    def _point_at(self, cache: KVCache, rows: int, key_len: int) -> None:
+        """Aim each layer's table at `cache` (views can move between calls), after checking that
+        it holds `rows` rows of at least `key_len` fp32 slots."""
+        kv = [(cache.k_BSKD[layer.key], cache.v_BSKD[layer.key]) for layer in self.lean.layers]
+        k0 = kv[0][0]
+        if k0.shape[0] != rows or k0.shape[1] < key_len:
+            raise ValueError(
+                f"NativeStep: a cache of {k0.shape[0]} rows x {k0.shape[1]} slots for {rows} rows "
+                f"up to slot {key_len - 1}"
+            )
+        where = tuple(x for pair in kv for t in pair for x in (t.data_ptr(), *t.stride()))
         if where == self._cache:
             return
-        for table, (k, v) in zip(self._layers, rows, strict=True):
+        for table, (k, v) in zip(self._layers, kv, strict=True):
             if k.dtype != torch.float32 or k.stride(3) != 1 or k.stride() != v.stride():
                 raise ValueError("NativeStep: the KV cache is not fp32 with contiguous head dims")
             table.k, table.v = k.data_ptr(), v.data_ptr()
-            table.ss, table.ks = k.stride(1), k.stride(2)
+            table.rs, table.ss, table.ks = k.stride(0), k.stride(1), k.stride(2)
         self._cache = where
 
     def _ptr(self, tensor: torch.Tensor) -> int:
@@ -243,6 +291,11 @@ def _expect(parts: Parts, out: int, in_: int, name: str) -> None:
     weight, bias = parts
     if tuple(weight.shape) != (out, in_) or (bias is not None and tuple(bias.shape) != (out,)):
         raise Unsupported(f"{name}: weight {tuple(weight.shape)}, expected ({out}, {in_})")
+
+
+def _dense_rows(linear: object) -> bool:
+    """Whether `linear` is a plain linear with row-major weights (not packed, not colmajor)."""
+    return isinstance(linear, DenseLinear) and linear.weight.stride(-1) == 1
 
 
 def _plain(linear: object) -> Parts | None:

@@ -48,7 +48,7 @@ class InferenceServiceConfig:
     """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
     decode_step: str = "auto"
     """auto: the lean one-token decode step where it covers the model, else the module
-    forward, with batch-1 CPU fp32 steps in C where built; lean: the lean step alone; module:
+    forward, with CPU fp32 steps in C where built; lean: the lean step alone; module:
     always the module forward (see EngineConfig.decode_step)."""
     enforce_eager: bool = False
     """CUDA: no CUDA graphs; every decode step launches its kernels (see
@@ -207,8 +207,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="one-token decode steps: auto (a lean step over the model's own weights, "
         "bit-identical to the module forward, where it covers the model: RoPE + RMSNorm + "
         "SwiGLU decoders without sliding windows; else the module forward; on CPU in fp32 a "
-        "step of one row runs in one C call instead, equal to fp32 rounding, where it was "
-        "built at install and covers the model: fused q|k|v and gate|up, no q/k norms), lean "
+        "step runs in one C call instead, equal to fp32 rounding, where it was built at "
+        "install and covers the model: fused q|k|v and gate|up, no q/k norms; one row, or "
+        "several with dense weights), lean "
         "(the lean step alone, bit-identical) or module (always the module forward) "
         f"(default {d.decode_step})",
     )

@@ -1,4 +1,4 @@
-"""The batch-1 decode step in C (engine/native_step.py, engine/decode_b1.c) against the lean step.
+"""The decode step in C (engine/native_step.py, engine/cpu_decode.c) against the lean step.
 
 The C loop sums in another order than torch, so logits and the cache it writes must agree to
 fp32 rounding (not bit for bit), greedy tokens must be the lean step's, and anything it does
@@ -48,14 +48,21 @@ def _model(**overrides) -> torch.nn.Module:
     return model
 
 
-def _prefilled(model, n: int, pad: int = 0) -> KVCache:
-    """One row holding a random prompt of n tokens, the first `pad` of them padding."""
-    cache = KVCache.for_model(model, 1, 40)
-    ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones(1, n, dtype=torch.bool)
-    mask[0, :pad] = False
+def _prefilled(model, lengths: list[int], pad: int = 0) -> KVCache:
+    """Row b holding a random prompt of lengths[b] tokens, the first `pad` of them padding."""
+    cache = KVCache.for_model(model, len(lengths), 40)
+    gen = torch.Generator().manual_seed(5)
     with torch.inference_mode():
-        model(ids, kv_cache=cache, key_padding_mask_BS=mask if pad else None, logits_to_keep=1)
+        for b, n in enumerate(lengths):
+            ids = torch.randint(0, VOCAB, (1, n), generator=gen)
+            mask = torch.ones(1, n, dtype=torch.bool)
+            mask[0, :pad] = False
+            model(
+                ids,
+                kv_cache=cache.rows(b, b + 1),
+                key_padding_mask_BS=mask if pad else None,
+                logits_to_keep=1,
+            )
     return cache
 
 
@@ -69,13 +76,13 @@ def _clone(cache: KVCache) -> KVCache:
     return copy
 
 
-def _assert_close_steps(model, n: int = 6, pad: int = 0, steps: int = 5) -> None:
+def _assert_close_steps(model, lengths=(6,), pad: int = 0, steps: int = 5) -> None:
     lean = DecodeStep(model)
     native, why = NativeStep.build(lean)
     assert native is not None, why
-    ours = _prefilled(model, n, pad)
+    ours = _prefilled(model, list(lengths), pad)
     theirs = _clone(ours)
-    ids_B1 = torch.tensor([[7]])
+    ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]
     with torch.inference_mode():
         for _ in range(steps):
             step = ours.begin(1, None)
@@ -84,9 +91,9 @@ def _assert_close_steps(model, n: int = 6, pad: int = 0, steps: int = 5) -> None
             step = theirs.begin(1, None)
             want = lean(ids_B1, theirs, step)
             theirs.commit(step)
-            assert got.shape == want.shape == (1, VOCAB)
+            assert got.shape == want.shape == (len(lengths), VOCAB)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-            assert got.argmax() == want.argmax()
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
             ids_B1 = want.argmax(-1, keepdim=True)
     for key in ours.k_BSKD:
         torch.testing.assert_close(ours.k_BSKD[key], theirs.k_BSKD[key], rtol=1e-5, atol=1e-5)
@@ -107,19 +114,26 @@ def _assert_close_steps(model, n: int = 6, pad: int = 0, steps: int = 5) -> None
     ],
     ids=["gqa", "qkv-bias", "all-biases", "mha-tied", "mqa", "linear-rope"],
 )
-def test_logits_and_cache_match_the_lean_step(overrides):
-    _assert_close_steps(_model(**overrides))
+@pytest.mark.parametrize(
+    "lengths", [(6,), (5, 5, 5), (3, 9, 1, 6, 2)], ids=["one", "even", "uneven"]
+)
+def test_logits_and_cache_match_the_lean_step(overrides, lengths):
+    model = _model(**overrides)
+    assert NativeStep(DecodeStep(model)).max_rows == native_step.MAX_ROWS  # dense: any rows
+    _assert_close_steps(model, lengths)
 
 
 @needs_build
-def test_padding_in_the_prompt_is_masked():
-    _assert_close_steps(_model(), n=9, pad=3)
+@pytest.mark.parametrize("lengths", [(9,), (9, 4)], ids=["one", "uneven"])
+def test_padding_in_the_prompt_is_masked(lengths):
+    _assert_close_steps(_model(), lengths, pad=3)
 
 
 @needs_build
-def test_packed_layers_with_their_dense_copy():
+def test_packed_layers_with_their_dense_copy_one_row_at_a_time():
     model = _model()
     pack_linears(model, gemv_copy=True)
+    assert NativeStep(DecodeStep(model)).max_rows == 1  # oneDNN runs several rows faster
     _assert_close_steps(model)
 
 
@@ -128,7 +142,31 @@ def test_column_major_weights():
     model = _model(qkv_bias=True)
     to_column_major(model)
     assert model.layers["0"].mlp.down_proj.weight.t().is_contiguous()
+    assert NativeStep(DecodeStep(model)).max_rows == 1  # MKL runs several rows faster
     _assert_close_steps(model)
+    step = NativeStep(DecodeStep(model))
+    step.max_rows = native_step.MAX_ROWS  # the C product over column-major weights, 3 rows
+    cache = _prefilled(model, [4, 2, 6])
+    lean_cache = _clone(cache)
+    ids = torch.tensor([[3], [4], [5]])
+    with torch.inference_mode():
+        got = step(ids, cache, cache.begin(1, None))
+        want = DecodeStep(model)(ids, lean_cache, lean_cache.begin(1, None))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_build
+@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_c_product_is_f_linear(layout, rows):
+    torch.manual_seed(3)
+    weight, bias = torch.randn(37, 45), torch.randn(37)
+    if layout == "column":
+        weight = weight.t().contiguous().t()
+    x = torch.randn(rows, 1, 45)
+    got = native_step.c_linear(x, weight, bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(native_step.c_linear(x, weight, None), x @ weight.t())
 
 
 @pytest.mark.parametrize(
@@ -173,9 +211,10 @@ def test_without_the_build_the_lean_step_runs(monkeypatch):
 
 
 @needs_build
-def test_several_rows_go_to_the_lean_step():
+def test_rows_beyond_max_rows_go_to_the_lean_step():
     model = _model()
     native = NativeStep(DecodeStep(model))
+    native.max_rows = 1
     calls = []
     native.lean = lambda ids, cache, step: calls.append(ids.shape[0]) or torch.zeros(2, VOCAB)
     cache = KVCache.for_model(model, 2, 16)
@@ -187,12 +226,18 @@ def test_several_rows_go_to_the_lean_step():
 @needs_build
 def test_the_compiled_call_checks_its_arguments():
     native = NativeStep(DecodeStep(_model()))
-    logits, scratch = torch.empty(VOCAB), torch.empty(4096)
-    args = (native._model_addr, VOCAB, 0, 0, logits.data_ptr(), scratch.data_ptr(), 1)
-    with pytest.raises(ValueError, match="vocabulary"):
-        native_step._compiled.step(*args)  # token id == vocab size
+    logits, scratch = torch.empty(2, VOCAB), torch.empty(4096)
+    tokens, positions = torch.tensor([3, VOCAB]), torch.tensor([0, 0])
+    ptrs = (tokens.data_ptr(), positions.data_ptr(), 0, 0, logits.data_ptr(), scratch.data_ptr())
+    with pytest.raises(ValueError, match="row 1 has token 96"):
+        native_step._compiled.step(native._model_addr, 2, *ptrs, 1)  # id == vocab size
+    with pytest.raises(ValueError, match="rows outside"):
+        native_step._compiled.step(native._model_addr, 65, *ptrs, 1)
     with pytest.raises(ValueError, match="null"):
-        native_step._compiled.step(0, 1, 0, 0, logits.data_ptr(), scratch.data_ptr(), 1)
+        native_step._compiled.step(0, 1, *ptrs, 1)
+    cache = KVCache.for_model(_model(), 1, 8)
+    with pytest.raises(ValueError, match="1 rows x 8 slots for 2 rows"):
+        native(torch.tensor([[1], [2]]), cache, cache.begin(1, None))
 
 
 @needs_build
@@ -221,3 +266,22 @@ def test_engine_default_runs_batch_one_in_c_with_the_lean_steps_tokens(cpu_linea
             assert [r.token_ids for r in got] == [r.token_ids for r in want]
             for g, w in zip(got, want, strict=True):
                 assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+
+
+@needs_build
+def test_the_layout_probe_times_dense_weights_with_the_c_product(monkeypatch):
+    from engine import linear_choice
+
+    calls = []
+
+    def spy(x, weight, bias):
+        calls.append(x.shape[0])
+        return native_step.c_linear(x, weight, bias)
+
+    monkeypatch.setattr(linear_choice, "c_linear", spy)
+    model = _model()
+    choice = linear_choice.choose_cpu_linear(model, one_row_native=True)
+    assert choice in ("dense", "colmajor", "packed+gemv") and calls and set(calls) == {8}
+    calls.clear()
+    linear_choice.choose_cpu_linear(model)  # the lean step's layouts: F.linear, 1 and 8 rows
+    assert not calls

@@ -26,6 +26,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 
@@ -87,10 +88,40 @@ static void lin_columns(const Lin *l, long B, const float *X, long xs, float *Y,
     }
 }
 
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* out[3 r + q] = w_q . x_r for three weight rows w0..w2 and four inputs x0..x3 of n features:
+ * twelve sums in twelve registers, each weight and input vector loaded once per 8 features
+ * (7 loads for 12 multiply-adds). */
+static void dot3x4(const float *const w[3], const float *const x[4], long n, float *out) {
+    __m256 acc[12];
+    for (int k = 0; k < 12; k++) acc[k] = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 u = _mm256_loadu_ps(w[0] + i), v = _mm256_loadu_ps(w[1] + i);
+        const __m256 t = _mm256_loadu_ps(w[2] + i);
+        for (int r = 0; r < 4; r++) {
+            const __m256 xv = _mm256_loadu_ps(x[r] + i);
+            acc[3 * r] = _mm256_fmadd_ps(u, xv, acc[3 * r]);
+            acc[3 * r + 1] = _mm256_fmadd_ps(v, xv, acc[3 * r + 1]);
+            acc[3 * r + 2] = _mm256_fmadd_ps(t, xv, acc[3 * r + 2]);
+        }
+    }
+    for (int k = 0; k < 12; k++) out[k] = hsum(acc[k]);
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++)
+            for (int q = 0; q < 3; q++) out[3 * r + q] += w[q][i] * x[r][i];
+}
+
 /* Y[b, o0:o1] = W[o0:o1] X[b] for a row-major W. One row: four weight rows at a time, so four
- * independent sums are in flight. Several: two weight rows against four inputs at a time
- * (eight sums); the two weight rows are read from memory once and from the cache for the next
- * inputs. */
+ * independent sums are in flight. Several: three weight rows against four inputs at a time
+ * (twelve sums); the three weight rows are read from memory once and from the cache for the
+ * next inputs. */
 static void lin_rows(const Lin *l, long B, const float *X, long xs, float *Y, long ys, long o0,
                      long o1) {
     const long n = l->in, rs = l->rs;
@@ -113,32 +144,19 @@ static void lin_rows(const Lin *l, long B, const float *X, long xs, float *Y, lo
             Y[o + 3] = a3;
         }
     }
-    for (; o < o1; o += 2) {
-        const int two = o + 1 < o1;
-        const float *w0 = l->w + o * rs, *w1 = two ? w0 + rs : w0;
+    for (; o < o1; o += 3) {
+        const long nw = o1 - o < 3 ? o1 - o : 3;
+        /* weight rows past o1 and inputs past the last row repeat the first; their sums are not
+         * stored */
+        const float *w[3] = {l->w + o * rs, l->w + (o + (nw > 1)) * rs, l->w + (o + 2 * (nw > 2)) * rs};
         for (long b = 0; b < B; b += 4) {
-            /* inputs past the last row repeat it; their sums are not stored */
             const long nb = B - b < 4 ? B - b : 4;
-            const float *x0 = X + b * xs, *x1 = nb > 1 ? x0 + xs : x0;
-            const float *x2 = nb > 2 ? x1 + xs : x0, *x3 = nb > 3 ? x2 + xs : x0;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, c0, c1, c2, c3)
-            for (long i = 0; i < n; i++) {
-                const float u = w0[i], v = w1[i];
-                a0 += u * x0[i];
-                a1 += u * x1[i];
-                a2 += u * x2[i];
-                a3 += u * x3[i];
-                c0 += v * x0[i];
-                c1 += v * x1[i];
-                c2 += v * x2[i];
-                c3 += v * x3[i];
-            }
-            const float a[4] = {a0, a1, a2, a3}, c[4] = {c0, c1, c2, c3};
-            for (long r = 0; r < nb; r++) {
-                Y[(b + r) * ys + o] = a[r];
-                if (two) Y[(b + r) * ys + o + 1] = c[r];
-            }
+            const float *x[4];
+            for (long r = 0; r < 4; r++) x[r] = X + (b + (r < nb ? r : 0)) * xs;
+            float sums[12];
+            dot3x4(w, x, n, sums);
+            for (long r = 0; r < nb; r++)
+                for (long q = 0; q < nw; q++) Y[(b + r) * ys + o + q] = sums[3 * r + q];
         }
     }
 }
@@ -318,34 +336,6 @@ static PyObject *step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The step's matrix product alone, for `--cpu-linear auto`'s probe: Y [rows, out] = X [rows, in]
- * W^T (+ b), W [out, in] with strides (rs, cs), X and Y contiguous. */
-static PyObject *linear(PyObject *self, PyObject *args) {
-    unsigned long long w, b, x, y;
-    long long out, in, rs, cs, rows;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKLLLLLKKi", &w, &b, &out, &in, &rs, &cs, &rows, &x, &y,
-                          &threads)) {
-        return NULL;
-    }
-    if (!w || !x || !y || out < 1 || in < 1 || rows < 1 || threads < 1 ||
-        !((cs == 1 && rs >= in) || (rs == 1 && cs >= out))) {
-        PyErr_SetString(PyExc_ValueError,
-                        "linear(w, b, out, in, rs, cs, rows, x, y, threads): null buffers, empty "
-                        "sizes or strides that are neither row- nor column-major");
-        return NULL;
-    }
-    const Lin l = {(const float *)(uintptr_t)w, (const float *)(uintptr_t)b, (long)out, (long)in,
-                   (long)rs, (long)cs};
-    const float *X = (const float *)(uintptr_t)x;
-    float *Y = (float *)(uintptr_t)y;
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(threads)
-    lin(&l, (long)rows, X, (long)in, Y, (long)out);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyObject *simd(PyObject *self, PyObject *args) {
     __builtin_cpu_init();
     return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
@@ -353,7 +343,6 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
-    {"linear", linear, METH_VARARGS, "The step's matrix product alone (addresses as ints)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2 and FMA units the build uses."},
     {NULL, NULL, 0, NULL},
 };

@@ -28,7 +28,7 @@ from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
 from engine.linear_choice import choose_cpu_linear, to_column_major
-from engine.native_step import NativeStep
+from engine.native_step import C_ROWS, NativeStep
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -191,11 +191,9 @@ class Engine:
         "packed+gemv")."""
         if self.cpu_linear == "auto":
             on_cpu = self.device.type == "cpu"
-            # One-row steps in C read plain weights: then only steps of several rows matter.
-            native = on_cpu and self._native_planned()
-            self.cpu_linear = (
-                choose_cpu_linear(model, skip, one_row_native=native) if on_cpu else "dense"
-            )
+            # Steps of up to C_ROWS rows in C read row-major weights: the layout runs the rest.
+            c_rows = C_ROWS if on_cpu and self._native_planned() else 0
+            self.cpu_linear = choose_cpu_linear(model, skip, c_rows=c_rows) if on_cpu else "dense"
         if self.cpu_linear == "colmajor":
             to_column_major(model, skip)
         elif self.cpu_linear != "dense":
@@ -241,8 +239,8 @@ class Engine:
         return native or step
 
     def _native_planned(self) -> bool:
-        """Whether one-row steps will run in C (engine.native_step) with the weights as loaded:
-        decided before the linear layout, which must then keep plain weights."""
+        """Whether steps will run in C (engine.native_step) with the weights as loaded: decided
+        before the linear layout, which must then keep row-major weights."""
         if self.config.decode_step != "auto" or self.config.compile_decode:
             return False
         if type(self)._last_logits is not Engine._last_logits:

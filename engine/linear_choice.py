@@ -24,11 +24,9 @@ packed+gemv.
 probe of its own: its one-row calls are dense calls and its other calls packed ones. It keeps
 a second copy of every linear weight, so auto considers it only when that copy takes at most
 GEMV_COPY_MEMORY_SHARE of the memory available at start-up (the smaller of the system's and
-the cgroup's). Where the engine runs one-row steps in C over plain weights
-(engine/native_step.py), the one-row times do not matter and "packed" alone keeps no plain
-weights: auto then probes several rows only and picks among "dense", "colmajor" and
-"packed+gemv", timing "dense" with the C step's product, since with dense weights the C step
-runs steps of several rows as well.
+the cgroup's). Where the engine runs steps of up to `c_rows` rows in C over row-major weights
+(engine/native_step.py), only larger steps run the layout, and only "dense" and "packed+gemv"
+keep row-major weights: auto then times 4 x `c_rows` rows only and picks between the two.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native_step import c_linear
 from kernels.packed_linear import PackedLinear, can_pack
 
 log = logging.getLogger(__name__)
@@ -74,16 +71,16 @@ def choose_cpu_linear(
     model: nn.Module,
     skip: tuple[str, ...] = (),
     available_bytes: int | None = None,
-    one_row_native: bool = False,
+    c_rows: int = 0,
 ) -> str:
     """The fastest of "dense", "packed", "colmajor" (and "packed+gemv" when its extra copy fits
     in GEMV_COPY_MEMORY_SHARE of `available_bytes`, default: `available_memory()`) for `model`'s
     linear shapes here; a layout other than dense only when it takes under MARGIN of the dense
     time (modules named in `skip` stay dense either way and are not timed).
 
-    `one_row_native`: one-row steps run in C over plain weights (engine.native_step), so
-    "packed" alone (no plain weights) does not qualify, layouts are judged at several rows
-    only, and "dense" is timed with the C step's own product, which then runs those steps too."""
+    `c_rows`: steps of up to this many rows run in C over row-major weights
+    (engine.native_step), so only "dense" and "packed+gemv" qualify, judged at 4 x `c_rows`
+    rows, a step the layout runs."""
     shapes = _linears_by_shape(model, skip)
     if not shapes:
         return "dense"
@@ -94,7 +91,7 @@ def choose_cpu_linear(
     )
     available = available_memory() if available_bytes is None else available_bytes
     allow_copy = available is not None and copy_bytes <= GEMV_COPY_MEMORY_SHARE * available
-    probed = tuple(r for r in PROBE_ROWS if r > 1) if one_row_native else PROBE_ROWS
+    probed = (4 * c_rows,) if c_rows else PROBE_ROWS
     times = {(layout, rows): 0.0 for layout in LAYOUTS for rows in probed}
     with torch.inference_mode():
         for same_shape in shapes:
@@ -106,11 +103,11 @@ def choose_cpu_linear(
             for rows in probed:
                 x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
                 calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
-                layers = _layouts(copies, x, c_linear if one_row_native else F.linear)
+                layers = _layouts(copies, x)
                 for layout, seconds in zip(LAYOUTS, _time_alternated(layers, calls), strict=True):
                     times[layout, rows] += seconds
             del copies
-    choice = pick_layout(times, allow_copy=allow_copy, one_row_native=one_row_native)
+    choice = pick_layout(times, allow_copy=allow_copy, row_major=c_rows > 0)
     log.info(
         "--cpu-linear auto: %s us per probe -> %s%s",
         "; ".join(
@@ -119,7 +116,8 @@ def choose_cpu_linear(
         ),
         choice,
         f" (+{copy_bytes / 2**20:.0f} MiB: the packed weights beside the dense ones, which "
-        "one-row steps read; --cpu-linear packed or colmajor keeps one copy)"
+        "one-row calls and the C decode step read; --cpu-linear packed or colmajor keeps one "
+        "copy)"
         if choice == GEMV_COPY
         else "",
     )
@@ -127,17 +125,17 @@ def choose_cpu_linear(
 
 
 def pick_layout(
-    times: dict[tuple[str, int], float], allow_copy: bool = False, one_row_native: bool = False
+    times: dict[tuple[str, int], float], allow_copy: bool = False, row_major: bool = False
 ) -> str:
     """The layout to keep from probe times per (layout, rows): another layout than dense only
     when it is no slower than dense at any probed row count (within SAME) and takes under
     MARGIN of the dense time over all of them, so a gain at batch 8 never costs batch 1.
     `allow_copy` adds "packed+gemv", timed as dense at one row and packed above.
-    `one_row_native` (one-row steps in C over plain weights, which "packed" alone does not
-    keep): "colmajor" and "packed+gemv" are the candidates, judged at the probed row counts."""
+    `row_major` (the C decode step reads row-major weights, which neither "packed" nor
+    "colmajor" keeps): "packed+gemv" is the only candidate, judged at the probed row counts."""
     times = dict(times)
     rows_probed = sorted({rows for _, rows in times})
-    candidates = ["colmajor"] if one_row_native else list(LAYOUTS[1:])
+    candidates = [] if row_major else list(LAYOUTS[1:])
     if allow_copy:
         for rows in rows_probed:
             times[GEMV_COPY, rows] = times["dense" if rows == 1 else "packed", rows]
@@ -217,17 +215,14 @@ def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[list[nn.L
 
 
 def _layouts(
-    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]],
-    x: torch.Tensor,
-    dense_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object] = F.linear,
+    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]], x: torch.Tensor
 ) -> tuple[Callable[[], object], ...]:
-    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling);
-    dense weights through `dense_linear` (the C step's product where it runs those steps)."""
+    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling)."""
     turn = {layout: itertools.cycle(copies) for layout in LAYOUTS}
 
     def dense() -> object:
         linear, _, _ = next(turn["dense"])
-        return dense_linear(x, linear.weight, linear.bias)
+        return F.linear(x, linear.weight, linear.bias)
 
     def packed() -> object:
         _, packed_linear, _ = next(turn["packed"])

@@ -7,8 +7,8 @@ A decode step streams every weight once, and the lean step (engine/decode_step.p
 flushed the core's caches, so it costs 5-40 us instead of 1-3: a hidden-1024 batch-1 step spent
 ~2 ms of its ~10 there (bench/RESULTS.md). `NativeStep` runs the same decoder as a single C loop
 over the model's own tensors (nothing is copied): every step of one row, and steps of up to
-MAX_ROWS rows when the weights are dense row-major (with packed or column-major weights oneDNN's
-and MKL's products are faster at several rows, so the lean step runs those).
+C_ROWS rows when the weights it reads are row-major (as loaded, or a packed layer's dense copy);
+larger steps run the lean step, where oneDNN's packed product is faster.
 
 Covered: CPU, fp32, the decoder `DecodeStep` covers with fused q|k|v (biases allowed) and a
 fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Linear, or a packed
@@ -32,7 +32,12 @@ from models.kv_cache import CacheStep, KVCache
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
-"""Rows per step the C step takes (cpu_decode.c's MAX_ROWS); more go to the lean step."""
+"""Rows per step cpu_decode.c accepts."""
+C_ROWS = 8
+"""Steps of up to this many rows run in C when the weights it reads are row-major. Measured on
+a 2-core x86-64 box (bench/RESULTS.md): at 8 rows the C step beat the lean step with its best
+layout (hidden 256: 1.37 vs 1.76 ms, column-major; hidden 1024: 15.5 vs 19.9 ms, oneDNN-packed);
+at 32 rows oneDNN's packed product won (28.5 vs 36.7 ms)."""
 
 try:  # built at install where a compiler is present (cpu_decode.c)
     import engine.cpu_decode as _compiled
@@ -80,28 +85,6 @@ class _ModelTable(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(_LayerTable)),
     ]
-
-
-def c_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for fp32 CPU tensors through the C step's own product (what
-    `--cpu-linear auto` times for dense weights when the C step runs several rows)."""
-    rows, features = x.numel() // x.shape[-1], x.shape[-1]
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()  # held until the call returns
-    out = torch.empty(*x.shape[:-1], weight.shape[0])
-    _compiled.linear(
-        weight.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        weight.shape[0],
-        features,
-        weight.stride(0),
-        weight.stride(1),
-        rows,
-        x.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return out
 
 
 def available() -> tuple[bool, str]:
@@ -182,11 +165,13 @@ class NativeStep:
             layers=self._layers,
         )
         self._model_addr = ctypes.addressof(self._model)
-        plain = [lean.head, *(f for ly in lean.layers for f in (ly.qkv, ly.o, ly.gate_up, ly.down))]
-        self.max_rows = MAX_ROWS if all(_dense_rows(f) for f in plain) else 1
-        """Rows a step may have to run here: any number up to MAX_ROWS with dense row-major
-        weights (the C product beat MKL's there: 1.2 vs 1.9 ms a hidden-256 step of 8 rows),
-        else one (oneDNN's packed and MKL's column-major products are faster at several rows)."""
+        linears = [
+            lean.head,
+            *(f for ly in lean.layers for f in (ly.qkv, ly.o, ly.gate_up, ly.down)),
+        ]
+        self.max_rows = C_ROWS if all(_row_major(f) for f in linears) else 1
+        """Rows a step may have to run here: up to C_ROWS with row-major weights, else one
+        (the C product over column-major weights is slower than MKL's at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
         self._scratch = torch.empty(0)
         m = self._model
@@ -293,9 +278,10 @@ def _expect(parts: Parts, out: int, in_: int, name: str) -> None:
         raise Unsupported(f"{name}: weight {tuple(weight.shape)}, expected ({out}, {in_})")
 
 
-def _dense_rows(linear: object) -> bool:
-    """Whether `linear` is a plain linear with row-major weights (not packed, not colmajor)."""
-    return isinstance(linear, DenseLinear) and linear.weight.stride(-1) == 1
+def _row_major(linear: object) -> bool:
+    """Whether the weight the C step reads for `linear` is row-major."""
+    parts = _plain(linear)
+    return parts is not None and parts[0].stride(-1) == 1
 
 
 def _plain(linear: object) -> Parts | None:

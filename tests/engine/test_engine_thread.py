@@ -216,18 +216,19 @@ def test_auto_cpu_linear_keeps_a_second_copy_only_where_memory_allows(monkeypatc
     # packed no faster at 8 rows either: nothing is worth the copy
     slow = measured | {("colmajor", 1): 12.0, ("packed", 8): 31.0}
     assert linear_choice.pick_layout(slow, allow_copy=True) == "dense"
-    # one-row steps in C over plain weights: judged at 8 rows; packed alone keeps none
+    # small steps in C over row-major weights: only dense and packed+gemv keep them, judged at
+    # the larger step probed (here 8 rows)
     eight = {key: t for key, t in measured.items() if key[1] == 8}
-    assert linear_choice.pick_layout(eight, allow_copy=True, one_row_native=True) == "packed+gemv"
-    assert linear_choice.pick_layout(eight, allow_copy=False, one_row_native=True) == "colmajor"
-    packed_best = eight | {("colmajor", 8): 30.0}  # packed fastest, but it drops the plain weights
-    assert linear_choice.pick_layout(packed_best, one_row_native=True) == "dense"
+    assert linear_choice.pick_layout(eight, allow_copy=True, row_major=True) == "packed+gemv"
+    assert linear_choice.pick_layout(eight, allow_copy=False, row_major=True) == "dense"
+    colmajor_best = eight | {("colmajor", 8): 10.0}  # fastest, but not row-major
+    assert linear_choice.pick_layout(colmajor_best, row_major=True) == "dense"
 
     _, model, _ = hf_reference("llama-gqa", seed=1)
     copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     allowed: list[bool] = []
 
-    def spy(times, allow_copy=False, one_row_native=False):
+    def spy(times, allow_copy=False, row_major=False):
         allowed.append(allow_copy)
         return "dense"
 

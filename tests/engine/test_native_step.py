@@ -115,11 +115,11 @@ def _assert_close_steps(model, lengths=(6,), pad: int = 0, steps: int = 5) -> No
     ids=["gqa", "qkv-bias", "all-biases", "mha-tied", "mqa", "linear-rope"],
 )
 @pytest.mark.parametrize(
-    "lengths", [(6,), (5, 5, 5), (3, 9, 1, 6, 2)], ids=["one", "even", "uneven"]
+    "lengths", [(6,), (5, 5, 5), (3, 9, 1, 6, 2, 4, 7, 5)], ids=["one", "even", "uneven-8"]
 )
 def test_logits_and_cache_match_the_lean_step(overrides, lengths):
     model = _model(**overrides)
-    assert NativeStep(DecodeStep(model)).max_rows == native_step.MAX_ROWS  # dense: any rows
+    assert NativeStep(DecodeStep(model)).max_rows == native_step.C_ROWS  # row-major weights
     _assert_close_steps(model, lengths)
 
 
@@ -130,11 +130,11 @@ def test_padding_in_the_prompt_is_masked(lengths):
 
 
 @needs_build
-def test_packed_layers_with_their_dense_copy_one_row_at_a_time():
+def test_packed_layers_with_their_dense_copy():
     model = _model()
     pack_linears(model, gemv_copy=True)
-    assert NativeStep(DecodeStep(model)).max_rows == 1  # oneDNN runs several rows faster
-    _assert_close_steps(model)
+    assert NativeStep(DecodeStep(model)).max_rows == native_step.C_ROWS
+    _assert_close_steps(model, (4, 6))
 
 
 @needs_build
@@ -145,7 +145,7 @@ def test_column_major_weights():
     assert NativeStep(DecodeStep(model)).max_rows == 1  # MKL runs several rows faster
     _assert_close_steps(model)
     step = NativeStep(DecodeStep(model))
-    step.max_rows = native_step.MAX_ROWS  # the C product over column-major weights, 3 rows
+    step.max_rows = 3  # the C product over column-major weights, 3 rows
     cache = _prefilled(model, [4, 2, 6])
     lean_cache = _clone(cache)
     ids = torch.tensor([[3], [4], [5]])
@@ -153,20 +153,6 @@ def test_column_major_weights():
         got = step(ids, cache, cache.begin(1, None))
         want = DecodeStep(model)(ids, lean_cache, lean_cache.begin(1, None))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-
-
-@needs_build
-@pytest.mark.parametrize("layout", ["row", "column"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_c_product_is_f_linear(layout, rows):
-    torch.manual_seed(3)
-    weight, bias = torch.randn(37, 45), torch.randn(37)
-    if layout == "column":
-        weight = weight.t().contiguous().t()
-    x = torch.randn(rows, 1, 45)
-    got = native_step.c_linear(x, weight, bias)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias))
-    torch.testing.assert_close(native_step.c_linear(x, weight, None), x @ weight.t())
 
 
 @pytest.mark.parametrize(
@@ -257,8 +243,8 @@ def test_engine_default_runs_batch_one_in_c_with_the_lean_steps_tokens(cpu_linea
         config = EngineConfig(max_batch_rows=3, cpu_linear=cpu_linear, decode_step=decode_step)
         engine = Engine(_model(), TokenizerInfo(VOCAB), config)
         assert isinstance(engine._decode_step, NativeStep) == (decode_step == "auto")
-        if decode_step == "auto":  # a layout that keeps plain weights
-            assert engine.cpu_linear in ("dense", "colmajor", "packed+gemv")
+        if decode_step == cpu_linear == "auto":  # a layout that keeps row-major weights
+            assert engine.cpu_linear in ("dense", "packed+gemv")
         alone = [engine.generate([p], [c])[0] for p, c in zip(prompts, configs, strict=True)]
         results[decode_step] = (alone, engine.generate(prompts, configs))
     for ours, lean in zip(results["auto"], results["lean"], strict=True):
@@ -269,19 +255,16 @@ def test_engine_default_runs_batch_one_in_c_with_the_lean_steps_tokens(cpu_linea
 
 
 @needs_build
-def test_the_layout_probe_times_dense_weights_with_the_c_product(monkeypatch):
+def test_under_the_c_step_the_layout_probe_times_a_larger_step(monkeypatch):
     from engine import linear_choice
 
-    calls = []
+    seen = []
 
-    def spy(x, weight, bias):
-        calls.append(x.shape[0])
-        return native_step.c_linear(x, weight, bias)
+    def spy(times, allow_copy=False, row_major=False):
+        seen.append((sorted({rows for _, rows in times}), row_major))
+        return "dense"
 
-    monkeypatch.setattr(linear_choice, "c_linear", spy)
-    model = _model()
-    choice = linear_choice.choose_cpu_linear(model, one_row_native=True)
-    assert choice in ("dense", "colmajor", "packed+gemv") and calls and set(calls) == {8}
-    calls.clear()
-    linear_choice.choose_cpu_linear(model)  # the lean step's layouts: F.linear, 1 and 8 rows
-    assert not calls
+    monkeypatch.setattr(linear_choice, "pick_layout", spy)
+    linear_choice.choose_cpu_linear(_model(), c_rows=native_step.C_ROWS)
+    linear_choice.choose_cpu_linear(_model())
+    assert seen == [([4 * native_step.C_ROWS], True), ([1, 8], False)]

@@ -251,7 +251,9 @@ class Engine:
 
     def _build_graphs(self) -> GraphedDecode | None:
         """CUDA graphs of the lean decode step, or None (eager steps)."""
-        if self._decode_step is None or self.device.type != "cuda" or self.config.enforce_eager:
+        if not isinstance(self._decode_step, DecodeStep):  # none, or the C step (CPU only)
+            return None
+        if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if self.pool.cache.is_ring:
             log.info("decode: eager steps (sliding-window rings are not graphed)")

@@ -75,7 +75,14 @@ class _LayerTable(ctypes.Structure):
 
 
 class _ModelTable(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_long) for name in ("E", "H", "K", "D", "F", "V", "L")] + [
+    _fields_ = [
+        ("E", ctypes.c_long),
+        ("H", ctypes.c_long),
+        ("K", ctypes.c_long),
+        ("D", ctypes.c_long),
+        ("F", ctypes.c_long),
+        ("V", ctypes.c_long),
+        ("L", ctypes.c_long),
         ("embed", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
         ("final_eps", ctypes.c_float),
@@ -288,6 +295,8 @@ def _plain(linear: object) -> Parts | None:
     """The layer's (weight [O, I], bias) in fp32 when the weight is a plain row-major or
     column-major matrix, else None: a plain linear (DecodeStep's DenseLinear, as loaded or
     `--cpu-linear colmajor`) or a packed layer's one-row copy."""
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
     if isinstance(linear, PackedLinear):
         weight, bias = linear.gemv_weight, linear.bias
     elif isinstance(linear, DenseLinear):

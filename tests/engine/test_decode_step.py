@@ -22,7 +22,9 @@ from models.lora import LoraConfig, apply_lora
 VOCAB = 96
 
 
-def _model(device: str = "cpu", **overrides) -> torch.nn.Module:
+def _model(
+    device: str = "cpu", perturb: tuple[str, ...] = ("norm",), **overrides
+) -> torch.nn.Module:
     fields = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -36,9 +38,9 @@ def _model(device: str = "cpu", **overrides) -> torch.nn.Module:
     fields.update(overrides)
     torch.manual_seed(0)
     model = build_model(ModelConfig(**fields), device=device).eval()
-    with torch.no_grad():  # norm weights away from 1, so a skipped scale would show
+    with torch.no_grad():  # norm weights away from 1 (biases from 0), so a skipped one shows
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if any(part in name for part in perturb):
                 param.add_(0.1 * torch.randn(param.shape).to(param.device))
     return model
 

@@ -18,34 +18,17 @@ from engine.native_step import NativeStep
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from kernels.packed_linear import pack_linears
-from models import build_model
-from models.config import ModelConfig
 from models.kv_cache import KVCache
+from tests.engine.test_decode_step import VOCAB
+from tests.engine.test_decode_step import _model as _decode_step_model
 
-VOCAB = 96
 BUILT, WHY = native_step.available()
 needs_build = pytest.mark.skipif(not BUILT, reason=WHY)
 
 
 def _model(**overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=96,
-        max_position_embeddings=64,
-        init_std=0.2,
-    )
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(**fields), device="cpu").eval()
-    with torch.no_grad():  # norm weights and biases away from their defaults
-        for name, param in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(0.1 * torch.randn(param.shape))
-    return model
+    """test_decode_step's model, with biases moved away from 0 as well."""
+    return _decode_step_model(perturb=("norm", "bias"), **overrides)
 
 
 def _prefilled(model, lengths: list[int], pad: int = 0) -> KVCache:

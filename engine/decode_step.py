@@ -46,7 +46,7 @@ class Unsupported(Exception):
 
 
 @dataclass(frozen=True)
-class _Layer:
+class StepLayer:
     """One decoder layer's parameters, read once from its modules."""
 
     key: str
@@ -123,7 +123,7 @@ class DecodeStep:
         mask_B11S = None if step.key_mask_BS is None else step.key_mask_BS[:, None, None, :]
 
         def attend(
-            layer: _Layer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
+            layer: StepLayer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
         ) -> torch.Tensor:
             k_all, v_all = cache.write(layer.key, step, k_B1KD, v_B1KD)
             return self._attention(q_B1HD, k_all, v_all, mask_B11S)
@@ -147,7 +147,7 @@ class DecodeStep:
         pos_B1 = pos_B[:, None]
 
         def attend(
-            layer: _Layer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
+            layer: StepLayer, q_B1HD: torch.Tensor, k_B1KD: torch.Tensor, v_B1KD: torch.Tensor
         ) -> torch.Tensor:
             k_cache = cache.k_BSKD[layer.key][:rows]
             v_cache = cache.v_BSKD[layer.key][:rows]
@@ -165,7 +165,7 @@ class DecodeStep:
         self,
         ids_B1: torch.Tensor,
         pos_B: torch.Tensor,
-        attend: Callable[[_Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Callable[[StepLayer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """The decoder over one token per row at positions `pos_B`; `attend(layer, q, k, v)`
         stores k/v and returns attention's output [B, H, 1, D]."""
@@ -218,7 +218,7 @@ class DecodeStep:
 
     def _project(
         self,
-        layer: _Layer,
+        layer: StepLayer,
         x_B1E: torch.Tensor,
         cos_B1D: torch.Tensor,
         sin_B1D: torch.Tensor,
@@ -264,7 +264,7 @@ def _rotate_fp32(
     return x_BSHD * cos_BSD.unsqueeze(2) + rotated * sin_BSD.unsqueeze(2)
 
 
-def _read_layer(key: str, layer: nn.Module) -> _Layer:
+def _read_layer(key: str, layer: nn.Module) -> StepLayer:
     if type(layer) is not DecoderLayer:
         raise Unsupported(f"layer {key} is a {type(layer).__name__}")
     attn, mlp = layer.self_attn, layer.mlp
@@ -278,7 +278,7 @@ def _read_layer(key: str, layer: nn.Module) -> _Layer:
     if attn.q_norm is not None and attn.k_norm is not None:
         q_norm, k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
     fused_qkv, fused_mlp = attn.fused, mlp.fused
-    return _Layer(
+    return StepLayer(
         key=key,
         norm1=_norm(layer.input_layernorm),
         norm2=_norm(layer.post_attention_layernorm),

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from engine.decode_step import DecodeStep, DenseLinear, _Layer
+from engine.decode_step import DecodeStep, DenseLinear, StepLayer
 from kernels.packed_linear import PackedLinear
 from models.kv_cache import CacheStep, KVCache
 
@@ -264,7 +264,7 @@ class NativeStep:
 Parts = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _layer_parts(layer: _Layer) -> tuple[Parts, Parts, Parts, Parts]:
+def _layer_parts(layer: StepLayer) -> tuple[Parts, Parts, Parts, Parts]:
     """(weight, bias) of q|k|v, o, gate|up and down, each a plain fp32 matrix, or Unsupported."""
     if layer.qkv is None or layer.gate_up is None:
         raise Unsupported(f"layer {layer.key}: separate q/k/v or gate/up projections")

@@ -7,6 +7,9 @@ not cover must go to the lean step.
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import pytest
 import torch
 
@@ -169,6 +172,15 @@ def test_declines_what_it_does_not_cover(prepare, reason):
 def test_declines_other_layer_layouts(overrides, reason):
     native, why = NativeStep.build(DecodeStep(_model(**overrides)))
     assert native is None and reason in why
+
+
+def test_the_c_step_is_built_where_a_compiler_exists():
+    """setuptools builds cpu_decode.c as an optional extension: on x86-64 with a C compiler (CI,
+    the dev machine) a silent build failure would only show as slower decoding, and the tests
+    above would skip."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        pytest.skip("checked where a C compiler exists on x86-64")
+    assert native_step._compiled is not None
 
 
 def test_without_the_build_the_lean_step_runs(monkeypatch):

@@ -25,7 +25,7 @@ all). % of roofline = that bound / measured time per token.
 
 Device: the server loads on the device `meshline serve inference` picks (CUDA when one is
 present, else the CPU; `--device` pins it through MESHLINE_DEVICE), and HF runs on the same
-device: eager attention on the CPU, sdpa on CUDA (each HF's faster choice there). On CUDA the
+device: eager attention on the CPU (as before), sdpa (HF's default) on CUDA. On CUDA the
 bandwidth is the device's, measured the same way with the device synchronised.
 
 Transports: `--transport grpc` (default, Generate calls), `--transport http` (the OpenAI
@@ -295,7 +295,9 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> f
     y = torch.empty_like(x)
     vector = torch.ones(4096, device=device)
     nbytes = x.numel() * 4
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    from kernels import device as devices
+
+    sync = devices.synchronize if x.device.type != "cpu" else (lambda: None)
     best = 0.0
     for _ in range(repeats):
         for moved, run in (

@@ -100,8 +100,8 @@ class EngineConfig:
     of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense"
     as loaded; "packed" repacked once for oneDNN (faster decode and prefill, same memory, the
     model becomes inference-only, see kernels/packed_linear.py);
-    "packed+gemv" also keeps the dense weights for one-row steps (twice the linear weights'
-    memory); "colmajor" stores the dense weights column-major instead (same
+    "packed+gemv" also keeps the dense weights for one-row calls and the C decode step (twice
+    the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
     memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
     compile_decode: bool = False
     """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),

@@ -26,7 +26,8 @@ a second copy of every linear weight, so auto considers it only when that copy t
 GEMV_COPY_MEMORY_SHARE of the memory available at start-up (the smaller of the system's and
 the cgroup's). Where the engine runs steps of up to `c_rows` rows in C over row-major weights
 (engine/native_step.py), only larger steps run the layout, and only "dense" and "packed+gemv"
-keep row-major weights: auto then times 4 x `c_rows` rows only and picks between the two.
+keep row-major weights: auto then times those two (dense and packed calls) at 4 x `c_rows`
+rows only and picks between them.
 """
 
 from __future__ import annotations
@@ -92,19 +93,24 @@ def choose_cpu_linear(
     available = available_memory() if available_bytes is None else available_bytes
     allow_copy = available is not None and copy_bytes <= GEMV_COPY_MEMORY_SHARE * available
     probed = (4 * c_rows,) if c_rows else PROBE_ROWS
-    times = {(layout, rows): 0.0 for layout in LAYOUTS for rows in probed}
+    timed = ("dense", "packed") if c_rows else LAYOUTS  # column-major is no candidate then
+    times = {(layout, rows): 0.0 for layout in timed for rows in probed}
     with torch.inference_mode():
         for same_shape in shapes:
             first = same_shape[0]
             copies = [
-                (linear, PackedLinear(linear), column_major_copy(linear.weight.detach()))
+                (
+                    linear,
+                    PackedLinear(linear),
+                    column_major_copy(linear.weight.detach()) if "colmajor" in timed else None,
+                )
                 for linear in same_shape
             ]
             for rows in probed:
                 x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
                 calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
-                layers = _layouts(copies, x)
-                for layout, seconds in zip(LAYOUTS, _time_alternated(layers, calls), strict=True):
+                layers = _layouts(copies, x, timed)
+                for layout, seconds in zip(timed, _time_alternated(layers, calls), strict=True):
                     times[layout, rows] += seconds
             del copies
     choice = pick_layout(times, allow_copy=allow_copy, row_major=c_rows > 0)
@@ -112,7 +118,7 @@ def choose_cpu_linear(
         "--cpu-linear auto: %s us per probe -> %s%s",
         "; ".join(
             f"{layout} " + "/".join(f"{times[layout, rows] * 1e6:.1f}" for rows in probed)
-            for layout in LAYOUTS
+            for layout in timed
         ),
         choice,
         f" (+{copy_bytes / 2**20:.0f} MiB: the packed weights beside the dense ones, which "
@@ -215,10 +221,13 @@ def _linears_by_shape(model: nn.Module, skip: tuple[str, ...]) -> list[list[nn.L
 
 
 def _layouts(
-    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor]], x: torch.Tensor
+    copies: list[tuple[nn.Linear, PackedLinear, torch.Tensor | None]],
+    x: torch.Tensor,
+    timed: tuple[str, ...] = LAYOUTS,
 ) -> tuple[Callable[[], object], ...]:
-    """Per layout (LAYOUTS order), one call on `x` of the next linear of `copies` (cycling)."""
-    turn = {layout: itertools.cycle(copies) for layout in LAYOUTS}
+    """Per layout of `timed` (in that order), one call on `x` of the next linear of `copies`
+    (cycling; the column-major copies are None unless "colmajor" is timed)."""
+    turn = {layout: itertools.cycle(copies) for layout in timed}
 
     def dense() -> object:
         linear, _, _ = next(turn["dense"])
@@ -230,9 +239,11 @@ def _layouts(
 
     def colmajor() -> object:
         linear, _, column_major = next(turn["colmajor"])
+        assert column_major is not None
         return F.linear(x, column_major, linear.bias)
 
-    return dense, packed, colmajor
+    calls = {"dense": dense, "packed": packed, "colmajor": colmajor}
+    return tuple(calls[layout] for layout in timed)
 
 
 def _time_alternated(layers: tuple[Callable[[], object], ...], calls: int) -> list[float]:

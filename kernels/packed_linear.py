@@ -10,8 +10,8 @@ weight, so memory stays the same, but the layer is inference-only: no autograd, 
 
 A single input row (batch-1 decoding) is a matrix-vector product, faster (~1.25x here) through
 MKL's gemv on a plain W than on oneDNN's packed weight; `gemv_copy=True` keeps the dense W beside
-the packed one for those calls (and for the engine's batch-1 decode step in C), at the price of
-a second copy of the weight.
+the packed one for those calls (and for the engine's decode step in C, engine/native_step.py),
+at the price of a second copy of the weight.
 Results match `F.linear` up to fp32 summation order (tested against the reference).
 """
 

@@ -223,7 +223,7 @@ def test_the_compiled_call_checks_its_arguments():
 
 @needs_build
 @pytest.mark.parametrize("cpu_linear", ["auto", "dense", "colmajor", "packed+gemv"])
-def test_engine_default_runs_batch_one_in_c_with_the_lean_steps_tokens(cpu_linear):
+def test_engine_default_runs_steps_in_c_with_the_lean_steps_tokens(cpu_linear):
     """Lone requests (batch-1 steps) and a batch whose rows finish one by one, greedy, sampled
     and with log-probabilities: the same tokens as `--decode-step lean`, log-probabilities to
     fp32 rounding."""
@@ -256,10 +256,13 @@ def test_under_the_c_step_the_layout_probe_times_a_larger_step(monkeypatch):
     seen = []
 
     def spy(times, allow_copy=False, row_major=False):
-        seen.append((sorted({rows for _, rows in times}), row_major))
+        seen.append((sorted({rows for _, rows in times}), sorted({k for k, _ in times}), row_major))
         return "dense"
 
     monkeypatch.setattr(linear_choice, "pick_layout", spy)
     linear_choice.choose_cpu_linear(_model(), c_rows=native_step.C_ROWS)
     linear_choice.choose_cpu_linear(_model())
-    assert seen == [([4 * native_step.C_ROWS], True), ([1, 8], False)]
+    assert seen == [
+        ([4 * native_step.C_ROWS], ["dense", "packed"], True),  # column-major is no candidate
+        ([1, 8], ["colmajor", "dense", "packed"], False),
+    ]

@@ -49,6 +49,15 @@ SWIGLU_PACKED.register(
     "compiled", ("cuda",), "kernels.cuda.compiled:swiglu_packed", preferred=False
 )
 SWIGLU.register("compiled", ("cuda",), "kernels.cuda.compiled:swiglu", preferred=False)
+# Fused C forward/backward while training in fp32 (the gradient of gate | up written as one
+# tensor, not concatenated); the reference otherwise (kernels/cpu/fused.py).
+SWIGLU_PACKED.register("fused", ("cpu",), "kernels.cpu.fused:swiglu_packed")
+
+
+def trains_fused_swiglu(device_type: str, precision: str) -> bool:
+    """Whether training's packed SwiGLU runs the fused CPU kernel, which saves only its
+    [gate | up] input for backward (models.memory's `fused_swiglu`): CPU, fp32, built."""
+    return device_type == "cpu" and precision == "fp32" and SWIGLU_PACKED.default() == "fused"
 
 
 def _split_packed(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

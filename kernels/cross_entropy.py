@@ -129,6 +129,8 @@ def per_token_chunked(
 
 PER_TOKEN = registry.define("cross_entropy", per_token_reference)
 PER_TOKEN.register("compiled", ("cuda",), "kernels.cuda.compiled:per_token_chunked")
+# Fused C loss and gradient while training in fp32; "chunked" otherwise (kernels/cpu/fused.py).
+PER_TOKEN.register("fused", ("cpu",), "kernels.cpu.fused:per_token")
 PER_TOKEN.register("chunked", ("cpu", "cuda", "npu"), per_token_chunked)
 
 

@@ -52,6 +52,8 @@ def layer_norm_torch(
 RMS_NORM = registry.define("rms_norm", rms_norm_reference)
 RMS_NORM.register("npu", ("npu",), "kernels.npu.norm:rms_norm")
 RMS_NORM.register("compiled", ("cuda",), "kernels.cuda.compiled:rms_norm")
+# Fused C forward/backward while training in fp32; the reference otherwise (kernels/cpu/fused.py).
+RMS_NORM.register("fused", ("cpu",), "kernels.cpu.fused:rms_norm")
 
 LAYER_NORM = registry.define("layer_norm", layer_norm_reference)
 LAYER_NORM.register("torch", ("cpu", "cuda", "npu"), layer_norm_torch)

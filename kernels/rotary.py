@@ -229,6 +229,42 @@ APPLY_ROTARY.register("npu", ("npu",), "kernels.npu.rotary:apply_rotary")
 APPLY_ROTARY.register("compiled", ("cuda",), "kernels.cuda.compiled:apply_rotary")
 
 
+def rotary_qkv_reference(
+    qkv_BSXD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k of a fused [B, S, H + 2K, D] projection rotated (rotate-half) in one
+    apply_rotary, and v as a view of the projection."""
+    qk_BSXD, v_BSKD = qkv_BSXD.split([heads + kv_heads, kv_heads], dim=2)
+    qk_BSXD = apply_rotary(qk_BSXD, cos_BSD, sin_BSD)
+    q_BSHD, k_BSKD = qk_BSXD.split([heads, kv_heads], dim=2)
+    return q_BSHD, k_BSKD, v_BSKD
+
+
+ROTARY_QKV = registry.define("rotary_qkv", rotary_qkv_reference)
+# The fused CPU kernel (C) while training: rotation, v's copy and the one q|k|v gradient in a
+# pass each; the reference elsewhere (bit-identical results; kernels/cpu/fused.py).
+ROTARY_QKV.register("fused", ("cpu",), "kernels.cpu.fused:rotary_qkv")
+
+
+def rotary_qkv(
+    qkv_BSXD: torch.Tensor,
+    cos_BSD: torch.Tensor,
+    sin_BSD: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [B, S, H, D], k [B, S, K, D], v [B, S, K, D]) of a fused q|k|v projection
+    [B, S, H + 2K, D], q and k rotated by cos/sin [B or 1, S, D] (rotate-half)."""
+    if qkv_BSXD.dim() != 4 or qkv_BSXD.shape[2] != heads + 2 * kv_heads:
+        raise ValueError(
+            f"rotary_qkv: qkv must be [B, S, heads + 2 * kv_heads = {heads + 2 * kv_heads}, D], "
+            f"got shape {tuple(qkv_BSXD.shape)}"
+        )
+    return ROTARY_QKV(qkv_BSXD, cos_BSD, sin_BSD, heads, kv_heads, backend=backend)
+
+
 def apply_rotary(
     x_BSHD: torch.Tensor,
     cos_BSD: torch.Tensor,

@@ -90,6 +90,9 @@ class TrainingLayout:
     """--decoder-first-pipeline-num-layers (uneven split; the other stages share the rest)."""
     last_stage_layers: int | None = None
     """--decoder-last-pipeline-num-layers."""
+    fused_swiglu: bool = False
+    """The packed SwiGLU saves only its [gate | up] input for backward, not act(gate) as well
+    (the fused fp32 CPU training kernel: kernels.activation.trains_fused_swiglu)."""
 
     def stages(self, num_layers: int) -> list[StageRange]:
         """The pipeline stages of a model of `num_layers` under this layout."""
@@ -190,8 +193,9 @@ def layer_activation_bytes(config: ModelConfig, layout: TrainingLayout) -> float
     # up/gate GEMM inputs, and the residual dropout masks (1 byte per element).
     replicated = 4 * p * s * b * h + (2 * s * b * h if config.hidden_dropout > 0 else 0)
     # Sharded over TP: q, k, v, the o_proj input and the MLP's intermediates.
-    # Gated: the [gate | up] GEMM output, act(gate) and the product; GeLU: fc1 output and gelu's.
-    mlp_intermediate = 4 * f if config.gated else 2 * f
+    # Gated: the [gate | up] GEMM output, act(gate) and the product (the fused SwiGLU keeps no
+    # act(gate)); GeLU: fc1 output and gelu's.
+    mlp_intermediate = (3 if layout.fused_swiglu else 4) * f if config.gated else 2 * f
     sharded = p * s * b * (h + 2 * kv + h + mlp_intermediate)
     if layout.recompute == "none" and not layout.flash_attention:
         # softmax output; with attention dropout also its 1-byte mask and its output.

@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels.attention import alibi_slopes, attention
 from kernels.norm import LayerNorm, RMSNorm
-from kernels.rotary import RopeScaling, RotaryEmbedding, apply_rotary
+from kernels.rotary import RopeScaling, RotaryEmbedding, apply_rotary, rotary_qkv
 from models.config import ModelConfig
 from models.kv_cache import CacheStep, KVCache
 from models.mlp import MLP
@@ -133,9 +133,13 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = qk_BSXD.split([heads, kv_heads], dim=2)
             qk_BSXD = torch.cat([self.q_norm(q_BSHD), self.k_norm(k_BSKD)], dim=2)
+        elif rope_cos_sin is not None:
+            # One rotation over q and k together (one pass with v's copy while training on the
+            # CPU, kernels/cpu/fused.py); v is then the only view that attention saves of qkv,
+            # so copy it out rather than pin the whole output.
+            q_BSHD, k_BSKD, v_BSKD = rotary_qkv(qkv, *rope_cos_sin, heads, kv_heads)
+            return q_BSHD, k_BSKD, v_BSKD.contiguous() if self.training else v_BSKD
         if rope_cos_sin is not None:
-            # One rotation over q and k together; it also leaves v as the only view that
-            # attention saves of qkv, so copy v out rather than pin the whole output.
             qk_BSXD = apply_rotary(qk_BSXD, *rope_cos_sin)
             if self.training:
                 v_BSKD = v_BSKD.contiguous()

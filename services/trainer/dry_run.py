@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kernels import device
+from kernels.activation import trains_fused_swiglu
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
 from parallel.parallel_dims import AXES, build_dims
@@ -228,6 +230,9 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
         cpu_offload=par.cpu_offload,
         optimizer=config.optim.optimizer,
         release_fp32_grad=config.precision.release_fp32_grad,
+        fused_swiglu=model_config.gated
+        and model_config.fused_gate_up
+        and trains_fused_swiglu(device.current().type, precision),
         first_stage_layers=par.decoder_first_pipeline_num_layers,
         last_stage_layers=par.decoder_last_pipeline_num_layers,
     )

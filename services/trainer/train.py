@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels import device
+from kernels.cpu.allocator import keep_freed_memory
 from services.common.errors import PermissionDenied
 from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
@@ -26,6 +27,8 @@ from services.trainer.ckpt.signals import LastGasp
 from services.trainer.launch_checks import check_paths, load_action
 from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
+
+log = logging.getLogger(__name__)
 
 
 def format_summary(summary: RunSummary, log_dir: str | None) -> str:
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshline train: {PERMISSION_DENIED_TAG} {exc.message}", file=sys.stderr)
         return 2
     info = device.init_distributed()
+    if device.current().type == "cpu" and keep_freed_memory():
+        log.info("CPU worker: freed host memory is kept for the next step (glibc mallopt)")
     if load == "fresh" and info.is_main:
         print(
             f"meshline train: no checkpoint in --load {config.run.load} yet: starting from step 0",

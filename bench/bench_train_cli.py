@@ -8,8 +8,10 @@ hyper-parameters are given), its tokens/s read from its own per-step log lines. 
 training `LlamaForCausalLM` of the same config on the same batches with
 `torch.optim.AdamW(params, lr, weight_decay)` (torch's defaults, as a user writes it), gradient
 clipping 1.0, timing each step. Both sides use torch's default thread count. Rounds alternate
-ours and HF; the first steps of each run are warm-up. Printed: per side the median and best
-step tokens/s over all rounds, and ours/HF for both (> 1 = we are faster).
+ours and HF (HF first in odd rounds); the first steps of each run are warm-up. Printed: per side
+the median and best step tokens/s over all rounds, ours/HF for both, and the paired ratio: the
+median over rounds of ours/HF of the two runs of a round, which a drift in the machine's speed
+between rounds does not bias (> 1 = we are faster).
 """
 
 from __future__ import annotations
@@ -129,16 +131,26 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or (QUICK_STEPS if args.quick else STEPS)[h]
         ours: list[float] = []
         theirs: list[float] = []
-        for _ in range(rounds):
-            ours += run_ours(shape, steps, args.ours_flag)
-            theirs += run_hf(shape, steps)
+        paired: list[float] = []
+        for index in range(rounds):
+            # Odd rounds run HF first, so a drift in the machine's speed favours neither side.
+            if index % 2:
+                round_h = run_hf(shape, steps)
+                round_o = run_ours(shape, steps, args.ours_flag)
+            else:
+                round_o = run_ours(shape, steps, args.ours_flag)
+                round_h = run_hf(shape, steps)
+            ours += round_o
+            theirs += round_h
+            paired.append(statistics.median(round_o) / statistics.median(round_h))
         med_o, med_h = statistics.median(ours), statistics.median(theirs)
         best_o, best_h = max(ours), max(theirs)
         print(
             f"hidden {h} x {shape['layers']} layers, seq {shape['seq']}, mbs {shape['mbs']}, "
             f"{steps} steps: tokens/s median ours {med_o:,.0f} HF {med_h:,.0f} -> "
             f"{med_o / med_h:.2f}x; best step ours {best_o:,.0f} HF {best_h:,.0f} -> "
-            f"{best_o / best_h:.2f}x",
+            f"{best_o / best_h:.2f}x; paired (round medians) {statistics.median(paired):.2f}x "
+            f"[{', '.join(f'{r:.2f}' for r in paired)}]",
             flush=True,
         )
     return 0

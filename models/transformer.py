@@ -129,16 +129,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x_BSE).view(b, s, -1, d)
         heads = qkv.shape[2] * self.q_size // (self.q_size + 2 * self.kv_size)
         kv_heads = (qkv.shape[2] - heads) // 2
+        # With RoPE, v is the only view that attention would save of qkv while training: it is
+        # copied out rather than pinning the whole output.
+        if rope_cos_sin is not None and (self.q_norm is None or self.k_norm is None):
+            # q and k rotated together (on the CPU while training: one pass that also writes
+            # v out, kernels/cpu/fused.py).
+            q_BSHD, k_BSKD, v_BSKD = rotary_qkv(qkv, *rope_cos_sin, heads, kv_heads)
+            return q_BSHD, k_BSKD, v_BSKD.contiguous() if self.training else v_BSKD
         qk_BSXD, v_BSKD = qkv.split([heads + kv_heads, kv_heads], dim=2)
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = qk_BSXD.split([heads, kv_heads], dim=2)
             qk_BSXD = torch.cat([self.q_norm(q_BSHD), self.k_norm(k_BSKD)], dim=2)
-        elif rope_cos_sin is not None:
-            # One rotation over q and k together (one pass with v's copy while training on the
-            # CPU, kernels/cpu/fused.py); v is then the only view that attention saves of qkv,
-            # so copy it out rather than pin the whole output.
-            q_BSHD, k_BSKD, v_BSKD = rotary_qkv(qkv, *rope_cos_sin, heads, kv_heads)
-            return q_BSHD, k_BSKD, v_BSKD.contiguous() if self.training else v_BSKD
         if rope_cos_sin is not None:
             qk_BSXD = apply_rotary(qk_BSXD, *rope_cos_sin)
             if self.training:

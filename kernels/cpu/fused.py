@@ -153,7 +153,7 @@ class _RotaryQKV(torch.autograd.Function):
         cos_BSD, sin_BSD = ctx.saved_tensors
         b, s, heads, kv_heads, d, per_batch = ctx.dims
         grads = [None if g is None else g.contiguous() for g in (dq_BSHD, dk_BSKD, dv_BSKD)]
-        dqkv_BSXD = torch.empty((b, s, heads + 2 * kv_heads, d), dtype=torch.float32)
+        dqkv_BSXD = cos_BSD.new_empty((b, s, heads + 2 * kv_heads, d))
         _ops.rope_qkv_bwd(
             *(0 if g is None else g.data_ptr() for g in grads), cos_BSD.data_ptr(),
             sin_BSD.data_ptr(), dqkv_BSXD.data_ptr(), b, s, heads, kv_heads, d, per_batch,

@@ -230,8 +230,10 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
         cpu_offload=par.cpu_offload,
         optimizer=config.optim.optimizer,
         release_fp32_grad=config.precision.release_fp32_grad,
+        # The fused CPU SwiGLU runs eagerly; under --compile inductor decides what is saved.
         fused_swiglu=model_config.gated
         and model_config.fused_gate_up
+        and not par.compile
         and trains_fused_swiglu(device.current().type, precision),
         first_stage_layers=par.decoder_first_pipeline_num_layers,
         last_stage_layers=par.decoder_last_pipeline_num_layers,

@@ -83,7 +83,8 @@ class DecodeStep:
         scaling = model.rotary.scaling
         if scaling is not None and scaling.kind == "dynamic":
             raise Unsupported("dynamic RoPE scaling (the frequencies depend on the length)")
-        if ATTENTION.default() != "sdpa":
+        # The CPU "fused" backend runs sdpa for every call outside a training step.
+        if ATTENTION.default() not in ("sdpa", "fused"):
             raise Unsupported(f"attention backend {ATTENTION.default()!r} (this step mirrors sdpa)")
         _no_hooks(model)
         self.embedding = model.embed_tokens.weight

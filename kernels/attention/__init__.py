@@ -36,6 +36,7 @@ __all__ = [
 ATTENTION = registry.define("attention", attention_reference)
 ATTENTION.register("flash", ("cuda",), "kernels.cuda.attention:attention_flash")
 ATTENTION.register("npu", ("npu",), "kernels.npu.attention:attention_npu")
+ATTENTION.register("fused", ("cpu",), "kernels.cpu.fused:attention")
 ATTENTION.register("sdpa", ("cpu", "cuda"), attention_sdpa)
 ATTENTION.register("blockwise", ("cpu", "cuda", "npu"), attention_blockwise)
 

@@ -1,5 +1,5 @@
 """Fused fp32 CPU training kernels (train_ops.c) as autograd functions: the CPU backends of
-rms_norm, swiglu_packed, rotary_qkv and the per-token cross entropy.
+rms_norm, swiglu_packed, rotary_qkv, the per-token cross entropy and causal attention.
 
 Shapes: N rows (tokens), E hidden, F ffn, B batch, S sequence, H heads, K kv heads, D head dim,
 X = H + 2K fused q|k|v heads, V vocab.
@@ -23,6 +23,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kernels.activation import swiglu_packed_reference
+from kernels.attention.sdpa import attention_sdpa
+from kernels.attention.spec import AttentionSpec
 from kernels.cross_entropy import per_token_chunked
 from kernels.norm import rms_norm_reference
 from kernels.rotary import rotary_qkv_reference
@@ -225,3 +227,65 @@ def per_token(
     ):
         return _CrossEntropy.apply(logits_NV, labels_N, valid_N, float(z_loss_weight))
     return per_token_chunked(logits_NV, labels_N, valid_N, z_loss_weight, chunk_size)
+
+
+ATTENTION_MAX_SEQ = 2048
+"""The longest sequence the fused attention takes: its backward holds two [S, S] fp32 tables per
+thread (32 MiB at 2048); longer sequences run sdpa's flash kernel."""
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BSHD, k_BSKD, v_BSKD, scale):
+        b, s, h, d = q_BSHD.shape
+        kv = k_BSKD.shape[2]
+        out_BSHD = torch.empty_like(q_BSHD)
+        lse_BHS = q_BSHD.new_empty((b, h, s))
+        _ops.attn_fwd(
+            q_BSHD.data_ptr(), k_BSKD.data_ptr(), v_BSKD.data_ptr(), out_BSHD.data_ptr(),
+            lse_BHS.data_ptr(), b, s, h, kv, d, scale, _threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS)
+        ctx.scale = scale
+        return out_BSHD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_BSHD):
+        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS = ctx.saved_tensors
+        b, s, h, d = q_BSHD.shape
+        kv = k_BSKD.shape[2]
+        dout_BSHD = dout_BSHD.contiguous()
+        dq_BSHD = torch.empty_like(q_BSHD)
+        dk_BSKD = torch.empty_like(k_BSKD)
+        dv_BSKD = torch.empty_like(v_BSKD)
+        _ops.attn_bwd(
+            q_BSHD.data_ptr(), k_BSKD.data_ptr(), v_BSKD.data_ptr(), out_BSHD.data_ptr(),
+            dout_BSHD.data_ptr(), lse_BHS.data_ptr(), dq_BSHD.data_ptr(), dk_BSKD.data_ptr(),
+            dv_BSKD.data_ptr(), b, s, h, kv, d, ctx.scale, _threads(),
+        )  # fmt: skip
+        return dq_BSHD, dk_BSKD, dv_BSKD, None
+
+
+def attention(
+    q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, spec: AttentionSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.attention's CPU backend: causal self-attention of a training step in C (no mask
+    but the causal one, no lse returned, head dim a multiple of 16, S <= ATTENTION_MAX_SEQ);
+    every other call runs the sdpa backend."""
+    if (
+        spec.causal
+        and spec.q_offset == 0
+        and spec.q_len == spec.k_len <= ATTENTION_MAX_SEQ
+        and spec.head_dim % 16 == 0
+        and spec.dropout_p == 0
+        and not spec.return_lse
+        and spec.key_padding_mask_BS is None
+        and spec.segment_ids_BS is None
+        and spec.alibi_slopes_H is None
+        and spec.window is None
+        and q_BSHD.numel()
+        and applies(q_BSHD, k_BSKD, v_BSKD)
+    ):
+        return _Attention.apply(q_BSHD, k_BSKD, v_BSKD, spec.scale), None
+    return attention_sdpa(q_BSHD, k_BSKD, v_BSKD, spec)

@@ -18,6 +18,8 @@
  *   rope_qkv_bwd(dq, dk, dv, cos, sin, dqkv, B, S, H, K, D, cos_batch, threads)
  *   ce_fwd(logits, labels, valid, loss, lse, N, V, z, threads)
  *   ce_bwd(logits, labels, lse, weight, grad, N, V, z, threads)
+ *   attn_fwd(q, k, v, out, lse, B, S, H, K, D, scale, threads)    -- causal, D % 16 == 0
+ *   attn_bwd(q, k, v, out, dout, lse, dq, dk, dv, B, S, H, K, D, scale, threads)
  *   simd() -> bool
  *
  * Addresses are ints (tensor.data_ptr()); every tensor is contiguous fp32 except labels
@@ -301,6 +303,207 @@ static void ce_bwd_(const float *logits, const long long *labels, const float *l
     }
 }
 
+/* ---- Causal attention for training: q [B, S, H, D], k/v [B, S, K, D] (query head h reads kv
+ * head h / (H / K)), out [B, S, H, D], lse [B, H, S] of the scaled scores, D a multiple of 16.
+ * The forward keeps a block of 4 query rows of probabilities at a time; the backward recomputes
+ * them from lse for one kv head's query heads at a time, with the full [S, S] probabilities and
+ * score gradients of one head (the caller bounds S), so that dK and dV are sums over query rows
+ * computed as products, not scattered updates. Every product is the 4 x 16 tile below. ------ */
+
+#define QB 4 /* query rows per block (the tile's rows) */
+
+/* c[r][0..15] (+)= alpha * sum_l a_r[l * al] * b[l * ldb + 0..15] for r < nr, a_r = a + r * ar.
+ * Rows r >= nr read row 0 and are not stored. */
+static inline void tile4x16(const float *a, long ar, long al, const float *b, long ldb, long L,
+                            float *c, long ldc, int nr, float alpha, int accumulate) {
+    const float *a0 = a, *a1 = a + (nr > 1 ? ar : 0), *a2 = a + (nr > 2 ? 2 * ar : 0),
+                *a3 = a + (nr > 3 ? 3 * ar : 0);
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00;
+    for (long l = 0; l < L; l++) {
+        const float *bl = b + l * ldb;
+        const __m256 b0 = _mm256_loadu_ps(bl), b1 = _mm256_loadu_ps(bl + 8);
+        const long o = l * al;
+        __m256 x = _mm256_broadcast_ss(a0 + o);
+        c00 = _mm256_fmadd_ps(x, b0, c00);
+        c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a1 + o);
+        c10 = _mm256_fmadd_ps(x, b0, c10);
+        c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a2 + o);
+        c20 = _mm256_fmadd_ps(x, b0, c20);
+        c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a3 + o);
+        c30 = _mm256_fmadd_ps(x, b0, c30);
+        c31 = _mm256_fmadd_ps(x, b1, c31);
+    }
+    const __m256 acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+    const __m256 scale = _mm256_set1_ps(alpha);
+    for (int r = 0; r < nr; r++) {
+        float *cr = c + r * ldc;
+        for (int half = 0; half < 2; half++) {
+            __m256 val = _mm256_mul_ps(acc[r][half], scale);
+            if (accumulate) val = _mm256_add_ps(_mm256_loadu_ps(cr + 8 * half), val);
+            _mm256_storeu_ps(cr + 8 * half, val);
+        }
+    }
+}
+
+/* dst[d * SP + j] = src[j * stride + d] for j < S, 0 for S <= j < SP. */
+static void transpose_rows(const float *src, long stride, long S, long D, float *dst, long SP) {
+    for (long j = 0; j < S; j++)
+        for (long d = 0; d < D; d++) dst[d * SP + j] = src[j * stride + d];
+    for (long d = 0; d < D; d++)
+        for (long j = S; j < SP; j++) dst[d * SP + j] = 0.f;
+}
+
+/* Lanes j0 + t < n of an 8-lane chunk starting at j0. */
+static inline __m256 lanes_below(long n, long j0) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const long left = n - j0;
+    return _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left > 8 ? 8 : left)), lane));
+}
+
+/* Row x[0..ncol) of scaled scores, n of them visible: x becomes softmax over the visible ones
+ * (0 beyond), and *lse their log-sum-exp. */
+static void softmax_row(float *x, long n, long ncol, float *lse) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (long j = 0; j < n; j += 8)
+        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(x + j),
+                                                lanes_below(n, j)));
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, m8);
+    for (int t = 0; t < 8; t++) m = lanes[t] > m ? lanes[t] : m;
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 s8 = _mm256_setzero_ps();
+    long j = 0;
+    for (; j < n; j += 8) {
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mm)),
+                                       lanes_below(n, j));
+        _mm256_storeu_ps(x + j, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    const float sum = hsum8(s8);
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (long i = 0; i < j; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; j < ncol; j += 8) _mm256_storeu_ps(x + j, _mm256_setzero_ps());
+    *lse = m + logf(sum);
+}
+
+static int attn_fwd_(const float *q, const float *k, const float *v, float *out, float *lse,
+                     long B, long S, long H, long K, long D, float scale, int threads) {
+    const long G = H / K, SP = (S + 15) / 16 * 16, qs = H * D, ks = K * D;
+    const long per_thread = D * SP + QB * SP;
+    float *scratch = malloc(sizeof(float) * (size_t)threads * (size_t)per_thread);
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *kt = scratch + (long)omp_get_thread_num() * per_thread, *p = kt + D * SP;
+#pragma omp for schedule(static)
+        for (long task = 0; task < B * H; task++) {
+            const long b = task / H, h = task % H, kv = h / G;
+            const float *qb = q + b * S * qs + h * D, *vb = v + b * S * ks + kv * D;
+            float *ob = out + b * S * qs + h * D, *lb = lse + task * S;
+            transpose_rows(k + b * S * ks + kv * D, ks, S, D, kt, SP);
+            for (long i0 = 0; i0 < S; i0 += QB) {
+                const int nr = (int)(S - i0 < QB ? S - i0 : QB);
+                const long nk = i0 + nr, ncol = (nk + 15) / 16 * 16;
+                for (long j0 = 0; j0 < ncol; j0 += 16)
+                    tile4x16(qb + i0 * qs, qs, 1, kt + j0, SP, D, p + j0, SP, nr, scale, 0);
+                for (int r = 0; r < nr; r++) softmax_row(p + r * SP, i0 + r + 1, ncol, lb + i0 + r);
+                for (long d0 = 0; d0 < D; d0 += 16)
+                    tile4x16(p, SP, 1, vb + d0, ks, nk, ob + i0 * qs + d0, qs, nr, 1.f, 0);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* p = exp(x - lse) and ds = p * (dp - delta) over the n visible entries of a row, 0 up to ncol;
+ * x (scaled scores) becomes p, dp becomes ds. */
+static void grad_row(float *x, float *dp, long n, long ncol, float lse, float delta) {
+    const __m256 l8 = _mm256_set1_ps(lse), d8 = _mm256_set1_ps(delta);
+    long j = 0;
+    for (; j < n; j += 8) {
+        const __m256 keep = lanes_below(n, j);
+        const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), l8)), keep);
+        _mm256_storeu_ps(x + j, p);
+        _mm256_storeu_ps(dp + j, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dp + j), d8)));
+    }
+    for (; j < ncol; j += 8) {
+        _mm256_storeu_ps(x + j, _mm256_setzero_ps());
+        _mm256_storeu_ps(dp + j, _mm256_setzero_ps());
+    }
+}
+
+static int attn_bwd_(const float *q, const float *k, const float *v, const float *out,
+                     const float *dout, const float *lse, float *dq, float *dk, float *dv, long B,
+                     long S, long H, long K, long D, float scale, int threads) {
+    const long G = H / K, SP = (S + 15) / 16 * 16, qs = H * D, ks = K * D;
+    const long per_thread = 2 * D * SP + 2 * SP * SP + SP;
+    float *scratch = malloc(sizeof(float) * (size_t)threads * (size_t)per_thread);
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *kt = scratch + (long)omp_get_thread_num() * per_thread, *vt = kt + D * SP,
+              *p = vt + D * SP, *ds = p + SP * SP, *delta = ds + SP * SP;
+#pragma omp for schedule(static)
+        for (long task = 0; task < B * K; task++) {
+            const long b = task / K, kv = task % K;
+            const float *kb = k + b * S * ks + kv * D, *vb = v + b * S * ks + kv * D;
+            float *dkb = dk + b * S * ks + kv * D, *dvb = dv + b * S * ks + kv * D;
+            transpose_rows(kb, ks, S, D, kt, SP);
+            transpose_rows(vb, ks, S, D, vt, SP);
+            for (long j = 0; j < S; j++) {
+                memset(dkb + j * ks, 0, sizeof(float) * (size_t)D);
+                memset(dvb + j * ks, 0, sizeof(float) * (size_t)D);
+            }
+            for (long h = kv * G; h < (kv + 1) * G; h++) {
+                const long off = b * S * qs + h * D;
+                const float *qb = q + off, *ob = out + off, *gb = dout + off;
+                const float *lb = lse + (b * H + h) * S;
+                float *dqb = dq + off;
+                for (long i = 0; i < S; i++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (long d = 0; d < D; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(gb + i * qs + d),
+                                              _mm256_loadu_ps(ob + i * qs + d), acc);
+                    delta[i] = hsum8(acc);
+                }
+                for (long i0 = 0; i0 < S; i0 += QB) {
+                    const int nr = (int)(S - i0 < QB ? S - i0 : QB);
+                    const long nk = i0 + nr, ncol = (nk + 15) / 16 * 16;
+                    float *pr = p + i0 * SP, *dr = ds + i0 * SP;
+                    for (long j0 = 0; j0 < ncol; j0 += 16) {
+                        tile4x16(qb + i0 * qs, qs, 1, kt + j0, SP, D, pr + j0, SP, nr, scale, 0);
+                        tile4x16(gb + i0 * qs, qs, 1, vt + j0, SP, D, dr + j0, SP, nr, 1.f, 0);
+                    }
+                    for (int r = 0; r < nr; r++)
+                        grad_row(pr + r * SP, dr + r * SP, i0 + r + 1, ncol, lb[i0 + r],
+                                 delta[i0 + r]);
+                    for (long d0 = 0; d0 < D; d0 += 16)
+                        tile4x16(dr, SP, 1, kb + d0, ks, nk, dqb + i0 * qs + d0, qs, nr, scale, 0);
+                }
+                /* key rows j0.. sum over the query rows i >= j0 that see them */
+                for (long j0 = 0; j0 < S; j0 += QB) {
+                    const int nr = (int)(S - j0 < QB ? S - j0 : QB);
+                    const long L = S - j0;
+                    for (long d0 = 0; d0 < D; d0 += 16) {
+                        tile4x16(ds + j0 * SP + j0, 1, SP, qb + j0 * qs + d0, qs, L,
+                                 dkb + j0 * ks + d0, ks, nr, scale, 1);
+                        tile4x16(p + j0 * SP + j0, 1, SP, gb + j0 * qs + d0, qs, L,
+                                 dvb + j0 * ks + d0, ks, nr, 1.f, 1);
+                    }
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 /* ---- Python bindings ------------------------------------------------------------------------ */
 
 #define PTR(type, addr) ((type)(uintptr_t)(addr))
@@ -449,6 +652,56 @@ static PyObject *py_ce_bwd(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int attn_dims_ok(const char *call, long long B, long long S, long long H, long long K,
+                        long long D, float scale, int threads) {
+    if (B < 1 || S < 1 || H < 1 || K < 1 || H % K || D < 16 || D % 16 || !(scale > 0) ||
+        threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: bad sizes (B %lld, S %lld, H %lld, K %lld, D %lld: "
+                     "H a multiple of K, D of 16) or scale", call, B, S, H, K, D);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_attn_fwd(PyObject *self, PyObject *args) {
+    unsigned long long q, k, v, out, lse;
+    long long B, S, H, K, D;
+    float scale;
+    int threads, rc;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLfi", &q, &k, &v, &out, &lse, &B, &S, &H, &K, &D, &scale,
+                          &threads))
+        return NULL;
+    if (!q || !k || !v || !out || !lse) return bad("attn_fwd"), NULL;
+    if (!attn_dims_ok("attn_fwd", B, S, H, K, D, scale, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attn_fwd_(PTR(const float *, q), PTR(const float *, k), PTR(const float *, v),
+                   PTR(float *, out), PTR(float *, lse), (long)B, (long)S, (long)H, (long)K,
+                   (long)D, scale, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attn_bwd(PyObject *self, PyObject *args) {
+    unsigned long long q, k, v, out, dout, lse, dq, dk, dv;
+    long long B, S, H, K, D;
+    float scale;
+    int threads, rc;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKLLLLLfi", &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv,
+                          &B, &S, &H, &K, &D, &scale, &threads))
+        return NULL;
+    if (!q || !k || !v || !out || !dout || !lse || !dq || !dk || !dv) return bad("attn_bwd"), NULL;
+    if (!attn_dims_ok("attn_bwd", B, S, H, K, D, scale, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attn_bwd_(PTR(const float *, q), PTR(const float *, k), PTR(const float *, v),
+                   PTR(const float *, out), PTR(const float *, dout), PTR(const float *, lse),
+                   PTR(float *, dq), PTR(float *, dk), PTR(float *, dv), (long)B, (long)S, (long)H,
+                   (long)K, (long)D, scale, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *simd(PyObject *self, PyObject *args) {
     __builtin_cpu_init();
     return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
@@ -463,6 +716,8 @@ static PyMethodDef methods[] = {
     {"rope_qkv_bwd", py_rope_qkv_bwd, METH_VARARGS, "RoPE backward into one q|k|v gradient."},
     {"ce_fwd", py_ce_fwd, METH_VARARGS, "Per-token cross entropy and log-sum-exp."},
     {"ce_bwd", py_ce_bwd, METH_VARARGS, "Cross-entropy gradient of the logits."},
+    {"attn_fwd", py_attn_fwd, METH_VARARGS, "Causal attention forward and its log-sum-exp."},
+    {"attn_bwd", py_attn_bwd, METH_VARARGS, "Causal attention backward (dq, dk, dv)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2 and FMA units the build uses."},
     {NULL, NULL, 0, NULL},
 };

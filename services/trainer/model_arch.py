@@ -65,8 +65,9 @@ class ArchSection:
         ]
         | None
     ) = None
-    """Attention kernel: auto (the device's fastest), flash, sdpa, blockwise (ModelLink's
-    --triangle-attn), npu or reference; Megatron's fused/unfused/local also accepted."""
+    """Attention kernel: auto (the device's fastest: on CPU the fused C kernel for causal
+    training steps, sdpa for the rest), flash, sdpa, blockwise (ModelLink's --triangle-attn), npu
+    or reference; Megatron's fused/unfused/local also accepted."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type in ("learned_absolute", "none"):

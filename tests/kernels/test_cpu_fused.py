@@ -3,7 +3,8 @@
 Tolerances: RoPE and RMSNorm's forward are bit-identical (same formulas, same order, torch's own
 reduction for RMSNorm's rstd); RMSNorm's backward, SwiGLU and the cross entropy take sums in
 another order or a polynomial exp, so they match to fp32 rounding: rtol 1e-5 on values of order
-one, and 1e-4 on a weight gradient summed over every row. Which calls take the kernels (training
+one, and 1e-4 on a weight gradient summed over every row; attention sums S products per output
+and takes test_attention's fp32 tolerance against the dense reference. Which calls take the kernels (training
 only) is part of the contract: inference and evaluation must keep the references' bits.
 """
 
@@ -16,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import activation, cross_entropy, norm, registry, rotary
+from kernels import activation, attention, cross_entropy, norm, registry, rotary
 from kernels.rotary import RotaryEmbedding
 
 try:
@@ -44,7 +45,14 @@ def test_the_kernels_are_built_where_a_compiler_exists():
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
         pytest.skip("checked where a C compiler exists on x86-64")
     assert fused is not None
-    for op in (norm.RMS_NORM, activation.SWIGLU_PACKED, rotary.ROTARY_QKV, cross_entropy.PER_TOKEN):
+    ops = (
+        norm.RMS_NORM,
+        activation.SWIGLU_PACKED,
+        rotary.ROTARY_QKV,
+        cross_entropy.PER_TOKEN,
+        attention.ATTENTION,
+    )
+    for op in ops:
         assert op.default() == "fused", op.name
 
 
@@ -153,7 +161,7 @@ def test_out_of_vocabulary_label_is_refused_by_the_kernel():
 def test_calls_outside_training_run_the_references(monkeypatch):
     """No grad, bf16 or non-contiguous input: the reference runs (inference keeps its bits)."""
     calls = []
-    for name in ("_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy"):
+    for name in ("_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy", "_Attention"):
         cls = getattr(fused, name)
         monkeypatch.setattr(cls, "apply", lambda *a, _n=name: calls.append(_n))
     x = torch.randn(2, 5, 16)
@@ -161,11 +169,13 @@ def test_calls_outside_training_run_the_references(monkeypatch):
     cos, sin = RotaryEmbedding(8)(torch.arange(5)[None])
     qkv = torch.randn(2, 5, 4, 8, requires_grad=True)
     labels = torch.tensor([1, 2])
+    q, k, v = (torch.randn(2, 5, 2, 16, requires_grad=True) for _ in range(3))
     with torch.no_grad():
         fused.rms_norm(x, w, 1e-6)
         fused.swiglu_packed(x.requires_grad_())
         fused.rotary_qkv(qkv, cos, sin, 2, 1)
         fused.per_token(x[0, :2], labels, labels >= 0, 0.0)
+        attention.attention(q, k, v, backend="fused")
     fused.rms_norm(x.detach(), w.detach(), 1e-6)  # nothing requires grad
     fused.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6)
     fused.swiglu_packed(torch.randn(2, 16, 5, requires_grad=True).transpose(1, 2))
@@ -174,13 +184,14 @@ def test_calls_outside_training_run_the_references(monkeypatch):
     fused.swiglu_packed(x)
     fused.rotary_qkv(qkv, cos, sin, 2, 1)
     fused.per_token(torch.randn(2, 16, requires_grad=True), labels, labels >= 0, 0.0)
-    assert calls == ["_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy"]
+    attention.attention(q, k, v, backend="fused")
+    assert calls == ["_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy", "_Attention"]
 
 
 @needs_build
 def test_training_step_of_the_model_matches_the_references(monkeypatch):
     """A Llama training step (loss and every parameter gradient) with the fused kernels equals
-    the same step with the four ops on their previous defaults, to fp32 rounding."""
+    the same step with the five ops on their previous defaults, to fp32 rounding."""
     from models import build_model
     from models.registry import get_config
 
@@ -197,7 +208,7 @@ def test_training_step_of_the_model_matches_the_references(monkeypatch):
     ids = torch.randint(0, 96, (2, 24))
     labels = torch.randint(0, 96, (2, 24))
     ran = []
-    for name in ("_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy"):
+    for name in ("_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy", "_Attention"):
         cls = getattr(fused, name)
         monkeypatch.setattr(
             cls, "apply", lambda *a, _n=name, _f=cls.apply: (ran.append(_n), _f(*a))[1]
@@ -210,10 +221,11 @@ def test_training_step_of_the_model_matches_the_references(monkeypatch):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss, grads = step()
-    assert set(ran) == {"_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy"}
+    assert set(ran) == {"_RMSNorm", "_SwiGLU", "_RotaryQKV", "_CrossEntropy", "_Attention"}
     monkeypatch.setenv(
         registry.KERNELS_ENV,
-        "rms_norm=reference,swiglu_packed=reference,rotary_qkv=reference,cross_entropy=chunked",
+        "rms_norm=reference,swiglu_packed=reference,rotary_qkv=reference,cross_entropy=chunked,"
+        "attention=sdpa",
     )
     registry._default_backend_name.cache_clear()
     try:
@@ -224,3 +236,79 @@ def test_training_step_of_the_model_matches_the_references(monkeypatch):
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def _attention_grads(backend, shape, seed=0):
+    b, s, h, k, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q, kk, v = (torch.randn(b, s, n, d, generator=g) for n in (h, k, k))
+    dout = torch.randn(b, s, h, d, generator=g)
+    return _grads(lambda *t: attention.attention(*t, backend=backend), [q, kk, v], [dout])
+
+
+@needs_build
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 64, 8, 4, 32), (2, 37, 4, 1, 16), (1, 50, 2, 2, 128), (2, 1, 3, 1, 48), (1, 19, 6, 3, 64)],
+    ids=["gqa", "mqa-ragged", "mha-d128", "one-token", "gqa-d64"],
+)
+def test_attention_matches_reference_forward_and_backward(shape):
+    """Causal attention (GQA/MQA/MHA, lengths that are not multiples of the 4 x 16 tile) against
+    the dense fp32 reference, and as close to it as torch's sdpa is: each output sums S
+    products, so the tolerance is test_attention's fp32 one."""
+    assert fused is not None
+    ran = []
+    original = fused._Attention.apply
+    fused._Attention.apply = lambda *a: (ran.append(1), original(*a))[1]
+    try:
+        (out,), grads = _attention_grads("fused", shape)
+    finally:
+        fused._Attention.apply = original
+    assert ran, "the C kernel did not take the call"
+    (ref,), ref_grads = _attention_grads("reference", shape)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@needs_build
+def test_attention_results_do_not_depend_on_the_thread_count():
+    """Each (batch, head) is one task: one or two threads give the same bits."""
+    shape = (2, 40, 4, 2, 32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attention_grads("fused", shape)
+        torch.set_num_threads(2)
+        two = _attention_grads("fused", shape)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one[0] + one[1], two[0] + two[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_build
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=False),
+        dict(key_padding_mask_BS=torch.ones(2, 12, dtype=torch.bool)),
+        dict(window=4),
+        dict(return_lse=True),
+        dict(head_dim=8),
+        dict(q_len=3),
+    ],
+    ids=["bidirectional", "padding", "window", "lse", "head-dim-8", "decode-chunk"],
+)
+def test_attention_calls_it_does_not_take_run_sdpa_bit_for_bit(kw):
+    kw = dict(kw)
+    d, sq = kw.pop("head_dim", 16), kw.pop("q_len", 12)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, sq, 4, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 12, 2, d, generator=g, requires_grad=True) for _ in range(2))
+    got = attention.attention(q, k, v, backend="fused", **kw)
+    want = attention.attention(q, k, v, backend="sdpa", **kw)
+    if not isinstance(got, tuple):
+        got, want = (got,), (want,)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -15,7 +15,9 @@ threads, eager attention). Printed: ms per new token of each request (wall time 
 batch 8 one such "token" is a step of 8 tokens; min and median over rounds) and HF/ours (> 1 =
 we are faster): of the minima, of the medians, and "paired", the median over rounds of each
 round's ratio (ours and HF run back to back in a round, so a machine whose speed drifts slows
-both). Ours must return HF's tokens.
+both). Ours must return HF's tokens; where a row differs, the benchmark prints HF's top-2 logit
+margin at the first differing token and whether ours equals HF's own tokens for that prompt
+generated alone (HF's batched and single runs may break an fp32 tie differently).
 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
@@ -285,6 +287,31 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[
     return out[:, ids.shape[1] :].tolist()
 
 
+def explain_difference(
+    hf: Any, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> None:
+    """For each row where our greedy tokens differ from HF's batched `generate`: the first
+    differing step, HF's top-2 logit margin there (fp32, teacher-forced on HF's tokens), and
+    whether ours equals HF's own tokens for that prompt generated alone. A margin at fp32
+    rounding that HF's batch and single runs decide differently is a tie, not an error."""
+    import torch
+
+    for row, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
+        if mine == ref:
+            continue
+        step = next(i for i, (a, b) in enumerate(zip(mine, ref, strict=True)) if a != b)
+        ids = torch.tensor([prompts[row] + ref[:step]], device=hf.device)
+        with torch.inference_mode():
+            top = hf(ids).logits[0, -1].float().topk(2).values.tolist()
+        alone = hf_generate(hf, [prompts[row]], len(ref))[0]
+        print(
+            f"    row {row}: first differs at new token {step}, HF's top-2 logits "
+            f"{top[0]:.6f} / {top[1]:.6f} (margin {top[0] - top[1]:.2e}); ours "
+            f"{'equals' if mine == alone else 'differs from'} HF's tokens for this prompt alone, "
+            f"which {'differ from' if alone != ref else 'equal'} HF's batched ones"
+        )
+
+
 def memory_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> float:
     """Best bytes/s streaming a large fp32 array on `device` (default threads): the best of
     reading it (torch.sum), copying it (read + write bytes) and a matrix-vector product over it
@@ -343,10 +370,13 @@ def run_size(
             for b in batches:
                 theirs = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                 for t, client in clients.items():
-                    same = runner.run(client.generate(prompts_l[:b], NEW_TOKENS)) == theirs
+                    got = runner.run(client.generate(prompts_l[:b], NEW_TOKENS))
                     print(
-                        f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: {same}"
+                        f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: "
+                        f"{got == theirs}"
                     )
+                    if got != theirs:
+                        explain_difference(hf, prompts_l[:b], got, theirs)
             times: dict[tuple[str, int], list[float]] = {}
             bandwidth = None
             for _ in range(rounds):

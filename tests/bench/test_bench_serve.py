@@ -95,3 +95,23 @@ def test_http_clients_have_every_request_in_flight_together(batch: int, client_c
         thread.join(10)
     assert handler.most_open == batch
     assert got == [[t + 1 for t in p] for p in prompts]
+
+
+def test_a_token_difference_is_explained_with_the_margin_and_hf_alone(tmp_path, capsys) -> None:
+    """bench_serve's diagnosis of a differing row: the first differing step, HF's top-2 logits
+    there, and whether ours equals HF's tokens for the prompt generated alone."""
+    from bench.bench_serve import explain_difference, hf_generate, write_checkpoint
+
+    shape = dict(vocab=64, hidden=32, ffn=64, layers=1, heads=2, kv=1)
+    hf = write_checkpoint(shape, tmp_path / "ckpt")
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    theirs = hf_generate(hf, prompts, 4)
+    ours = [list(theirs[0]), list(theirs[1])]
+    ours[1][2] = (ours[1][2] + 1) % 64
+    explain_difference(hf, prompts, ours, theirs)
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert len(lines) == 1  # row 0 is identical and not reported
+    assert lines[0].startswith("    row 1: first differs at new token 2, HF's top-2 logits ")
+    assert (
+        "ours differs from HF's tokens for this prompt alone, which equal HF's batched" in lines[0]
+    )

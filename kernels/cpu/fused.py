@@ -231,7 +231,15 @@ def per_token(
 
 ATTENTION_MAX_SEQ = 2048
 """The longest sequence the fused attention takes: its backward holds two [S, S] fp32 tables per
-thread (32 MiB at 2048); longer sequences run sdpa's flash kernel."""
+working thread (32 MiB at 2048); longer sequences run sdpa's flash kernel."""
+ATTENTION_MAX_SCRATCH = 256 * 2**20
+"""The most scratch memory the fused attention's backward may hold over all its threads (two
+[S, S] fp32 tables each, one thread per (batch, kv head) at most); above it sdpa runs."""
+
+
+def _attention_scratch_bytes(batch: int, kv_heads: int, seq: int) -> int:
+    padded = -(-seq // 16) * 16
+    return min(_threads(), batch * kv_heads) * 2 * padded * padded * 4
 
 
 class _Attention(torch.autograd.Function):
@@ -271,12 +279,13 @@ def attention(
     q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.attention's CPU backend: causal self-attention of a training step in C (no mask
-    but the causal one, no lse returned, head dim a multiple of 16, S <= ATTENTION_MAX_SEQ);
-    every other call runs the sdpa backend."""
+    but the causal one, no lse returned, head dim a multiple of 16, S <= ATTENTION_MAX_SEQ and
+    backward scratch within ATTENTION_MAX_SCRATCH); every other call runs the sdpa backend."""
     if (
         spec.causal
         and spec.q_offset == 0
         and spec.q_len == spec.k_len <= ATTENTION_MAX_SEQ
+        and _attention_scratch_bytes(spec.batch, spec.kv_heads, spec.q_len) <= ATTENTION_MAX_SCRATCH
         and spec.head_dim % 16 == 0
         and spec.dropout_p == 0
         and not spec.return_lse

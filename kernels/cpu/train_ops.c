@@ -395,6 +395,7 @@ static int attn_fwd_(const float *q, const float *k, const float *v, float *out,
                      long B, long S, long H, long K, long D, float scale, int threads) {
     const long G = H / K, SP = (S + 15) / 16 * 16, qs = H * D, ks = K * D;
     const long per_thread = D * SP + QB * SP;
+    if (threads > B * H) threads = (int)(B * H); /* one task per (batch, head) */
     float *scratch = malloc(sizeof(float) * (size_t)threads * (size_t)per_thread);
     if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)
@@ -443,6 +444,7 @@ static int attn_bwd_(const float *q, const float *k, const float *v, const float
                      long S, long H, long K, long D, float scale, int threads) {
     const long G = H / K, SP = (S + 15) / 16 * 16, qs = H * D, ks = K * D;
     const long per_thread = 2 * D * SP + 2 * SP * SP + SP;
+    if (threads > B * K) threads = (int)(B * K); /* one task per (batch, kv head) */
     float *scratch = malloc(sizeof(float) * (size_t)threads * (size_t)per_thread);
     if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)

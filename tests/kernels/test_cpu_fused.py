@@ -312,3 +312,18 @@ def test_attention_calls_it_does_not_take_run_sdpa_bit_for_bit(kw):
         got, want = (got,), (want,)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_build
+def test_attention_over_its_scratch_budget_runs_sdpa(monkeypatch):
+    """The backward's [S, S] tables per working thread are bounded: over the budget, sdpa runs."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 40, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    # 48 x 48 padded, two tables, fp32, one thread per (batch, kv head) up to the thread count
+    needed = min(torch.get_num_threads(), 4) * 2 * 48 * 48 * 4
+    assert fused._attention_scratch_bytes(2, 2, 40) == needed
+    monkeypatch.setattr(fused, "ATTENTION_MAX_SCRATCH", needed - 1)
+    monkeypatch.setattr(fused._Attention, "apply", lambda *a: pytest.fail("the C kernel ran"))
+    got = attention.attention(q, k, v, backend="fused")
+    assert torch.equal(got, attention.attention(q, k, v, backend="sdpa"))

@@ -285,7 +285,6 @@ def attention(
         spec.causal
         and spec.q_offset == 0
         and spec.q_len == spec.k_len <= ATTENTION_MAX_SEQ
-        and _attention_scratch_bytes(spec.batch, spec.kv_heads, spec.q_len) <= ATTENTION_MAX_SCRATCH
         and spec.head_dim % 16 == 0
         and spec.dropout_p == 0
         and not spec.return_lse
@@ -294,7 +293,8 @@ def attention(
         and spec.alibi_slopes_H is None
         and spec.window is None
         and q_BSHD.numel()
-        and applies(q_BSHD, k_BSKD, v_BSKD)
+        and applies(q_BSHD, k_BSKD, v_BSKD)  # first: it declines under torch.compile tracing
+        and _attention_scratch_bytes(spec.batch, spec.kv_heads, spec.q_len) <= ATTENTION_MAX_SCRATCH
     ):
         return _Attention.apply(q_BSHD, k_BSKD, v_BSKD, spec.scale), None
     return attention_sdpa(q_BSHD, k_BSKD, v_BSKD, spec)

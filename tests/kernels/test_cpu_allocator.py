@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-# A small Llama trained for 4 steps, then the page faults per step over 3 more.
+# A small Llama trained for 4 steps, then the median page faults per step over 7 more. The median:
+# on some machines (a 2-core AMD EPYC VM) an occasional warm step faults 1,000-2,000 pages with
+# the settings too, with torch's sdpa as with the fused attention, while most fault none.
 _PROBE = """
 import resource, sys, torch
 from kernels.cpu.allocator import keep_freed_memory
@@ -33,10 +35,12 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(4):
     step()
-before = faults()
-for _ in range(3):
+per_step = []
+for _ in range(7):
+    before = faults()
     step()
-print((faults() - before) / 3)
+    per_step.append(faults() - before)
+print(sorted(per_step)[3])
 """
 
 
@@ -52,7 +56,8 @@ def _faults_per_step(mode: str) -> float:
     reason="glibc's mallopt",
 )
 def test_training_steps_stop_faulting_in_fresh_pages():
-    """By default glibc gives the step's large blocks back and maps them again (~1,800 page
-    faults a step measured here); with the worker's settings a warm step faults ~none."""
+    """By default glibc gives the step's large blocks back and maps them again (~1,800-4,500
+    page faults a step measured on two machines); with the worker's settings a warm step
+    typically faults none."""
     assert _faults_per_step("default") > 500
     assert _faults_per_step("keep") < 50

@@ -293,7 +293,7 @@ def attention(
         and spec.alibi_slopes_H is None
         and spec.window is None
         and q_BSHD.numel()
-        and applies(q_BSHD, k_BSKD, v_BSKD)  # first: it declines under torch.compile tracing
+        and applies(q_BSHD, k_BSKD, v_BSKD)  # before the scratch check: declines while tracing
         and _attention_scratch_bytes(spec.batch, spec.kv_heads, spec.q_len) <= ATTENTION_MAX_SCRATCH
     ):
         return _Attention.apply(q_BSHD, k_BSKD, v_BSKD, spec.scale), None

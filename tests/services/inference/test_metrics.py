@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import requests
@@ -38,6 +40,22 @@ def _value(samples, name: str, **labels) -> float:
     return sum(v for (n, got), v in samples.items() if n == name and set(want) <= set(got))
 
 
+def _scrape_when(url: str, settled, timeout: float = 10.0) -> dict[tuple[str, tuple], float]:
+    """Scrapes until `settled(samples)` holds or `timeout` passes; returns the last scrape.
+
+    A call is counted when its handler finishes, and grpc's `context.abort` sends the status to
+    the client before the handler's `finally` runs: on a loaded machine the client can see the
+    error a moment before the counter moves. Prometheus promises no more than that, so the
+    tests wait for the count (and then assert it exactly) rather than race it.
+    """
+    deadline = time.monotonic() + timeout
+    samples = _scrape(url)
+    while not settled(samples) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = _scrape(url)
+    return samples
+
+
 def test_counters_move_with_traffic(served):
     served, url = served
     before = _scrape(url)
@@ -51,7 +69,14 @@ def test_counters_move_with_traffic(served):
     assert (
         requests.post(f"{served.http_url}/v1/completions", json=bad, timeout=60).status_code == 400
     )
-    after = _scrape(url)
+    http_400 = dict(route="/v1/completions", method="POST", status="400")
+    after = _scrape_when(
+        url,
+        lambda now: (
+            _value(now, "meshline_http_requests_total", **http_400)
+            > _value(before, "meshline_http_requests_total", **http_400)
+        ),
+    )
 
     def moved(name: str, **labels) -> float:
         return _value(after, name, **labels) - _value(before, name, **labels)
@@ -78,9 +103,11 @@ def test_grpc_errors_are_counted_by_code(served):
     before = _scrape(url)
     with pytest.raises(grpc.RpcError):
         served.grpc_stub.Generate(pb.GenerateRequest(), timeout=30)
-    after = _scrape(url)
     name = "meshline_grpc_requests_total"
     labels = dict(method="Generate", code="INVALID_ARGUMENT")
+    after = _scrape_when(
+        url, lambda now: _value(now, name, **labels) > _value(before, name, **labels)
+    )
     assert _value(after, name, **labels) - _value(before, name, **labels) == 1
 
 

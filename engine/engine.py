@@ -49,6 +49,7 @@ from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
 from kernels import registry
+from kernels.cpu.hugepages import move_to_huge_pages
 from kernels.packed_linear import pack_linears
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
@@ -178,6 +179,8 @@ class Engine:
         )
         self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":  # before any layout or step takes views of the weights
+            log.info("weights: %s", move_to_huge_pages(model).why)
         if self.config.compile_decode and self.device.type != "cpu":
             raise ValueError(
                 f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
@@ -196,6 +199,7 @@ class Engine:
             self.cpu_linear = choose_cpu_linear(model, skip, c_rows=c_rows) if on_cpu else "dense"
         if self.cpu_linear == "colmajor":
             to_column_major(model, skip)
+            log.info("column-major weights: %s", move_to_huge_pages(model).why)
         elif self.cpu_linear != "dense":
             pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
         # The decode forward (one token per row) captured by torch.compile, or None (eager).

@@ -5,6 +5,7 @@ cache-free forward."""
 from __future__ import annotations
 
 import argparse
+import copy
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from models import build_model
 from models.registry import get_config
 from models.tokenizer import build_tokenizer
 from services.inference.config import add_flags, from_args
+from tests.kernels import test_cpu_hugepages as hugepage_tests
 from tests.services.inference.helpers import hf_reference, prompt
 
 
@@ -228,3 +230,25 @@ def test_compile_decode_flag_serves_from_one_process():
 def test_cpu_linear_choice_is_checked():
     with pytest.raises(ValueError, match="--cpu-linear must be one of"):
         EngineConfig(cpu_linear="fast")
+
+
+@hugepage_tests.needs_thp
+def test_cpu_engine_serves_weights_from_huge_pages_with_the_same_tokens(monkeypatch):
+    import engine.engine as engine_module
+    from kernels.cpu.hugepages import Moved
+
+    model = hugepage_tests._model()
+    plain = copy.deepcopy(model)
+    tokens = TokenizerInfo(4096)
+    ids = prompt(9, 4096, seed=4)
+    cfg = SamplingConfig(max_new_tokens=12)
+    dense = EngineConfig(cpu_linear="dense")  # weights as loaded (auto may pack them)
+    served = Engine(model, tokens, dense)
+    advised = hugepage_tests._mapping(model.lm_head.weight.data_ptr())["VmFlags"].split()
+    assert "hg" in advised
+    monkeypatch.setattr(engine_module, "move_to_huge_pages", lambda m: Moved(0, 0, "off"))
+    reference = Engine(plain, tokens, dense)
+    assert "hg" not in hugepage_tests._mapping(plain.lm_head.weight.data_ptr())["VmFlags"].split()
+    got = served.generate([ids], [cfg])[0][0].token_ids
+    assert len(got) == 12
+    assert got == reference.generate([ids], [cfg])[0][0].token_ids

@@ -48,14 +48,7 @@ def attention_sdpa(
     if upcast:
         q_BSHD, k_BSKD, v_BSKD = q_BSHD.float(), k_BSKD.float(), v_BSKD.float()
     q_BHSD = q_BSHD.transpose(1, 2)
-    simple_causal = (
-        spec.causal
-        and spec.q_offset == 0
-        and spec.key_padding_mask_BS is None
-        and spec.segment_ids_BS is None
-        and spec.alibi_slopes_H is None
-        and spec.window is None
-    )
+    simple_causal = spec.simple_causal
     if simple_causal and not spec.return_lse:
         visible, any_visible = None, None
     else:

@@ -40,6 +40,20 @@ class AttentionSpec:
     device: torch.device
     window: int | None = None
 
+    @property
+    def simple_causal(self) -> bool:
+        """Causal, top-left aligned (q_offset 0) and nothing else masked: no padding, segments,
+        ALiBi or window. Kernels with a built-in causal flag (SDPA's, the fused CPU one) take
+        these calls without a mask."""
+        return (
+            self.causal
+            and self.q_offset == 0
+            and self.key_padding_mask_BS is None
+            and self.segment_ids_BS is None
+            and self.alibi_slopes_H is None
+            and self.window is None
+        )
+
     def visible(self, q_start: int, q_end: int, k_start: int, k_end: int) -> torch.Tensor | None:
         """Bool [B or 1, 1, q_end-q_start, k_end-k_start] (True = may attend); None if all are."""
         device = self.device

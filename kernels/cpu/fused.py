@@ -282,16 +282,11 @@ def attention(
     but the causal one, no lse returned, head dim a multiple of 16, S <= ATTENTION_MAX_SEQ and
     backward scratch within ATTENTION_MAX_SCRATCH); every other call runs the sdpa backend."""
     if (
-        spec.causal
-        and spec.q_offset == 0
+        spec.simple_causal
         and spec.q_len == spec.k_len <= ATTENTION_MAX_SEQ
         and spec.head_dim % 16 == 0
         and spec.dropout_p == 0
         and not spec.return_lse
-        and spec.key_padding_mask_BS is None
-        and spec.segment_ids_BS is None
-        and spec.alibi_slopes_H is None
-        and spec.window is None
         and q_BSHD.numel()
         and applies(q_BSHD, k_BSKD, v_BSKD)  # before the scratch check: declines while tracing
         and _attention_scratch_bytes(spec.batch, spec.kv_heads, spec.q_len) <= ATTENTION_MAX_SCRATCH

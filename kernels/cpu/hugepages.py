@@ -78,8 +78,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
 
 
 def _movable(tensor: torch.Tensor, min_bytes: int) -> bool:
-    """A dense CPU tensor, row-major or a column-major matrix, alone in its storage (nothing
-    else can view part of it)."""
+    """A plain dense CPU tensor (no subclass such as DTensor), row-major or a column-major
+    matrix, alone in its storage (nothing else can view part of it)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter):
+        return False
     if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
         return False
     nbytes = tensor.numel() * tensor.element_size()

@@ -105,10 +105,16 @@ def test_views_and_small_tensors_stay_where_they_are():
     holder = nn.Module()
     holder.view = nn.Parameter(whole[: HUGE_PAGE // 4])  # shares a larger storage
     holder.small = nn.Parameter(torch.randn(1000))
-    pointers = [holder.view.data_ptr(), holder.small.data_ptr()]
+
+    class Wrapped(torch.Tensor):  # a tensor subclass (DTensor is one): left alone
+        pass
+
+    holder.register_buffer("wrapped", torch.randn(HUGE_PAGE // 4).as_subclass(Wrapped))
+    held = [holder.view, holder.small, holder.wrapped]
+    pointers = [t.data_ptr() for t in held]
     moved = move_to_huge_pages(holder)
     assert moved.tensors == 0 and moved.nbytes == 0
-    assert [holder.view.data_ptr(), holder.small.data_ptr()] == pointers
+    assert [t.data_ptr() for t in held] == pointers
 
 
 def test_without_transparent_huge_pages_nothing_moves(monkeypatch):

@@ -6,8 +6,8 @@ bytes over the memory bandwidth (bench/RESULTS.md, the roofline). Anonymous memo
 pages to `madvise`: the weights then sit in 4 KiB pages, and a stream over them misses the TLB
 every 4 KiB. Measured on the project's 2-core AMD EPYC: a 196 MiB read ran ~10% faster from
 2 MiB pages (34.5 against 31.4 GB/s, 12 alternated rounds), and served decode of the hidden-1024
-model 7-9% faster per token at batch 1 and 8 (decision record "CPU weights in transparent huge
-pages").
+bench model at batch 1 took 6.61 against 7.34 ms per token (decision record "CPU weights in
+transparent huge pages").
 
 `move_to_huge_pages(model)` copies the model's large parameters and buffers into one private
 anonymous mapping advised with MADV_HUGEPAGE and points the parameters at it (`param.data`), so

@@ -19,6 +19,7 @@ server's memory: a restarted server has no running jobs (their records say FAILE
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,32 +41,39 @@ def operation_id(name: str) -> str:
 
 
 class OutputClaims:
-    """Output paths that running jobs write, one job per path. Thread-safe."""
+    """Output paths that running jobs write, one job per path. Thread-safe.
+
+    Claims are counted, not a set: a path held twice (an operation-named default that another
+    job happened to claim explicitly) stays claimed until both holders release it.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._claimed: set[Path] = set()
+        self._claimed: Counter[Path] = Counter()
 
     def claim(self, path: Path, refusal: str) -> None:
         """Claims `path`; raises Conflict (ABORTED) with `refusal` if a running job holds it."""
         with self._lock:
-            if path in self._claimed:
+            if self._claimed[path]:
                 raise Conflict(refusal)
-            self._claimed.add(path)
+            self._claimed[path] += 1
 
     def hold(self, path: Path) -> None:
         """Claims `path` without checking (a path named after a new operation is new)."""
         with self._lock:
-            self._claimed.add(path)
+            self._claimed[path] += 1
 
     def release(self, path: Path) -> None:
-        """Releases `path` (a no-op if it is not claimed)."""
+        """Releases one hold on `path` (a no-op if it is not claimed)."""
         with self._lock:
-            self._claimed.discard(path)
+            if self._claimed[path] > 1:
+                self._claimed[path] -= 1
+            else:
+                self._claimed.pop(path, None)
 
     def __contains__(self, path: object) -> bool:
         with self._lock:
-            return path in self._claimed
+            return bool(self._claimed.get(path))  # type: ignore[call-overload]
 
 
 class JobRunner:
@@ -100,7 +108,7 @@ class JobRunner:
         `output` is the resolved path the job writes (Conflict naming `field` if a running job
         writes it; `path_noun` says what to choose instead), or a function of the operation id
         for outputs named after the operation (claimed once the operation exists), or None for
-        a job without one output path (training writes where its flags say). `on_created` is
+        a job without one output path (a training run without --save). `on_created` is
         called with the operation's name before the job starts (to register what other RPCs
         look up by that name).
         """

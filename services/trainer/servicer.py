@@ -147,7 +147,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self._config = config
         self._store = store
         self._runs: dict[str, TrainingRun] = {}
-        self._jobs = JobRunner(store, JOB_KIND)
+        self._jobs = JobRunner(store, JOB_KIND, job_noun="training job")
 
     def _training_operation(self, name: str) -> operations_pb2.Operation:
         _require_name(name)
@@ -236,8 +236,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         def register(name: str) -> None:
             self._runs[name] = run
 
-        # No output claim: a run writes where its flags say (--save, --log-dir, ...).
-        operation = self._jobs.start(metadata, job, on_created=register)
+        # --save is the run's output: two running jobs saving into one directory would
+        # interleave their checkpoints and `latest` pointers. (--log-dir and the rest are
+        # per-run logs; sharing them loses nothing written.)
+        save = Path(config.run.save) if config.run.save else None
+        operation = self._jobs.start(
+            metadata,
+            job,
+            output=save,
+            field="args (--save)",
+            path_noun="--save directory",
+            on_created=register,
+        )
         return trainer_pb2.StartTrainingResponse(operation=operation)
 
     def _stop_job(

@@ -622,6 +622,13 @@ def test_trainer_server_runs_streams_and_stops_a_real_job(
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         started = stub.StartTraining(trainer_pb2.StartTrainingRequest(args=args), timeout=30)
         name = started.operation.name
+        # A second run saving into the same directory, spelled differently, is refused while
+        # this one runs: their checkpoints and `latest` pointers would interleave.
+        twin = _training_args(data_root, "--save", f"{data_root}/train/./save/")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.StartTraining(trainer_pb2.StartTrainingRequest(args=twin), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert "args (--save): another running training job writes" in caught.value.details()
         streamed = []
         for message in stub.StreamMetrics(trainer_pb2.StreamMetricsRequest(name=name), timeout=300):
             streamed.append(message)

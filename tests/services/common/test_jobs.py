@@ -150,6 +150,26 @@ def test_output_named_after_the_operation_is_claimed_while_it_runs(tmp_path: Pat
     assert named not in runner.claims
 
 
+def test_a_path_held_twice_stays_claimed_until_both_jobs_end(tmp_path: Path) -> None:
+    # An operation-named output is held without a check; if a running job already claimed the
+    # same path, the first job to end must not release the other's claim.
+    store = OperationsStore(None)
+    runner = JobRunner(store, "evaluate", job_noun="evaluation")
+    path = tmp_path / "shared"
+    first, second = GatedJob(), GatedJob()
+    name_first = _start(runner, first, path)
+    name_second = runner.start(METADATA, second, output=lambda op_id: path).name
+    assert second.started.wait(10)
+    first.go.set()
+    _wait_done(store, name_first)
+    assert path in runner.claims
+    with pytest.raises(Conflict):
+        runner.start(METADATA, GatedJob(), output=path, field="output_path")
+    second.go.set()
+    _wait_done(store, name_second)
+    assert path not in runner.claims
+
+
 def test_on_created_runs_before_the_job(tmp_path: Path) -> None:
     store = OperationsStore(None)
     runner = JobRunner(store, "train")

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from models.config import ModelConfig
+from models.moe_config import MoEConfig
 
 Tensors = dict[str, torch.Tensor]
 Unit = str | int
@@ -142,12 +143,41 @@ def reconcile(own: ModelConfig, named: ModelConfig | None, where: str) -> ModelC
         for name in ARCHITECTURE_FIELDS
         if getattr(own, name) != getattr(named, name)
     ]
+    diffs += _moe_diffs(own.moe, named.moe)
     if diffs:
         raise ValueError(
             f"--model does not match the checkpoint in {where} ({'; '.join(diffs)}); pass the "
             "model the checkpoint holds or leave --model out to use its own config"
         )
     return own
+
+
+MOE_ARCHITECTURE_FIELDS = (
+    "num_experts",
+    "top_k",
+    "norm_topk_prob",
+    "num_shared_experts",
+    "shared_expert_ffn",
+    "shared_expert_gate",
+)
+"""The MoE settings that shape the weights or the forward; the loss weights and the capacity
+factor are training settings a run may change."""
+
+
+def _moe_diffs(own: MoEConfig | None, named: MoEConfig | None) -> list[str]:
+    if own is None or named is None:
+        if (own is None) == (named is None):
+            return []
+        return [f"moe: checkpoint {_moe_name(own)} vs --model {_moe_name(named)}"]
+    return [
+        f"moe.{name}: checkpoint {getattr(own, name)!r} vs --model {getattr(named, name)!r}"
+        for name in MOE_ARCHITECTURE_FIELDS
+        if getattr(own, name) != getattr(named, name)
+    ]
+
+
+def _moe_name(moe: MoEConfig | None) -> str:
+    return "dense (no MoE)" if moe is None else f"MoE ({moe.num_experts} experts, top-{moe.top_k})"
 
 
 class Source(Protocol):

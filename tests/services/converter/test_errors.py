@@ -85,6 +85,26 @@ def test_mismatched_model_is_named(llama_dir, tmp_path):
     assert _nothing_written(tmp_path)
 
 
+def test_mismatched_moe_settings_are_named():
+    import dataclasses
+
+    from checkpoints.units import reconcile
+    from models.registry import get_config
+
+    own = get_config("tiny-mixtral")
+    assert reconcile(own, dataclasses.replace(own), "ckpt") is own
+    # Loss weights and the capacity factor are training settings a run may change.
+    lossy = dataclasses.replace(own.moe, aux_loss_coeff=0.01, capacity_factor=1.25)
+    assert reconcile(own, dataclasses.replace(own, moe=lossy), "ckpt") is own
+    more = dataclasses.replace(own, moe=dataclasses.replace(own.moe, num_experts=8, top_k=1))
+    with pytest.raises(ValueError, match=r"moe.num_experts: checkpoint 4 vs --model 8; moe.top_k"):
+        reconcile(own, more, "ckpt")
+    with pytest.raises(
+        ValueError, match=r"moe: checkpoint MoE \(4 experts, top-2\) vs --model dense"
+    ):
+        reconcile(own, dataclasses.replace(own, moe=None), "ckpt")
+
+
 def test_megatron_without_config_needs_model_and_checks_it(llama_dir, tmp_path):
     mg = tmp_path / "mg"
     convert(ConvertOptions("hf", "megatron", llama_dir, mg))

@@ -10,10 +10,11 @@ The training flags, and every path and tokenizer they name (`launch_checks`, the
 opens the data and tokenizer), are checked before any worker starts.
 
 Dry run (no devices, no weights): `meshline train … --dry-run --world-size N
-[--dry-run-report FILE] [--device-memory 80GiB]` checks the command line, builds every rank's
-part of the model on the meta device through the same parallelize code on a fake process group,
-and prints per-rank parameters and memory (JSON with --dry-run-report; exit 1 if a rank does
-not fit --device-memory).
+[--nproc-per-node M] [--dry-run-report FILE] [--device-memory 80GiB]` checks the command line,
+builds every rank's part of the model on the meta device through the same parallelize code on a
+fake process group, and prints per-rank parameters and memory (JSON with --dry-run-report; exit
+1 if a rank does not fit --device-memory). --nproc-per-node places the N ranks on N/M nodes, as
+the launched run would (`--hsdp` without `--hsdp-shard-size` shards within a node).
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshline train: {exc}", file=sys.stderr)
             return 2
         return dry_run.main(
-            train_argv, world_size, launch_args.dry_run_report, launch_args.device_memory
+            train_argv,
+            world_size,
+            launch_args.dry_run_report,
+            launch_args.device_memory,
+            launch_args.nproc_per_node,
         )
     if launch_args.nproc_per_node is None and launch_args.nnodes == "1":
         from services.trainer import train

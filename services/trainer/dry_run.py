@@ -76,7 +76,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_ranks(
-    config: TrainConfig, world_size: int, ranks: list[int]
+    config: TrainConfig, world_size: int, ranks: list[int], local_world_size: int | None = None
 ) -> dict[int, dict[str, int]]:
     """`build_rank` for each of `ranks`, each in a fresh child process.
 
@@ -90,7 +90,7 @@ def build_ranks(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["services.trainer.dry_run"])
     with context.Pool(processes=1, maxtasksperchild=1) as pool:
-        return {r: pool.apply(build_rank, (config, world_size, r)) for r in ranks}
+        return {r: pool.apply(build_rank, (config, world_size, r, local_world_size)) for r in ranks}
 
 
 def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
@@ -103,17 +103,21 @@ def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
     return not p.placements[index].is_replicate()
 
 
-def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, world_size: int) -> bool:
-
-    pp_rank = _coordinates(rank, _sizes(config, world_size))["pp"]
-    layout = _layout(config, world_size)
+def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, dims: Any) -> bool:
+    pp_rank = _coordinates(rank, _axis_sizes(dims))["pp"]
+    layout = _layout(config, dims.world_size)
     stages = layout.stages(model_config.num_layers)
     return any(s.has_embedding for s in stages if s.pp_rank == pp_rank)
 
 
-def _sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
+def _sizes(
+    config: TrainConfig, world_size: int, local_world_size: int | None = None
+) -> dict[str, int]:
     """Sizes of the mesh axes, outermost first (parallel.parallel_dims.AXES)."""
-    dims = build_dims(config, world_size)
+    return _axis_sizes(build_dims(config, world_size, local_world_size))
+
+
+def _axis_sizes(dims: Any) -> dict[str, int]:
     return {axis: getattr(dims, axis) for axis in AXES}
 
 
@@ -136,7 +140,9 @@ def unique_elements(counts: dict[str, int], coords: dict[str, int], config: Trai
     return (dense - counts["tied_copy"] if first_replica else 0) + (experts if expert_owner else 0)
 
 
-def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
+def build_rank(
+    config: TrainConfig, world_size: int, rank: int, local_world_size: int | None = None
+) -> dict[str, int]:
     """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -148,7 +154,7 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         par = config.parallel
-        dims = build_dims(config, world_size)
+        dims = build_dims(config, world_size, local_world_size)
         plan = plan_precision(
             config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
         )
@@ -169,7 +175,7 @@ def build_rank(config: TrainConfig, world_size: int, rank: int) -> dict[str, int
         if model_config.tie_word_embeddings:
             named = dict(model.named_parameters())
             if "embed_tokens.weight" in named and not _holds_first_stage(
-                config, model_config, rank, world_size
+                config, model_config, rank, dims
             ):
                 tied_copy = _local(named["embed_tokens.weight"]).numel()
         param_bytes = sum(_local(p).numel() * p.element_size() for p in params)
@@ -246,10 +252,12 @@ def _model_config(config: TrainConfig) -> Any:
     return build_model_config(config)
 
 
-def representatives(config: TrainConfig, world_size: int) -> dict[int, int]:
+def representatives(
+    config: TrainConfig, world_size: int, local_world_size: int | None = None
+) -> dict[int, int]:
     """Every rank → the rank built for it (same pipeline rank and ZeRO shard index)."""
     zero = config.parallel.zero_stage
-    sizes = _sizes(config, world_size)
+    sizes = _sizes(config, world_size, local_world_size)
     mapping = {}
     for rank in range(world_size):
         coords = _coordinates(rank, sizes)
@@ -262,15 +270,24 @@ def representatives(config: TrainConfig, world_size: int) -> dict[int, int]:
     return mapping
 
 
-def dry_run(config: TrainConfig, world_size: int, device_memory: int | None) -> dict[str, Any]:
-    """The report: per-rank parameters and bytes, the layout, whether it fits."""
+def dry_run(
+    config: TrainConfig,
+    world_size: int,
+    device_memory: int | None,
+    local_world_size: int | None = None,
+) -> dict[str, Any]:
+    """The report: per-rank parameters and bytes, the layout, whether it fits.
+
+    `local_world_size` is the launcher's --nproc-per-node: without --hsdp-shard-size, HSDP
+    shards within a node, as in the launched run (`parallel.parallel_dims.build_dims`).
+    """
     config.validate(world_size)
     par = config.parallel
-    mapping = representatives(config, world_size)
-    built = build_ranks(config, world_size, sorted(set(mapping.values())))
+    mapping = representatives(config, world_size, local_world_size)
+    built = build_ranks(config, world_size, sorted(set(mapping.values())), local_world_size)
     layout = _layout(config, world_size)
     model_config = _model_config(config)
-    sizes = _sizes(config, world_size)
+    sizes = _sizes(config, world_size, local_world_size)
     ep = par.expert_model_parallel_size
     ranks = []
     for rank in range(world_size):
@@ -360,15 +377,24 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(
-    train_argv: list[str], world_size: int, report_path: str | None, device_memory: str | None
+    train_argv: list[str],
+    world_size: int,
+    report_path: str | None,
+    device_memory: str | None,
+    nproc_per_node: int | None = None,
 ) -> int:
-    """Entry point from `meshline train --dry-run`."""
+    """Entry point from `meshline train --dry-run` (`nproc_per_node`: the launcher's flag)."""
     from services.trainer.arguments import parse_args
 
     try:
         config = parse_args(train_argv, read_files=True)
         memory = parse_bytes(device_memory) if device_memory else None
-        report = dry_run(config, world_size, memory)
+        if nproc_per_node is not None and (nproc_per_node < 1 or world_size % nproc_per_node):
+            raise ValueError(
+                f"--nproc-per-node {nproc_per_node} does not divide --world-size {world_size}: "
+                "the simulated run has world-size / nproc-per-node nodes"
+            )
+        report = dry_run(config, world_size, memory, nproc_per_node)
     except ValueError as exc:
         print(f"meshline train --dry-run: {exc}", file=sys.stderr)
         return 2

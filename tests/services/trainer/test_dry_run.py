@@ -90,6 +90,33 @@ def test_cli_writes_the_report_and_refuses_a_bad_layout(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "--world-size" in missing.stderr
 
 
+def test_hsdp_dry_run_places_ranks_on_the_launchers_nodes(tmp_path: Path) -> None:
+    # --hsdp without --hsdp-shard-size shards within a node: with --nproc-per-node 4, eight
+    # ranks are two nodes, so two replicas each sharded four ways, as the launched run builds.
+    flags = ["--model", "tiny-llama", "--mock-data", "--seq-length", "32", "--micro-batch-size",
+             "1", "--zero-stage", "3", "--hsdp"]  # fmt: skip
+    config = parse_args(flags)
+    one_node = dry_run(config, 8, None)
+    two_nodes = dry_run(config, 8, None, local_world_size=4)
+    assert one_node["layout"]["dp_replicate"] == 1 and two_nodes["layout"]["dp_replicate"] == 2
+    shard = [r["bytes"]["parameters"] for r in two_nodes["ranks"]]
+    assert shard[0] > one_node["ranks"][0]["bytes"]["parameters"]  # a quarter, not an eighth
+    report_path = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", *flags, "--dry-run", "--world-size", "8",
+         "--nproc-per-node", "4", "--dry-run-report", str(report_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(report_path.read_text())["layout"]["dp_replicate"] == 2
+    uneven = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", *flags, "--dry-run", "--world-size", "8",
+         "--nproc-per-node", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert uneven.returncode == 2 and "--nproc-per-node 3 does not divide" in uneven.stderr
+
+
 @pytest.mark.parametrize(
     ("text", "value"), [("80GiB", 80 * 2**30), ("64 GB", 64 * 10**9), ("1.5TiB", 3 * 2**39)]
 )

@@ -90,6 +90,16 @@ class SlotPool:
         """Tokens cached per active row."""
         return self.cache.lengths_B[: self.num_rows].tolist()
 
+    @property
+    def slot_capacity(self) -> int:
+        """Key/value slots of every row together (rows x max_seq_len, or x the window for rings)."""
+        return self.max_rows * self.cache.slots
+
+    def slots_used(self) -> int:
+        """Key/value slots the active rows fill: a ring row holds at most its window of tokens."""
+        slots = self.cache.slots
+        return sum(min(n, slots) for n in self.lengths())
+
     def gather(self, rows: list[int]) -> None:
         """Keep active rows `rows`, in that order, as the new rows [0, len(rows)).
 

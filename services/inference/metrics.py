@@ -56,7 +56,8 @@ KV_CACHE_ROWS_USAGE = Gauge(
 )
 KV_CACHE_TOKENS_USAGE = Gauge(
     "meshline_inference_kv_cache_tokens_usage_ratio",
-    "Share of the KV cache's token slots (rows x max length) filled (0..1).",
+    "Share of the KV cache's token slots filled (0..1): rows x max length, or x the window "
+    "for sliding-window models, whose rows are rings.",
 )
 STEPS = Counter("meshline_inference_engine_steps_total", "Engine steps that ran the model.")
 
@@ -68,7 +69,7 @@ def _observe_step(engine: Engine) -> None:
     QUEUE_DEPTH.set(waiting)
     RUNNING_ROWS.set(rows)
     KV_CACHE_ROWS_USAGE.set(pool.num_rows / pool.max_rows)
-    KV_CACHE_TOKENS_USAGE.set(sum(pool.lengths()) / (pool.max_rows * pool.max_seq_len))
+    KV_CACHE_TOKENS_USAGE.set(pool.slots_used() / pool.slot_capacity)
     STEPS.inc()
 
 

@@ -252,3 +252,27 @@ def test_cpu_engine_serves_weights_from_huge_pages_with_the_same_tokens(monkeypa
     got = served.generate([ids], [cfg])[0][0].token_ids
     assert len(got) == 12
     assert got == reference.generate([ids], [cfg])[0][0].token_ids
+
+
+def test_kv_usage_gauge_counts_ring_slots_not_positions():
+    # A sliding-window model's rows are rings of W slots: a row past W positions fills W of
+    # them, and the gauge must not read over 1 (it read positions / max_seq_len before).
+    from prometheus_client import REGISTRY
+
+    from services.inference import metrics
+
+    _, ours, config = hf_reference("mistral", seed=1)
+    window = config.sliding_window
+    engine = Engine(
+        ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=2, max_seq_len=64)
+    )
+    assert engine.pool.cache.is_ring and engine.pool.slot_capacity == 2 * window
+    engine.submit(prompt(3 * window, config.vocab_size), SamplingConfig(max_new_tokens=8))
+    engine.submit(prompt(3, config.vocab_size, seed=1), SamplingConfig(max_new_tokens=8))
+    engine.step()
+    lengths = engine.pool.lengths()
+    assert lengths[0] > window and lengths[1] < window
+    metrics._observe_step(engine)
+    expected = (window + lengths[1]) / (2 * window)
+    gauge = REGISTRY.get_sample_value("meshline_inference_kv_cache_tokens_usage_ratio")
+    assert gauge == pytest.approx(expected)

@@ -13,11 +13,11 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import TCPStore
 
 from engine.engine import EngineConfig
 from engine.engine_thread import EngineThread
@@ -61,6 +61,9 @@ def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEng
 def _join(rank: int, world: int, port: int) -> None:
     os.environ.update(
         {
+            # Every rank joins the store rank 0's launcher hosts as a client (torchrun's agent
+            # store), rather than rank 0 binding MASTER_PORT as it joins.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -88,18 +91,16 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch_parallel(config: InferenceServiceConfig) -> Any:
     """Start ranks 1..N-1 as child processes, join as rank 0, return the serving engine."""
     from services.inference.serving import ServingEngine
 
     world = config.tensor_parallel_size * config.pipeline_parallel_size
-    port = _free_port()
+    # The rendezvous store listens on a port the OS assigns as it binds. A port picked free and
+    # handed to rank 0 to bind later could be taken meanwhile (another server starting, a
+    # client's outgoing connection), and the group would never form.
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     ctx = mp.get_context("spawn")
     children = [
         ctx.Process(target=_follower_main, args=(rank, world, port, config), daemon=True)
@@ -123,4 +124,5 @@ def launch_parallel(config: InferenceServiceConfig) -> Any:
         pipeline_parallel_size=config.pipeline_parallel_size,
         children=children,
         worker=EngineThread(batch_wait_s=config.batch_wait_ms / 1e3),
+        rendezvous=store,
     )

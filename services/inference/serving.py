@@ -26,6 +26,8 @@ class ServingEngine:
     children: list[Any] = field(default_factory=list)
     worker: EngineThread | None = None
     """The thread that loaded the model and runs its steps (None: the front starts one)."""
+    rendezvous: Any = None
+    """The multi-process group's TCPStore, hosted here (held for as long as the group lives)."""
     _front: AsyncEngine | None = None
 
     @property

@@ -210,16 +210,24 @@ class MoE(nn.Module):
             out = AuxLossInjector.apply(out, aux)
         return out
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output for tokens `x` (any leading shape, hidden last), behind
+        the sigmoid gate where there is one (Qwen2-MoE); None without shared experts."""
+        if self.shared_experts is None:
+            return None
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
+
     def forward(self, x_BSE: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k · expert_k(x) over kept copies (+ shared experts), auxiliary losses attached."""
         b, s, e = x_BSE.shape
         x_NE = x_BSE.reshape(-1, e)
         logits_NX, weights_NK, experts_NK = self.route(x_NE)
         out_NE = self.routed_experts(x_NE, weights_NK, experts_NK, self.keep_mask(experts_NK))
-        if self.shared_experts is not None:
-            shared_NE = self.shared_experts(x_NE)
-            if self.shared_expert_gate is not None:
-                shared_NE = torch.sigmoid(self.shared_expert_gate(x_NE)) * shared_NE
+        shared_NE = self.shared_output(x_NE)
+        if shared_NE is not None:
             out_NE = out_NE + shared_NE
         out_NE = self.attach_aux_loss(out_NE, self.aux_loss(logits_NX, experts_NK))
         return out_NE.view(b, s, e)

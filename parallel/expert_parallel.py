@@ -348,17 +348,16 @@ class MoESequenceParallel(ParallelStyle):
 
     Either way a rank's routing weights get gradient from only its share of the work, so their
     gradient is summed over the TP group (N·K numbers per layer) before the replicated router's
-    backward. Shared experts are not supported here.
+    backward.
+
+    Shared experts (and their gate) are replicated, as without sequence parallelism, but run on
+    this rank's sequence slice only: `apply_tensor_parallel` gives them sequence-sharded DTensor
+    inputs, so their weights' gradients are partial and DTensor sums them over the TP group.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MoE):
             raise TypeError(f"MoESequenceParallel applies to models.moe.MoE, not {module}")
-        if module.shared_experts is not None:
-            raise ValueError(
-                f"--sequence-parallel with shared experts (num_shared_experts="
-                f"{module.config.num_shared_experts}) is not supported; drop --sequence-parallel"
-            )
         group = device_mesh.get_group()
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         whole_experts = isinstance(module.dispatcher, AllToAllDispatcher)
@@ -381,8 +380,11 @@ class MoESequenceParallel(ParallelStyle):
                     partial_BSE.reshape(-1, e), weights_NK, experts_NK, keep_NK
                 )
                 out_nE = reduce_scatter_sequence(out_NE.view(b, s * size, e), group)
-            out_nE = module.attach_aux_loss(out_nE, module.aux_loss(logits_NX, experts_NK))
-            return out_nE.reshape(b, s, e)
+            out_BsE = out_nE.reshape(b, s, e)
+            shared_BsE = module.shared_output(x_BsE)
+            if shared_BsE is not None:
+                out_BsE = out_BsE + shared_BsE
+            return module.attach_aux_loss(out_BsE, module.aux_loss(logits_NX, experts_NK))
 
         module.forward = forward  # type: ignore[method-assign,assignment]
         return module

@@ -50,11 +50,6 @@ def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
             "--context-parallel-size 1"
         )
     moe = model_config.moe
-    if moe is not None and moe.num_shared_experts and dims.sequence_parallel:
-        raise ValueError(
-            f"--sequence-parallel with shared experts (num_shared_experts="
-            f"{moe.num_shared_experts}) is not supported; drop --sequence-parallel"
-        )
     if dims.ep > 1:
         if moe is None:
             raise ValueError(

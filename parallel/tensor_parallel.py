@@ -137,8 +137,20 @@ def apply_tensor_parallel(
             head_shard = name.endswith(".self_attn.q_norm") or (
                 name.endswith(".self_attn.k_norm") and config.kv_heads >= tp
             )
-            _replicate_module(module, tp_mesh, Shard(2) if head_shard else Replicate())
-            resolved[name] = "replicate (head-sharded input)" if head_shard else "replicate"
+            # Under SP an MoE layer's shared experts (and their gate) run on this rank's
+            # sequence slice (`MoESequenceParallel`): their gradients are summed likewise.
+            sequence_shard = sequence_parallel and (
+                ".mlp.shared_experts." in name or name.endswith(".mlp.shared_expert_gate")
+            )
+            if head_shard:
+                _replicate_module(module, tp_mesh, Shard(2))
+                resolved[name] = "replicate (head-sharded input)"
+            elif sequence_shard:
+                _replicate_module(module, tp_mesh, Shard(1))
+                resolved[name] = "replicate (sequence-sharded input)"
+            else:
+                _replicate_module(module, tp_mesh, Replicate())
+                resolved[name] = "replicate"
     for name in install_tp_rng_regions(
         model, config, tp_mesh.get_local_rank(), sequence_parallel=sequence_parallel
     ):

@@ -74,7 +74,7 @@ def test_sliding_window_refuses_context_parallelism():
 
 MOE_CASES = [
     ("tiny-mixtral-hf", ["pp2"]),  # TP/EP: tests/finetune; CP refuses its sliding window
-    ("tiny-qwen2-moe", ["tp2", "pp2", "cp2"]),
+    ("tiny-qwen2-moe", ["tp2", "tp2-sp", "pp2", "cp2"]),
     ("tiny-qwen3-moe", ["tp2", "tp2-sp", "pp2", "cp2"]),
 ]
 
@@ -85,7 +85,9 @@ MOE_CASES = [
 def test_moe_family_trains_like_one_process(model, layouts):
     """Mixtral (routed experts, sliding window), Qwen2-MoE (gated shared expert) and Qwen3-MoE
     (q/k norm) under TP2, PP2 (2 of the 4 layers per stage) and CP2 train like one process:
-    the router's load-balancing loss reaches the same gradients in every layout."""
+    the router's load-balancing loss reaches the same gradients in every layout. Under TP2 with
+    SP, Qwen2-MoE's replicated shared expert and its gate run on each rank's sequence slice, and
+    their weights' gradients are summed over the two ranks."""
     ref = run_distributed(run_layout, 1, ["--model", model], STEPS)[0]
     for layout in layouts:
         ranks = run_distributed(run_layout, 2, ["--model", model, *LAYOUTS[layout]], STEPS)

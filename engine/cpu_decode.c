@@ -1,5 +1,9 @@
-/* One decode step of a Llama-family decoder on the CPU, in fp32, for up to MAX_ROWS rows, in one
- * call (engine/native_step.py builds the tables and keeps the lean step for anything else).
+/* One decode step of a Llama-family decoder on the CPU, for up to MAX_ROWS rows, in one call
+ * (engine/native_step.py builds the tables and keeps the lean step for anything else). The
+ * model is stored in fp32 or bf16 (weights, norms, embedding and KV cache alike); the
+ * arithmetic is fp32 either way: bf16 values are widened as they are read, and the new keys and
+ * values are rounded to bf16 as they are written to a bf16 cache. The typed code is in
+ * cpu_decode_typed.h, compiled once per storage type.
  *
  * Why: a decode step streams every weight once, and the lean step runs ~30 small torch ops a
  * layer between the matrix products. Each runs after a product has flushed the core's caches,
@@ -29,64 +33,41 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
+#include <string.h>
 
+/* Every weight, norm, bias, embedding and cache pointer below is of the model's storage type
+ * (Model.dtype: fp32, or bf16 as uint16_t); inv_freq is always fp32. */
 typedef struct {
-    const float *w, *b; /* W [out, in] at w[o * rs + i * cs] (row-major: cs = 1, column-major:
-                           rs = 1); bias or NULL */
+    const void *w, *b; /* W [out, in] at w[o * rs + i * cs] (row-major: cs = 1, column-major:
+                          rs = 1); bias or NULL */
     long out, in, rs, cs;
 } Lin;
 
 typedef struct {
-    const float *norm1, *norm2;
+    const void *norm1, *norm2;
     float eps1, eps2;
     Lin qkv, o, gate_up, down;
-    float *k, *v; /* cache row r, slot s, kv head j, dim d at r * rs + s * ss + j * ks + d */
+    void *k, *v; /* cache row r, slot s, kv head j, dim d at r * rs + s * ss + j * ks + d */
     long rs, ss, ks;
 } Layer;
 
 typedef struct {
     long E, H, K, D, F, V, L; /* hidden, heads, kv heads, head dim, ffn, vocab, layers */
-    const float *embed;       /* [V, E] row-major */
-    const float *final_norm;
+    const void *embed;        /* [V, E] row-major */
+    const void *final_norm;
     float final_eps;
     Lin head;
     const float *inv_freq; /* [D / 2] */
     float rope_scale, scale;
     Layer *layers;
+    long dtype; /* DTYPE_F32 or DTYPE_BF16 */
 } Model;
 
-#define MAX_ROWS 64
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
 
-/* Y[b, o0:o1] = W[o0:o1] X[b] for a column-major W: each row's y accumulates x[i] times the
- * contiguous run W[o0:o1, i], four columns at a time; the four runs are reused for every row
- * while they are in the core's cache. */
-static void lin_columns(const Lin *l, long B, const float *X, long xs, float *Y, long ys, long o0,
-                        long o1) {
-    const long n = l->in, cs = l->cs;
-    for (long b = 0; b < B; b++)
-        for (long o = o0; o < o1; o++) Y[b * ys + o] = 0.f;
-    long i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float *w0 = l->w + i * cs, *w1 = w0 + cs, *w2 = w1 + cs, *w3 = w2 + cs;
-        for (long b = 0; b < B; b++) {
-            const float *x = X + b * xs;
-            const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
-            float *y = Y + b * ys;
-#pragma omp simd
-            for (long o = o0; o < o1; o++)
-                y[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o];
-        }
-    }
-    for (; i < n; i++) {
-        const float *w = l->w + i * cs;
-        for (long b = 0; b < B; b++) {
-            const float xi = X[b * xs + i];
-            float *y = Y + b * ys;
-#pragma omp simd
-            for (long o = o0; o < o1; o++) y[o] += xi * w[o];
-        }
-    }
-}
+#define MAX_ROWS 64
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -95,212 +76,63 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* out[3 r + q] = w_q . x_r for three weight rows w0..w2 and four inputs x0..x3 of n features:
- * twelve sums in twelve registers, each weight and input vector loaded once per 8 features
- * (7 loads for 12 multiply-adds). */
-static void dot3x4(const float *const w[3], const float *const x[4], long n, float *out) {
-    __m256 acc[12];
-    for (int k = 0; k < 12; k++) acc[k] = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 u = _mm256_loadu_ps(w[0] + i), v = _mm256_loadu_ps(w[1] + i);
-        const __m256 t = _mm256_loadu_ps(w[2] + i);
-        for (int r = 0; r < 4; r++) {
-            const __m256 xv = _mm256_loadu_ps(x[r] + i);
-            acc[3 * r] = _mm256_fmadd_ps(u, xv, acc[3 * r]);
-            acc[3 * r + 1] = _mm256_fmadd_ps(v, xv, acc[3 * r + 1]);
-            acc[3 * r + 2] = _mm256_fmadd_ps(t, xv, acc[3 * r + 2]);
-        }
-    }
-    for (int k = 0; k < 12; k++) out[k] = hsum(acc[k]);
-    for (; i < n; i++)
-        for (int r = 0; r < 4; r++)
-            for (int q = 0; q < 3; q++) out[3 * r + q] += w[q][i] * x[r][i];
+/* bf16 <-> fp32: a bf16 value is the top half of an fp32's bits; rounding to bf16 is to
+ * nearest, ties to even, as torch's conversion (NaN stays NaN). */
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* Y[b, o0:o1] = W[o0:o1] X[b] for a row-major W. One row: four weight rows at a time, so four
- * independent sums are in flight. Several: three weight rows against four inputs at a time
- * (twelve sums); the three weight rows are read from memory once and from the cache for the
- * next inputs. */
-static void lin_rows(const Lin *l, long B, const float *X, long xs, float *Y, long ys, long o0,
-                     long o1) {
-    const long n = l->in, rs = l->rs;
-    long o = o0;
-    if (B == 1) {
-        const float *x = X;
-        for (; o + 4 <= o1; o += 4) {
-            const float *w0 = l->w + o * rs, *w1 = w0 + rs, *w2 = w1 + rs, *w3 = w2 + rs;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (long i = 0; i < n; i++) {
-                a0 += w0[i] * x[i];
-                a1 += w1[i] * x[i];
-                a2 += w2[i] * x[i];
-                a3 += w3[i] * x[i];
-            }
-            Y[o] = a0;
-            Y[o + 1] = a1;
-            Y[o + 2] = a2;
-            Y[o + 3] = a3;
-        }
-    }
-    for (; o < o1; o += 3) {
-        const long nw = o1 - o < 3 ? o1 - o : 3;
-        /* weight rows past o1 and inputs past the last row repeat the first; their sums are not
-         * stored */
-        const float *w[3] = {l->w + o * rs, l->w + (o + (nw > 1)) * rs, l->w + (o + 2 * (nw > 2)) * rs};
-        for (long b = 0; b < B; b += 4) {
-            const long nb = B - b < 4 ? B - b : 4;
-            const float *x[4];
-            for (long r = 0; r < 4; r++) x[r] = X + (b + (r < nb ? r : 0)) * xs;
-            float sums[12];
-            dot3x4(w, x, n, sums);
-            for (long r = 0; r < nb; r++)
-                for (long q = 0; q < nw; q++) Y[(b + r) * ys + o + q] = sums[3 * r + q];
-        }
-    }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
 }
 
-/* Inside the team: each thread takes a contiguous block of output rows (a multiple of 16), then
- * all wait, so that Y is complete for whatever runs next. */
-static void lin(const Lin *l, long B, const float *X, long xs, float *Y, long ys) {
-    const long t = omp_get_thread_num(), n = omp_get_num_threads();
-    long per = (l->out + n - 1) / n;
-    per = (per + 15) & ~15L;
-    const long o0 = t * per, o1 = o0 + per < l->out ? o0 + per : l->out;
-    if (o0 < o1) {
-        if (l->cs == 1)
-            lin_rows(l, B, X, xs, Y, ys, o0, o1);
-        else
-            lin_columns(l, B, X, xs, Y, ys, o0, o1);
-        if (l->b)
-            for (long b = 0; b < B; b++)
-                for (long o = o0; o < o1; o++) Y[b * ys + o] += l->b[o];
-    }
-#pragma omp barrier
+static inline __m256 bf16_load8(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-static void rms_norm(const float *x, const float *w, float eps, float *y, long n) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (long i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.f / sqrtf(ss / (float)n + eps);
-    for (long i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
-}
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define NAME(f) CAT(f, SFX)
 
-/* One query head of one row over that row's slots 0..S-1 of kv head j: out [D]; `sc` holds S
- * scores; `k` and `v` point at the row's slot 0, kv head j. */
-static void attend(const Model *m, const float *k, const float *v, long ss, const float *q, long S,
-                   const unsigned char *mask, float *sc, float *out) {
-    const long D = m->D;
-    float mx = -INFINITY;
-    for (long s = 0; s < S; s++) {
-        if (mask && !mask[s]) {
-            sc[s] = -INFINITY;
-            continue;
-        }
-        const float *ks = k + s * ss;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (long d = 0; d < D; d++) acc += q[d] * ks[d];
-        sc[s] = acc * m->scale;
-        if (sc[s] > mx) mx = sc[s];
-    }
-    float sum = 0.f;
-    for (long s = 0; s < S; s++) {
-        sc[s] = sc[s] == -INFINITY ? 0.f : expf(sc[s] - mx);
-        sum += sc[s];
-    }
-    for (long d = 0; d < D; d++) out[d] = 0.f;
-    for (long s = 0; s < S; s++) {
-        if (sc[s] == 0.f) continue;
-        const float p = sc[s] / sum;
-        const float *vs = v + s * ss;
-#pragma omp simd
-        for (long d = 0; d < D; d++) out[d] += p * vs[d];
-    }
-}
+#define WT float
+#define SFX _f32
+#define LD1(v) (v)
+#define LD8(p) _mm256_loadu_ps(p)
+#define ST1(v) (v)
+#define PREFETCH_NEXT(a, b) ((void)0)
+#include "cpu_decode_typed.h"
+#undef WT
+#undef SFX
+#undef LD1
+#undef LD8
+#undef ST1
+#undef PREFETCH_NEXT
 
-/* Scratch floats, for B rows and T = 1 + the largest position: h, x [B E]; qkv [B (H + 2K) D];
- * att [B H D]; gate_up [B 2F]; act [B F]; cos, sin [B D/2]; scores [B H T] -- engine/
- * native_step.py sizes it with the same formula. */
-static void decode(const Model *m, long B, const long long *tokens, const long long *positions,
-                   const unsigned char *mask, long mask_stride, float *logits, float *scratch,
-                   int threads) {
-    const long E = m->E, H = m->H, K = m->K, D = m->D, F = m->F, half = D / 2, G = H / K;
-    const long Q = (H + 2 * K) * D;
-    long T = 0;
-    for (long b = 0; b < B; b++)
-        if (positions[b] + 1 > T) T = positions[b] + 1;
-    float *h = scratch, *x = h + B * E, *qkv = x + B * E, *att = qkv + B * Q;
-    float *gu = att + B * H * D, *act = gu + B * 2 * F, *cs = act + B * F, *sn = cs + B * half;
-    float *scores = sn + B * half;
-    for (long b = 0; b < B; b++) {
-        for (long i = 0; i < E; i++) h[b * E + i] = m->embed[tokens[b] * E + i];
-        for (long j = 0; j < half; j++) {
-            const float f = (float)positions[b] * m->inv_freq[j];
-            cs[b * half + j] = cosf(f) * m->rope_scale;
-            sn[b * half + j] = sinf(f) * m->rope_scale;
-        }
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        for (long l = 0; l < m->L; l++) {
-            const Layer *ly = &m->layers[l];
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++) rms_norm(h + b * E, ly->norm1, ly->eps1, x + b * E, E);
-            lin(&ly->qkv, B, x, E, qkv, Q);
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++) {
-                const long pos = positions[b];
-                const float *c = cs + b * half, *s = sn + b * half;
-                for (long head = 0; head < H + K; head++) { /* rotate the q and k heads */
-                    float *u = qkv + b * Q + head * D;
-                    for (long j = 0; j < half; j++) {
-                        const float u0 = u[j], u1 = u[j + half];
-                        u[j] = u0 * c[j] - u1 * s[j];
-                        u[j + half] = u1 * c[j] + u0 * s[j];
-                    }
-                }
-                float *kr = ly->k + b * ly->rs + pos * ly->ss, *vr = ly->v + b * ly->rs + pos * ly->ss;
-                for (long j = 0; j < K; j++)
-                    for (long d = 0; d < D; d++) {
-                        kr[j * ly->ks + d] = qkv[b * Q + (H + j) * D + d];
-                        vr[j * ly->ks + d] = qkv[b * Q + (H + K + j) * D + d];
-                    }
-            }
-#pragma omp for schedule(static) collapse(2)
-            for (long b = 0; b < B; b++)
-                for (long head = 0; head < H; head++) {
-                    const long j = head / G;
-                    attend(m, ly->k + b * ly->rs + j * ly->ks, ly->v + b * ly->rs + j * ly->ks,
-                           ly->ss, qkv + b * Q + head * D, positions[b] + 1,
-                           mask ? mask + b * mask_stride : NULL, scores + (b * H + head) * T,
-                           att + (b * H + head) * D);
-                }
-            lin(&ly->o, B, att, H * D, x, E);
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++) {
-                for (long i = 0; i < E; i++) h[b * E + i] += x[b * E + i];
-                rms_norm(h + b * E, ly->norm2, ly->eps2, x + b * E, E);
-            }
-            lin(&ly->gate_up, B, x, E, gu, 2 * F);
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++)
-                for (long i = 0; i < F; i++) {
-                    const float g = gu[b * 2 * F + i];
-                    act[b * F + i] = g / (1.f + expf(-g)) * gu[b * 2 * F + F + i];
-                }
-            lin(&ly->down, B, act, F, x, E);
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++)
-                for (long i = 0; i < E; i++) h[b * E + i] += x[b * E + i];
-        }
-#pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) rms_norm(h + b * E, m->final_norm, m->final_eps, x + b * E, E);
-        lin(&m->head, B, x, E, logits, m->V);
-    }
-}
+#define WT uint16_t
+#define SFX _bf16
+#define LD1(v) bf16_to_f32(v)
+#define LD8(p) bf16_load8(p)
+#define ST1(v) f32_to_bf16(v)
+/* One-row products over bf16 weights reached ~22 GB/s on the AMD EPYC test machine, against
+ * 33-35 for fp32, until the next four rows' lines were asked for ahead (28-37 GB/s, scratch
+ * loop; the first and third row's lines sufficed, all four was slower). */
+#define PREFETCH_NEXT(a, b) (_mm_prefetch((const char *)(a), _MM_HINT_T0), \
+                             _mm_prefetch((const char *)(b), _MM_HINT_T0))
+#include "cpu_decode_typed.h"
+#undef WT
+#undef SFX
+#undef LD1
+#undef LD8
+#undef ST1
+#undef PREFETCH_NEXT
 
 static PyObject *step(PyObject *self, PyObject *args) {
     unsigned long long model, tokens, positions, mask, logits, scratch;
@@ -329,9 +161,19 @@ static PyObject *step(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
+    if (m->dtype != DTYPE_F32 && m->dtype != DTYPE_BF16) {
+        PyErr_Format(PyExc_ValueError, "step: model dtype %ld is neither fp32 (0) nor bf16 (1)",
+                     m->dtype);
+        return NULL;
+    }
+    const unsigned char *row_mask = (const unsigned char *)(uintptr_t)mask;
     Py_BEGIN_ALLOW_THREADS
-    decode(m, (long)rows, tok, pos, (const unsigned char *)(uintptr_t)mask, (long)mask_stride,
-           (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
+    if (m->dtype == DTYPE_BF16)
+        decode_bf16(m, (long)rows, tok, pos, row_mask, (long)mask_stride,
+                    (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
+    else
+        decode_f32(m, (long)rows, tok, pos, row_mask, (long)mask_stride,
+                   (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -10,7 +10,9 @@ over the model's own tensors (nothing is copied): every step of one row, and ste
 C_ROWS rows when the weights it reads are row-major (as loaded, or a packed layer's dense copy);
 larger steps run the lean step, where oneDNN's packed product is faster.
 
-Covered: CPU, fp32, the decoder `DecodeStep` covers with fused q|k|v (biases allowed) and a
+Covered: CPU, fp32 or bf16 (bf16 weights, norms, embedding and KV cache are widened as they
+are read and the arithmetic is fp32; new keys and values are rounded to bf16 as they are
+written), the decoder `DecodeStep` covers with fused q|k|v (biases allowed) and a
 fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Linear, or a packed
 layer's one-row copy), a cache that is not a sliding-window ring; the lean step keeps the rest.
 The sums run in another order than torch's, so logits agree with the lean step to fp32 rounding
@@ -91,7 +93,12 @@ class _ModelTable(ctypes.Structure):
         ("rope_scale", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(_LayerTable)),
+        ("dtype", ctypes.c_long),
     ]
+
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Storage types cpu_decode.c reads (its DTYPE_F32, DTYPE_BF16); it computes in fp32."""
 
 
 def available() -> tuple[bool, str]:
@@ -116,13 +123,16 @@ class NativeStep:
         if not ok:
             raise Unsupported(why)
         self.lean = lean
-        tensors = [lean.embedding, lean.final_norm[0], lean.inv_freq]
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-            raise Unsupported("not an fp32 model on the CPU")
         embedding = lean.embedding
+        self.dtype = embedding.dtype
+        tensors = [embedding, lean.final_norm[0]]
+        if self.dtype not in DTYPES or any(
+            t.device.type != "cpu" or t.dtype != self.dtype for t in tensors
+        ):
+            raise Unsupported("not an fp32 or bf16 model on the CPU")
         if not embedding.is_contiguous():
             raise Unsupported("the embedding is not contiguous")
-        layers = [_layer_parts(layer) for layer in lean.layers]
+        layers = [_layer_parts(layer, self.dtype) for layer in lean.layers]
         first = lean.layers[0]
         heads = first.q_size // lean.head_dim
         kv_heads = first.kv_size // lean.head_dim
@@ -148,9 +158,9 @@ class NativeStep:
             table.norm2, table.eps2 = self._ptr(layer.norm2[0]), layer.norm2[1]
             table.qkv, table.o = self._lin(*qkv), self._lin(*o)
             table.gate_up, table.down = self._lin(*gate_up), self._lin(*down)
-        head = _plain(lean.head)
+        head = _plain(lean.head, self.dtype)
         if head is None:
-            raise Unsupported("the head's weight is not a plain fp32 matrix")
+            raise Unsupported(f"the head's weight is not a plain {self.dtype} matrix")
         _expect(head, head[0].shape[0], hidden, "head")
         if lean.inv_freq.numel() != lean.head_dim // 2:
             raise Unsupported("RoPE over part of the head dim")
@@ -166,17 +176,18 @@ class NativeStep:
             final_norm=self._ptr(lean.final_norm[0]),
             final_eps=lean.final_norm[1],
             head=self._lin(*head),
-            inv_freq=self._ptr(lean.inv_freq.contiguous()),
+            inv_freq=self._ptr(lean.inv_freq.to(torch.float32).contiguous()),
             rope_scale=lean.rope_scale,
             scale=lean.scale,
             layers=self._layers,
+            dtype=DTYPES[self.dtype],
         )
         self._model_addr = ctypes.addressof(self._model)
         linears = [
             lean.head,
             *(f for ly in lean.layers for f in (ly.qkv, ly.o, ly.gate_up, ly.down)),
         ]
-        self.max_rows = C_ROWS if all(_row_major(f) for f in linears) else 1
+        self.max_rows = C_ROWS if all(_row_major(f, self.dtype) for f in linears) else 1
         """Rows a step may have to run here: up to C_ROWS with row-major weights, else one
         (the C product over column-major weights is slower than MKL's at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
@@ -228,7 +239,7 @@ class NativeStep:
 
     def _point_at(self, cache: KVCache, rows: int, key_len: int) -> None:
         """Aim each layer's table at `cache` (views can move between calls), after checking that
-        it holds `rows` rows of at least `key_len` fp32 slots."""
+        it holds `rows` rows of at least `key_len` slots of the model's dtype."""
         kv = [(cache.k_BSKD[layer.key], cache.v_BSKD[layer.key]) for layer in self.lean.layers]
         k0 = kv[0][0]
         if k0.shape[0] != rows or k0.shape[1] < key_len:
@@ -240,8 +251,10 @@ class NativeStep:
         if where == self._cache:
             return
         for table, (k, v) in zip(self._layers, kv, strict=True):
-            if k.dtype != torch.float32 or k.stride(3) != 1 or k.stride() != v.stride():
-                raise ValueError("NativeStep: the KV cache is not fp32 with contiguous head dims")
+            if k.dtype != self.dtype or k.stride(3) != 1 or k.stride() != v.stride():
+                raise ValueError(
+                    f"NativeStep: the KV cache is not {self.dtype} with contiguous head dims"
+                )
             table.k, table.v = k.data_ptr(), v.data_ptr()
             table.rs, table.ss, table.ks = k.stride(0), k.stride(1), k.stride(2)
         self._cache = where
@@ -264,18 +277,21 @@ class NativeStep:
 Parts = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _layer_parts(layer: StepLayer) -> tuple[Parts, Parts, Parts, Parts]:
-    """(weight, bias) of q|k|v, o, gate|up and down, each a plain fp32 matrix, or Unsupported."""
+def _layer_parts(layer: StepLayer, dtype: torch.dtype) -> tuple[Parts, Parts, Parts, Parts]:
+    """(weight, bias) of q|k|v, o, gate|up and down, each a plain `dtype` matrix, or
+    Unsupported."""
     if layer.qkv is None or layer.gate_up is None:
         raise Unsupported(f"layer {layer.key}: separate q/k/v or gate/up projections")
     if layer.q_norm is not None:
         raise Unsupported(f"layer {layer.key}: q/k norms")
     for norm in (layer.norm1[0], layer.norm2[0]):
-        if norm.dtype != torch.float32 or not norm.is_contiguous():
-            raise Unsupported(f"layer {layer.key}: a norm weight that is not contiguous fp32")
-    parts = [_plain(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if norm.dtype != dtype or not norm.is_contiguous():
+            raise Unsupported(f"layer {layer.key}: a norm weight that is not contiguous {dtype}")
+    parts = [_plain(f, dtype) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if any(p is None for p in parts):
-        raise Unsupported(f"layer {layer.key}: a weight that is not a plain fp32 matrix (packed?)")
+        raise Unsupported(
+            f"layer {layer.key}: a weight that is not a plain {dtype} matrix (packed?)"
+        )
     return tuple(parts)  # type: ignore[return-value]
 
 
@@ -285,16 +301,16 @@ def _expect(parts: Parts, out: int, in_: int, name: str) -> None:
         raise Unsupported(f"{name}: weight {tuple(weight.shape)}, expected ({out}, {in_})")
 
 
-def _row_major(linear: object) -> bool:
+def _row_major(linear: object, dtype: torch.dtype) -> bool:
     """Whether the weight the C step reads for `linear` is row-major."""
-    parts = _plain(linear)
+    parts = _plain(linear, dtype)
     return parts is not None and parts[0].stride(-1) == 1
 
 
-def _plain(linear: object) -> Parts | None:
-    """The layer's (weight [O, I], bias) in fp32 when the weight is a plain row-major or
-    column-major matrix, else None: a plain linear (DecodeStep's DenseLinear, as loaded or
-    `--cpu-linear colmajor`) or a packed layer's one-row copy."""
+def _plain(linear: object, dtype: torch.dtype) -> Parts | None:
+    """The layer's (weight [O, I], bias) when both are of `dtype` and the weight is a plain
+    row-major or column-major matrix, else None: a plain linear (DecodeStep's DenseLinear, as
+    loaded or `--cpu-linear colmajor`) or a packed layer's one-row copy."""
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     if isinstance(linear, PackedLinear):
@@ -305,11 +321,11 @@ def _plain(linear: object) -> Parts | None:
         return None
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight.dtype != dtype or weight.device.type != "cpu":
         return None
     rows, cols = weight.shape
     if not (weight.stride() == (cols, 1) or weight.stride() == (1, rows)):
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     return weight, bias

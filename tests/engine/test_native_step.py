@@ -7,6 +7,7 @@ not cover must go to the lean step.
 
 from __future__ import annotations
 
+import copy
 import platform
 import shutil
 
@@ -146,9 +147,9 @@ def test_column_major_weights():
     [
         (lambda m: m, None),
         (lambda m: pack_linears(m), "plain"),  # packed only: no plain weights
-        (lambda m: m.to(torch.bfloat16), "fp32"),
+        (lambda m: m.to(torch.float16), "fp32 or bf16"),
     ],
-    ids=["covered", "packed-only", "bf16"],
+    ids=["covered", "packed-only", "fp16"],
 )
 def test_declines_what_it_does_not_cover(prepare, reason):
     model = _model()
@@ -158,6 +159,82 @@ def test_declines_what_it_does_not_cover(prepare, reason):
         assert (native is not None) == BUILT, why
     else:
         assert native is None and reason in why
+
+
+def _rounded(cache: KVCache) -> None:
+    """Round a wide cache's keys and values to bf16 values in place (as a bf16 cache holds)."""
+    for buffers in (cache.k_BSKD, cache.v_BSKD):
+        for buf in buffers.values():
+            buf.copy_(buf.to(torch.bfloat16))
+
+
+@needs_build
+@pytest.mark.parametrize("lengths", [(6,), (3, 9, 1, 6)], ids=["one", "uneven-4"])
+def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
+    """A bf16 model: weights, norms, biases, embedding and cache are read as bf16 and widened,
+    the arithmetic is fp32, and the new keys and values are rounded to bf16 as they are
+    written. Reference: the lean step on the same weights upcast to fp32 (exact), over the same
+    cache upcast, rounded to bf16 after each step. The two differ only in that the C step
+    attends over the new key/value already rounded, so logits agree closely and the cache
+    rows written are the reference's rounded (within one bf16 step)."""
+    model = _model(qkv_bias=True).to(torch.bfloat16)
+    native, why = NativeStep.build(DecodeStep(model))
+    assert native is not None, why
+    assert native.max_rows == native_step.C_ROWS
+    wide = DecodeStep(_model(qkv_bias=True).to(torch.bfloat16).float())
+    ours = _prefilled(model, list(lengths))
+    theirs = _clone(ours)
+    theirs.k_BSKD = {k: v.float() for k, v in theirs.k_BSKD.items()}
+    theirs.v_BSKD = {k: v.float() for k, v in theirs.v_BSKD.items()}
+    ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]
+    with torch.inference_mode():
+        for _ in range(5):
+            step = ours.begin(1, None)
+            got = native(ids_B1, ours, step)
+            ours.commit(step)
+            step = theirs.begin(1, None)
+            want = wide(ids_B1, theirs, step)
+            theirs.commit(step)
+            _rounded(theirs)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+            ids_B1 = want.argmax(-1, keepdim=True)
+    for key in ours.k_BSKD:
+        pairs = [(ours.k_BSKD[key], theirs.k_BSKD[key]), (ours.v_BSKD[key], theirs.v_BSKD[key])]
+        for mine, ref in pairs:
+            assert mine.dtype == torch.bfloat16
+            if key == "0":  # same input: the same value rounded (one bf16 step at a tie)
+                torch.testing.assert_close(mine.float(), ref, rtol=2**-7, atol=0)
+            else:  # its input went through attention over the rounded key: two steps
+                atol = 1e-2 * ref.abs().max().item()
+                torch.testing.assert_close(mine.float(), ref, rtol=2**-6, atol=atol)
+
+
+@needs_build
+def test_bf16_engine_steps_in_c_with_the_upcast_models_tokens():
+    """The engine's default on a bf16 model runs its decode steps in C, and its greedy tokens
+    are those of the same weights upcast to fp32 (with peaked logits: no near-ties that bf16
+    rounding of the prefill and the cache could flip). The bf16 lean step rounds every
+    intermediate to bf16 and may part from both."""
+    prompts = [[5, 9, 11], [7] * 8, [3, 4, 5, 6, 7, 8]]
+    configs = [SamplingConfig(max_new_tokens=12) for _ in prompts]
+    model = _model()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(10.0)
+    narrow = model.to(torch.bfloat16)
+    tokens = {}
+    for name, weights in (("bf16", narrow), ("fp32", copy.deepcopy(narrow).float())):
+        engine = Engine(weights, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=3))
+        assert isinstance(engine._decode_step, NativeStep)
+        assert engine._decode_step.dtype == weights.embed_tokens.weight.dtype
+        batch = [[r.token_ids for r in req] for req in engine.generate(prompts, configs)]
+        alone = [
+            engine.generate([p], [c])[0][0].token_ids for p, c in zip(prompts, configs, strict=True)
+        ]
+        tokens[name] = (batch, alone)
+    assert tokens["bf16"] == tokens["fp32"]
 
 
 @pytest.mark.parametrize(

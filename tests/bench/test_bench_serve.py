@@ -115,3 +115,25 @@ def test_a_token_difference_is_explained_with_the_margin_and_hf_alone(tmp_path, 
     assert (
         "ours differs from HF's tokens for this prompt alone, which equal HF's batched" in lines[0]
     )
+
+
+def test_bf16_checkpoint_and_agreement_count(tmp_path) -> None:
+    """`--dtype bfloat16`: the checkpoint is stored in bf16 (the server's `--dtype auto` loads
+    bf16), the returned HF model holds the same rounded values in fp32; `agreeing` counts the
+    leading tokens equal to the reference, median over rows."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.bench_serve import agreeing, write_checkpoint
+    from engine.loading import load_checkpoint
+
+    shape = dict(vocab=64, hidden=32, ffn=64, layers=1, heads=2, kv=1)
+    hf = write_checkpoint(shape, tmp_path / "ckpt", dtype="bfloat16")
+    stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in hf.parameters())
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(hf.state_dict()[name], stored[name].float())
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert agreeing([[1, 2, 3], [1, 5, 6], [7, 8, 9]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]]) == 1

@@ -12,9 +12,14 @@
  * products are split by output rows over the threads, the small work is split by rows and
  * heads, and nothing goes back to Python until the logits are written.
  *
- *   step(model, rows, tokens, positions, mask, mask_stride, logits, scratch, threads)
- *       -- addresses as ints: tokens and positions int64 [rows], mask uint8 (row r's slot s at
- *          mask[r * mask_stride + s], 0 = hidden) or 0, logits fp32 [rows, V]
+ *   step(model, rows, tokens, positions, mask, mask_stride, logits, scratch, threads
+ *        [, cache_rows])
+ *       -- addresses as ints: tokens and positions int64 [rows], mask uint8 (cache row c's slot
+ *          s at mask[c * mask_stride + s], 0 = hidden) or 0, logits fp32 [rows, V]; cache_rows
+ *          int64 [rows], the cache row each row reads and writes (default: its own index).
+ *          Rows sharing a cache row at consecutive positions are a prompt's tokens: every row
+ *          writes its key and value before any attends, so one call prefills a short prompt
+ *          (engine/native_step.py, NativeStep.prefill).
  *   simd() -> bool   -- this CPU runs the build
  *
  * `model` points to a `Model` (below; engine/native_step.py mirrors it with ctypes). For each
@@ -98,6 +103,7 @@ static inline __m256 bf16_load8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+#define CACHE_ROW(b) (crows ? crows[b] : (b))
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define NAME(f) CAT(f, SFX)
@@ -135,16 +141,17 @@ static inline __m256 bf16_load8(const uint16_t *p) {
 #undef PREFETCH_NEXT
 
 static PyObject *step(PyObject *self, PyObject *args) {
-    unsigned long long model, tokens, positions, mask, logits, scratch;
+    unsigned long long model, tokens, positions, mask, logits, scratch, cache_rows = 0;
     long long rows, mask_stride;
     int threads;
-    if (!PyArg_ParseTuple(args, "KLKKKLKKi", &model, &rows, &tokens, &positions, &mask,
-                          &mask_stride, &logits, &scratch, &threads)) {
+    if (!PyArg_ParseTuple(args, "KLKKKLKKi|K", &model, &rows, &tokens, &positions, &mask,
+                          &mask_stride, &logits, &scratch, &threads, &cache_rows)) {
         return NULL;
     }
     const Model *m = (const Model *)(uintptr_t)model;
     const long long *tok = (const long long *)(uintptr_t)tokens;
     const long long *pos = (const long long *)(uintptr_t)positions;
+    const long long *crows = (const long long *)(uintptr_t)cache_rows;
     if (!m || !tok || !pos || !logits || !scratch || rows < 1 || rows > MAX_ROWS ||
         threads < 1 || mask_stride < 0) {
         PyErr_SetString(PyExc_ValueError,
@@ -160,6 +167,10 @@ static PyObject *step(PyObject *self, PyObject *args) {
                          b, tok[b], m->V, pos[b]);
             return NULL;
         }
+        if (crows && (crows[b] < 0 || crows[b] >= MAX_ROWS)) {
+            PyErr_Format(PyExc_ValueError, "step: row %lld names cache row %lld", b, crows[b]);
+            return NULL;
+        }
     }
     if (m->dtype != DTYPE_F32 && m->dtype != DTYPE_BF16) {
         PyErr_Format(PyExc_ValueError, "step: model dtype %ld is neither fp32 (0) nor bf16 (1)",
@@ -169,10 +180,10 @@ static PyObject *step(PyObject *self, PyObject *args) {
     const unsigned char *row_mask = (const unsigned char *)(uintptr_t)mask;
     Py_BEGIN_ALLOW_THREADS
     if (m->dtype == DTYPE_BF16)
-        decode_bf16(m, (long)rows, tok, pos, row_mask, (long)mask_stride,
+        decode_bf16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
                     (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     else
-        decode_f32(m, (long)rows, tok, pos, row_mask, (long)mask_stride,
+        decode_f32(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
                    (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

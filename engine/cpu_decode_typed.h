@@ -177,9 +177,10 @@ static void NAME(attend)(const Model *m, const WT *k, const WT *v, long ss, cons
 /* Scratch floats, for B rows and T = 1 + the largest position: h, x [B E]; qkv [B (H + 2K) D];
  * att [B H D]; gate_up [B 2F]; act [B F]; cos, sin [B D/2]; scores [B H T] -- engine/
  * native_step.py sizes it with the same formula. */
-static void NAME(decode)(const Model *m, long B, const long long *tokens, const long long *positions,
-                   const unsigned char *mask, long mask_stride, float *logits, float *scratch,
-                   int threads) {
+static void NAME(decode)(const Model *m, long B, const long long *tokens,
+                         const long long *positions, const long long *crows,
+                         const unsigned char *mask, long mask_stride, float *logits,
+                         float *scratch, int threads) {
     const long E = m->E, H = m->H, K = m->K, D = m->D, F = m->F, half = D / 2, G = H / K;
     const long Q = (H + 2 * K) * D;
     long T = 0;
@@ -216,8 +217,8 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens, const 
                         u[j + half] = u1 * c[j] + u0 * s[j];
                     }
                 }
-                WT *kr = (WT *)ly->k + b * ly->rs + pos * ly->ss;
-                WT *vr = (WT *)ly->v + b * ly->rs + pos * ly->ss;
+                WT *kr = (WT *)ly->k + CACHE_ROW(b) * ly->rs + pos * ly->ss;
+                WT *vr = (WT *)ly->v + CACHE_ROW(b) * ly->rs + pos * ly->ss;
                 for (long j = 0; j < K; j++)
                     for (long d = 0; d < D; d++) {
                         kr[j * ly->ks + d] = ST1(qkv[b * Q + (H + j) * D + d]);
@@ -228,10 +229,10 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens, const 
             for (long b = 0; b < B; b++)
                 for (long head = 0; head < H; head++) {
                     const long j = head / G;
-                    NAME(attend)(m, (const WT *)ly->k + b * ly->rs + j * ly->ks,
-                                 (const WT *)ly->v + b * ly->rs + j * ly->ks,
+                    NAME(attend)(m, (const WT *)ly->k + CACHE_ROW(b) * ly->rs + j * ly->ks,
+                                 (const WT *)ly->v + CACHE_ROW(b) * ly->rs + j * ly->ks,
                            ly->ss, qkv + b * Q + head * D, positions[b] + 1,
-                           mask ? mask + b * mask_stride : NULL, scores + (b * H + head) * T,
+                           mask ? mask + CACHE_ROW(b) * mask_stride : NULL, scores + (b * H + head) * T,
                            att + (b * H + head) * D);
                 }
             NAME(lin)(&ly->o, B, att, H * D, x, E);

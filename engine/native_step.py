@@ -17,7 +17,7 @@ fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Line
 layer's one-row copy), a cache that is not a sliding-window ring; the lean step keeps the rest.
 The sums run in another order than torch's, so logits agree with the lean step to fp32 rounding
 (tested), not bit for bit; greedy tokens are HF's in the parity tests. `--decode-step lean`
-keeps the bit-identical step. For bf16 models a short prefill runs in one C call too
+keeps the bit-identical step. For bf16 models the prefill runs in C too
 (`NativeStep.prefill`).
 """
 
@@ -240,17 +240,18 @@ class NativeStep:
 
     def prefill(self, ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits [B, V] of each row's last position after appending prompts `ids_BS` to the
-        `cache` rows, in one C call, for a bf16 model and B·S up to MAX_ROWS tokens; None (and
-        the cache untouched) otherwise, for the model forward to run.
+        `cache` rows, in C, for a bf16 model; None (and the cache untouched) otherwise, for the
+        model forward to run.
 
-        Each token is a row of the call, at its position, reading and writing its prompt's
-        cache row; every row writes its key and value before any attends, so each token sees
-        the prompt up to itself, as in the model's causal forward. Only bf16: torch's bf16
-        forward is slow on a CPU without bf16 units (~90 against ~15 ms for 16 tokens of the
-        hidden-1024 bench model), while fp32 prefills keep the model forward, which oneDNN's
-        packed weights run about as fast and which keeps fp32 prefills bit-identical."""
+        Each prompt token is a row of a call, at its position, reading and writing its prompt's
+        cache row; in a call every row writes its key and value before any attends, and the
+        tokens go in calls of up to MAX_ROWS in order (row by row, position by position), so
+        each token sees its prompt up to itself, as in the model's causal forward. Only bf16:
+        torch's bf16 forward is slow on a CPU without bf16 units (~90 against ~15 ms for 16
+        tokens of the hidden-1024 bench model), while fp32 prefills keep the model forward,
+        which oneDNN's packed weights run about as fast and which keeps them bit-identical."""
         rows, length = ids_BS.shape
-        if self.dtype != torch.bfloat16 or rows * length > MAX_ROWS or cache.is_ring:
+        if self.dtype != torch.bfloat16 or cache.is_ring or rows > MAX_ROWS:
             return None
         step = cache.begin(length, None)
         self._point_at(cache, rows, step.key_len)
@@ -261,24 +262,29 @@ class NativeStep:
         if mask is not None and mask.stride(1) != 1:
             mask = mask.contiguous()
         m = self._model
-        need = rows * length * (self._row_scratch + m.H * step.key_len)
+        need = MAX_ROWS * (self._row_scratch + m.H * step.key_len)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        logits = torch.empty(rows * length, m.V)
-        _compiled.step(
-            self._model_addr,
-            rows * length,
-            tokens.data_ptr(),
-            positions.data_ptr(),
-            0 if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.stride(0),
-            logits.data_ptr(),
-            self._scratch.data_ptr(),
-            torch.get_num_threads(),
-            cache_rows.data_ptr(),
-        )
+        logits = torch.empty(min(rows * length, MAX_ROWS), m.V)
+        last = torch.empty(rows, m.V)
+        for first in range(0, rows * length, MAX_ROWS):
+            count = min(MAX_ROWS, rows * length - first)
+            _compiled.step(
+                self._model_addr,
+                count,
+                tokens[first:].data_ptr(),
+                positions[first:].data_ptr(),
+                0 if mask is None else mask.data_ptr(),
+                0 if mask is None else mask.stride(0),
+                logits.data_ptr(),
+                self._scratch.data_ptr(),
+                torch.get_num_threads(),
+                cache_rows[first:].data_ptr(),
+            )
+            for token in range(first + length - 1 - first % length, first + count, length):
+                last[token // length] = logits[token - first]
         cache.commit(step)
-        return logits.view(rows, length, m.V)[:, -1]
+        return last
 
     def _point_at(self, cache: KVCache, rows: int, key_len: int) -> None:
         """Aim each layer's table at `cache` (views can move between calls), after checking that

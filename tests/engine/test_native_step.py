@@ -211,22 +211,26 @@ def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
 
 
 @needs_build
-def test_bf16_prefill_in_one_call_matches_the_upcast_forward():
-    """`NativeStep.prefill`: two 7-token prompts of a bf16 model as one C call (14 rows over 2
-    cache rows) against the model forward of the same weights upcast to fp32, from an empty
-    cache: last-position logits close, the cache the forward wrote rounded to bf16 (one bf16
-    step in the first layer, whose input is the same; two after), lengths and mask alike."""
+@pytest.mark.parametrize("shape", [(2, 7), (3, 1), (2, 40)], ids=["one-call", "one-token", "calls"])
+def test_bf16_prefill_in_c_matches_the_upcast_forward(shape):
+    """`NativeStep.prefill`: prompts of a bf16 model as rows of C calls (two 7-token prompts:
+    one call of 14 rows over 2 cache rows; two 40-token prompts: calls of 64 and 16 rows, the
+    first ending inside the second prompt) against the model forward of the same weights upcast
+    to fp32, from an empty cache: last-position logits close, the cache the forward wrote
+    rounded to bf16 (one bf16 step in the first layer, whose input is the same; two after),
+    lengths and mask alike."""
     model = _model(qkv_bias=True).to(torch.bfloat16)
     wide = _model(qkv_bias=True).to(torch.bfloat16).float()
     native = NativeStep(DecodeStep(model))
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
-    ours, theirs = KVCache.for_model(model, 2, 40), KVCache.for_model(wide, 2, 40)
+    rows, length = shape
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(3))
+    ours, theirs = KVCache.for_model(model, rows, 48), KVCache.for_model(wide, rows, 48)
     with torch.inference_mode():
         got = native.prefill(ids, ours)
         want = wide(ids, kv_cache=theirs, logits_to_keep=1)[:, -1]
-    assert got is not None and got.shape == (2, VOCAB) and got.dtype == torch.float32
+    assert got is not None and got.shape == (rows, VOCAB) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
-    assert ours.lengths_B.tolist() == theirs.lengths_B.tolist() == [7, 7]
+    assert ours.lengths_B.tolist() == theirs.lengths_B.tolist() == [length] * rows
     assert torch.equal(ours.key_mask_BS, theirs.key_mask_BS)
     for key in ours.k_BSKD:
         for mine, ref in (
@@ -242,20 +246,20 @@ def test_bf16_prefill_in_one_call_matches_the_upcast_forward():
 
 
 @needs_build
-def test_prefill_in_c_is_only_for_short_bf16_prompts():
-    """fp32 prefills keep the model forward (bit-identical to it), as do prompts of more than
-    MAX_ROWS tokens in all and ring caches; the cache is left as it was."""
+def test_prefill_in_c_is_only_for_bf16():
+    """fp32 prefills keep the model forward (bit-identical to it), as do ring caches and more
+    than MAX_ROWS prompts at once; the cache is left as it was."""
     fp32 = NativeStep(DecodeStep(_model()))
     cache = KVCache.for_model(_model(), 1, 40)
     assert fp32.prefill(torch.ones(1, 5, dtype=torch.long), cache) is None
+    assert cache.lengths_B.tolist() == [0]
     bf16_model = _model().to(torch.bfloat16)
     bf16 = NativeStep(DecodeStep(bf16_model))
-    long_cache = KVCache.for_model(bf16_model, 2, 64)
-    too_many = torch.ones(2, native_step.MAX_ROWS // 2 + 1, dtype=torch.long)
-    assert bf16.prefill(too_many, long_cache) is None
-    assert long_cache.lengths_B.tolist() == [0, 0]
     ring = KVCache(bf16_model.layers.keys(), 1, 40, 2, 16, dtype=torch.bfloat16, window=4)
     assert bf16.prefill(torch.ones(1, 5, dtype=torch.long), ring) is None
+    wide = KVCache.for_model(bf16_model, native_step.MAX_ROWS + 1, 8)
+    assert bf16.prefill(torch.ones(native_step.MAX_ROWS + 1, 2, dtype=torch.long), wide) is None
+    assert wide.lengths_B.sum().item() == 0
 
 
 @needs_build

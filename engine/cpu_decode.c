@@ -115,12 +115,6 @@ static inline __m256 bf16_load8(const uint16_t *p) {
 #define ST1(v) (v)
 #define PREFETCH_NEXT(a, b) ((void)0)
 #include "cpu_decode_typed.h"
-#undef WT
-#undef SFX
-#undef LD1
-#undef LD8
-#undef ST1
-#undef PREFETCH_NEXT
 
 #define WT uint16_t
 #define SFX _bf16
@@ -133,12 +127,6 @@ static inline __m256 bf16_load8(const uint16_t *p) {
 #define PREFETCH_NEXT(a, b) (_mm_prefetch((const char *)(a), _MM_HINT_T0), \
                              _mm_prefetch((const char *)(b), _MM_HINT_T0))
 #include "cpu_decode_typed.h"
-#undef WT
-#undef SFX
-#undef LD1
-#undef LD8
-#undef ST1
-#undef PREFETCH_NEXT
 
 static PyObject *step(PyObject *self, PyObject *args) {
     unsigned long long model, tokens, positions, mask, logits, scratch, cache_rows = 0;

@@ -1,7 +1,8 @@
 /* The typed half of engine/cpu_decode.c, included once per weight type: WT is the type the
  * model's weights, norms, embedding and KV cache are stored in, LD1 / LD8 read one / eight of
  * them as fp32, ST1 rounds an fp32 value to WT for the cache. Arithmetic is fp32 either way.
- * NAME(f) gives each function the type's suffix. */
+ * NAME(f) gives each function the type's suffix. The type's macros are undefined at the end,
+ * for the next instantiation. */
 
 /* Y[b, o0:o1] = W[o0:o1] X[b] for a column-major W: each row's y accumulates x[i] times the
  * contiguous run W[o0:o1, i], four columns at a time; the four runs are reused for every row
@@ -258,3 +259,10 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens,
         NAME(lin)(&m->head, B, x, E, logits, m->V);
     }
 }
+
+#undef WT
+#undef SFX
+#undef LD1
+#undef LD8
+#undef ST1
+#undef PREFETCH_NEXT

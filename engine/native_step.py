@@ -217,25 +217,8 @@ class NativeStep:
         self._point_at(cache, rows, step.key_len)
         ids = ids_B1.reshape(rows).to(torch.long).contiguous()
         positions = step.start_B.to(torch.long).contiguous()
-        mask = step.key_mask_BS
-        if mask is not None and mask.stride(1) != 1:
-            mask = mask.contiguous()
-        m = self._model
-        need = rows * (self._row_scratch + m.H * step.key_len)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        logits_BV = torch.empty(rows, m.V)
-        _compiled.step(
-            self._model_addr,
-            rows,
-            ids.data_ptr(),
-            positions.data_ptr(),
-            0 if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.stride(0),
-            logits_BV.data_ptr(),
-            self._scratch.data_ptr(),
-            torch.get_num_threads(),
-        )
+        logits_BV = torch.empty(rows, self._model.V)
+        self._run(rows, ids, positions, None, step, logits_BV)
         return logits_BV
 
     def prefill(self, ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
@@ -258,33 +241,46 @@ class NativeStep:
         tokens = ids_BS.reshape(-1).to(torch.long).contiguous()
         positions = (step.start_B[:, None] + torch.arange(length)).reshape(-1).contiguous()
         cache_rows = torch.arange(rows).repeat_interleave(length)
-        mask = step.key_mask_BS
-        if mask is not None and mask.stride(1) != 1:
-            mask = mask.contiguous()
-        m = self._model
-        need = MAX_ROWS * (self._row_scratch + m.H * step.key_len)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        logits = torch.empty(min(rows * length, MAX_ROWS), m.V)
-        last = torch.empty(rows, m.V)
+        logits = torch.empty(min(rows * length, MAX_ROWS), self._model.V)
+        last = torch.empty(rows, self._model.V)
         for first in range(0, rows * length, MAX_ROWS):
             count = min(MAX_ROWS, rows * length - first)
-            _compiled.step(
-                self._model_addr,
-                count,
-                tokens[first:].data_ptr(),
-                positions[first:].data_ptr(),
-                0 if mask is None else mask.data_ptr(),
-                0 if mask is None else mask.stride(0),
-                logits.data_ptr(),
-                self._scratch.data_ptr(),
-                torch.get_num_threads(),
-                cache_rows[first:].data_ptr(),
-            )
+            self._run(count, tokens[first:], positions[first:], cache_rows[first:], step, logits)
             for token in range(first + length - 1 - first % length, first + count, length):
                 last[token // length] = logits[token - first]
         cache.commit(step)
         return last
+
+    def _run(
+        self,
+        rows: int,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache_rows: torch.Tensor | None,
+        step: CacheStep,
+        logits: torch.Tensor,
+    ) -> None:
+        """One C call: `rows` rows of `tokens` at `positions` (int64, contiguous) over the
+        cache rows the tables point at (`cache_rows`, default each row its own), seeing the
+        slots `step`'s mask leaves; logits of each row into `logits`."""
+        mask = step.key_mask_BS
+        if mask is not None and mask.stride(1) != 1:
+            mask = mask.contiguous()
+        need = rows * (self._row_scratch + self._model.H * step.key_len)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
+        _compiled.step(
+            self._model_addr,
+            rows,
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            0 if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.stride(0),
+            logits.data_ptr(),
+            self._scratch.data_ptr(),
+            torch.get_num_threads(),
+            0 if cache_rows is None else cache_rows.data_ptr(),
+        )
 
     def _point_at(self, cache: KVCache, rows: int, key_len: int) -> None:
         """Aim each layer's table at `cache` (views can move between calls), after checking that

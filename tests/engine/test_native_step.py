@@ -63,6 +63,17 @@ def _clone(cache: KVCache) -> KVCache:
     return copy
 
 
+def _one_step(native, reference, ours: KVCache, theirs: KVCache, ids_B1: torch.Tensor):
+    """One decode step of `native` over `ours` and of `reference` over `theirs`: both logits."""
+    step = ours.begin(1, None)
+    got = native(ids_B1, ours, step)
+    ours.commit(step)
+    step = theirs.begin(1, None)
+    want = reference(ids_B1, theirs, step)
+    theirs.commit(step)
+    return got, want
+
+
 def _assert_close_steps(model, lengths=(6,), pad: int = 0, steps: int = 5) -> None:
     lean = DecodeStep(model)
     native, why = NativeStep.build(lean)
@@ -72,12 +83,7 @@ def _assert_close_steps(model, lengths=(6,), pad: int = 0, steps: int = 5) -> No
     ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]
     with torch.inference_mode():
         for _ in range(steps):
-            step = ours.begin(1, None)
-            got = native(ids_B1, ours, step)
-            ours.commit(step)
-            step = theirs.begin(1, None)
-            want = lean(ids_B1, theirs, step)
-            theirs.commit(step)
+            got, want = _one_step(native, lean, ours, theirs, ids_B1)
             assert got.shape == want.shape == (len(lengths), VOCAB)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
             assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -189,12 +195,7 @@ def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
     ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]
     with torch.inference_mode():
         for _ in range(5):
-            step = ours.begin(1, None)
-            got = native(ids_B1, ours, step)
-            ours.commit(step)
-            step = theirs.begin(1, None)
-            want = wide(ids_B1, theirs, step)
-            theirs.commit(step)
+            got, want = _one_step(native, wide, ours, theirs, ids_B1)
             _rounded(theirs)
             assert got.dtype == torch.float32 and got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())

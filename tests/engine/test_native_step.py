@@ -346,6 +346,10 @@ def test_the_compiled_call_checks_its_arguments():
         native_step._compiled.step(native._model_addr, 65, *ptrs, 1)
     with pytest.raises(ValueError, match="null"):
         native_step._compiled.step(0, 1, *ptrs, 1)
+    cache_rows, valid = torch.tensor([0, native_step.MAX_ROWS]), torch.tensor([3, 4])
+    ok = (valid.data_ptr(), *ptrs[1:])
+    with pytest.raises(ValueError, match="row 1 names cache row 64"):
+        native_step._compiled.step(native._model_addr, 2, *ok, 1, cache_rows.data_ptr())
     cache = KVCache.for_model(_model(), 1, 8)
     with pytest.raises(ValueError, match="1 rows x 8 slots for 2 rows"):
         native(torch.tensor([[1], [2]]), cache, cache.begin(1, None))

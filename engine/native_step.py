@@ -8,7 +8,9 @@ flushed the core's caches, so it costs 5-40 us instead of 1-3: a hidden-1024 bat
 ~2 ms of its ~10 there (bench/RESULTS.md). `NativeStep` runs the same decoder as a single C loop
 over the model's own tensors (nothing is copied): every step of one row, and steps of up to
 C_ROWS rows when the weights it reads are row-major (as loaded, or a packed layer's dense copy);
-larger steps run the lean step, where oneDNN's packed product is faster.
+larger steps run the lean step, where oneDNN's packed product is faster. bf16 steps of up to
+MAX_ROWS rows run here (oneDNN packs fp32 only, and torch's bf16 step is slow on CPUs without
+bf16 units).
 
 Covered: CPU, fp32 or bf16 (bf16 weights, norms, embedding and KV cache are widened as they
 are read and the arithmetic is fp32; new keys and values are rounded to bf16 as they are
@@ -188,8 +190,11 @@ class NativeStep:
             lean.head,
             *(f for ly in lean.layers for f in (ly.qkv, ly.o, ly.gate_up, ly.down)),
         ]
-        self.max_rows = C_ROWS if all(_row_major(f, self.dtype) for f in linears) else 1
-        """Rows a step may have to run here: up to C_ROWS with row-major weights, else one
+        several = C_ROWS if self.dtype == torch.float32 else MAX_ROWS
+        self.max_rows = several if all(_row_major(f, self.dtype) for f in linears) else 1
+        """Rows a step may have to run here: with row-major weights up to C_ROWS in fp32 (where
+        oneDNN's packed product wins beyond) and MAX_ROWS in bf16 (torch's bf16 step took
+        101-363 ms at 16-64 rows of the hidden-1024 bench model, this one 18-58 ms); else one
         (the C product over column-major weights is slower than MKL's at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
         self._scratch = torch.empty(0)

@@ -175,7 +175,9 @@ def _rounded(cache: KVCache) -> None:
 
 
 @needs_build
-@pytest.mark.parametrize("lengths", [(6,), (3, 9, 1, 6)], ids=["one", "uneven-4"])
+@pytest.mark.parametrize(
+    "lengths", [(6,), (3, 9, 1, 6), tuple(range(1, 13))], ids=["one", "uneven-4", "uneven-12"]
+)
 def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
     """A bf16 model: weights, norms, biases, embedding and cache are read as bf16 and widened,
     the arithmetic is fp32, and the new keys and values are rounded to bf16 as they are
@@ -186,7 +188,7 @@ def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
     model = _model(qkv_bias=True).to(torch.bfloat16)
     native, why = NativeStep.build(DecodeStep(model))
     assert native is not None, why
-    assert native.max_rows == native_step.C_ROWS
+    assert native.max_rows == native_step.MAX_ROWS  # bf16: every step up to 64 rows in C
     wide = DecodeStep(_model(qkv_bias=True).to(torch.bfloat16).float())
     ours = _prefilled(model, list(lengths))
     theirs = _clone(ours)

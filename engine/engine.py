@@ -429,8 +429,8 @@ class Engine:
 
     def _last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
         """Logits [B, V] of each row's last position only: the final norm and head run on B
-        vectors, not B·S (a prefill's other positions need no logits). A short bf16 prefill
-        runs as one C call where the decode steps do (`NativeStep.prefill`)."""
+        vectors, not B·S (a prefill's other positions need no logits). A bf16 prefill runs in
+        C where the decode steps do (`NativeStep.prefill`)."""
         if isinstance(self._decode_step, NativeStep):
             logits = self._decode_step.prefill(ids_BS, view)
             if logits is not None:

@@ -34,7 +34,7 @@ from kernels import device
 from kernels.activation import trains_fused_swiglu
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
-from parallel.parallel_dims import AXES, build_dims
+from parallel.parallel_dims import AXES, ParallelDims, build_dims
 from services.trainer.train_config import TrainConfig
 
 
@@ -76,7 +76,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_ranks(
-    config: TrainConfig, world_size: int, ranks: list[int], local_world_size: int | None = None
+    config: TrainConfig, dims: ParallelDims, ranks: list[int]
 ) -> dict[int, dict[str, int]]:
     """`build_rank` for each of `ranks`, each in a fresh child process.
 
@@ -90,7 +90,7 @@ def build_ranks(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["services.trainer.dry_run"])
     with context.Pool(processes=1, maxtasksperchild=1) as pool:
-        return {r: pool.apply(build_rank, (config, world_size, r, local_world_size)) for r in ranks}
+        return {r: pool.apply(build_rank, (config, dims, r)) for r in ranks}
 
 
 def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
@@ -103,21 +103,17 @@ def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
     return not p.placements[index].is_replicate()
 
 
-def _holds_first_stage(config: TrainConfig, model_config: Any, rank: int, dims: Any) -> bool:
+def _holds_first_stage(
+    config: TrainConfig, model_config: Any, rank: int, dims: ParallelDims
+) -> bool:
     pp_rank = _coordinates(rank, _axis_sizes(dims))["pp"]
     layout = _layout(config, dims.world_size)
     stages = layout.stages(model_config.num_layers)
     return any(s.has_embedding for s in stages if s.pp_rank == pp_rank)
 
 
-def _sizes(
-    config: TrainConfig, world_size: int, local_world_size: int | None = None
-) -> dict[str, int]:
+def _axis_sizes(dims: ParallelDims) -> dict[str, int]:
     """Sizes of the mesh axes, outermost first (parallel.parallel_dims.AXES)."""
-    return _axis_sizes(build_dims(config, world_size, local_world_size))
-
-
-def _axis_sizes(dims: Any) -> dict[str, int]:
     return {axis: getattr(dims, axis) for axis in AXES}
 
 
@@ -140,9 +136,7 @@ def unique_elements(counts: dict[str, int], coords: dict[str, int], config: Trai
     return (dense - counts["tied_copy"] if first_replica else 0) + (experts if expert_owner else 0)
 
 
-def build_rank(
-    config: TrainConfig, world_size: int, rank: int, local_world_size: int | None = None
-) -> dict[str, int]:
+def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, int]:
     """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -151,10 +145,10 @@ def build_rank(
     from services.trainer.precision import plan_precision
     from services.trainer.setup import build_model_config, build_parallel
 
+    world_size = dims.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         par = config.parallel
-        dims = build_dims(config, world_size, local_world_size)
         plan = plan_precision(
             config.precision, par.zero_stage, config.dp_size(world_size) * par.context_parallel_size
         )
@@ -252,14 +246,12 @@ def _model_config(config: TrainConfig) -> Any:
     return build_model_config(config)
 
 
-def representatives(
-    config: TrainConfig, world_size: int, local_world_size: int | None = None
-) -> dict[int, int]:
+def representatives(config: TrainConfig, dims: ParallelDims) -> dict[int, int]:
     """Every rank → the rank built for it (same pipeline rank and ZeRO shard index)."""
     zero = config.parallel.zero_stage
-    sizes = _sizes(config, world_size, local_world_size)
+    sizes = _axis_sizes(dims)
     mapping = {}
-    for rank in range(world_size):
+    for rank in range(dims.world_size):
         coords = _coordinates(rank, sizes)
         coords["tp"] = 0
         if zero == 0:
@@ -283,11 +275,12 @@ def dry_run(
     """
     config.validate(world_size)
     par = config.parallel
-    mapping = representatives(config, world_size, local_world_size)
-    built = build_ranks(config, world_size, sorted(set(mapping.values())), local_world_size)
+    dims = build_dims(config, world_size, local_world_size)
+    mapping = representatives(config, dims)
+    built = build_ranks(config, dims, sorted(set(mapping.values())))
     layout = _layout(config, world_size)
     model_config = _model_config(config)
-    sizes = _sizes(config, world_size, local_world_size)
+    sizes = _axis_sizes(dims)
     ep = par.expert_model_parallel_size
     ranks = []
     for rank in range(world_size):

@@ -13,8 +13,9 @@ import pytest
 
 from models.memory import rank_state_bytes
 from models.registry import get_config, list_configs
+from parallel.parallel_dims import build_dims
 from services.trainer.arguments import parse_args
-from services.trainer.dry_run import _layout, _sizes, dry_run
+from services.trainer.dry_run import _axis_sizes, _layout, dry_run
 from services.trainer.setup import build_model_config
 
 GRID = {
@@ -44,7 +45,7 @@ def test_estimate_equals_dry_run(name: str, layout: str) -> None:
     report = dry_run(config, world_size, None)
     model_config = build_model_config(config)
     estimate_layout = _layout(config, world_size)
-    sizes = _sizes(config, world_size)
+    sizes = _axis_sizes(build_dims(config, world_size))
     seen = set()
     for rank in report["ranks"]:
         key = (rank["pp"], rank["dp"], rank["cp"])

@@ -138,7 +138,12 @@ def check_paths(config: TrainConfig) -> None:
                 _check_dataset(flag, prefix, data.is_instruction_dataset)
     _check_tokenizer(config)
     load_action(config)
-    for flag, value in (("--save", config.run.save), ("--log-dir", config.run.log_dir)):
+    run = config.run
+    for flag, value in (
+        ("--save", run.save),
+        ("--log-dir", run.log_dir),
+        ("--profile-save-path", run.profile_dir() if run.profile else None),
+    ):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ValueError(f"{flag} {value} is a file; pass a directory")
     lora = config.peft.lora_load

@@ -37,6 +37,7 @@ from services.trainer.metrics import (
 )
 from services.trainer.optimizer import build_training_optimizer
 from services.trainer.precision import plan_precision
+from services.trainer.profiling import StepProfiler
 from services.trainer.setup import build_data, build_model_config, build_parallel, create_model
 from services.trainer.train_config import TrainConfig
 
@@ -94,6 +95,8 @@ class RunSummary:
     skipped: int
     nan: int
     checkpoint: str | None
+    stopped_by: str | None = None
+    """What ended the run before --train-iters (an --exit-* flag, a stop signal), if anything."""
 
 
 class Trainer:
@@ -107,6 +110,7 @@ class Trainer:
         datasets: tuple[Any, Any] | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        self._started = time.monotonic()  # --exit-duration-in-mins counts the set-up too
         self.config = config
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -352,10 +356,12 @@ class Trainer:
         *,
         save_on_stop: bool | Callable[[], bool] = True,
     ) -> RunSummary:
-        """Train until --train-iters (or `stop()` turns true); log, evaluate and save on schedule.
+        """Train until --train-iters, --exit-interval, --exit-duration-in-mins or `stop()`; log,
+        evaluate, profile (--profile) and save on schedule.
 
-        The final checkpoint (with --save) is written also when stopped early, unless
-        `save_on_stop` is (or, called once the run has stopped, returns) False.
+        The final checkpoint (with --save) is written also when stopped early: always for the
+        --exit-* flags, and after `stop()` unless `save_on_stop` is (or, called once the run
+        has stopped, returns) False.
         """
         run = self.config.run
         first_loss = final_loss = math.nan
@@ -364,41 +370,57 @@ class Trainer:
         window_start = time.perf_counter()
         run_start, run_tokens = time.perf_counter(), 0
         stopped = False
-        while self.state.step < run.train_iters:
-            result = self.train_step()
-            window.append(result)
-            run_tokens += result.tokens
-            if math.isnan(first_loss) and math.isfinite(result.loss):
-                first_loss = result.loss
-            if math.isfinite(result.loss):
-                final_loss = result.loss
-            step = self.state.step
-            if step % run.log_interval == 0 or step == run.train_iters:
-                self.platform.synchronize()
-                now = time.perf_counter()
-                self._log(window, now - window_start)
-                window, window_start = [], time.perf_counter()
-            if run.eval_interval and (step % run.eval_interval == 0 or step == run.train_iters):
-                val_loss = self.evaluate()
-                ppl = self.writer.write_eval(step, val_loss)
-                if self.rank == 0:
-                    print(
-                        f"validation at step {step} | loss {val_loss:.4f} | ppl {ppl:.2f}",
-                        flush=True,
-                    )
-            if (
-                run.save
-                and run.save_interval
-                and step % run.save_interval == 0
-                and step != run.train_iters
-            ):
-                self.save()
-            if stop is not None and stop():
-                stopped = True
-                break
+        stopped_by: str | None = None
+        saved: tuple[int, str] | None = None  # (step, directory) of the last --save-interval save
+        profiler = StepProfiler(run, self.rank, self.platform.type)
+        profiler.check_start(self.state.step)
+        try:
+            while self.state.step < run.train_iters:
+                profiler.before_step(self.state.step)
+                result = self.train_step()
+                profiler.after_step(self.state.step)
+                window.append(result)
+                run_tokens += result.tokens
+                if math.isnan(first_loss) and math.isfinite(result.loss):
+                    first_loss = result.loss
+                if math.isfinite(result.loss):
+                    final_loss = result.loss
+                step = self.state.step
+                if step % run.log_interval == 0 or step == run.train_iters:
+                    self.platform.synchronize()
+                    now = time.perf_counter()
+                    self._log(window, now - window_start)
+                    window, window_start = [], time.perf_counter()
+                if run.eval_interval and (step % run.eval_interval == 0 or step == run.train_iters):
+                    val_loss = self.evaluate()
+                    ppl = self.writer.write_eval(step, val_loss)
+                    if self.rank == 0:
+                        print(
+                            f"validation at step {step} | loss {val_loss:.4f} | ppl {ppl:.2f}",
+                            flush=True,
+                        )
+                if (
+                    run.save
+                    and run.save_interval
+                    and step % run.save_interval == 0
+                    and step != run.train_iters
+                ):
+                    saved = (step, self.save())
+                if stop is not None and stop():
+                    stopped, stopped_by = True, "a stop signal"
+                    break
+                stopped_by = self._exit_reason(step)
+                if stopped_by is not None:
+                    break
+        finally:
+            profiler.close()
         if stopped and callable(save_on_stop):
             save_on_stop = save_on_stop()
-        checkpoint = self.save() if run.save and (save_on_stop or not stopped) else None
+        # --exit-interval / --exit-duration-in-mins always save (Megatron's behaviour).
+        wanted = run.save and (save_on_stop or not stopped)
+        checkpoint = None
+        if wanted:  # an --exit-interval step that --save-interval just saved is not saved again
+            checkpoint = saved[1] if saved and saved[0] == self.state.step else self.save()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         self.writer.close()
@@ -412,7 +434,24 @@ class Trainer:
             skipped=self.state.skipped,
             nan=self.state.nan,
             checkpoint=checkpoint,
+            stopped_by=stopped_by,
         )
+
+    def _exit_reason(self, step: int) -> str | None:
+        """The flag that ends the run after `step` (steps done), agreed on every rank, or None."""
+        run = self.config.run
+        if step >= run.train_iters:
+            return None
+        if run.exit_interval and step % run.exit_interval == 0:
+            return f"--exit-interval {run.exit_interval}"
+        if run.exit_duration_in_mins:
+            minutes = (time.monotonic() - self._started) / 60
+            over = torch.tensor([1.0 if minutes >= run.exit_duration_in_mins else 0.0])
+            if self.world_size > 1:  # the ranks' clocks differ: any one over ends them all
+                dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            if over.item():
+                return f"--exit-duration-in-mins {run.exit_duration_in_mins:g}"
+        return None
 
     def _log(self, window: list[StepResult], seconds: float) -> None:
         good = [r for r in window if not r.skipped]

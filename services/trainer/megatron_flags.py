@@ -246,13 +246,9 @@ TABLE: tuple[CompatFlag, ...] = (
     CompatFlag("--tensorboard-queue-size", "ignore", _LOGGING, nargs=1),
     CompatFlag("--wandb-project", "ignore", _LOGGING, nargs=1),
     CompatFlag("--wandb-exp-name", "ignore", _LOGGING, nargs=1),
-    CompatFlag("--profile", "ignore", "profile with torch.profiler around `meshline train`"),
-    CompatFlag("--profile-step-start", "ignore", "see --profile", nargs=1),
-    CompatFlag("--profile-step-end", "ignore", "see --profile", nargs=1),
-    CompatFlag("--profile-ranks", "ignore", "see --profile", nargs="+"),
-    CompatFlag("--exit-interval", "ignore", "the run ends at --train-iters", nargs=1),
-    CompatFlag("--exit-duration-in-mins", "ignore", "the run ends at --train-iters; stop it "
-               "early with SIGTERM (it saves)", nargs=1),
+    CompatFlag("--use-pytorch-profiler", "same", "--profile always runs torch.profiler "
+               "(torch_npu's on Ascend); on CUDA it also opens the cudaProfilerApi range nsys "
+               "captures"),
     CompatFlag("--no-save-optim", "ignore", "checkpoints always hold the optimizer state "
                "(skip it when loading with --no-load-optim)"),
     CompatFlag("--no-save-rng", "ignore", "checkpoints always hold the RNG state (skip it when "

@@ -32,6 +32,7 @@ PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("run", "save", "--save"),
     ("run", "load", "--load"),
     ("run", "log_dir", "--log-dir/--tensorboard-dir"),
+    ("run", "profile_save_path", "--profile-save-path"),
     ("peft", "lora_load", "--lora-load"),
 )
 """(section, field, flag) of every training setting that names a file or directory."""
@@ -63,6 +64,9 @@ def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
     inside a tokenizer folder are checked as well (a symlink among them may point anywhere).
     """
     sections = {name: dataclasses.replace(getattr(config, name)) for name in SECTIONS}
+    run = sections["run"]
+    if run.profile and not run.profile_save_path:  # the default is a path too: confine it
+        run.profile_save_path = run.profile_dir()
     for section, name, flag in PATH_SETTINGS:
         value = getattr(sections[section], name)
         field = f"args ({flag})"

@@ -6,8 +6,9 @@ it is the flag's help text. Sections validate themselves when built (ValueError 
 
 from __future__ import annotations
 
+import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from services.trainer.config_sections import flag_name
@@ -99,10 +100,55 @@ class RunSection:
     """On a NaN/Inf loss or gradient: stop with a message, or skip the step and count it."""
     spike_factor: float = 3.0
     """Warn when the loss exceeds this multiple of its running mean (0 disables)."""
+    exit_interval: int = 0
+    """Stop after the step whose number is a multiple of this, saving first when --save is given
+    (0: run to --train-iters)."""
+    exit_duration_in_mins: float = 0.0
+    """Stop at the first step boundary after the run has lasted this many minutes (set-up
+    included), saving first when --save is given: for jobs with a wall-clock limit (0: none)."""
+    profile: bool = False
+    """Profile steps --profile-step-start to --profile-step-end with torch.profiler (torch_npu's on
+    Ascend): a trace per profiled rank in --profile-save-path and a top-ops line in the log."""
+    profile_step_start: int = 10
+    """First profiled step (default 10), counted from 0 like the steps already done: the log's
+    step 11 (the step before it runs as the profiler's warm-up)."""
+    profile_step_end: int = 12
+    """Profiling stops before this step (default 12): steps start .. end-1 are recorded."""
+    profile_ranks: list[int] = field(default_factory=lambda: [-1])
+    """Global ranks to profile (-1: every rank)."""
+    profile_level: Literal["level0", "level1", "level2"] = "level0"
+    """Ascend: torch_npu's profiler level (more detail, more overhead); CPU and CUDA runs record
+    operators at any level, with the extras below."""
+    profile_with_cpu: bool = False
+    """Ascend: also record host-side operators (CPU and CUDA runs always record them)."""
+    profile_with_stack: bool = False
+    """Record the Python stack of every operator."""
+    profile_with_memory: bool = False
+    """Record tensor allocations and frees."""
+    profile_record_shapes: bool = False
+    """Record operator input shapes."""
+    profile_save_path: str | None = None
+    """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
+    TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
 
     def __post_init__(self) -> None:
         if self.train_iters <= 0:
             raise ValueError(f"--train-iters must be positive, got {self.train_iters}")
+        if self.exit_interval < 0 or self.exit_duration_in_mins < 0:
+            raise ValueError(
+                f"--exit-interval ({self.exit_interval}) and --exit-duration-in-mins "
+                f"({self.exit_duration_in_mins}) must be >= 0 (0 disables them)"
+            )
+        if self.profile_step_start < 0 or self.profile_step_end <= self.profile_step_start:
+            raise ValueError(
+                f"--profile-step-start {self.profile_step_start} and --profile-step-end "
+                f"{self.profile_step_end}: need 0 <= start < end (steps start .. end-1 are "
+                "profiled)"
+            )
+        if not self.profile_ranks or any(r < -1 for r in self.profile_ranks):
+            raise ValueError(
+                f"--profile-ranks {self.profile_ranks}: give global ranks, or -1 for every rank"
+            )
         for name in ("eval_interval", "eval_iters", "save_interval", "keep_last_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
@@ -123,6 +169,19 @@ class RunSection:
             )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+
+    def profile_dir(self) -> str:
+        """Where --profile writes its traces: --profile-save-path, else `profile/` in the log dir,
+        else ./profile_dir (MindSpeed's default)."""
+        if self.profile_save_path:
+            return self.profile_save_path
+        if self.log_dir:
+            return os.path.join(self.log_dir, "profile")
+        return "profile_dir"
+
+    def profiles_rank(self, rank: int) -> bool:
+        """Whether --profile records global rank `rank`."""
+        return self.profile and (-1 in self.profile_ranks or rank in self.profile_ranks)
 
 
 @dataclass

@@ -44,6 +44,8 @@ def format_summary(summary: RunSummary, log_dir: str | None) -> str:
         lines.append(
             f"  validation loss  {summary.val_loss:.4f} (ppl {math.exp(min(summary.val_loss, 80)):.2f})"
         )
+    if summary.stopped_by:
+        lines.append(f"  stopped early    by {summary.stopped_by}")
     if summary.checkpoint:
         lines.append(f"  checkpoint       {summary.checkpoint}")
     if log_dir:

@@ -144,6 +144,19 @@ class TrainConfig:
                 f"--lr-warmup-iters {warmup} is longer than --lr-decay-iters {decay} (default: "
                 "--train-iters); shorten the warmup or lengthen the decay"
             )
+        run = self.run
+        if run.profile:
+            outside = [r for r in run.profile_ranks if r >= world_size]
+            if outside:
+                raise ValueError(
+                    f"--profile-ranks {' '.join(map(str, outside))}: the job has ranks 0-"
+                    f"{world_size - 1}; pass ranks below {world_size}, or -1 for every rank"
+                )
+            if run.profile_step_start >= run.train_iters:
+                raise ValueError(
+                    f"--profile-step-start {run.profile_step_start} is not before --train-iters "
+                    f"{run.train_iters}: no step would be profiled; lower it"
+                )
         from services.trainer.finetune import check
 
         check(self)

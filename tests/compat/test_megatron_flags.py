@@ -91,6 +91,9 @@ SCRIPT_FLAGS: dict[str, tuple[str, ...]] = {
     "--tensorboard-log-interval": ("1",), "--tensorboard-queue-size": ("5",),
     "--wandb-project": ("p",), "--wandb-exp-name": ("e",), "--profile": (),
     "--profile-step-start": ("4",), "--profile-step-end": ("6",), "--profile-ranks": ("0",),
+    "--use-pytorch-profiler": (), "--profile-level": ("level1",), "--profile-with-cpu": (),
+    "--profile-with-stack": (), "--profile-with-memory": (), "--profile-record-shapes": (),
+    "--profile-save-path": ("prof",),
     "--no-check-for-nan-in-loss-and-grad": (),
     # LoRA (ModelLink)
     "--lora-target-modules": ("query_key_value", "dense", "gate_proj", "dense_h_to_4h",
@@ -136,6 +139,8 @@ NEEDS = {
     "--group-query-attention": ["--num-query-groups", "2"],
     "--rampup-batch-size": ["--global-batch-size", "8"],
     "--lora-load": [],
+    "--profile": ["--profile-step-start", "2", "--profile-step-end", "4"],
+    "--profile-step-end": ["--profile-step-start", "4"],
     "--lora-modules-to-save": ["--lora-target-modules", "dense"],
 }  # fmt: skip
 SKIP_BASE = {"--mock-data", "--data-path", "--lora-load"}  # conflict with --mock-data / need data

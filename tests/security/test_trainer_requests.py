@@ -164,7 +164,11 @@ def _outside_args(flag: str, root: Path, outside: Path) -> list[str]:
         ],
         "--log-dir": [*TINY, "--log-dir", str(outside / "logs")],
         "--tensorboard-dir": [*TINY, "--tensorboard-dir", str(link / "tb")],
+        "--profile-save-path": [*TINY, *PROFILE, "--profile-save-path", str(link / "prof")],
     }[flag]
+
+
+PROFILE = ["--profile", "--profile-step-start", "0", "--profile-step-end", "1"]
 
 
 PATH_FLAGS = [
@@ -180,6 +184,7 @@ PATH_FLAGS = [
     "--lora-load",
     "--log-dir",
     "--tensorboard-dir",
+    "--profile-save-path",
 ]
 
 
@@ -193,6 +198,15 @@ def test_every_path_flag_is_confined_to_the_root(
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
     assert list_operations(trainer_server.address) == []
     assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before
+
+
+def test_profile_default_dir_is_confined(trainer_server, root: Path) -> None:
+    """--profile without --profile-save-path or --log-dir writes to ./profile_dir, in the
+    server's working directory: outside the root, so refused like an explicit path."""
+    error = _refused(trainer_server.address, [*TINY, *PROFILE])
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "--profile-save-path" in error.details()
+    assert list_operations(trainer_server.address) == []
 
 
 def test_config_file_cannot_point_a_path_outside(trainer_server, root: Path, outside: Path) -> None:

@@ -23,7 +23,8 @@ generated alone (HF's batched and single runs may break an fp32 tie differently)
 it with its default `--dtype auto` (bf16) and HF runs in bf16 too, as `from_pretrained` loads
 it. bf16 paths round differently (ours: a bf16 prefill and KV cache, decode steps in fp32
 arithmetic; HF: every intermediate), so no side's greedy tokens are exact: printed instead is
-how many leading new tokens of each equal HF's in fp32 on the same stored weights.
+how many leading new tokens of each equal HF's in fp32 on the same stored weights. `--dtype
+float16` does the same for fp16 checkpoints (Llama 2's, for one).
 
 For the hidden-1024 model the roofline is printed too: a batch-1 decode step must stream every
 weight the step multiplies by (the layers and the output head; the embedding is only gathered),
@@ -80,9 +81,9 @@ NEW_TOKENS = 64
 def write_checkpoint(
     shape: dict, directory: Path, device: str = "cpu", dtype: str = "float32"
 ) -> Any:
-    """A random HF Llama checkpoint of `shape` in `directory`, stored in `dtype` ("float32" or
-    "bfloat16", as today's checkpoints are); returns the HF model (eval) on `device`, in fp32
-    with the stored (rounded) values."""
+    """A random HF Llama checkpoint of `shape` in `directory`, stored in `dtype` ("float32",
+    "bfloat16" as today's checkpoints are, or "float16" as Llama 2's); returns the HF model
+    (eval) on `device`, in fp32 with the stored (rounded) values."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -406,7 +407,7 @@ def run_size(
                 theirs = hf_generate(reference, prompts_l[:b], NEW_TOKENS)
                 for t, client in clients.items():
                     got = runner.run(client.generate(prompts_l[:b], NEW_TOKENS))
-                    if hf is not reference:  # bf16 rounds differently on every path
+                    if hf is not reference:  # 16 bits round differently on every path
                         hf_own = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
                         print(
                             f"  hidden {hidden} batch {b} ({t}): new tokens equal to HF fp32's "
@@ -482,10 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="the checkpoint's dtype; the server loads it with its default --dtype auto and "
-        "HF runs in it too (bfloat16: as today's checkpoints ship)",
+        "HF runs in it too (bfloat16: as today's checkpoints ship; float16: as Llama 2's)",
     )
     parser.add_argument(
         "--device",

@@ -1,8 +1,8 @@
 /* One decode step of a Llama-family decoder on the CPU, for up to MAX_ROWS rows, in one call
  * (engine/native_step.py builds the tables and keeps the lean step for anything else). The
- * model is stored in fp32 or bf16 (weights, norms, embedding and KV cache alike); the
- * arithmetic is fp32 either way: bf16 values are widened as they are read, and the new keys and
- * values are rounded to bf16 as they are written to a bf16 cache. The typed code is in
+ * model is stored in fp32, bf16 or fp16 (weights, norms, embedding and KV cache alike); the
+ * arithmetic is fp32 in every case: 16-bit values are widened as they are read, and the new keys
+ * and values are rounded to the cache's type as they are written. The typed code is in
  * cpu_decode_typed.h, compiled once per storage type.
  *
  * Why: a decode step streams every weight once, and the lean step runs ~30 small torch ops a
@@ -30,7 +30,7 @@
  * RMSNorm and the head. The sums run in another order than torch's, so logits agree to fp32
  * rounding, not bit for bit (tested against the lean step and HF's greedy tokens).
  *
- * Built by setuptools as an optional extension with AVX2/FMA code generation and OpenMP; the
+ * Built by setuptools as an optional extension with AVX2/FMA/F16C code generation and OpenMP; the
  * OpenMP runtime it links is the libgomp.so.1 torch has already loaded, so both share one pool.
  */
 #define PY_SSIZE_T_CLEAN
@@ -42,7 +42,7 @@
 #include <string.h>
 
 /* Every weight, norm, bias, embedding and cache pointer below is of the model's storage type
- * (Model.dtype: fp32, or bf16 as uint16_t); inv_freq is always fp32. */
+ * (Model.dtype: fp32, or bf16 / fp16 as uint16_t); inv_freq is always fp32. */
 typedef struct {
     const void *w, *b; /* W [out, in] at w[o * rs + i * cs] (row-major: cs = 1, column-major:
                           rs = 1); bias or NULL */
@@ -66,11 +66,12 @@ typedef struct {
     const float *inv_freq; /* [D / 2] */
     float rope_scale, scale;
     Layer *layers;
-    long dtype; /* DTYPE_F32 or DTYPE_BF16 */
+    long dtype; /* DTYPE_F32, DTYPE_BF16 or DTYPE_F16 */
 } Model;
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
+#define DTYPE_F16 2
 
 #define MAX_ROWS 64
 
@@ -128,6 +129,17 @@ static inline __m256 bf16_load8(const uint16_t *p) {
                              _mm_prefetch((const char *)(b), _MM_HINT_T0))
 #include "cpu_decode_typed.h"
 
+/* fp16 (F16C: every AVX2 CPU has it) converts in hardware, rounding to nearest-even as torch's
+ * conversion; values beyond fp16's range become Inf, as they do in torch. */
+#define WT uint16_t
+#define SFX _f16
+#define LD1(v) _cvtsh_ss(v)
+#define LD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define ST1(v) _cvtss_sh((v), _MM_FROUND_TO_NEAREST_INT)
+#define PREFETCH_NEXT(a, b) (_mm_prefetch((const char *)(a), _MM_HINT_T0), \
+                             _mm_prefetch((const char *)(b), _MM_HINT_T0))
+#include "cpu_decode_typed.h"
+
 static PyObject *step(PyObject *self, PyObject *args) {
     unsigned long long model, tokens, positions, mask, logits, scratch, cache_rows = 0;
     long long rows, mask_stride;
@@ -160,9 +172,9 @@ static PyObject *step(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    if (m->dtype != DTYPE_F32 && m->dtype != DTYPE_BF16) {
-        PyErr_Format(PyExc_ValueError, "step: model dtype %ld is neither fp32 (0) nor bf16 (1)",
-                     m->dtype);
+    if (m->dtype != DTYPE_F32 && m->dtype != DTYPE_BF16 && m->dtype != DTYPE_F16) {
+        PyErr_Format(PyExc_ValueError,
+                     "step: model dtype %ld is none of fp32 (0), bf16 (1) and fp16 (2)", m->dtype);
         return NULL;
     }
     const unsigned char *row_mask = (const unsigned char *)(uintptr_t)mask;
@@ -170,6 +182,9 @@ static PyObject *step(PyObject *self, PyObject *args) {
     if (m->dtype == DTYPE_BF16)
         decode_bf16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
                     (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
+    else if (m->dtype == DTYPE_F16)
+        decode_f16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
+                   (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     else
         decode_f32(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
                    (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
@@ -179,12 +194,13 @@ static PyObject *step(PyObject *self, PyObject *args) {
 
 static PyObject *simd(PyObject *self, PyObject *args) {
     __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+    return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c"));
 }
 
 static PyMethodDef methods[] = {
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
-    {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2 and FMA units the build uses."},
+    {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2, FMA and F16C units the build uses."},
     {NULL, NULL, 0, NULL},
 };
 

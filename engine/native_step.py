@@ -100,8 +100,8 @@ class _ModelTable(ctypes.Structure):
     ]
 
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""Storage types cpu_decode.c reads (its DTYPE_F32, DTYPE_BF16); it computes in fp32."""
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Storage types cpu_decode.c reads (its DTYPE_F32, DTYPE_BF16, DTYPE_F16); it computes in fp32."""
 
 
 def available() -> tuple[bool, str]:
@@ -109,7 +109,7 @@ def available() -> tuple[bool, str]:
     if _compiled is None:
         return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
     if not _compiled.simd():
-        return False, "this CPU lacks AVX2/FMA, which engine.cpu_decode is built for"
+        return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
     return True, "built"
 
 
@@ -132,7 +132,7 @@ class NativeStep:
         if self.dtype not in DTYPES or any(
             t.device.type != "cpu" or t.dtype != self.dtype for t in tensors
         ):
-            raise Unsupported("not an fp32 or bf16 model on the CPU")
+            raise Unsupported("not an fp32, bf16 or fp16 model on the CPU")
         if not embedding.is_contiguous():
             raise Unsupported("the embedding is not contiguous")
         layers = [_layer_parts(layer, self.dtype) for layer in lean.layers]
@@ -193,9 +193,10 @@ class NativeStep:
         several = C_ROWS if self.dtype == torch.float32 else MAX_ROWS
         self.max_rows = several if all(_row_major(f, self.dtype) for f in linears) else 1
         """Rows a step may have to run here: with row-major weights up to C_ROWS in fp32 (where
-        oneDNN's packed product wins beyond) and MAX_ROWS in bf16 (torch's bf16 step took
-        101-363 ms at 16-64 rows of the hidden-1024 bench model, this one 18-58 ms); else one
-        (the C product over column-major weights is slower than MKL's at several rows)."""
+        oneDNN's packed product wins beyond) and MAX_ROWS in bf16 and fp16, which oneDNN does
+        not pack (torch's bf16 step took 101-363 ms at 16-64 rows of the hidden-1024 bench
+        model, this one 18-58 ms); else one (the C product over column-major weights is slower
+        than MKL's at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
         self._scratch = torch.empty(0)
         m = self._model
@@ -228,18 +229,19 @@ class NativeStep:
 
     def prefill(self, ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits [B, V] of each row's last position after appending prompts `ids_BS` to the
-        `cache` rows, in C, for a bf16 model; None (and the cache untouched) otherwise, for the
-        model forward to run.
+        `cache` rows, in C, for a bf16 or fp16 model; None (and the cache untouched) otherwise,
+        for the model forward to run.
 
         Each prompt token is a row of a call, at its position, reading and writing its prompt's
         cache row; in a call every row writes its key and value before any attends, and the
         tokens go in calls of up to MAX_ROWS in order (row by row, position by position), so
-        each token sees its prompt up to itself, as in the model's causal forward. Only bf16:
-        torch's bf16 forward is slow on a CPU without bf16 units (~90 against ~15 ms for 16
-        tokens of the hidden-1024 bench model), while fp32 prefills keep the model forward,
-        which oneDNN's packed weights run about as fast and which keeps them bit-identical."""
+        each token sees its prompt up to itself, as in the model's causal forward. Only 16-bit
+        models: torch's bf16 forward is slow on a CPU without bf16 units (~90 against ~15 ms for
+        16 tokens of the hidden-1024 bench model) and its fp16 forward slower still, while fp32
+        prefills keep the model forward, which oneDNN's packed weights run about as fast and
+        which keeps them bit-identical."""
         rows, length = ids_BS.shape
-        if self.dtype != torch.bfloat16 or cache.is_ring or rows > MAX_ROWS:
+        if self.dtype == torch.float32 or cache.is_ring or rows > MAX_ROWS:
             return None
         step = cache.begin(length, None)
         self._point_at(cache, rows, step.key_len)

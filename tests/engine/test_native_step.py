@@ -153,9 +153,9 @@ def test_column_major_weights():
     [
         (lambda m: m, None),
         (lambda m: pack_linears(m), "plain"),  # packed only: no plain weights
-        (lambda m: m.to(torch.float16), "fp32 or bf16"),
+        (lambda m: m.to(torch.float64), "fp32, bf16 or fp16"),
     ],
-    ids=["covered", "packed-only", "fp16"],
+    ids=["covered", "packed-only", "fp64"],
 )
 def test_declines_what_it_does_not_cover(prepare, reason):
     model = _model()
@@ -167,29 +167,35 @@ def test_declines_what_it_does_not_cover(prepare, reason):
         assert native is None and reason in why
 
 
-def _rounded(cache: KVCache) -> None:
-    """Round a wide cache's keys and values to bf16 values in place (as a bf16 cache holds)."""
+def _rounded(cache: KVCache, dtype: torch.dtype) -> None:
+    """Round a wide cache's keys and values to `dtype` values in place (as such a cache holds)."""
     for buffers in (cache.k_BSKD, cache.v_BSKD):
         for buf in buffers.values():
-            buf.copy_(buf.to(torch.bfloat16))
+            buf.copy_(buf.to(dtype))
+
+
+HALF = {"bf16": (torch.bfloat16, 2**-7), "fp16": (torch.float16, 2**-10)}
+"""The 16-bit storage types the C step reads, with one step of their rounding (relative)."""
 
 
 @needs_build
+@pytest.mark.parametrize("half", list(HALF))
 @pytest.mark.parametrize(
     "lengths", [(6,), (3, 9, 1, 6), tuple(range(1, 13))], ids=["one", "uneven-4", "uneven-12"]
 )
-def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
-    """A bf16 model: weights, norms, biases, embedding and cache are read as bf16 and widened,
-    the arithmetic is fp32, and the new keys and values are rounded to bf16 as they are
-    written. Reference: the lean step on the same weights upcast to fp32 (exact), over the same
-    cache upcast, rounded to bf16 after each step. The two differ only in that the C step
-    attends over the new key/value already rounded, so logits agree closely and the cache
-    rows written are the reference's rounded (within one bf16 step)."""
-    model = _model(qkv_bias=True).to(torch.bfloat16)
+def test_16_bit_model_reads_its_type_and_computes_in_fp32(lengths, half):
+    """A bf16 or fp16 model: weights, norms, biases, embedding and cache are read in that type
+    and widened, the arithmetic is fp32, and the new keys and values are rounded to it as they
+    are written. Reference: the lean step on the same weights upcast to fp32 (exact), over the
+    same cache upcast, rounded to the type after each step. The two differ only in that the C
+    step attends over the new key/value already rounded, so logits agree closely and the cache
+    rows written are the reference's rounded (within one step of the type)."""
+    dtype, ulp = HALF[half]
+    model = _model(qkv_bias=True).to(dtype)
     native, why = NativeStep.build(DecodeStep(model))
     assert native is not None, why
-    assert native.max_rows == native_step.MAX_ROWS  # bf16: every step up to 64 rows in C
-    wide = DecodeStep(_model(qkv_bias=True).to(torch.bfloat16).float())
+    assert native.max_rows == native_step.MAX_ROWS  # 16-bit: every step up to 64 rows in C
+    wide = DecodeStep(_model(qkv_bias=True).to(dtype).float())
     ours = _prefilled(model, list(lengths))
     theirs = _clone(ours)
     theirs.k_BSKD = {k: v.float() for k, v in theirs.k_BSKD.items()}
@@ -198,32 +204,34 @@ def test_bf16_model_reads_bf16_and_computes_in_fp32(lengths):
     with torch.inference_mode():
         for _ in range(5):
             got, want = _one_step(native, wide, ours, theirs, ids_B1)
-            _rounded(theirs)
+            _rounded(theirs, dtype)
             assert got.dtype == torch.float32 and got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
             ids_B1 = want.argmax(-1, keepdim=True)
     for key in ours.k_BSKD:
         pairs = [(ours.k_BSKD[key], theirs.k_BSKD[key]), (ours.v_BSKD[key], theirs.v_BSKD[key])]
         for mine, ref in pairs:
-            assert mine.dtype == torch.bfloat16
-            if key == "0":  # same input: the same value rounded (one bf16 step at a tie)
-                torch.testing.assert_close(mine.float(), ref, rtol=2**-7, atol=0)
+            assert mine.dtype == dtype
+            if key == "0":  # same input: the same value rounded (one step at a tie)
+                torch.testing.assert_close(mine.float(), ref, rtol=ulp, atol=0)
             else:  # its input went through attention over the rounded key: two steps
                 atol = 1e-2 * ref.abs().max().item()
-                torch.testing.assert_close(mine.float(), ref, rtol=2**-6, atol=atol)
+                torch.testing.assert_close(mine.float(), ref, rtol=2 * ulp, atol=atol)
 
 
 @needs_build
+@pytest.mark.parametrize("half", list(HALF))
 @pytest.mark.parametrize("shape", [(2, 7), (3, 1), (2, 40)], ids=["one-call", "one-token", "calls"])
-def test_bf16_prefill_in_c_matches_the_upcast_forward(shape):
-    """`NativeStep.prefill`: prompts of a bf16 model as rows of C calls (two 7-token prompts:
-    one call of 14 rows over 2 cache rows; two 40-token prompts: calls of 64 and 16 rows, the
-    first ending inside the second prompt) against the model forward of the same weights upcast
-    to fp32, from an empty cache: last-position logits close, the cache the forward wrote
-    rounded to bf16 (one bf16 step in the first layer, whose input is the same; two after),
-    lengths and mask alike."""
-    model = _model(qkv_bias=True).to(torch.bfloat16)
-    wide = _model(qkv_bias=True).to(torch.bfloat16).float()
+def test_16_bit_prefill_in_c_matches_the_upcast_forward(shape, half):
+    """`NativeStep.prefill`: prompts of a bf16 or fp16 model as rows of C calls (two 7-token
+    prompts: one call of 14 rows over 2 cache rows; two 40-token prompts: calls of 64 and 16
+    rows, the first ending inside the second prompt) against the model forward of the same
+    weights upcast to fp32, from an empty cache: last-position logits close, the cache the
+    forward wrote rounded to the type (one step in the first layer, whose input is the same;
+    two after), lengths and mask alike."""
+    dtype, ulp = HALF[half]
+    model = _model(qkv_bias=True).to(dtype)
+    wide = _model(qkv_bias=True).to(dtype).float()
     native = NativeStep(DecodeStep(model))
     rows, length = shape
     ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(3))
@@ -240,16 +248,16 @@ def test_bf16_prefill_in_c_matches_the_upcast_forward(shape):
             (ours.k_BSKD[key], theirs.k_BSKD[key]),
             (ours.v_BSKD[key], theirs.v_BSKD[key]),
         ):
-            ref = ref.to(torch.bfloat16).float()
+            ref = ref.to(dtype).float()
             if key == "0":
-                torch.testing.assert_close(mine.float(), ref, rtol=2**-7, atol=0)
+                torch.testing.assert_close(mine.float(), ref, rtol=ulp, atol=0)
             else:
                 atol = 1e-2 * ref.abs().max().item()
-                torch.testing.assert_close(mine.float(), ref, rtol=2**-6, atol=atol)
+                torch.testing.assert_close(mine.float(), ref, rtol=2 * ulp, atol=atol)
 
 
 @needs_build
-def test_prefill_in_c_is_only_for_bf16():
+def test_prefill_in_c_is_only_for_16_bit_models():
     """fp32 prefills keep the model forward (bit-identical to it), as do ring caches and more
     than MAX_ROWS prompts at once; the cache is left as it was."""
     fp32 = NativeStep(DecodeStep(_model()))
@@ -266,11 +274,12 @@ def test_prefill_in_c_is_only_for_bf16():
 
 
 @needs_build
-def test_bf16_engine_steps_in_c_with_the_upcast_models_tokens():
-    """The engine's default on a bf16 model runs its decode steps in C, and its greedy tokens
-    are those of the same weights upcast to fp32 (with peaked logits: no near-ties that bf16
-    rounding of the prefill and the cache could flip). The bf16 lean step rounds every
-    intermediate to bf16 and may part from both."""
+@pytest.mark.parametrize("half", list(HALF))
+def test_16_bit_engine_steps_in_c_with_the_upcast_models_tokens(half):
+    """The engine's default on a bf16 or fp16 model runs its decode steps in C, and its greedy
+    tokens are those of the same weights upcast to fp32 (with peaked logits: no near-ties that
+    the rounding of the prefill and the cache could flip). The 16-bit lean step rounds every
+    intermediate and may part from both."""
     prompts = [[5, 9, 11], [7] * 8, [3, 4, 5, 6, 7, 8]]
     configs = [SamplingConfig(max_new_tokens=12) for _ in prompts]
     model = _model()
@@ -278,9 +287,9 @@ def test_bf16_engine_steps_in_c_with_the_upcast_models_tokens():
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.mul_(10.0)
-    narrow = model.to(torch.bfloat16)
+    narrow = model.to(HALF[half][0])
     tokens = {}
-    for name, weights in (("bf16", narrow), ("fp32", copy.deepcopy(narrow).float())):
+    for name, weights in ((half, narrow), ("fp32", copy.deepcopy(narrow).float())):
         engine = Engine(weights, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=3))
         assert isinstance(engine._decode_step, NativeStep)
         assert engine._decode_step.dtype == weights.embed_tokens.weight.dtype
@@ -289,7 +298,7 @@ def test_bf16_engine_steps_in_c_with_the_upcast_models_tokens():
             engine.generate([p], [c])[0][0].token_ids for p, c in zip(prompts, configs, strict=True)
         ]
         tokens[name] = (batch, alone)
-    assert tokens["bf16"] == tokens["fp32"]
+    assert tokens[half] == tokens["fp32"]
 
 
 @pytest.mark.parametrize(

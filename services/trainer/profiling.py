@@ -94,7 +94,9 @@ class StepProfiler:
         started = time.perf_counter()
         prof.stop()
         if self._last < self._first:
-            log.warning("--profile: the run ended before step %d; no trace", self._first)
+            log.warning(
+                "--profile: the run ended before the log's step %d; no trace", self._first + 1
+            )
             return
         if self.device_type == "npu":
             log.info(

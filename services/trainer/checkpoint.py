@@ -7,7 +7,8 @@ and replaces `latest` (which holds the step number) with `os.replace` — so a d
 
     .metadata, __<rank>_<n>.distcp   DCP: model.<fqn>, optim.state.<fqn>.<key> (global names)
     train_state.json                 step, world size, extra counters, scheduler, loss scaler,
-                                     optimizer param-group hyper-parameters
+                                     optimizer param-group hyper-parameters, and which of the
+                                     optimizer and RNG states were saved (--no-save-optim/-rng)
     rng/rank-00000.json              each rank's Python/NumPy/torch/device RNG state
     config.json, tokenizer/          model config and tokenizer files, for convert and serve
 """
@@ -177,6 +178,7 @@ class CheckpointManager:
             "optimizer_param_groups": optim_plain,
             "scheduler": _component_state(state.scheduler, "scheduler"),
             "loss_scaler": _component_state(state.loss_scaler, "loss_scaler"),
+            "saved": {"optimizer": state.optimizer is not None, "rng": state.save_rng},
         }
         _write_json(tmp / "train_state.json", payload)
         if self.model_config is not None:
@@ -251,6 +253,7 @@ class CheckpointManager:
         step = self._resolve(step)
         path = self.step_dir(step)
         meta = self._read_train_state(path)
+        check_resumable(meta, path, optimizer=state.optimizer is not None, rng=state.save_rng)
         model_sd, optim_sd = model_optimizer_state(state)
         optim_tensors, _ = split_tensors(optim_sd)
         tensors = {"model": model_sd, "optim": optim_tensors}
@@ -318,6 +321,34 @@ class CheckpointManager:
             rng_path = path / "rng" / "rank-00000.json"
         if rng_path.is_file():
             rng_state_from_json(json.loads(rng_path.read_text()))
+
+
+def latest_train_state(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(step directory, its train_state.json) of the step `directory`'s `latest` names, or None
+    where that cannot be read (the load itself then reports it)."""
+    try:
+        step = int((Path(directory) / "latest").read_text().strip())
+        path = Path(directory) / f"step-{step:06d}"
+        return path, json.loads((path / "train_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_resumable(meta: dict[str, Any], path: Path, *, optimizer: bool, rng: bool) -> None:
+    """ValueError naming the flag to add when a load asks for the optimizer or RNG state and the
+    checkpoint was saved without it (--no-save-optim, --no-save-rng; older checkpoints have
+    both)."""
+    saved = meta.get("saved", {})
+    if optimizer and not saved.get("optimizer", True):
+        raise ValueError(
+            f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): pass "
+            "--no-load-optim to start a fresh optimizer, or --finetune to load the weights only"
+        )
+    if rng and not saved.get("rng", True):
+        raise ValueError(
+            f"checkpoint {path} holds no RNG state (saved with --no-save-rng): pass "
+            "--no-load-rng, or --finetune to load the weights only"
+        )
 
 
 def _component_state(component: Any, name: str) -> Any:

@@ -176,6 +176,11 @@ def resume(trainer: Any, manager_for: Any) -> int | None:
     if peft.peft_method is None or not _is_run_checkpoint(peft.lora_load):
         return None
     state = checkpoint_state(trainer, loading=False)
+    run = trainer.config.run
+    if run.no_load_optim:
+        state.optimizer = None
+    if run.no_load_rng:
+        state.save_rng = False
     step = manager_for(trainer, peft.lora_load).load("latest", state)
     optimizer = trainer.optimizer
     if optimizer.plan.mode == "master":

@@ -34,6 +34,7 @@ def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
     if not run.load:
         return "none"
     if has_checkpoint(run.load):
+        _check_resumable(config, run.load)
         return "resume"
     load = Path(run.load)
     same_as_save = run.save is not None and Path(run.save).resolve() == load.resolve()
@@ -55,6 +56,20 @@ def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
             "fresh now and resume from it after a restart"
         )
     return "fresh"
+
+
+def _check_resumable(config: TrainConfig, load: str) -> None:
+    """A resume that asks for optimizer or RNG state the latest checkpoint was saved without
+    (--no-save-optim, --no-save-rng) is refused here, naming the flag, not in every worker."""
+    from services.trainer.checkpoint import check_resumable, latest_train_state
+
+    run = config.run
+    if run.finetune or config.peft.peft_method is not None:  # the weights only
+        return
+    latest = latest_train_state(load)
+    if latest is not None:
+        path, meta = latest
+        check_resumable(meta, path, optimizer=not run.no_load_optim, rng=not run.no_load_rng)
 
 
 def _prefixes(paths: list[str]) -> list[str]:

@@ -249,10 +249,6 @@ TABLE: tuple[CompatFlag, ...] = (
     CompatFlag("--use-pytorch-profiler", "same", "--profile always runs torch.profiler "
                "(torch_npu's on Ascend); on CUDA it also opens the cudaProfilerApi range nsys "
                "captures"),
-    CompatFlag("--no-save-optim", "ignore", "checkpoints always hold the optimizer state "
-               "(skip it when loading with --no-load-optim)"),
-    CompatFlag("--no-save-rng", "ignore", "checkpoints always hold the RNG state (skip it when "
-               "loading with --no-load-rng)"),
     CompatFlag("--use-checkpoint-args", "ignore", "the model comes from the flags; checkpoints "
                "hold model_config.json for `meshline convert` and `generate`"),
     # --- refused: no equivalent behaviour

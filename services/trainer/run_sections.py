@@ -83,6 +83,13 @@ class RunSection:
     """Do not restore the optimizer state when loading."""
     no_load_rng: bool = False
     """Do not restore RNG states when loading."""
+    no_save_optim: bool = False
+    """Save checkpoints without the optimizer state: the weights, schedule and counters only (an
+    fp32 Adam checkpoint shrinks to about a third); resuming from one needs --no-load-optim, or
+    --finetune."""
+    no_save_rng: bool = False
+    """Save checkpoints without the RNG states; resuming from one needs --no-load-rng, or
+    --finetune."""
     finetune: bool = False
     """Load only the weights and start counting from step 0."""
     exit_on_missing_checkpoint: bool = False

@@ -258,11 +258,22 @@ def save_checkpoint(trainer: Any) -> str:
     """Save the current step under --save; returns the step directory."""
     if trainer.checkpoints is None:
         trainer.checkpoints = _manager(trainer, trainer.config.run.save)
-    saved = trainer.checkpoints.save(trainer.state.step, lambda: checkpoint_state(trainer))
+    saved = trainer.checkpoints.save(trainer.state.step, lambda: _saved_state(trainer))
     from services.trainer.finetune import export_adapter
 
     export_adapter(trainer)
     return str(saved)
+
+
+def _saved_state(trainer: Any) -> Any:
+    """`checkpoint_state` less what --no-save-optim and --no-save-rng leave out."""
+    state = checkpoint_state(trainer)
+    run = trainer.config.run
+    if run.no_save_optim:
+        state.optimizer = None
+    if run.no_save_rng:
+        state.save_rng = False
+    return state
 
 
 def load_checkpoint(trainer: Any) -> int:

@@ -65,6 +65,20 @@ def test_lora_trains_adapters_only_and_resumes(base_ckpt, tmp_path):
         assert torch.equal(p, expected[name]), name
 
 
+def test_lora_run_saved_without_optimizer_state_resumes_with_no_load_optim(base_ckpt, tmp_path):
+    base, _ = base_ckpt
+    first = _lora(base, "--save", str(tmp_path / "run"), "--no-save-optim", "--no-save-rng")
+    first.load()
+    first.train_step()
+    first.save()
+    with pytest.raises(ValueError, match="pass --no-load-optim"):
+        _lora(base, "--lora-load", str(tmp_path / "run")).load()
+    resumed = _lora(base, "--lora-load", str(tmp_path / "run"), "--no-load-optim", "--no-load-rng")
+    assert resumed.load() == 1
+    lora = {n: p for n, p in resumed.model.named_parameters() if ".lora_" in n}
+    assert all(torch.equal(p, dict(first.model.named_parameters())[n]) for n, p in lora.items())
+
+
 def test_lora_bf16_keeps_fp32_masters_across_resume(base_ckpt, tmp_path):
     """--bf16 (ZeRO 0): the adapters' fp32 master copies and their Adam state are what the
     checkpoint holds, so a resume continues the uninterrupted run exactly."""

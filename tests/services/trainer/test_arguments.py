@@ -106,6 +106,8 @@ NON_DEFAULT = {
     "peak_tflops": ("--peak-tflops", "312"),
     "nan_policy": ("--nan-policy", "skip"),
     "spike_factor": ("--spike-factor", "5"),
+    "no_save_optim": ("--no-save-optim",),
+    "no_save_rng": ("--no-save-rng",),
     "exit_interval": ("--exit-interval", "100"),
     "exit_duration_in_mins": ("--exit-duration-in-mins", "230.0"),
     "profile": ("--profile",),

@@ -88,6 +88,12 @@ class Platform:
         CPU model), used to look up its peak FLOP/s (kernels.peak_flops)."""
         return _cpu_model_name()
 
+    def capture_range(self, start: bool) -> None:
+        """Open (`start`) or close the range an external profiler captures: on CUDA
+        cudaProfilerStart/Stop, for `nsys profile --capture-range=cudaProfilerApi`; a no-op
+        elsewhere."""
+        del start
+
 
 class CpuPlatform(Platform):
     type = "cpu"
@@ -138,6 +144,12 @@ class _AcceleratorPlatform(Platform):
 class CudaPlatform(_AcceleratorPlatform):
     type = "cuda"
     backend = "nccl"
+
+    def capture_range(self, start: bool) -> None:
+        if start:
+            self.module.profiler.start()
+        else:
+            self.module.profiler.stop()
 
 
 class NpuPlatform(_AcceleratorPlatform):

@@ -372,7 +372,7 @@ class Trainer:
         stopped = False
         stopped_by: str | None = None
         saved: tuple[int, str] | None = None  # (step, directory) of the last --save-interval save
-        profiler = StepProfiler(run, self.rank, self.platform.type)
+        profiler = StepProfiler(run, self.rank, self.platform)
         profiler.check_start(self.state.step)
         try:
             while self.state.step < run.train_iters:

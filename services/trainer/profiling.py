@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kernels.device import Platform
 from services.trainer.run_sections import RunSection
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ TOP_OPS = 5
 class StepProfiler:
     """Starts, advances and stops the profiler of one rank around the steps of `run`'s window."""
 
-    def __init__(self, run: RunSection, rank: int, device_type: str) -> None:
-        self.run, self.rank, self.device_type = run, rank, device_type
+    def __init__(self, run: RunSection, rank: int, platform: Platform) -> None:
+        self.run, self.rank, self.platform = run, rank, platform
+        self.device_type = platform.type
         self.enabled = run.profiles_rank(rank)
         self.start, self.end = run.profile_step_start, run.profile_step_end
         self.save_dir = Path(run.profile_dir())
@@ -71,8 +73,8 @@ class StepProfiler:
             self._prof.start()
         else:
             return
-        if step == self._first and self.device_type == "cuda":
-            torch.cuda.profiler.start()
+        if step == self._first:
+            self.platform.capture_range(start=True)
 
     def after_step(self, step: int) -> None:
         """Note the step that just ran (`step` are done now); the window's last one stops it."""
@@ -89,8 +91,7 @@ class StepProfiler:
             return
         prof, self._prof = self._prof, None
         self._done = True
-        if self.device_type == "cuda":
-            torch.cuda.profiler.stop()
+        self.platform.capture_range(start=False)
         started = time.perf_counter()
         prof.stop()
         if self._last < self._first:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -167,3 +168,26 @@ def test_single_process_launch_reduces_host_tensors_over_the_device_group(
         assert host.item() == 2.0 and on_device.item() == 3.0
     finally:
         device.destroy_distributed()
+
+
+def test_capture_range_is_cudas_profiler_api_and_a_no_op_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--profile` opens the cudaProfilerApi range through the device layer (nsys captures it);
+    CPU and NPU have none. On CUDA it is torch.cuda.profiler's start/stop, checked here through a
+    stand-in module (the call itself needs a GPU)."""
+    device.CpuPlatform().capture_range(start=True)  # no CUDA runtime touched
+    device.CpuPlatform().capture_range(start=False)
+    calls: list[str] = []
+    profiler = types.SimpleNamespace(
+        start=lambda: calls.append("start"), stop=lambda: calls.append("stop")
+    )
+    monkeypatch.setattr(
+        device.CudaPlatform,
+        "module",
+        property(lambda self: types.SimpleNamespace(profiler=profiler)),
+    )
+    cuda = device.CudaPlatform()
+    cuda.capture_range(start=True)
+    cuda.capture_range(start=False)
+    assert calls == ["start", "stop"]

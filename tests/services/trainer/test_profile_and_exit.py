@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import device
 from services import cli as meshline
 from services.trainer.arguments import parse_args
 from services.trainer.loop import Trainer
@@ -64,9 +65,10 @@ def test_profile_ranks_and_a_resumed_run_past_the_window(tmp_path, caplog):
     run = parse_args([*BASE, "--profile", "--profile-step-start", "1", "--profile-step-end",
                       "2"]).run  # fmt: skip
     run.profile_ranks = [1]
-    assert not StepProfiler(run, 0, "cpu").enabled and StepProfiler(run, 1, "cpu").enabled
+    cpu = device.resolve("cpu")
+    assert not StepProfiler(run, 0, cpu).enabled and StepProfiler(run, 1, cpu).enabled
     run.profile_ranks = [-1]
-    profiler = StepProfiler(run, 5, "cpu")
+    profiler = StepProfiler(run, 5, cpu)
     with caplog.at_level(logging.WARNING, logger="services.trainer.profiling"):
         profiler.check_start(7)
     assert "nothing is profiled" in caplog.text

@@ -104,7 +104,7 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> Path:
         """The directory of a complete `step`."""
-        return self.save_dir / f"step-{step:06d}"
+        return step_path(self.save_dir, step)
 
     def steps(self) -> list[int]:
         """Complete steps on disk, oldest first (`.tmp` directories do not count)."""
@@ -115,13 +115,7 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The step `latest` names, or None when nothing was saved yet."""
-        pointer = self.save_dir / "latest"
-        if not pointer.is_file():
-            return None
-        text = pointer.read_text().strip()
-        if not text.isdigit():
-            raise ValueError(f"{pointer} should hold a step number, found {text[:40]!r}")
-        return int(text)
+        return read_latest(self.save_dir)
 
     # -- save -------------------------------------------------------------------------------
 
@@ -323,12 +317,31 @@ class CheckpointManager:
             rng_state_from_json(json.loads(rng_path.read_text()))
 
 
+def step_path(save_dir: Path, step: int) -> Path:
+    """The directory of complete step `step` under `save_dir`."""
+    return save_dir / f"step-{step:06d}"
+
+
+def read_latest(save_dir: Path) -> int | None:
+    """The step `save_dir`'s `latest` names, or None when nothing was saved yet."""
+    pointer = save_dir / "latest"
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{pointer} should hold a step number, found {text[:40]!r}")
+    return int(text)
+
+
 def latest_train_state(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """(step directory, its train_state.json) of the step `directory`'s `latest` names, or None
-    where that cannot be read (the load itself then reports it)."""
+    """(step directory, its train_state.json) of the step `directory`'s `latest` names, read
+    without a manager (no directory is created), or None where that cannot be read (the load
+    itself then reports it)."""
     try:
-        step = int((Path(directory) / "latest").read_text().strip())
-        path = Path(directory) / f"step-{step:06d}"
+        step = read_latest(Path(directory))
+        if step is None:
+            return None
+        path = step_path(Path(directory), step)
         return path, json.loads((path / "train_state.json").read_text())
     except (OSError, ValueError):
         return None

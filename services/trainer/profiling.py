@@ -48,9 +48,9 @@ class StepProfiler:
         self._done = False
 
     def check_start(self, step: int) -> None:
-        """Warn once when a run that starts at `step` (resumed) is past the window."""
+        """Warn when a run that starts at `step` (resumed) is past the window (`before_step`
+        then never finds a step in it)."""
         if self.enabled and step >= self.end:
-            self._done = True
             log.warning(
                 "--profile: the run starts at step %d, at or after --profile-step-end %d: "
                 "nothing is profiled (move the window past the loaded step)",

@@ -71,12 +71,11 @@ def test_profile_ranks_and_a_resumed_run_past_the_window(tmp_path, caplog):
     profiler = StepProfiler(run, 5, cpu)
     with caplog.at_level(logging.WARNING, logger="services.trainer.profiling"):
         profiler.check_start(7)
-    assert "nothing is profiled" in caplog.text
-    for step in range(7, 9):  # a resumed run past the window starts no profiler
-        profiler.before_step(step)
-        assert profiler._prof is None
-        profiler.after_step(step + 1)
-    assert profiler.trace_path is None
+    assert "the run starts at step 7, at or after --profile-step-end 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.trainer.profiling"):
+        profiler.check_start(1)  # inside the window: it will be profiled, no warning
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(

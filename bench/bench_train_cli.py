@@ -78,8 +78,8 @@ def hf_worker(shape: dict, steps: int) -> list[float]:
 
     from models.hf_adapters import hf_config
     from services.trainer.arguments import parse_args
-    from services.trainer.batching import MicroBatchStream
-    from services.trainer.setup import build_data, build_model_config
+    from training.batching import MicroBatchStream
+    from training.setup import build_data, build_model_config
 
     config = parse_args(model_flags(shape, steps))
     (train, _), _, _ = build_data(config, dp_size=1)

@@ -65,7 +65,7 @@ def _worker(side: str, shape: dict, bf16: bool) -> dict:
 
     from kernels import device
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
@@ -101,8 +101,8 @@ def _hf_step_fn(config, bf16: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.hf_adapters import hf_config
-    from services.trainer.batching import MicroBatchStream
-    from services.trainer.setup import build_data, build_model_config
+    from training.batching import MicroBatchStream
+    from training.setup import build_data, build_model_config
 
     (train, _), _, _ = build_data(config, dp_size=1)
     hf = LlamaForCausalLM(LlamaConfig(**hf_config(build_model_config(config))))

@@ -53,8 +53,8 @@ def _hf_train_step(config: Any, bf16: bool) -> Any:
 
     from kernels import device
     from models.hf_adapters import hf_config
-    from services.trainer.batching import MicroBatchStream
-    from services.trainer.setup import build_data, build_model_config
+    from training.batching import MicroBatchStream
+    from training.setup import build_data, build_model_config
 
     (train, _), _, _ = build_data(config, dp_size=1)
     target = device.current().torch_device()
@@ -107,8 +107,8 @@ def train_worker(
     from kernels import device, peak_flops
     from models.accounting import flops_per_token
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
-    from services.trainer.setup import build_model_config
+    from training.loop import Trainer
+    from training.setup import build_model_config
 
     torch.manual_seed(0)
     config = parse_args(train_flags(shape, bf16, compile_layers=side == "ours-compile"))

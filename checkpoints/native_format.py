@@ -1,4 +1,4 @@
-"""Meshline native checkpoints: the trainer's DCP layout (written by services/trainer/checkpoint.py).
+"""Meshline native checkpoints: the trainer's DCP layout (written by training/checkpoint.py).
 
 `save_dir/latest` names a step; `step-XXXXXX/` holds DCP files with `model.<fqn>` tensors under
 global names, `train_state.json`, `config.json` (a ModelConfig dict) and `tokenizer/`. A

@@ -13,7 +13,7 @@ Elements of a rank:
 - `optimizer`: elements whose optimizer state it keeps (all its parameters; its ZeRO-1 chunk).
 
 Bytes per element follow the precision mode the trainer picks (`precision_mode`, the rule of
-services/trainer/precision.py) — the modes keep different copies:
+training/precision.py) — the modes keep different copies:
 
 | mode     | when                         | params | grads                      | optimizer state        |
 | -------- | ---------------------------- | ------ | -------------------------- | ---------------------- |

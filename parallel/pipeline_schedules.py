@@ -3,7 +3,7 @@
 A schedule runs one stage per pipeline rank ("single"), or several chunks per rank placed
 "looped" (stage c·P + r on rank r, any number of chunks) or "v" (exactly 2 chunks per rank:
 rank r runs stages r and 2P-1-r, so the first and last stage share rank 0). Adding a schedule is
-one entry in `SCHEDULES`; the CLI choices (`services.trainer.run_sections`) list the same keys
+one entry in `SCHEDULES`; the CLI choices (`training.run_sections`) list the same keys
 (a test checks they agree).
 """
 

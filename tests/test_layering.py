@@ -25,6 +25,7 @@ LIBRARY_DEPS: dict[str, frozenset[str]] = {
     "checkpoints": frozenset({"kernels", "models"}),
     "parallel": frozenset({"kernels", "models"}),
     "engine": frozenset({"kernels", "models", "tokendata", "checkpoints", "parallel"}),
+    "training": frozenset({"kernels", "models", "tokendata", "checkpoints", "parallel"}),
 }
 """Each library and the libraries it may import (the layer order, bottom first)."""
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services.trainer.arguments import parse_args
 from services.trainer.launcher import launch
-from services.trainer.metrics import read_csv
+from training.metrics import read_csv
 
 VOCAB_SIZE = 2048
 STAMP = "stamp.json"

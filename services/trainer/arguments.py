@@ -23,8 +23,9 @@ from typing import Any
 import tomllib
 import yaml
 
-from services.trainer import config_sections, finetune, megatron_flags, model_arch, run_sections
+from services.trainer import megatron_flags, model_arch
 from services.trainer.train_config import SECTIONS, TrainConfig
+from training import config_sections, finetune, run_sections
 
 # Older spellings that scripts still use, mapped to the field they set.
 ALIASES: dict[str, str] = megatron_flags.FIELD_ALIASES

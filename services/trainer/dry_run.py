@@ -141,9 +141,9 @@ def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from models import build_model
-    from services.trainer.optimizer import build_training_optimizer
-    from services.trainer.precision import plan_precision
-    from services.trainer.setup import build_model_config, build_parallel
+    from training.optimizer import build_training_optimizer
+    from training.precision import plan_precision
+    from training.setup import build_model_config, build_parallel
 
     world_size = dims.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -241,7 +241,7 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
 
 
 def _model_config(config: TrainConfig) -> Any:
-    from services.trainer.setup import build_model_config
+    from training.setup import build_model_config
 
     return build_model_config(config)
 

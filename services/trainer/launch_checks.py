@@ -61,7 +61,7 @@ def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
 def _check_resumable(config: TrainConfig, load: str) -> None:
     """A resume that asks for optimizer or RNG state the latest checkpoint was saved without
     (--no-save-optim, --no-save-rng) is refused here, naming the flag, not in every worker."""
-    from services.trainer.checkpoint import check_resumable, latest_train_state
+    from training.checkpoint import check_resumable, latest_train_state
 
     run = config.run
     if run.finetune or config.peft.peft_method is not None:  # the weights only

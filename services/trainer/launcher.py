@@ -26,9 +26,9 @@ from typing import Any, TextIO
 import psutil
 import yaml
 
-from services.trainer.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
-from services.trainer.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 from services.trainer.train_config import TrainConfig
+from training.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
+from training.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 
 STOP_GRACE_S = 60.0
 

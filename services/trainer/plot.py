@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.trainer.metrics import read_csv
+from training.metrics import read_csv
 
 PLOTS = {
     "loss.png": ("loss", "training loss", "loss"),

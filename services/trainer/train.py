@@ -23,10 +23,10 @@ from kernels.cpu.allocator import keep_freed_memory
 from services.common.errors import PermissionDenied
 from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
-from services.trainer.ckpt.signals import LastGasp
 from services.trainer.launch_checks import check_paths, load_action
-from services.trainer.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
+from training.ckpt.signals import LastGasp
+from training.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     last_gasp = LastGasp().install()
     try:
-        trainer = Trainer(config)
+        trainer = Trainer(config, path_guard=check_at_use)
         if load == "resume":
             trainer.load()
         # The launch-time policy ($MESHLINE_SAVE_ON_STOP), then the signal that stopped the run.

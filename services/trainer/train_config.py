@@ -1,23 +1,36 @@
-"""Typed training configuration: one dataclass per concern, composed into `TrainConfig`.
+"""The trainer service's configuration: the training library's sections plus Megatron's
+architecture flags, composed into `TrainConfig`.
 
 Field names are Megatron/ModelLink destination names, so `--micro-batch-size` is
 `config.batch.micro_batch_size`; `services.trainer.arguments` derives every flag from these fields
 (type, default and help text — the attribute docstring under each field) in one place. The
-sections live in `config_sections` (model, data, batch, optim) and `run_sections` (precision,
-run, parallel) and validate themselves when built; `TrainConfig.validate(world_size)` checks what
-needs the whole picture (batch divisibility against the data-parallel size).
+library's sections live in `training.config_sections` (model, data, batch, optim),
+`training.run_sections` (precision, run, parallel) and `training.finetune` (peft), composed by
+`training.config.TrainingConfig`; `arch` (`model_arch.ArchSection`) is the service's own. Sections
+validate themselves when built; `TrainConfig.validate(world_size)` checks what needs the whole
+picture (batch divisibility against the data-parallel size).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from services.trainer.config_sections import BatchSection, DataSection, ModelSection, OptimSection
-from services.trainer.finetune import PeftSection
-from services.trainer.model_arch import ArchSection
-from services.trainer.run_sections import ParallelSection, PrecisionSection, RunSection
+from models.config import ModelConfig
+from models.registry import get_config
+from services.trainer.model_arch import ArchSection, check_against_model, megatron_fields
+from training.config import (
+    BatchSection,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    PeftSection,
+    PrecisionSection,
+    RunSection,
+    TrainingConfig,
+)
+from training.model_config import DEFAULT_MODEL, check_known_model, finish_model_config
 
 __all__ = [
     "SECTIONS",
@@ -47,160 +60,52 @@ SECTIONS: dict[str, type] = {
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(TrainingConfig):
     """Everything one training run needs; built by `services.trainer.arguments.parse_args`."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    """Network to train."""
     arch: ArchSection = field(default_factory=ArchSection)
     """Megatron's architecture flags (a model without --model)."""
-    data: DataSection = field(default_factory=DataSection)
-    """Token shards and tokenizer."""
-    batch: BatchSection = field(default_factory=BatchSection)
-    """Micro/global batch and ramp-up."""
-    optim: OptimSection = field(default_factory=OptimSection)
-    """Optimizer and LR schedule."""
-    precision: PrecisionSection = field(default_factory=PrecisionSection)
-    """fp32/bf16/fp16 and loss scaling."""
-    run: RunSection = field(default_factory=RunSection)
-    """Length, eval, checkpoints, logging."""
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    """Data and model parallelism, activation recompute."""
-    peft: PeftSection = field(default_factory=PeftSection)
-    """Parameter-efficient fine-tuning (LoRA, BitFit, prefix)."""
 
-    def validate(self, world_size: int = 1) -> TrainConfig:
-        """Check the settings against each other and the job size; returns self."""
-        if world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {world_size}")
-        self.check_finite()
-        from parallel.parallel_dims import check_seq_length, check_world_size
+    def model_config(self, tokenizer_vocab: int | None = None) -> ModelConfig:
+        """`models` config for --model or Megatron's architecture flags, covering the tokenizer.
 
-        par = self.parallel
-        mp = par.model_parallel_size()
-        check_world_size(
-            world_size,
-            tp=par.tensor_model_parallel_size,
-            pp=par.pipeline_model_parallel_size,
-            cp=par.context_parallel_size,
-        )
-        check_seq_length(self.model.seq_length, par.context_parallel_size)
-        dp = self.dp_size(world_size)
-        ep = self.parallel.expert_model_parallel_size
-        if dp % ep:
+        With --model, the registry config plus the shape flags; an architecture flag that
+        contradicts the registry value is an error naming both. Without it, Megatron's defaults
+        plus the flags (`services.trainer.model_arch`), the vocabulary being the tokenizer's
+        padded up to --make-vocab-size-divisible-by.
+        """
+        name = self.model.model or DEFAULT_MODEL
+        overrides = self.model.overrides()
+        arch = self.arch
+        if self.model.model is not None:
+            check_known_model(name)
+            check_against_model(name, get_config(name), arch.fields_set())
+        else:
+            overrides = megatron_fields(self, tokenizer_vocab)
+        model_config = get_config(name, **overrides)
+        if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
             raise ValueError(
-                f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} "
-                f"(world size {world_size} / tensor x pipeline x context parallel size {mp}): "
-                "expert-parallel ranks are carved out of the data-parallel ranks"
+                f"--kv-channels {arch.kv_channels} differs from --hidden-size / "
+                f"--num-attention-heads = {model_config.head_dim}; these models' head width is "
+                "that ratio: drop --kv-channels or change the sizes"
             )
-        mbs = self.batch.micro_batch_size
-        gbs = self.batch.global_batch_size
-        if gbs is not None and gbs % (mbs * dp):
-            raise ValueError(
-                f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
-                f"{dp}; use a multiple of {mbs * dp}"
-            )
-        if self.batch.rampup_batch_size is not None:
-            start, increment, _ = self.batch.rampup_batch_size
-            if gbs is None:
-                raise ValueError(
-                    "--rampup-batch-size needs --global-batch-size (the size it ramps up to)"
-                )
-            for flag, value in (("START", start), ("INCREMENT", increment)):
-                if value % (mbs * dp):
-                    raise ValueError(
-                        f"--rampup-batch-size {flag}={value} is not divisible by --micro-batch-size {mbs} x "
-                        f"data-parallel size {dp}"
-                    )
-            if (gbs - start) % increment:
-                raise ValueError(
-                    f"--global-batch-size {gbs} minus --rampup-batch-size START {start} is not a multiple of "
-                    f"INCREMENT {increment}"
-                )
-        if self.model.model is None and any(
-            getattr(self.model, n) is None
-            for n in ("num_layers", "hidden_size", "num_attention_heads")
-        ):
-            raise ValueError(
-                "no model given: pass --model NAME (see models.registry.list_configs()) or all of "
-                "--num-layers, --hidden-size and --num-attention-heads"
-            )
-        data = self.data
-        has_data = bool(data.data_path or data.train_data_path)
-        if not has_data and not data.mock_data:
-            raise ValueError(
-                "missing data: pass --data-path PREFIX [PREFIX ...] or --train-data-path PREFIX "
-                "[PREFIX ...] (or --mock-data for random tokens)"
-            )
-        if has_data and data.mock_data:
-            raise ValueError("--data-path / --train-data-path and --mock-data are exclusive")
-        if has_data and data.tokenizer_type is None:
-            raise ValueError(
-                "--data-path needs --tokenizer-type (and --tokenizer-model or --tokenizer-name-or-path)"
-            )
-        warmup, decay = self.lr_warmup_iters(), self.lr_decay_iters()
-        if warmup > decay and self.optim.lr_decay_style != "constant":
-            raise ValueError(
-                f"--lr-warmup-iters {warmup} is longer than --lr-decay-iters {decay} (default: "
-                "--train-iters); shorten the warmup or lengthen the decay"
-            )
-        run = self.run
-        if run.profile:
-            outside = [r for r in run.profile_ranks if r >= world_size]
-            if outside:
-                raise ValueError(
-                    f"--profile-ranks {' '.join(map(str, outside))}: the job has ranks 0-"
-                    f"{world_size - 1}; pass ranks below {world_size}, or -1 for every rank"
-                )
-            if run.profile_step_start >= run.train_iters:
-                raise ValueError(
-                    f"--profile-step-start {run.profile_step_start} is not before --train-iters "
-                    f"{run.train_iters}: no step would be profiled; lower it"
-                )
-        from services.trainer.finetune import check
-
-        check(self)
-        shard = self.parallel.hsdp_shard_size
-        if self.parallel.hsdp and shard and dp % shard:
-            raise ValueError(
-                f"--hsdp-shard-size {self.parallel.hsdp_shard_size} does not divide the data-parallel size {dp}"
-            )
-        return self
-
-    def check_finite(self) -> None:
-        """Every number is finite (`--lr nan` or `--clip-grad inf` passes every range check)."""
-        for name in SECTIONS:
-            section = getattr(self, name)
-            for f in fields(section):
-                value = getattr(section, f.name)
-                if isinstance(value, float) and not math.isfinite(value):
-                    raise ValueError(
-                        f"--{f.name.replace('_', '-')} must be a finite number, got {value}"
-                    )
-
-    def dp_size(self, world_size: int) -> int:
-        """Data-parallel size of a job with `world_size` processes."""
-        return world_size // self.parallel.model_parallel_size()
-
-    def global_batch_size(self, world_size: int) -> int:
-        """The configured global batch, defaulting to micro-batch x data-parallel size."""
-        return self.batch.global_batch_size or self.batch.micro_batch_size * self.dp_size(
-            world_size
+        return finish_model_config(
+            self,
+            name,
+            overrides,
+            tokenizer_vocab,
+            vocab_multiple=arch.make_vocab_size_divisible_by,
+            model_config=model_config,
         )
 
-    def lr_decay_iters(self) -> int:
-        """Decay length in iterations (defaults to --train-iters)."""
-        return self.optim.lr_decay_iters or self.run.train_iters
-
-    def lr_warmup_iters(self) -> int:
-        """Warmup length in iterations, resolving --lr-warmup-fraction."""
-        if self.optim.lr_warmup_fraction is not None:
-            return int(self.optim.lr_warmup_fraction * self.lr_decay_iters())
-        return self.optim.lr_warmup_iters
+    def attention_backend(self) -> str | None:
+        """--attention-backend's `kernels.attention` name (None: the device's default)."""
+        return self.arch.kernel_backend()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe nested dict (the form `--config` files use)."""
-        return asdict(self)
+        """JSON-safe nested dict (the form `--config` files use), sections in `SECTIONS` order."""
+        flat = asdict(self)
+        return {name: flat[name] for name in SECTIONS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

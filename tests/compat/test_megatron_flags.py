@@ -11,7 +11,7 @@ import pytest
 from models.config import ModelConfig
 from services.trainer import megatron_flags
 from services.trainer.arguments import field_index, parse_args
-from services.trainer.setup import build_model_config
+from training.setup import build_model_config
 
 # Flags as they appear in ModelLink's README / example scripts and Megatron-LM's
 # examples/pretrain_gpt.sh, examples/gpt3/train_gpt3_175b_distributed.sh and

@@ -113,7 +113,7 @@ def _run_moe(flags, save=None):
     runs last). With `save`, a checkpoint of step 2 is written there."""
     from models.moe import moe_layers
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE, full_parameters
 
     save_flags = ["--save", save] if save else []
@@ -184,7 +184,7 @@ def _two_rank_runs(rank, world_size, save):
     """Every 2-process run in one launch: EP2 (saving after step 2), the EP1 resume from that
     checkpoint, TP2 (with its expert placements), TP2 with sequence parallelism and CP2."""
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE, full_parameters
 
     flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL]
@@ -303,7 +303,7 @@ def _four_rank_runs(rank, world_size, layouts, save, single_save):
     Returns the results by layout, each resumed run's next two losses, and how the first layout holds two parameters' Adam state: (mesh axes,
     placements, global shape, local shape) of its DTensor."""
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE
 
     first, *_ = layouts
@@ -332,7 +332,7 @@ def _four_rank_runs(rank, world_size, layouts, save, single_save):
 def _resume_one_process(rank, world_size, save):
     """One process (all experts, plain optimizer) resumed from `save`: its next two losses."""
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE
 
     trainer = Trainer(
@@ -414,7 +414,7 @@ def test_ep2_zero1_shards_expert_state_over_edp_only(four_ranks):
 
 def _bf16_losses(rank, world_size, flags):
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE
 
     argv = [*BASE, "--train-iters", "2", *MIXTRAL, "--bf16", "--zero-stage", "1", *flags]

@@ -169,7 +169,7 @@ def _train_runs(
     adapter exported) with the logits of a fixed batch."""
     from parallel.tensor_parallel import loss_parallel
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     results: dict[str, Any] = {}
     for method in methods:
@@ -240,7 +240,7 @@ def _resume_runs(rank: int, world_size: int, base: str, root: str) -> dict[str, 
     export with --lora-load."""
     from parallel.tensor_parallel import loss_parallel
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     common = [*BASE, "--train-iters", "4", *LORA, *TP2, "--load", base, "--finetune"]
     straight = Trainer(parse_args([*common, "--save", f"{root}/run"]))
@@ -291,7 +291,7 @@ def test_tp2_checkpoint_resumes_and_peft_adapter_loads(tmp_path):
     """A TP2 LoRA run's checkpoint resumes at TP2 and at TP1 as if never stopped; its peft export
     loads back under TP2 with `--lora-load`."""
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     for model, path in (("tiny-llama-gqa", "base"), ("tiny-internlm", "base_bitfit")):
         flags = [*BASE, "--model", model, "--train-iters", "1", "--save", str(tmp_path / path)]

@@ -156,7 +156,7 @@ def test_bad_moe_settings_are_named():
 def test_trainer_builds_and_trains_the_moe_family(tmp_path):
     """`--model tiny-mixtral` trains in the trainer (bf16 master weights) and resumes exactly."""
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     flags = ["--model", "tiny-mixtral", "--mock-data", "--seq-length", "32", "--bf16",
              "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-2",
@@ -220,7 +220,7 @@ def test_tp_plan_of_moe_names_the_experts():
 
 def test_moe_flags_reach_the_model_config():
     from services.trainer.arguments import parse_args
-    from services.trainer.setup import build_model_config
+    from training.setup import build_model_config
 
     def config(*flags):
         return build_model_config(parse_args(["--mock-data", *flags]))

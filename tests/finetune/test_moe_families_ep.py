@@ -26,7 +26,7 @@ FLAGS = ["--num-layers", "2", "--mock-data", "--seq-length", "32",
 
 def _train_ep2(rank, world_size, model, save):
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     trainer = Trainer(parse_args(["--model", model, *FLAGS, "--save", save]))
     losses = [trainer.train_step().loss for _ in range(STEPS)]

@@ -43,7 +43,7 @@ BOOLQ = [
 
 def _train_ep2(rank, world_size, save, tokenizer):
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     flags = [*FLAGS, "--tokenizer-model", tokenizer, "--save", save]
     trainer = Trainer(parse_args(flags))

@@ -11,7 +11,7 @@ from peft import PeftModel
 
 from models.hf_adapters import to_hf
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 BASE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "4"]  # fmt: skip
@@ -216,7 +216,7 @@ def test_lora_with_recompute_equals_without(recompute):
     again = Trainer(parse_args([*BASE, *LORA, *recompute]))
     for _ in range(3):
         assert again.train_step().loss == pytest.approx(plain.train_step().loss, rel=1e-6)
-    from services.trainer.finetune import clean_name
+    from training.finetune import clean_name
 
     ours = {clean_name(n): p for n, p in again.model.named_parameters()}
     lora = [(clean_name(n), p) for n, p in plain.model.named_parameters() if ".lora_" in n]

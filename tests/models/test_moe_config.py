@@ -12,7 +12,7 @@ from engine.loading import load_checkpoint
 from models import ModelConfig, MoEConfig, build_model
 from models.moe import MoE, moe_layers
 from models.registry import get_config, list_configs
-from services.trainer.checkpoint import CheckpointManager, TrainState
+from training.checkpoint import CheckpointManager, TrainState
 
 MOE_NAMES = [n for n in list_configs() if get_config(n).moe is not None]
 

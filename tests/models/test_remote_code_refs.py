@@ -30,7 +30,7 @@ from models import build_model
 from models.hf_adapters import hf_config, to_hf
 from models.registry import get_config
 from services.converter.job import ConvertOptions, convert
-from services.trainer.checkpoint import CheckpointManager, TrainState
+from training.checkpoint import CheckpointManager, TrainState
 
 CASES = {
     "baichuan-7B": ("tiny-baichuan", {}),

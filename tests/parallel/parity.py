@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 STEPS = 20
 BASE = ["--model", "tiny-llama-gqa", "--num-layers", "4", "--mock-data", "--seq-length", "32",

@@ -6,7 +6,7 @@ import pytest
 
 from parallel.adaptive_recompute import choose_layers
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 from tests.parallel.parity import BASE
 
 MB = 2**20

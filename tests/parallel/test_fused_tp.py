@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import (
     BASE,

@@ -60,7 +60,7 @@ def test_only_tp_pp_cp_ep_make_a_run_model_parallel():
 
 
 def _hsdp_mesh(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[int, ...], float]:
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # one process per "node": two nodes, two replicas
     trainer = Trainer(parse_args([*FLAGS, "--hsdp"]))

@@ -44,10 +44,10 @@ def _prefetch(rank: int, world_size: int) -> tuple[dict, dict]:
 
 def _prefetch_dp(rank: int, world_size: int) -> tuple[dict, dict, list[int]]:
     from services.trainer.arguments import parse_args
-    from services.trainer.loop import Trainer
+    from training.loop import Trainer
     from tests.parallel.parity import BASE
 
-    flags = ["--zero-stage", "3"]  # plain data parallelism: services.trainer.setup's path
+    flags = ["--zero-stage", "3"]  # plain data parallelism: training.setup's path
     on = [*flags, "--zero3-prefetch-layers", "2"]
     # The switch is really set: layer i prefetches layers i+1, i+2 in forward.
     layers = Trainer(parse_args([*BASE, "--train-iters", "1", *on])).model.layers

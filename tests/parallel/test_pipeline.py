@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE
 

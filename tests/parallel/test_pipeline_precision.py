@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE
 

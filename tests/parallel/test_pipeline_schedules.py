@@ -7,7 +7,7 @@ import typing
 import pytest
 
 from parallel.pipeline_schedules import SCHEDULES, default_schedule, get_schedule
-from services.trainer.run_sections import ParallelSection
+from training.run_sections import ParallelSection
 
 
 def _literal_choices(annotation: object) -> set[str]:

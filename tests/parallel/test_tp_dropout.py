@@ -19,7 +19,7 @@ import torch
 
 from models.transformer import Attention, DecoderLayer
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE, full_parameters
 

@@ -104,12 +104,12 @@ def test_open_resolved_refuses_a_final_symlink(root: Path, outside: Path) -> Non
 def test_checkpoint_manager_refuses_a_save_dir_swapped_after_the_first_save(
     root: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.trainer.checkpoint import CheckpointManager
     from tests.services.trainer.test_checkpoint import _fresh_state
+    from training.checkpoint import CheckpointManager
 
     monkeypatch.setenv(ROOTS_ENV, str(root))
     (root / "run").mkdir()
-    manager = CheckpointManager(root / "run" / "ckpt")
+    manager = CheckpointManager(root / "run" / "ckpt", path_guard=check_at_use)
     state = _fresh_state()
     manager.save(1, state)
     (root / "run").rename(root / "run.orig")

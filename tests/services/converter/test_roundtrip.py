@@ -18,7 +18,7 @@ from models import build_model
 from models.config import ModelConfig
 from services.converter.job import ConvertOptions, convert
 from services.converter.verify import fixed_logits, load_model
-from services.trainer.checkpoint import CheckpointManager, TrainState
+from training.checkpoint import CheckpointManager, TrainState
 from tests.services.converter.conftest import VOCAB
 
 

@@ -23,7 +23,7 @@ def _train_and_save(rank: int, world_size: int, root: str) -> dict[str, np.ndarr
 
     from models import build_model
     from parallel.data_parallel import apply_data_parallel, build_dp_mesh
-    from services.trainer.checkpoint import CheckpointManager, TrainState
+    from training.checkpoint import CheckpointManager, TrainState
 
     config = get_config("tiny-llama-gqa", **CONFIG)
     torch.manual_seed(0)

@@ -324,7 +324,7 @@ def test_bad_values_name_the_flag(argv, pattern):
 
 
 def test_dropout_flags_reach_the_model():
-    from services.trainer.setup import build_model_config
+    from training.setup import build_model_config
 
     argv = ["--model", "tiny-llama", "--mock-data", "--hidden-dropout", "0.1"]
     config = build_model_config(parse_args([*argv, "--attention-dropout", "0.05"]))
@@ -342,7 +342,7 @@ def test_missing_model_and_data():
 
 
 def test_unknown_model_names_the_choices():
-    from services.trainer.setup import build_model_config
+    from training.setup import build_model_config
 
     with pytest.raises(ValueError, match=r"--model 'llama-9000'.*tiny-llama"):
         build_model_config(parse_args(["--model", "llama-9000", "--mock-data"]))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from kernels import device
-from services.trainer.checkpoint import CheckpointManager, LastGasp, TrainState
+from training.checkpoint import CheckpointManager, LastGasp, TrainState
 from tests.harness import run_distributed
 from tests.parallel.test_data_parallel_model import (
     build_optimizer,
@@ -154,7 +154,7 @@ def test_wrong_model_shape_names_the_checkpoint(tmp_path):
 _SIGTERM_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from services.trainer.checkpoint import CheckpointManager, LastGasp
+    from training.checkpoint import CheckpointManager, LastGasp
     from tests.services.trainer.test_checkpoint import _fresh_state, _train
 
     state = _fresh_state()

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from services import cli as meshline
 from services.converter.cli import main as convert
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 BASE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
         "--eval-interval", "0", "--log-interval", "1"]  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 
 from kernels import device
 from parallel.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
-from services.trainer.checkpoint import CheckpointManager, TrainState
+from training.checkpoint import CheckpointManager, TrainState
 from tests.harness import run_distributed
 from tests.parallel.test_data_parallel_model import (
     build_optimizer,

@@ -8,7 +8,7 @@ import pytest
 
 from services import cli as meshline
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 SMOKE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
          "--eval-interval", "0"]  # fmt: skip

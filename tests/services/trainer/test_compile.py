@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 FLAGS = [
     "--model",

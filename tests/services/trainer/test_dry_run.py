@@ -12,7 +12,7 @@ import pytest
 from models.accounting import count_parameters
 from services.trainer.arguments import parse_args
 from services.trainer.dry_run import dry_run, parse_bytes
-from services.trainer.setup import build_model_config
+from training.setup import build_model_config
 
 REPO = Path(__file__).resolve().parents[3]
 COMMON = ["--mock-data", "--micro-batch-size", "1", "--bf16"]

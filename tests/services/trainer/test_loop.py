@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import NonFiniteLossError, Trainer
-from services.trainer.metrics import CSV_COLUMNS, read_csv
+from training.loop import NonFiniteLossError, Trainer
+from training.metrics import CSV_COLUMNS, read_csv
 from services.trainer.plot import plot_run
 
 BASE = [

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.trainer.optimizer import is_no_decay, param_groups
-from services.trainer.precision import PrecisionOptimizer, PrecisionPlan, plan_precision
+from training.optimizer import is_no_decay, param_groups
+from training.precision import PrecisionOptimizer, PrecisionPlan, plan_precision
 from services.trainer.train_config import PrecisionSection
 
 
@@ -135,8 +135,8 @@ def test_plan_precision_modes():
 def test_megatron_adam_flag_means_decoupled_weight_decay() -> None:
     import torch
 
-    from services.trainer.config_sections import OptimSection
-    from services.trainer.optimizer import build_inner_optimizer
+    from training.config_sections import OptimSection
+    from training.optimizer import build_inner_optimizer
 
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = build_inner_optimizer(

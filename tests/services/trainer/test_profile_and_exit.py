@@ -13,8 +13,8 @@ import pytest
 from kernels import device
 from services import cli as meshline
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
-from services.trainer.profiling import StepProfiler
+from training.loop import Trainer
+from training.profiling import StepProfiler
 from services.trainer.request_paths import confine_config
 from tests.harness import run_distributed
 
@@ -38,7 +38,7 @@ def test_profile_records_the_window_and_names_the_top_ops(tmp_path, caplog):
         *("--train-iters", "6", "--profile", "--profile-step-start", "2"),
         *("--profile-step-end", "4", "--profile-save-path", str(prof)),
     )
-    with caplog.at_level(logging.INFO, logger="services.trainer.profiling"):
+    with caplog.at_level(logging.INFO, logger="training.profiling"):
         summary = trainer.fit()
     assert summary.steps == 6 and summary.stopped_by is None
     # Steps 2 and 3 (0-based, Megatron's count) are the log's steps 3 and 4.
@@ -69,11 +69,11 @@ def test_profile_ranks_and_a_resumed_run_past_the_window(tmp_path, caplog):
     assert not StepProfiler(run, 0, cpu).enabled and StepProfiler(run, 1, cpu).enabled
     run.profile_ranks = [-1]
     profiler = StepProfiler(run, 5, cpu)
-    with caplog.at_level(logging.WARNING, logger="services.trainer.profiling"):
+    with caplog.at_level(logging.WARNING, logger="training.profiling"):
         profiler.check_start(7)
     assert "the run starts at step 7, at or after --profile-step-end 2" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="services.trainer.profiling"):
+    with caplog.at_level(logging.WARNING, logger="training.profiling"):
         profiler.check_start(1)  # inside the window: it will be profiled, no warning
     assert caplog.text == ""
 

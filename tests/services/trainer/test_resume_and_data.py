@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.loop import Trainer
+from training.loop import Trainer
 
 BASE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "4"]  # fmt: skip

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from services.trainer.batching import MicroBatchCalculator, pretraining_batches
-from services.trainer.loss_scaler import DynamicLossScaler, NoLossScaler, build_loss_scaler
-from services.trainer.lr_schedule import LRScheduler, lr_at
+from training.batching import MicroBatchCalculator, pretraining_batches
+from training.loss_scaler import DynamicLossScaler, NoLossScaler, build_loss_scaler
+from training.lr_schedule import LRScheduler, lr_at
 from services.trainer.train_config import PrecisionSection
 
 with warnings.catch_warnings():

@@ -31,9 +31,8 @@ import torch.distributed.checkpoint as dcp
 
 from checkpoints.native_format import FORMAT
 from checkpoints.safe_reader import SafeFileSystemReader
-from services.common.paths import check_at_use
-from services.trainer.ckpt.signals import LastGasp
-from services.trainer.ckpt.state import (
+from training.ckpt.signals import LastGasp
+from training.ckpt.state import (
     TrainState,
     model_optimizer_state,
     restore_tuples,
@@ -56,6 +55,11 @@ def _dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _dist() else 0
+
+
+PathGuard = Callable[[Path, str], object]
+"""Re-checks a path right before it is written (raising to refuse it); the service passes
+`services.common.paths.check_at_use`, which refuses a directory swapped for a symlink."""
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -81,6 +85,7 @@ class CheckpointManager:
         async_save: bool = False,
         model_config: dict[str, Any] | None = None,
         tokenizer_files: Sequence[str | os.PathLike[str]] = (),
+        path_guard: PathGuard | None = None,
     ):
         if keep_last < 0:
             raise ValueError(f"--keep-last-checkpoints must be >= 0 (0 keeps all), got {keep_last}")
@@ -96,9 +101,14 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._pending_error: BaseException | None = None
         self._published = threading.Event()
+        self.path_guard = path_guard
         if _rank() == 0:
-            check_at_use(self.save_dir, "checkpoint directory")
+            self._guard(self.save_dir)
             self.save_dir.mkdir(parents=True, exist_ok=True)
+
+    def _guard(self, path: Path) -> None:
+        if self.path_guard is not None:
+            self.path_guard(path, "checkpoint directory")
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -132,7 +142,7 @@ class CheckpointManager:
         tmp = self.save_dir / f"step-{step:06d}.tmp"
         if _rank() == 0:
             # Under a service: the directory may have become a symlink since the request.
-            check_at_use(self.save_dir, "checkpoint directory")
+            self._guard(self.save_dir)
             self._remove_stale_tmp()
             tmp.mkdir(parents=True)
         self._barrier()
@@ -186,7 +196,7 @@ class CheckpointManager:
         """Rank 0: publish `tmp` as the complete step, move `latest`, prune old steps."""
         if _rank() != 0:
             return
-        check_at_use(tmp, "checkpoint directory")
+        self._guard(tmp)
         final = self.step_dir(step)
         if final.exists():
             # Re-saving a step (e.g. a last-gasp save right after a resume): swap, never merge.

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from services.trainer.train_config import PrecisionSection
+from training.run_sections import PrecisionSection
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Elements cast to fp32 at once under --release-fp32-grad (bounds the transient copy).

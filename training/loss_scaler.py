@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.trainer.train_config import PrecisionSection
+from training.run_sections import PrecisionSection
 
 
 class NoLossScaler:

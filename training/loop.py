@@ -26,20 +26,30 @@ from torch import nn
 from kernels import device, peak_flops
 from parallel.parallel_dims import build_dims
 from parallel.tp_random import tp_seed_offset
-from services.trainer.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
-from services.trainer.loss_scaler import build_loss_scaler
-from services.trainer.lr_schedule import LRScheduler
-from services.trainer.metrics import (
+from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
+from training.checkpoint import PathGuard
+from training.config import TrainingConfig
+from training.loss_scaler import build_loss_scaler
+from training.lr_schedule import LRScheduler
+from training.metrics import (
     MetricsWriter,
     StepMetrics,
     format_line,
     throughput,
 )
-from services.trainer.optimizer import build_training_optimizer
-from services.trainer.precision import plan_precision
-from services.trainer.profiling import StepProfiler
-from services.trainer.setup import build_data, build_model_config, build_parallel, create_model
-from services.trainer.train_config import TrainConfig
+from training.model_config import apply_attention_backend
+from training.optimizer import build_training_optimizer
+from training.precision import plan_precision
+from training.profiling import StepProfiler
+from training.setup import (
+    build_data,
+    build_model_config,
+    build_parallel,
+    create_model,
+    load_checkpoint,
+    save_checkpoint,
+)
+from training.trainer_state import StepCounters, TrainerState
 
 log = logging.getLogger(__name__)
 METRICS_STDOUT_ENV = "MESHLINE_METRICS_STDOUT"
@@ -50,25 +60,6 @@ IGNORE_INDEX = -100
 
 class NonFiniteLossError(FloatingPointError):
     """Raised under --nan-policy stop when the loss or gradients are NaN/Inf."""
-
-
-@dataclass
-class TrainState:
-    """Counters saved with every checkpoint (plain ints: safe to save and load)."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    skipped: int = 0
-    nan: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        """Plain ints."""
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output."""
-        for key in ("step", "consumed_samples", "skipped", "nan"):
-            setattr(self, key, int(state[key]))
 
 
 @dataclass(frozen=True)
@@ -99,19 +90,21 @@ class RunSummary:
     """What ended the run before --train-iters (an --exit-* flag, a stop signal), if anything."""
 
 
-class Trainer:
+class Trainer(TrainerState):
     """Builds the model, data, optimizer and schedule for `config` and runs the steps."""
 
     def __init__(
         self,
-        config: TrainConfig,
+        config: TrainingConfig,
         *,
         model: nn.Module | None = None,
         datasets: tuple[Any, Any] | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
+        path_guard: PathGuard | None = None,
     ) -> None:
         self._started = time.monotonic()  # --exit-duration-in-mins counts the set-up too
         self.config = config
+        self.path_guard = path_guard
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         config.validate(self.world_size)
@@ -145,9 +138,7 @@ class Trainer:
         if model is None:
             model = create_model(self.model_config, self.device, config.run.seed)
         model = model.to(self.plan.model_dtype)
-        from services.trainer.model_arch import apply_attention_backend
-
-        apply_attention_backend(model, config.arch.kernel_backend())
+        apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
@@ -179,7 +170,7 @@ class Trainer:
             config.batch.rampup_batch_size,
         )
         self.train_data, self.valid_data = datasets
-        self.state = TrainState()
+        self.state = StepCounters()
         self.stream = self._train_stream()
         self.writer = MetricsWriter(config.run.log_dir, enabled=self.rank == 0)
         self.flops_per_token = _flops_per_token(self.model_config, config.model.seq_length)
@@ -188,7 +179,7 @@ class Trainer:
         if self.rank == 0:
             log.info("MFU against %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
         self._loss_ema: float | None = None
-        self.checkpoints: Any = None
+        self.checkpoints = None
         # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
         # ranks hold replicated activations (sharded regions fork their own: tp_random).
         tp = config.parallel.tensor_model_parallel_size
@@ -485,14 +476,10 @@ class Trainer:
 
     def save(self) -> str:
         """Save a checkpoint of the current step under --save; returns its directory."""
-        from services.trainer.setup import save_checkpoint
-
         return save_checkpoint(self)
 
     def load(self) -> int:
         """Resume from --load (respecting --finetune, --no-load-optim, --no-load-rng); returns the step."""
-        from services.trainer.setup import load_checkpoint
-
         step = load_checkpoint(self)
         self.stream = self._train_stream()
         return step

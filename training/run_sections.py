@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.trainer.config_sections import flag_name
+from training.config_sections import flag_name
 
 
 @dataclass

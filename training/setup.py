@@ -7,76 +7,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.config import ModelConfig
 from parallel.parallel_dims import ParallelDims
-from services.trainer.batching import stack_samples
-from services.trainer.mock_data import MockDataset
-from services.trainer.precision import PrecisionPlan
-from services.trainer.train_config import TrainConfig
+from training import finetune
+from training.batching import stack_samples
+from training.checkpoint import CheckpointManager
+from training.ckpt.state import TrainState, tensor_tree
+from training.config import TrainingConfig
+from training.mock_data import MockDataset
+from training.precision import PrecisionPlan
+from training.trainer_state import TrainerState
 
 
-def build_model_config(config: TrainConfig, tokenizer_vocab: int | None = None) -> Any:
-    """`models` config for --model or Megatron's architecture flags, covering the tokenizer.
-
-    With --model, the registry config plus the shape flags; an architecture flag that contradicts
-    the registry value is an error naming both. Without it, Megatron's defaults plus the flags
-    (`services.trainer.model_arch`), the vocabulary being the tokenizer's padded up to
-    --make-vocab-size-divisible-by.
-    """
-    from models.moe_config import MoEConfig
-    from models.registry import get_config, list_configs
-    from services.trainer.model_arch import check_against_model, megatron_fields, pad_vocab
-
-    name = config.model.model or "tiny-llama"
-    overrides = config.model.overrides()
-    arch = config.arch
-    if config.model.model is not None:
-        if name not in list_configs():
-            raise ValueError(
-                f"--model {name!r} is unknown; known models: {', '.join(list_configs())}"
-            )
-        check_against_model(name, get_config(name), arch.fields_set())
-    else:
-        overrides = megatron_fields(config, tokenizer_vocab)
-    model_config = get_config(name, **overrides)
-    if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
-        raise ValueError(
-            f"--kv-channels {arch.kv_channels} differs from --hidden-size / "
-            f"--num-attention-heads = {model_config.head_dim}; these models' head width is "
-            "that ratio: drop --kv-channels or change the sizes"
-        )
-    if tokenizer_vocab is not None and model_config.vocab_size < tokenizer_vocab:
-        if config.model.vocab_size is not None:
-            raise ValueError(
-                f"--vocab-size {config.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({tokenizer_vocab}); drop --vocab-size or raise it"
-            )
-        padded = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
-        model_config = get_config(name, **{**overrides, "vocab_size": padded})
-    moe = config.model.moe_overrides()
-    if moe:
-        base = model_config.moe.to_dict() if model_config.moe is not None else {}
-        merged = {**base, **moe}
-        if "num_experts" not in merged:
-            raise ValueError(
-                f"--model {name} has no experts: {', '.join('--' + k for k in _moe_flags(config))} "
-                "need --num-experts (or an MoE model such as tiny-mixtral)"
-            )
-        # MoEConfig validates (ValueError naming the flag).
-        model_config = model_config.replace(moe=MoEConfig(**merged))
-    if model_config.max_position_embeddings < config.model.seq_length:
-        raise ValueError(
-            f"--seq-length {config.model.seq_length} exceeds the model's --max-position-embeddings "
-            f"{model_config.max_position_embeddings}; shorten one or raise the other"
-        )
-    return model_config
+def build_model_config(config: TrainingConfig, tokenizer_vocab: int | None = None) -> ModelConfig:
+    """The `models` config `config` trains, covering the tokenizer's vocabulary
+    (`TrainingConfig.model_config`: the registry path, or a front end's architecture flags)."""
+    return config.model_config(tokenizer_vocab)
 
 
-def _moe_flags(config: TrainConfig) -> list[str]:
-    names = ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff")
-    return [n.replace("_", "-") for n in names if getattr(config.model, n) is not None]
-
-
-def create_model(model_config: Any, device: torch.device, seed: int) -> nn.Module:
+def create_model(model_config: ModelConfig, device: torch.device, seed: int) -> nn.Module:
     """Build on the meta device, materialise on `device`, initialise from `seed` (fp32)."""
     from models import build_model
 
@@ -86,7 +35,7 @@ def create_model(model_config: Any, device: torch.device, seed: int) -> nn.Modul
     return model
 
 
-def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int | None, Any]:
+def build_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], int | None, Any]:
     """(train, valid) datasets, the tokenizer's vocabulary size (None for --mock-data), collate fn."""
     run, batch = config.run, config.batch
     global_batch = batch.global_batch_size or batch.micro_batch_size * dp_size
@@ -153,7 +102,7 @@ def build_data(config: TrainConfig, dp_size: int) -> tuple[tuple[Any, Any], int 
 
 
 def build_parallel(
-    model: nn.Module, config: TrainConfig, plan: PrecisionPlan, dims: ParallelDims
+    model: nn.Module, config: TrainingConfig, plan: PrecisionPlan, dims: ParallelDims
 ) -> tuple[nn.Module, Any, Any]:
     """Apply the run's parallelism to `model`: (model, mesh, optimizer wrapper or None).
 
@@ -162,9 +111,7 @@ def build_parallel(
     the data parallelism over the named mesh; otherwise DDP/FSDP2 over the (`dp_replicate`,
     `dp_shard`) mesh of `dims`. A --peft-method adapter is added first (issue #10).
     """
-    from services.trainer.finetune import prepare_model
-
-    model = prepare_model(model, config)
+    model = finetune.prepare_model(model, config)
     par = config.parallel
     if par.recompute_granularity is not None and dims.model_parallel == 1:
         from parallel.recompute import apply_recompute
@@ -198,7 +145,7 @@ def build_parallel(
     return model, mesh, wrap
 
 
-def _master_module(trainer: Any) -> nn.Module:
+def _master_module(trainer: TrainerState) -> nn.Module:
     """A module tree holding the fp32 master copies under the model's parameter names.
 
     Built from the live model's names, not from the model config: a pipeline rank holds only its
@@ -206,23 +153,18 @@ def _master_module(trainer: Any) -> nn.Module:
     rank DTensor shards, so the twin has exactly this rank's tensors under their global names
     and DCP lines the masters up across layouts as it does the fp32 parameters.
     """
-    from services.trainer.ckpt.state import tensor_tree
-
     optimizer = trainer.optimizer
     masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params, strict=True))
     named = trainer.model.named_parameters(remove_duplicate=False)
     return tensor_tree((name, masters[id(param)]) for name, param in named)
 
 
-def checkpoint_state(trainer: Any, *, loading: bool = False) -> Any:
+def checkpoint_state(trainer: TrainerState, *, loading: bool = False) -> TrainState:
     """The checkpoint manager's `TrainState` view of `trainer` (fp32 masters in master mode).
 
     When `loading`, --finetune restores weights only, --no-load-optim skips the optimizer state
     and --no-load-rng the RNG states.
     """
-    from services.trainer import finetune
-    from services.trainer.ckpt.state import TrainState
-
     if trainer.config.peft.peft_method is not None:
         return finetune.checkpoint_state(trainer, loading=loading)
     optimizer = trainer.optimizer
@@ -240,13 +182,12 @@ def checkpoint_state(trainer: Any, *, loading: bool = False) -> Any:
     )
 
 
-def _manager(trainer: Any, directory: str) -> Any:
-    from services.trainer.checkpoint import CheckpointManager
-
+def _manager(trainer: TrainerState, directory: str) -> CheckpointManager:
     run, data = trainer.config.run, trainer.config.data
     tokenizer_files = [data.tokenizer_model] if data.tokenizer_model else []
     return CheckpointManager(
         directory,
+        path_guard=trainer.path_guard,
         keep_last=run.keep_last_checkpoints,
         async_save=run.async_save,
         model_config=trainer.model_config.to_dict(),
@@ -254,18 +195,16 @@ def _manager(trainer: Any, directory: str) -> Any:
     )
 
 
-def save_checkpoint(trainer: Any) -> str:
+def save_checkpoint(trainer: TrainerState) -> str:
     """Save the current step under --save; returns the step directory."""
     if trainer.checkpoints is None:
         trainer.checkpoints = _manager(trainer, trainer.config.run.save)
     saved = trainer.checkpoints.save(trainer.state.step, lambda: _saved_state(trainer))
-    from services.trainer.finetune import export_adapter
-
-    export_adapter(trainer)
+    finetune.export_adapter(trainer)
     return str(saved)
 
 
-def _saved_state(trainer: Any) -> Any:
+def _saved_state(trainer: TrainerState) -> TrainState:
     """`checkpoint_state` less what --no-save-optim and --no-save-rng leave out."""
     state = checkpoint_state(trainer)
     run = trainer.config.run
@@ -276,7 +215,7 @@ def _saved_state(trainer: Any) -> Any:
     return state
 
 
-def load_checkpoint(trainer: Any) -> int:
+def load_checkpoint(trainer: TrainerState) -> int:
     """Restore the latest step under --load (honouring --finetune/--no-load-optim/--no-load-rng)."""
     run = trainer.config.run
     state = checkpoint_state(trainer, loading=True)
@@ -288,7 +227,5 @@ def load_checkpoint(trainer: Any) -> int:
                 p.copy_(m)
     if not run.finetune:
         trainer.state.load_state_dict(state.extra)
-    from services.trainer.finetune import resume
-
-    resumed = resume(trainer, _manager)
+    resumed = finetune.resume(trainer, _manager)
     return step if resumed is None else resumed

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from services.trainer.precision import PrecisionOptimizer, PrecisionPlan
-from services.trainer.train_config import OptimSection
+from training.config_sections import OptimSection
+from training.precision import PrecisionOptimizer, PrecisionPlan
 
 
 def is_no_decay(name: str, param: torch.Tensor) -> bool:

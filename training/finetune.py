@@ -12,13 +12,20 @@ Every save also exports `<--save>/adapter/` (Meshline + peft formats, see `model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
-from services.trainer.config_sections import flag_name
+from training.ckpt.state import TrainState, tensor_tree
+from training.config_sections import flag_name
+
+if TYPE_CHECKING:  # both import this module (PeftSection, check): runtime imports would cycle
+    from training.checkpoint import CheckpointManager
+    from training.config import TrainingConfig
+    from training.trainer_state import TrainerState
 
 _WRAPPER_PARTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -79,7 +86,7 @@ def _is_run_checkpoint(path: str | None) -> bool:
     return path is not None and (Path(path) / "latest").exists()
 
 
-def check(config: Any) -> None:
+def check(config: TrainingConfig) -> None:
     """Cross-section checks (ValueError naming the flags)."""
     peft = config.peft
     if peft.peft_method is None:
@@ -96,7 +103,7 @@ def check(config: Any) -> None:
         )
 
 
-def prepare_model(model: nn.Module, config: Any) -> nn.Module:
+def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:
     """Apply the configured method to a freshly built model (before wrapping or the optimizer)."""
     peft = config.peft
     if peft.peft_method is None:
@@ -133,14 +140,12 @@ def is_adapter_tensor(name: str) -> bool:
     return ".lora_" in name or name.endswith((".prefix_key", ".prefix_value"))
 
 
-def adapter_module(trainer: Any, *, base: bool) -> nn.Module:
+def adapter_module(trainer: TrainerState, *, base: bool) -> nn.Module:
     """A module tree holding the trainable parameters (or, with `base`, every parameter the base
     model has), under the model's names.
 
     In fp32-master precision the trainable tensors are the optimizer's master copies.
     """
-    from services.trainer.ckpt.state import tensor_tree
-
     optimizer = trainer.optimizer
     masters: dict[int, Any] = {}
     if optimizer.plan.mode == "master":
@@ -152,11 +157,9 @@ def adapter_module(trainer: Any, *, base: bool) -> nn.Module:
     )
 
 
-def checkpoint_state(trainer: Any, *, loading: bool) -> Any:
+def checkpoint_state(trainer: TrainerState, *, loading: bool) -> TrainState:
     """The `TrainState` of a fine-tuning run: the base weights when loading --load, else the
     trainable tensors with their optimizer state and the run's counters."""
-    from services.trainer.ckpt.state import TrainState
-
     if loading:
         return TrainState(model=adapter_module(trainer, base=True), save_rng=False)
     return TrainState(
@@ -168,7 +171,9 @@ def checkpoint_state(trainer: Any, *, loading: bool) -> Any:
     )
 
 
-def resume(trainer: Any, manager_for: Any) -> int | None:
+def resume(
+    trainer: TrainerState, manager_for: Callable[[TrainerState, str], CheckpointManager]
+) -> int | None:
     """Restore adapters, optimizer and counters from a --lora-load run checkpoint (else None)."""
     import torch
 
@@ -191,7 +196,7 @@ def resume(trainer: Any, manager_for: Any) -> int | None:
     return int(step)
 
 
-def export_adapter(trainer: Any) -> Path | None:
+def export_adapter(trainer: TrainerState) -> Path | None:
     """Write `<--save>/adapter` (Meshline + peft files) for LoRA runs; other methods' tensors
     are in the step checkpoint. Every rank contributes the adapters it holds (pipeline stages
     hold different ones, sharded ones are gathered); rank 0 writes and returns the directory."""

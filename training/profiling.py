@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kernels.device import Platform
-from services.trainer.run_sections import RunSection
+from training.run_sections import RunSection
 
 log = logging.getLogger(__name__)
 

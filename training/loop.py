@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from training.metrics import (
     throughput,
 )
 from training.model_config import apply_attention_backend
+from training.objectives import ForwardContext, ObjectiveOutput, build_objective
 from training.optimizer import build_training_optimizer
 from training.precision import plan_precision
 from training.profiling import StepProfiler
@@ -55,7 +56,6 @@ log = logging.getLogger(__name__)
 METRICS_STDOUT_ENV = "MESHLINE_METRICS_STDOUT"
 SAVE_ON_STOP_ENV = "MESHLINE_SAVE_ON_STOP"
 METRICS_PREFIX = "MESHLINE_METRICS "
-IGNORE_INDEX = -100
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -72,6 +72,8 @@ class StepResult:
     nan: bool
     tokens: int
     global_batch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's extra sums over this rank's micro-batches (`ObjectiveOutput.metrics`)."""
 
 
 @dataclass
@@ -122,6 +124,13 @@ class Trainer(TrainerState):
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
+        self.objective = build_objective(config.run.stage)
+        if self.dims.pp > 1 and not self.objective.pipeline_loss:
+            raise ValueError(
+                f"--stage {config.run.stage} under --pipeline-model-parallel-size "
+                f"{self.dims.pp}: the pipeline schedule scores next-token cross entropy only; "
+                "drop pipeline parallelism for this objective"
+            )
         self.plan = plan_precision(
             config.precision,
             config.parallel.zero_stage,
@@ -202,27 +211,19 @@ class Trainer(TrainerState):
             dist.all_reduce(value)
         return value
 
-    def _forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        from kernels.cross_entropy import cross_entropy
-
+    def _forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         if self.feed is not None:
             batch = self.feed.shard(batch)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         runner = getattr(self.model, "runner", None)
-        if runner is not None:
+        if runner is not None:  # the pipeline's last stage scores with the objective's loss
             with self.plan.autocast(self.platform.type):
-                return runner.forward_only.loss_sum(batch)
-        with self.plan.autocast(self.platform.type):
-            logits_BSV = self.model(
-                batch["input_ids"],
-                position_ids_BS=batch.get("position_ids"),
-                segment_ids_BS=batch.get("segment_ids"),
-            )
-        if self.feed is not None:
-            return self.feed.loss_sum(logits_BSV, batch)
-        return cross_entropy(
-            logits_BSV, batch["labels"], loss_mask=batch["loss_mask"], reduction="sum"
+                loss = runner.forward_only.loss_sum(batch)
+            return ObjectiveOutput(loss)
+        ctx = ForwardContext(
+            autocast=lambda: self.plan.autocast(self.platform.type), feed=self.feed
         )
+        return self.objective.compute(self.model, batch, ctx)
 
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
@@ -232,7 +233,7 @@ class Trainer(TrainerState):
         n_micro = self.batches.num_micro_batches(self.state.consumed_samples)
         global_batch = self.batches.global_batch(self.state.consumed_samples)
         micro = [self.stream.next() for _ in range(n_micro)]
-        local_tokens = sum(counted_tokens(b) for b in micro)
+        local_tokens = sum(self.objective.count(b) for b in micro)
         grad_average = self.dp_size
         if self.feed is not None:
             local_tokens *= self.feed.token_weight
@@ -242,6 +243,7 @@ class Trainer(TrainerState):
         scale = self.scaler.scale
         set_aux_loss_scale(scale / n_micro)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        metrics: dict[str, float] = {}
         self.model.train()
         if self.auto_recompute is not None:
             self.auto_recompute.before_step()
@@ -254,9 +256,11 @@ class Trainer(TrainerState):
             last = index == n_micro - 1
             sync = contextlib.nullcontext() if last or self.world_size == 1 else no_sync(self.model)
             with sync, self._parallel_context():
-                micro_loss = self._forward_loss_sum(batch)
-                (micro_loss.float() * (grad_average * scale / global_tokens)).backward()
-            loss_sum += micro_loss.detach().double().cpu()
+                output = self._forward_loss_sum(batch)
+                (output.loss_sum.float() * (grad_average * scale / global_tokens)).backward()
+            loss_sum += output.loss_sum.detach().double().cpu()
+            for name, value in output.metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value
         pipeline_norm = None
         if self.feed is not None:
             loss_sum *= self.feed.loss_weight
@@ -276,12 +280,12 @@ class Trainer(TrainerState):
         if stats.found_inf:
             if self.config.precision.fp16:
                 self.state.skipped += 1
-                return StepResult(loss, math.nan, True, False, tokens_done, global_batch)
+                return StepResult(loss, math.nan, True, False, tokens_done, global_batch, metrics)
             return self._on_nonfinite(loss, "gradients", tokens_done, global_batch)
         self.scheduler.step()
         self._check_spike(loss)
         grad_norm = stats.grad_norm if pipeline_norm is None else pipeline_norm
-        return StepResult(loss, grad_norm, False, False, tokens_done, global_batch)
+        return StepResult(loss, grad_norm, False, False, tokens_done, global_batch, metrics)
 
     def _parallel_context(self) -> contextlib.AbstractContextManager[None]:
         return self.feed.context() if self.feed is not None else contextlib.nullcontext()
@@ -330,8 +334,8 @@ class Trainer(TrainerState):
         for _ in range(max(self.config.run.eval_iters, 1)):
             batch = stream.next()
             with self._parallel_context():
-                totals[0] += float(self._forward_loss_sum(batch).double())
-            totals[1] += counted_tokens(batch)
+                totals[0] += float(self._forward_loss_sum(batch).loss_sum.double())
+            totals[1] += self.objective.count(batch)
         if self.feed is not None:
             totals[0] *= self.feed.loss_weight
             totals[1] *= self.feed.token_weight
@@ -463,14 +467,31 @@ class Trainer(TrainerState):
             global_batch=window[-1].global_batch,
             elapsed_s=seconds,
         )
+        extra = self._objective_metrics(window)  # collective: before the rank-0 return
         if self.rank != 0:
             return
         self.writer.write(metrics)
-        print(format_line(metrics, self.config.run.train_iters), flush=True)
+        line = format_line(metrics, self.config.run.train_iters)
+        print(line + "".join(f" | {k} {v:.4g}" for k, v in extra.items()), flush=True)
+        record = asdict(metrics) | ({"objective": extra} if extra else {})
         if self.on_metrics is not None:
-            self.on_metrics(asdict(metrics))
+            self.on_metrics(record)
         if os.environ.get(METRICS_STDOUT_ENV):
-            print(METRICS_PREFIX + json.dumps(asdict(metrics)), flush=True)
+            print(METRICS_PREFIX + json.dumps(record), flush=True)
+
+    def _objective_metrics(self, window: list[StepResult]) -> dict[str, float]:
+        """The objective's extra sums over the logged steps and the job's replicas (none for sft).
+
+        Every rank's objective names the same metrics; a tensor-parallel group holds one copy, as
+        for the loss sum."""
+        names = sorted({name for result in window for name in result.metrics})
+        if not names:
+            return {}
+        sums = [sum(result.metrics.get(name, 0.0) for result in window) for name in names]
+        values = torch.tensor(sums, dtype=torch.float64)
+        if self.feed is not None:
+            values *= self.feed.loss_weight
+        return dict(zip(names, self._all_reduce(values).tolist(), strict=True))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -483,12 +504,6 @@ class Trainer(TrainerState):
         step = load_checkpoint(self)
         self.stream = self._train_stream()
         return step
-
-
-def counted_tokens(batch: dict[str, torch.Tensor]) -> float:
-    """Loss-mask weight of the tokens whose label counts (what the summed cross entropy covers)."""
-    counted = batch["labels"] != IGNORE_INDEX
-    return float((batch["loss_mask"] * counted).sum())
 
 
 def _mean(values: list[float]) -> float:

@@ -137,6 +137,9 @@ class RunSection:
     profile_save_path: str | None = None
     """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
     TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
+    stage: Literal["sft"] = "sft"
+    """Training objective (MindSpeed-LLM's --stage; `training.objectives`): sft = next-token cross
+    entropy over the unmasked labels, for pretraining and instruction tuning alike."""
 
     def __post_init__(self) -> None:
         if self.train_iters <= 0:

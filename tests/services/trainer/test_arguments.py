@@ -120,6 +120,7 @@ NON_DEFAULT = {
     "profile_with_memory": ("--profile-with-memory",),
     "profile_record_shapes": ("--profile-record-shapes",),
     "profile_save_path": ("--profile-save-path", "prof"),
+    "stage": (),  # sft, the default, is the only objective so far (tests/training)
     "use_distributed_optimizer": ("--use-distributed-optimizer",),
     "zero_stage": None,  # set by --use-distributed-optimizer (checked below)
     "hsdp": ("--hsdp",),

@@ -1,0 +1,63 @@
+"""What a training objective is: a loss over a micro-batch, normalised by a count the loop sums.
+
+The loop scales each micro-batch's backward by the step's global count (every micro-batch, every
+data-parallel rank) before any forward runs, so an objective says what it counts from the batch
+alone (`count`: unmasked tokens for next-token losses, pairs for preference losses; a method, not
+part of the output, because the loop needs it before the forward) and returns the summed loss
+over exactly that (`compute`). The step's loss is then sum / count, whatever the
+micro-batching, as docs/training.md describes for the token loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # a type only: parallelize pulls in the whole model-parallel stack
+    from parallel.parallelize import ModelParallelFeed
+
+
+@dataclass(frozen=True)
+class ObjectiveOutput:
+    """One micro-batch's result."""
+
+    loss_sum: torch.Tensor
+    """Summed loss over what `Objective.count` counts (a scalar; backward runs through it)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Extra sums to log (e.g. a preference objective's correct pairs): summed over the
+    micro-batches and ranks and printed on the metrics line; every batch names the same keys."""
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """How the loop runs the model for this rank."""
+
+    autocast: Callable[[], contextlib.AbstractContextManager[None]]
+    """Enters the run's compute precision around the model's forward."""
+    feed: ModelParallelFeed | None = None
+    """The model-parallel feed (tensor/context/expert parallel), whose loss is vocabulary-parallel."""
+
+
+class Objective(ABC):
+    """A training objective, registered in `training.objectives.OBJECTIVES` under its `name`."""
+
+    name: ClassVar[str]
+    """The string the CLI (--stage) and the config use."""
+    pipeline_loss: ClassVar[bool] = False
+    """True when the pipeline schedule's built-in loss (next-token cross entropy) is this one."""
+
+    @abstractmethod
+    def count(self, batch: dict[str, torch.Tensor]) -> float:
+        """What the loss of `batch` is normalised by, read from the batch before any forward."""
+
+    @abstractmethod
+    def compute(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """Run `model` on `batch` (already on the device and sharded) and score it."""

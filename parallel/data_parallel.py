@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (
 
 from kernels import device
 from parallel.clip import clip_grad_norm_
+from parallel.config import ParallelConfig
 from parallel.zero1 import ZeroOneOptimizer
 
 __all__ = [
@@ -180,12 +181,12 @@ def apply_data_parallel(
 def apply_run_data_parallel(
     model: nn.Module,
     mesh: DeviceMesh,
-    par: Any,
+    par: ParallelConfig,
     param_dtype: torch.dtype,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """`apply_data_parallel` with a run's settings: `par` is its parallel config section
-    (--zero-stage, --hsdp, --cpu-offload, --zero3-prefetch-layers)."""
+    """`apply_data_parallel` with a run's settings (--zero-stage, --hsdp, --cpu-offload,
+    --zero3-prefetch-layers of its `ParallelConfig`)."""
     return apply_data_parallel(
         model,
         mesh,

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kernels import device
+from parallel.config import HasParallelConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
@@ -219,16 +219,18 @@ def default_hsdp_shard_size(dp: int, model_parallel: int, local_world_size: int 
     return dp
 
 
-def build_dims(config: Any, world_size: int, local_world_size: int | None = None) -> ParallelDims:
-    """The job's `ParallelDims` from the training config's `parallel` section (built once per
-    run and passed down).
+def build_dims(
+    config: HasParallelConfig, world_size: int, local_world_size: int | None = None
+) -> ParallelDims:
+    """The job's `ParallelDims` from a run's `ParallelConfig` (`config` is one, or a front end's
+    config that maps onto one); built once per run and passed down.
 
     HSDP: `--hsdp-shard-size N` shards within groups of N data-parallel ranks and replicates
     across them; without it, the groups are the data-parallel ranks of one node
     (`default_hsdp_shard_size`). `local_world_size` is the launcher's processes per node
     (default: the LOCAL_WORLD_SIZE torchrun and `meshline train` set).
     """
-    par = config.parallel
+    par = config.parallel_config()
     dp = world_size // par.model_parallel_size()
     replicate = 1
     if par.hsdp:

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.config import ModelConfig
+from parallel.config import ParallelConfig
 from parallel.context_parallel import apply_context_parallel, shard_sequence
 from parallel.grad_sync import GradSync
 from parallel.parallel_dims import ParallelDims
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids")
 
 
-def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
+def check_model(
+    dims: ParallelDims, model_config: ModelConfig, par: ParallelConfig | None = None
+) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
     experts (the layer split against `par`'s uneven first/last stage sizes, when given)."""
     from parallel import pipeline
@@ -142,7 +146,11 @@ class ModelParallelFeed:
 
 
 def parallelize_model(
-    model: nn.Module, model_config: Any, config: Any, dims: ParallelDims, param_dtype: torch.dtype
+    model: nn.Module,
+    model_config: ModelConfig,
+    par: ParallelConfig,
+    dims: ParallelDims,
+    param_dtype: torch.dtype,
 ) -> tuple[nn.Module, Any, Any]:
     """Apply PP, TP/SP, CP, recompute and DP to `model`: (model, grad-sync mesh, optimizer wrap).
 
@@ -153,7 +161,6 @@ def parallelize_model(
     from parallel.data_parallel import apply_run_data_parallel, wrap_optimizer
     from parallel.pipeline_schedules import default_schedule, get_schedule
 
-    par = config.parallel
     dims.virtual_pp = pipeline.virtual_chunks(
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
@@ -198,7 +205,11 @@ def parallelize_model(
 
 
 def _parallelize_expert_model(
-    model: nn.Module, model_config: Any, par: Any, dims: ParallelDims, param_dtype: torch.dtype
+    model: nn.Module,
+    model_config: ModelConfig,
+    par: ParallelConfig,
+    dims: ParallelDims,
+    param_dtype: torch.dtype,
 ) -> tuple[nn.Module, Any, Any]:
     """Pipeline chunks, then expert parallelism over the `ep` axis of each, then TP (experts
     stay whole on the TP ranks: Megatron's expert-tensor-parallel size 1), CP and recompute,
@@ -293,7 +304,12 @@ def _ranks_along(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh | None:
 
 
 def _with_grad_sync(
-    model: nn.Module, chunks: list, dims: ParallelDims, schedule: str, grad_sync: Any, par: Any
+    model: nn.Module,
+    chunks: list,
+    dims: ParallelDims,
+    schedule: str,
+    grad_sync: Any,
+    par: ParallelConfig,
 ) -> nn.Module:
     """`model` carrying `grad_sync`: under PP a `PipelineRankModel` whose runner calls it per
     chunk, else `model` with it as a plain attribute (`ModelParallelFeed.clip_pipeline_grads`
@@ -315,7 +331,9 @@ def _with_grad_sync(
     return rank_model
 
 
-def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_stage: int) -> None:
+def _check_tied_v_schedule(
+    model_config: ModelConfig, schedule: str, fsdp: bool, zero_stage: int
+) -> None:
     """Refuse tied embeddings under FSDP2 with a V-shaped schedule (ValueError naming flags)."""
     from parallel.pipeline_schedules import get_schedule
 
@@ -328,7 +346,7 @@ def _check_tied_v_schedule(model_config: Any, schedule: str, fsdp: bool, zero_st
 
 
 def _apply_within_replica(
-    chunk: nn.Module, model_config: Any, par: Any, dims: ParallelDims
+    chunk: nn.Module, model_config: ModelConfig, par: ParallelConfig, dims: ParallelDims
 ) -> None:
     """TP/SP, then CP, recompute and compile on one model chunk (DESIGN §1.5's order, FSDP
     after)."""

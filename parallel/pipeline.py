@@ -23,6 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
+from models.config import ModelConfig
+from parallel.config import ParallelConfig
 from parallel.pipeline_schedules import SCHEDULES, get_schedule
 from parallel.tensor_parallel import tp_cross_entropy_sum
 from parallel.tied_embeddings import EmbeddingGroup, share_on_rank
@@ -35,7 +37,7 @@ def stage_rank(stage_index: int, pp: int, v_shaped: bool) -> int:
     return stage_index % pp
 
 
-def layer_counts(par: Any, num_layers: int) -> list[int] | None:
+def layer_counts(par: ParallelConfig, num_layers: int) -> list[int] | None:
     """Per-stage layer counts of an uneven split (--decoder-first/last-pipeline-num-layers), or
     None for the even split; ValueError naming the flags when the rest cannot be even."""
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
@@ -79,7 +81,7 @@ class PipelineRankModel(nn.Module):
     It shares the chunks' modules; running happens through `PipelineRunner`, not `forward`.
     """
 
-    def __init__(self, chunks: list[Any], config: Any) -> None:
+    def __init__(self, chunks: list[Any], config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from parallel.config import ParallelConfig
 from parallel.parallel_dims import check_seq_length, check_world_size
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from training.finetune import PeftSection, check
@@ -60,6 +61,13 @@ class TrainingConfig:
         """The `models` config to train: --model from the registry with the shape flags, its
         vocabulary covering the tokenizer's (a front end with more model flags overrides this)."""
         return registry_model_config(self, tokenizer_vocab)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The `parallel` library's view of --tensor-model-parallel-size and the other parallel
+        flags: the one place the section maps onto `parallel.config.ParallelConfig` (same names)."""
+        return ParallelConfig(
+            **{f.name: getattr(self.parallel, f.name) for f in fields(ParallelConfig)}
+        )
 
     def attention_backend(self) -> str | None:
         """The `kernels.attention` backend to force on every layer (None: the device's default)."""

@@ -23,6 +23,7 @@ from training.ckpt.state import TrainState, tensor_tree
 from training.config_sections import flag_name
 
 if TYPE_CHECKING:  # both import this module (PeftSection, check): runtime imports would cycle
+    from models.config import ModelConfig
     from training.checkpoint import CheckpointManager
     from training.config import TrainingConfig
     from training.trainer_state import TrainerState
@@ -110,7 +111,7 @@ def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:
         return model
     check(config)
     seed = config.run.seed
-    model_config: Any = model.config
+    model_config: ModelConfig = model.config
     if peft.peft_method == "bitfit":
         from models.peft_methods import apply_bitfit
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import device, peak_flops
+from models.accounting import flops_per_token
+from models.config import ModelConfig
 from parallel.parallel_dims import build_dims
 from parallel.tp_random import tp_seed_offset
 from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
@@ -510,7 +512,5 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _flops_per_token(model_config: Any, seq_length: int) -> float:
-    from models.accounting import flops_per_token
-
+def _flops_per_token(model_config: ModelConfig, seq_length: int) -> float:
     return float(flops_per_token(model_config, seq_length))

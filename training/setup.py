@@ -129,7 +129,7 @@ def build_parallel(
     if dims.is_model_parallel:
         from parallel.parallelize import parallelize_model
 
-        return parallelize_model(model, model.config, config, dims, param_dtype)
+        return parallelize_model(model, model.config, config.parallel_config(), dims, param_dtype)
     from parallel.data_parallel import (
         apply_run_data_parallel,
         build_dp_mesh,
@@ -137,7 +137,7 @@ def build_parallel(
     )
 
     mesh = build_dp_mesh(dims.dp, dims.dp_replicate, dims.dp_shard)
-    model = apply_run_data_parallel(model, mesh, par, param_dtype)
+    model = apply_run_data_parallel(model, mesh, config.parallel_config(), param_dtype)
 
     def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return wrap_optimizer(optimizer, model, mesh, zero_stage=par.zero_stage)

@@ -1,7 +1,9 @@
 """The layering rule of docs/architecture.md, read from the source (imports inside functions count).
 
-Libraries (kernels, models, tokendata, checkpoints, parallel, engine) never import `services`, and
-each imports only the libraries below it. A stage folder `services/<a>/` imports `services.common`,
+Libraries (kernels, models, tokendata, checkpoints, parallel, engine, training) never import
+`services`, and each imports only the libraries below it (engine and training sit side by side and
+do not import each other). A library owns the typed config it reads: no parameter of `parallel/`
+or `training/` that takes a config is typed `Any`. A stage folder `services/<a>/` imports `services.common`,
 itself and libraries, never another stage. Only the composition layer (`services/cli.py`,
 `services/serve.py`, `services/demos/`) may import several stages. No import cycle anywhere (an
 import under `if TYPE_CHECKING:` is not a runtime edge and does not count); no `_private` name of
@@ -148,6 +150,57 @@ def test_libraries_never_import_services_and_keep_their_layer() -> None:
             ):
                 bad.append(f"{MODULES[module].relative_to(ROOT)}:{imp.line} imports {imp.target}")
     assert not bad, "library imports outside its layer:\n" + "\n".join(bad)
+
+
+def test_training_and_engine_are_libraries_apart_from_services_and_each_other() -> None:
+    assert {"training.loop", "training.objectives", "engine.engine"} <= set(MODULES)
+    bad = [
+        f"{MODULES[module].relative_to(ROOT)}:{imp.line} imports {imp.target}"
+        for module, found in IMPORTS.items()
+        for imp in found
+        if module.split(".")[0] in ("training", "engine")
+        and imp.target.split(".")[0]
+        in ({"services", "training", "engine"} - {module.split(".")[0]})
+    ]
+    assert not bad, "training/engine import a service or each other:\n" + "\n".join(bad)
+
+
+CONFIG_PARAMS = ("config", "par", "cfg")
+"""Parameter names (also `*_config`) that carry a configuration."""
+
+
+def _any_typed_config_params(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        args = node.args
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+            is_config = arg.arg in CONFIG_PARAMS or arg.arg.endswith("_config")
+            if is_config and arg.annotation is not None:
+                parts = ast.unparse(arg.annotation).strip("'\"").split("|")
+                if "Any" in (part.strip() for part in parts):
+                    found.append(f"{path.name}:{arg.lineno} {node.name}({arg.arg})")
+    return found
+
+
+def test_library_config_parameters_are_typed() -> None:
+    bad = [hit for top in ("parallel", "training") for path in sorted((ROOT / top).rglob("*.py"))
+           for hit in _any_typed_config_params(path)]  # fmt: skip
+    assert not bad, (
+        "config parameters typed Any (type them with the library's config):\n" + "\n".join(bad)
+    )
+
+
+def test_config_scan_finds_an_any_typed_config(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "def f(par: Any, model_config: 'Any | None', ok: Any, cfg: dict[str, Any]) -> None: ...\n"
+    )
+    assert [hit.split()[-1] for hit in _any_typed_config_params(sample)] == [
+        "f(par)",
+        "f(model_config)",
+    ]
 
 
 def test_no_stage_imports_another_stage() -> None:

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from engine.loading import detect_format, load_checkpoint
 from models import build_model
 from models.registry import get_config
-from training.checkpoint import CheckpointManager, TrainState
 from tests.services.inference.helpers import hf_reference, save_hf_checkpoint
+from training.checkpoint import CheckpointManager, TrainState
 
 IDS = torch.tensor([[5, 9, 33, 7, 100, 42, 18]])
 ATOL = 1e-5

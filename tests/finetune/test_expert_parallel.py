@@ -113,8 +113,8 @@ def _run_moe(flags, save=None):
     runs last). With `save`, a checkpoint of step 2 is written there."""
     from models.moe import moe_layers
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE, full_parameters
+    from training.loop import Trainer
 
     save_flags = ["--save", save] if save else []
     trainer = Trainer(
@@ -184,8 +184,8 @@ def _two_rank_runs(rank, world_size, save):
     """Every 2-process run in one launch: EP2 (saving after step 2), the EP1 resume from that
     checkpoint, TP2 (with its expert placements), TP2 with sequence parallelism and CP2."""
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE, full_parameters
+    from training.loop import Trainer
 
     flags = [*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL]
     ep2 = Trainer(parse_args([*flags, "--save", save, "--expert-model-parallel-size", "2"]))
@@ -303,8 +303,8 @@ def _four_rank_runs(rank, world_size, layouts, save, single_save):
     Returns the results by layout, each resumed run's next two losses, and how the first layout holds two parameters' Adam state: (mesh axes,
     placements, global shape, local shape) of its DTensor."""
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE
+    from training.loop import Trainer
 
     first, *_ = layouts
     results, trainer = _run_moe(layouts[first], save)
@@ -332,8 +332,8 @@ def _four_rank_runs(rank, world_size, layouts, save, single_save):
 def _resume_one_process(rank, world_size, save):
     """One process (all experts, plain optimizer) resumed from `save`: its next two losses."""
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE
+    from training.loop import Trainer
 
     trainer = Trainer(
         parse_args([*BASE, "--train-iters", str(TRAINER_STEPS), *MIXTRAL, "--load", save])
@@ -414,8 +414,8 @@ def test_ep2_zero1_shards_expert_state_over_edp_only(four_ranks):
 
 def _bf16_losses(rank, world_size, flags):
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE
+    from training.loop import Trainer
 
     argv = [*BASE, "--train-iters", "2", *MIXTRAL, "--bf16", "--zero-stage", "1", *flags]
     trainer = Trainer(parse_args(argv))

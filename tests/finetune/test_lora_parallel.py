@@ -33,8 +33,8 @@ def test_lora_layout_matches_one_process(layout):
 
 def _save_body(rank: int, world_size: int, save_dir: str) -> None:
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE
+    from training.loop import Trainer
 
     flags = [*BASE, "--train-iters", "2", *LORA, "--pipeline-model-parallel-size", "2"]
     trainer = Trainer(parse_args([*flags, "--save", save_dir]))

@@ -6,8 +6,8 @@ import pytest
 
 from parallel.adaptive_recompute import choose_layers
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.parallel.parity import BASE
+from training.loop import Trainer
 
 MB = 2**20
 

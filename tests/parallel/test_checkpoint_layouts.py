@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE, full_parameters, max_param_diff
+from training.loop import Trainer
 
 STEPS = 3
 LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-4

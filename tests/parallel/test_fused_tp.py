@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import (
     BASE,
@@ -23,6 +22,7 @@ from tests.parallel.parity import (
     max_param_diff,
 )
 from tests.parallel.test_parity import LOSS_RTOL, PARAM_RTOL
+from training.loop import Trainer
 
 SAVED_STEPS = 3
 TP2 = ["--tensor-model-parallel-size", "2"]

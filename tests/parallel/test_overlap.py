@@ -44,8 +44,8 @@ def _prefetch(rank: int, world_size: int) -> tuple[dict, dict]:
 
 def _prefetch_dp(rank: int, world_size: int) -> tuple[dict, dict, list[int]]:
     from services.trainer.arguments import parse_args
-    from training.loop import Trainer
     from tests.parallel.parity import BASE
+    from training.loop import Trainer
 
     flags = ["--zero-stage", "3"]  # plain data parallelism: training.setup's path
     on = [*flags, "--zero3-prefetch-layers", "2"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE
+from training.loop import Trainer
 
 EVAL = ["--eval-iters", "3", "--train-iters", "2"]
 LAYOUTS = {

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE
+from training.loop import Trainer
 
 PRECISIONS = {
     "bf16": ["--bf16"],

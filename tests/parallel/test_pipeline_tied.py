@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import (
     BASE,
@@ -25,6 +24,7 @@ from tests.parallel.parity import (
     run_layout,
 )
 from tests.parallel.test_parity import LOSS_RTOL, PARAM_RTOL
+from training.loop import Trainer
 
 TIED = ["--model", "tiny-bloom"]
 PP2 = ["--pipeline-model-parallel-size", "2"]

@@ -19,9 +19,9 @@ import torch
 
 from models.transformer import Attention, DecoderLayer
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
 from tests.parallel.parity import BASE, full_parameters
+from training.loop import Trainer
 
 pytestmark = pytest.mark.dist
 

@@ -35,10 +35,10 @@ from meshline.common.v1 import checkpoint_pb2
 from meshline.converter.v1 import converter_pb2
 from models.registry import get_config
 from services.converter.job import ConvertOptions, convert
-from training.checkpoint import CheckpointManager, TrainState
 from tests.parallel.test_data_parallel_model import build_optimizer, build_tiny_model
 from tests.security.grpc_convert import convert_over_grpc
 from tests.services.converter.conftest import hf_llama_gqa, save_hf
+from training.checkpoint import CheckpointManager, TrainState
 
 
 @pytest.fixture

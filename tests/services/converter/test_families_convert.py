@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models import build_model
 from models.registry import get_config
 from services.converter.job import ConvertOptions, convert
-from training.checkpoint import CheckpointManager, TrainState
 from tests.models.test_families import FAMILIES, hf_model
+from training.checkpoint import CheckpointManager, TrainState
 
 
 def _tensors(directory):

@@ -18,8 +18,8 @@ from models import build_model
 from models.config import ModelConfig
 from services.converter.job import ConvertOptions, convert
 from services.converter.verify import fixed_logits, load_model
-from training.checkpoint import CheckpointManager, TrainState
 from tests.services.converter.conftest import VOCAB
+from training.checkpoint import CheckpointManager, TrainState
 
 
 def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:

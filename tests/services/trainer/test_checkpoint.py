@@ -19,7 +19,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from kernels import device
-from training.checkpoint import CheckpointManager, LastGasp, TrainState
 from tests.harness import run_distributed
 from tests.parallel.test_data_parallel_model import (
     build_optimizer,
@@ -27,6 +26,7 @@ from tests.parallel.test_data_parallel_model import (
     full_parameters,
     train_steps,
 )
+from training.checkpoint import CheckpointManager, LastGasp, TrainState
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -18,7 +18,6 @@ import torch
 
 from kernels import device
 from parallel.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
-from training.checkpoint import CheckpointManager, TrainState
 from tests.harness import run_distributed
 from tests.parallel.test_data_parallel_model import (
     build_optimizer,
@@ -26,6 +25,7 @@ from tests.parallel.test_data_parallel_model import (
     full_parameters,
     train_steps,
 )
+from training.checkpoint import CheckpointManager, TrainState
 
 SAVE_AT, END = 3, 6
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4

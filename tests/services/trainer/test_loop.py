@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
+from services.trainer.plot import plot_run
 from training.loop import NonFiniteLossError, Trainer
 from training.metrics import CSV_COLUMNS, read_csv
-from services.trainer.plot import plot_run
 
 BASE = [
     "--model",

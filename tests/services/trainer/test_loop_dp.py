@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
 from tests.harness import run_distributed
+from training.loop import Trainer
 
 FLAGS = ["--model", "tiny-llama", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--eval-interval", "0", "--lr", "1e-2", "--train-iters", "3"]  # fmt: skip

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from services.trainer.train_config import PrecisionSection
 from training.optimizer import is_no_decay, param_groups
 from training.precision import PrecisionOptimizer, PrecisionPlan, plan_precision
-from services.trainer.train_config import PrecisionSection
 
 
 class _Net(nn.Module):

@@ -13,10 +13,10 @@ import pytest
 from kernels import device
 from services import cli as meshline
 from services.trainer.arguments import parse_args
-from training.loop import Trainer
-from training.profiling import StepProfiler
 from services.trainer.request_paths import confine_config
 from tests.harness import run_distributed
+from training.loop import Trainer
+from training.profiling import StepProfiler
 
 BASE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
         "--eval-interval", "0", "--log-interval", "1"]  # fmt: skip

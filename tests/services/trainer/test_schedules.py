@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
+from services.trainer.train_config import PrecisionSection
 from training.batching import MicroBatchCalculator, pretraining_batches
 from training.loss_scaler import DynamicLossScaler, NoLossScaler, build_loss_scaler
 from training.lr_schedule import LRScheduler, lr_at
-from services.trainer.train_config import PrecisionSection
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

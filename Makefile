@@ -46,7 +46,7 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS) proto/generate.py
 lint: setup ## ruff (lint + format check), mypy, buf lint on the protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy kernels models tokendata checkpoints engine parallel services
+	$(VENV)/bin/mypy kernels models tokendata checkpoints engine parallel training services
 	$(VENV)/bin/buf lint
 
 test: setup ## The whole test suite (what CI runs)

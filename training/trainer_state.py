@@ -43,7 +43,7 @@ class StepCounters:
             setattr(self, key, int(state[key]))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # a Trainer fills the fields in its own constructor
 class TrainerState:
     """The live objects of one training run."""
 

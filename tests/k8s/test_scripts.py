@@ -154,6 +154,7 @@ RUNTIME_PACKAGES = (
     "checkpoints",
     "parallel",
     "engine",
+    "training",
     "services",
 )
 """The packages a service imports at run time (the libraries and services/)."""

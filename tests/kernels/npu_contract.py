@@ -24,7 +24,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS_ENV = "MESHLINE_TORCH_NPU_REFERENCE"
-PRODUCT_DIRS = ("kernels", "models", "tokendata", "checkpoints", "parallel", "engine", "services")
+PRODUCT_DIRS = (
+    "kernels",
+    "models",
+    "tokendata",
+    "checkpoints",
+    "parallel",
+    "engine",
+    "training",
+    "services",
+)
 
 _PROTOTYPE = re.compile(r"^(?:torch_npu\.)?(npu_\w+)\((.*)\)\s*->\s*(.+)$")
 # "Tensor? pse=None", "int[]? prefix=None", "Tensor(a!) out", or an untyped "self".

@@ -124,6 +124,11 @@ TEMPLATES: dict[str, PromptTemplate] = {
             turn_separator="\n\n",
         ),
         PromptTemplate(
+            name="hh",
+            description="Anthropic HH-RLHF dialogues: '\\n\\nHuman: ...' then '\\n\\nAssistant: ...'",
+            user_format="\n\nHuman: {content}\n\nAssistant: ",
+        ),
+        PromptTemplate(
             name="moss",
             description="MOSS: '<|Human|>: ...<eoh>' then '<|MOSS|>: ...<eom>' after a meta instruction",
             system_format="{content}",

@@ -8,8 +8,13 @@ Each row is one document (one sample, or a pack of samples with `--pack`):
 - instruction data only: `labels: list<int32>` (input ids, -100 where no loss) and
   `loss_mask: list<uint8>` (1 where labels carry loss).
 
+Preference pairs (pairwise handlers) are rows of their own: one row per pair, no `input_ids`, with
+`chosen_input_ids`, `chosen_labels`, `chosen_loss_mask` and the same three for `rejected`
+(each side the prompt then its response; labels -100 and loss mask 0 on the prompt).
+
 Pretraining writes one shard set per json key, `{prefix}_{key}_document-00000.arrow`, ...;
-instruction data one set, `{prefix}_packed-00000.arrow`, .... A new shard starts once the current
+instruction data one set, `{prefix}_packed-00000.arrow`, ...; pairs one set,
+`{prefix}_pairs-00000.arrow`, .... A new shard starts once the current
 one passes `--arrow-shard-mb`. The schema's metadata (`meshline`) records the handler and keys.
 The writer is the preprocess service's `ArrowSink` (services/preprocess/arrow_sink.py).
 Files use the IPC *file* format (random access, `pyarrow.ipc.open_file`), one record batch per

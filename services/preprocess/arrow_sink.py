@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from services.preprocess.handlers import IGNORE_INDEX, INSTRUCTION_KEYS
+from services.preprocess.handlers import IGNORE_INDEX, INSTRUCTION_KEYS, PAIRWISE_KEYS
 from services.preprocess.outputs import OutputShard
 
 
@@ -32,10 +32,16 @@ class _ShardSet:
     """Size-split shards of one dataset."""
 
     def __init__(
-        self, stage_prefix: str, schema: pa.Schema, shard_bytes: int, batch_rows: int
+        self,
+        stage_prefix: str,
+        schema: pa.Schema,
+        shard_bytes: int,
+        batch_rows: int,
+        token_columns: tuple[str, ...] = ("input_ids",),
     ) -> None:
         self.stage_prefix = stage_prefix
         self.schema = schema
+        self.token_columns = token_columns
         self.shard_bytes = shard_bytes
         self.batch_rows = batch_rows
         self.files: list[Path] = []
@@ -61,12 +67,12 @@ class _ShardSet:
         for name, values in columns.items():
             self.rows[name].append(values)
         self.documents += 1
-        self.tokens += int(columns["input_ids"].size)
-        if len(self.rows["input_ids"]) >= self.batch_rows:
+        self.tokens += sum(int(columns[name].size) for name in self.token_columns)
+        if len(self.rows[self.schema.names[0]]) >= self.batch_rows:
             self.flush()
 
     def flush(self) -> None:
-        if not self.rows["input_ids"]:
+        if not self.rows[self.schema.names[0]]:
             return
         if self._writer is None:
             self._open()
@@ -102,7 +108,11 @@ class ArrowSink:
         batch_rows: int = 1024,
     ) -> None:
         self.instruction = keys == INSTRUCTION_KEYS
+        self.pairwise = keys == PAIRWISE_KEYS
         ints = pa.list_(pa.int32())
+        if self.pairwise:
+            self._init_pairwise(stage_prefix, metadata, shard_bytes, batch_rows)
+            return
         fields = [pa.field("input_ids", ints), pa.field("cu_seqlens", ints)]
         if self.instruction:
             fields += [pa.field("labels", ints), pa.field("loss_mask", pa.list_(pa.uint8()))]
@@ -115,8 +125,36 @@ class ArrowSink:
             for name in names
         }
 
+    def _init_pairwise(
+        self, stage_prefix: Path, metadata: dict[str, Any], shard_bytes: int, batch_rows: int
+    ) -> None:
+        """One set of pairs: per side its ids, labels and loss mask (tokendata/arrow_shards.py)."""
+        fields = []
+        for side in ("chosen", "rejected"):
+            fields += [
+                pa.field(f"{side}_input_ids", pa.list_(pa.int32())),
+                pa.field(f"{side}_labels", pa.list_(pa.int32())),
+                pa.field(f"{side}_loss_mask", pa.list_(pa.uint8())),
+            ]
+        schema = pa.schema(fields, metadata={"meshline": json.dumps(metadata)})
+        self._keys = PAIRWISE_KEYS
+        self._json_keys = {"pairs": "pairs"}
+        tokens = ("chosen_input_ids", "rejected_input_ids")
+        self._sets = {
+            "pairs": _ShardSet(f"{stage_prefix}_pairs", schema, shard_bytes, batch_rows, tokens)
+        }
+
     def add(self, arrays: dict[str, np.ndarray], lengths: dict[str, list[int]]) -> None:
         """Append one document (row) to each shard set."""
+        if self.pairwise:
+            row: dict[str, np.ndarray] = {}
+            for side in ("chosen", "rejected"):
+                labels = arrays[f"{side}_labels"]
+                row[f"{side}_input_ids"] = arrays[f"{side}_input_ids"]
+                row[f"{side}_labels"] = labels
+                row[f"{side}_loss_mask"] = (labels != IGNORE_INDEX).astype(np.uint8)
+            self._sets["pairs"].add(row)
+            return
         if self.instruction:
             labels = arrays[INSTRUCTION_KEYS[2]]
             self._sets["packed"].add(

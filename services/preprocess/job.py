@@ -22,7 +22,7 @@ from services.common.paths import resolve_under_roots
 from services.preprocess import staging
 from services.preprocess.arrow_sink import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
-from services.preprocess.handlers.base import INSTRUCTION_KEYS
+from services.preprocess.handlers.base import output_keys_of
 from services.preprocess.job_config import PreprocessConfig
 from services.preprocess.manifest import (
     MANIFEST_SUFFIX,
@@ -118,7 +118,8 @@ def _existing_outputs(prefix: Path, keys: tuple[str, ...]) -> list[Path]:
         found += directory.glob(
             f"{glob.escape(name)}_{key}_document-[0-9][0-9][0-9][0-9][0-9].arrow"
         )
-    found += directory.glob(f"{glob.escape(name)}_packed-[0-9][0-9][0-9][0-9][0-9].arrow")
+    for arrow_set in ("packed", "pairs"):
+        found += directory.glob(f"{glob.escape(name)}_{arrow_set}-[0-9][0-9][0-9][0-9][0-9].arrow")
     try:
         old = read_manifest(manifest_path(prefix))
         found += [directory / f["name"] for out in old["outputs"] for f in out["files"]]
@@ -133,8 +134,9 @@ def existing_outputs(config: PreprocessConfig) -> list[Path]:
     Needs no tokenizer: the dataset keys follow from the handler class and --json-keys.
     """
     handler_class = get_handler_class(config.handler_name)
-    keys = INSTRUCTION_KEYS if handler_class.is_instruction else tuple(config.json_keys)
-    return _existing_outputs(Path(config.shard_output_prefix), keys)
+    return _existing_outputs(
+        Path(config.shard_output_prefix), output_keys_of(handler_class, config.json_keys)
+    )
 
 
 def _records(plans: list[InputPlan], progress: Progress) -> Iterator[Record]:
@@ -226,6 +228,11 @@ def run_preprocess(
         options=_handler_options(config),
     )
     handler = build_handler(spec)
+    if handler.is_pairwise and config.pack:
+        raise ValueError(
+            f"--pack with --handler-name {config.handler_name}: preference pairs are not packed "
+            "(each row is one pair); drop --pack"
+        )
     existing = _existing_outputs(prefix, handler.output_keys())
     if existing and not config.overwrite:
         raise ValueError(

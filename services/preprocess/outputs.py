@@ -14,9 +14,11 @@ from typing import Protocol
 
 import numpy as np
 
-from services.preprocess.handlers import INSTRUCTION_KEYS
+from services.preprocess.handlers import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from tokendata.indexed import IndexedDatasetWriter, best_dtype
 from tokendata.token_batches import BATCH_TOKENS
+
+PAIRWISE_LABEL_KEYS = tuple(key for key in PAIRWISE_KEYS if key.endswith("_labels"))
 
 
 @dataclass
@@ -91,7 +93,7 @@ class Packer:
 
 def dataset_dtype(key: str, vocab_size: int) -> np.dtype:
     """Megatron's dtype for token ids (by vocabulary size); int32 for labels, which hold -100."""
-    if key == INSTRUCTION_KEYS[2]:
+    if key == INSTRUCTION_KEYS[2] or key in PAIRWISE_LABEL_KEYS:
         return np.dtype(np.int32)
     return best_dtype(vocab_size)
 

@@ -8,6 +8,7 @@
 | MOSSInstructionHandler (moss) | meta_instruction + chat.turn_N | same three |
 | LeetcodePythonInstructionHandler (leetcode) | content + python | same three |
 | SharegptInstructionHandler (sharegpt) | conversations / messages | same three |
+| pairwise handlers (handlers/preference.py) | prompt / chosen / rejected layouts | {chosen,rejected}_{input_ids,labels} |
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 from services.preprocess.handlers.base import (
     IGNORE_INDEX,
     INSTRUCTION_KEYS,
+    PAIRWISE_KEYS,
     Handler,
     HandlerOptions,
     RecordError,
@@ -31,6 +33,13 @@ from services.preprocess.handlers.instruction import (
     LeetcodePythonInstructionHandler,
 )
 from services.preprocess.handlers.moss import MOSSInstructionHandler
+from services.preprocess.handlers.preference import (
+    AlpacaStylePairwiseHandler,
+    HHRLHFPairwiseHandler,
+    PreferencePairwiseHandler,
+    RMStaticPairwiseHandler,
+    SharegptStylePairwiseHandler,
+)
 from services.preprocess.handlers.pretrain import GeneralPretrainHandler
 
 HANDLERS: dict[str, type[Handler]] = {
@@ -42,6 +51,11 @@ HANDLERS: dict[str, type[Handler]] = {
         MOSSInstructionHandler,
         LeetcodePythonInstructionHandler,
         SharegptInstructionHandler,
+        PreferencePairwiseHandler,
+        HHRLHFPairwiseHandler,
+        RMStaticPairwiseHandler,
+        AlpacaStylePairwiseHandler,
+        SharegptStylePairwiseHandler,
     )
 }
 ALIASES: dict[str, str] = {
@@ -51,6 +65,11 @@ ALIASES: dict[str, str] = {
     "moss": "MOSSInstructionHandler",
     "leetcode": "LeetcodePythonInstructionHandler",
     "sharegpt": "SharegptInstructionHandler",
+    "preference": "PreferencePairwiseHandler",
+    "hh": "HHRLHFPairwiseHandler",
+    "rm-static": "RMStaticPairwiseHandler",
+    "alpaca_pairwise": "AlpacaStylePairwiseHandler",
+    "sharegpt_pairwise": "SharegptStylePairwiseHandler",
 }
 
 
@@ -91,6 +110,7 @@ __all__ = [
     "HANDLERS",
     "IGNORE_INDEX",
     "INSTRUCTION_KEYS",
+    "PAIRWISE_KEYS",
     "BelleMultiTurnInstructionHandler",
     "GeneralInstructionHandler",
     "GeneralPretrainHandler",

@@ -19,6 +19,8 @@ from models.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 INSTRUCTION_KEYS = ("packed_input_ids", "packed_attention_mask", "packed_labels")
+PAIRWISE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+"""What pairwise (preference) handlers write: MindSpeed-LLM's json keys (`handlers/pairwise.py`)."""
 
 Sample = dict[str, list[int]]
 
@@ -50,11 +52,12 @@ class Handler(ABC):
 
     name: ClassVar[str] = ""
     is_instruction: ClassVar[bool] = False
+    is_pairwise: ClassVar[bool] = False
     default_template: ClassVar[str | None] = None
 
     def output_keys(self) -> tuple[str, ...]:
         """Names of the datasets this handler writes, in order."""
-        return INSTRUCTION_KEYS if self.is_instruction else tuple(self.options.json_keys)
+        return output_keys_of(type(self), self.options.json_keys)
 
     @property
     def template(self) -> PromptTemplate:
@@ -82,9 +85,17 @@ class Handler(ABC):
             "name": self.name or type(self).__name__,
             "class": f"{type(self).__module__}:{type(self).__qualname__}",
             "instruction": self.is_instruction,
-            "template": self.template.name if self.is_instruction else None,
+            "pairwise": self.is_pairwise,
+            "template": self.template.name if self.is_instruction or self.is_pairwise else None,
             "output_keys": list(self.output_keys()),
         }
+
+
+def output_keys_of(handler_class: type[Handler], json_keys: Sequence[str]) -> tuple[str, ...]:
+    """The datasets a handler class writes (needs no tokenizer: for --overwrite checks)."""
+    if handler_class.is_pairwise:
+        return PAIRWISE_KEYS
+    return INSTRUCTION_KEYS if handler_class.is_instruction else tuple(json_keys)
 
 
 def require_text(record: dict[str, Any], *keys: str, optional: bool = False) -> str:

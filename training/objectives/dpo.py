@@ -1,0 +1,116 @@
+"""`dpo`: direct preference optimisation of a policy against a frozen reference.
+
+Shapes: B pairs, S sequence, V vocab. The policy scores chosen and rejected in one forward
+(`pairs.concatenated`); the reference's log-probabilities come from the batch when precomputed
+(`ref_chosen_logps` / `ref_rejected_logps`) and otherwise from a frozen `reference` model run
+under no_grad (by default a copy of the starting weights). The loss is `preference_losses.dpo_loss`;
+the logged sums are trl's quantities (divide by `pairs` for trl's means).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.pairs import (
+    check_pairwise,
+    concatenated,
+    sequence_logps,
+)
+from training.objectives.preference_losses import DPO_LOSS_TYPES, dpo_loss
+
+
+class DPOLoss(Objective):
+    """Summed per-pair DPO loss, normalised by the pair count."""
+
+    name: ClassVar[str] = "dpo"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference: nn.Module | None = None,
+    ) -> None:
+        if loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"--dpo-loss-type {loss_type!r}: choose one of {list(DPO_LOSS_TYPES)}")
+        if not beta > 0:
+            raise ValueError(f"--dpo-beta must be > 0, got {beta}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"--dpo-label-smoothing must be in [0, 0.5), got {label_smoothing}")
+        if label_smoothing and loss_type not in ("sigmoid", "robust"):
+            raise ValueError(
+                f"--dpo-label-smoothing {label_smoothing} has no effect on --dpo-loss-type "
+                f"{loss_type}; use sigmoid or robust, or leave it at 0"
+            )
+        self.beta = beta
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.reference = reference
+        if reference is not None:
+            reference.requires_grad_(False).eval()
+
+    def count(self, batch: dict[str, torch.Tensor]) -> float:
+        """Pairs in the micro-batch."""
+        return float(batch["chosen_input_ids"].shape[0])
+
+    def compute(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """Policy forward under the run's precision; reference under no_grad; loss in fp32."""
+        check_pairwise(batch, self.name)
+        if ctx.feed is not None:  # vocabulary-sharded logits: log-probs would need a gather
+            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        ids = concatenated(batch, "input_ids")
+        mask = concatenated(batch, "loss_mask")
+        with ctx.autocast():
+            logits = model(ids)
+        chosen_logps, rejected_logps = sequence_logps(logits, ids, mask).chunk(2)
+        ref_chosen, ref_rejected = self._reference_logps(batch, ids, mask, ctx)
+        tokens = mask[:, 1:].sum(dim=1).to(chosen_logps.dtype)
+        chosen_tokens, rejected_tokens = tokens.chunk(2)
+        terms = dpo_loss(
+            chosen_logps,
+            rejected_logps,
+            ref_chosen,
+            ref_rejected,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            chosen_tokens=chosen_tokens,
+            rejected_tokens=rejected_tokens,
+        )
+        metrics = {
+            "pairs": float(chosen_logps.shape[0]),
+            "rewards/chosen": float(terms.chosen_rewards.sum()),
+            "rewards/rejected": float(terms.rejected_rewards.sum()),
+            "rewards/accuracies": float((terms.chosen_rewards > terms.rejected_rewards).sum()),
+            "rewards/margins": float((terms.chosen_rewards - terms.rejected_rewards).sum()),
+            "logps/chosen": float(chosen_logps.detach().sum()),
+            "logps/rejected": float(rejected_logps.detach().sum()),
+        }
+        return ObjectiveOutput(terms.losses.sum(), metrics)
+
+    @torch.no_grad()
+    def _reference_logps(
+        self,
+        batch: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
+            return batch["ref_chosen_logps"].float(), batch["ref_rejected_logps"].float()
+        if self.reference is None:
+            raise ValueError(
+                "--stage dpo needs a reference: a reference model (the starting weights or "
+                "--ref-model DIR) or precomputed ref_chosen_logps/ref_rejected_logps in the data"
+            )
+        with ctx.autocast():
+            logits = self.reference(ids)
+        ref_chosen, ref_rejected = sequence_logps(logits, ids, mask).chunk(2)
+        return ref_chosen, ref_rejected

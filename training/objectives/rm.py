@@ -1,0 +1,69 @@
+"""`rm`: a reward model trained on preference pairs (the pairwise Bradley-Terry loss).
+
+Shapes: B pairs, S sequence. The model carries a scalar value head (`models.value_head`), so its
+forward returns a score per position; a response's reward is the score of its last real token,
+chosen and rejected scored in one forward. The loss is `preference_losses.reward_pair_loss` with
+the batch's optional `margin`; the logged sums are the accuracy and margin trl's RewardTrainer
+reports (divide by `pairs` for its means).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from models.value_head import has_value_head
+from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.pairs import check_pairwise, concatenated, last_token_index
+from training.objectives.preference_losses import reward_pair_loss
+
+
+def pair_rewards(
+    model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards [B] each, in fp32: the last real token's score."""
+    ids = concatenated(batch, "input_ids")
+    attention = concatenated(batch, "attention_mask")
+    with ctx.autocast():
+        scores_BS1 = model(ids)
+    last = last_token_index(attention)
+    rewards = scores_BS1[torch.arange(ids.shape[0], device=ids.device), last, 0].float()
+    chosen, rejected = rewards.chunk(2)
+    return chosen, rejected
+
+
+class RewardLoss(Objective):
+    """Summed pairwise reward loss, normalised by the pair count."""
+
+    name: ClassVar[str] = "rm"
+
+    def count(self, batch: dict[str, torch.Tensor]) -> float:
+        """Pairs in the micro-batch."""
+        return float(batch["chosen_input_ids"].shape[0])
+
+    def compute(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """Score both responses; −log σ(r_w − r_l − margin) per pair."""
+        check_pairwise(batch, self.name)
+        if ctx.feed is not None:
+            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        if not has_value_head(model):
+            raise ValueError(
+                f"--stage {self.name} trains a reward model: the model needs a scalar value head "
+                "(models.value_head.attach_value_head)"
+            )
+        chosen, rejected = pair_rewards(model, batch, ctx)
+        margin = batch["margin"].float() if "margin" in batch else 0.0
+        losses = reward_pair_loss(chosen, rejected, margin)
+        chosen, rejected = chosen.detach(), rejected.detach()
+        metrics = {
+            "pairs": float(chosen.shape[0]),
+            "accuracy": float((chosen > rejected).sum()),
+            "margin": float((chosen - rejected).sum()),
+            "rewards/chosen": float(chosen.sum()),
+            "rewards/rejected": float(rejected.sum()),
+        }
+        return ObjectiveOutput(losses.sum(), metrics)

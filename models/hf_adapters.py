@@ -36,6 +36,7 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_config import HF_ARCH, config_from_hf, hf_config
+from models.hf_gpt2 import gpt2_from_hf, gpt2_to_hf
 
 __all__ = ["HF_ARCH", "config_from_hf", "from_hf", "hf_config", "to_hf"]
 
@@ -181,6 +182,8 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
     `per_expert` writes MoE experts one tensor each, as `save_pretrained` stores them on disk.
     """
     canon = _unfuse(state, config)
+    if config.family == "gpt":
+        return gpt2_to_hf(canon, config)
     moe = config.moe is not None
     mixtral = config.family in ("mixtral", "llama")
     out: StateDict = {}
@@ -224,6 +227,8 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
 
 def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     """HF state dict of `config.family` → Meshline names and fusions (inverse of `to_hf`)."""
+    if config.family == "gpt":
+        return gpt2_from_hf(hf_state, config)
     q, kv = config.num_attention_heads * config.head_dim, config.kv_heads * config.head_dim
     canon: StateDict = {}
     bloom_top = {hf: ours for ours, hf in _BLOOM_TOP.items()}

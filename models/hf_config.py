@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
+from models.hf_gpt2 import config_from_gpt2, gpt2_config
 from models.hf_moe import moe_fields_from_hf, moe_fields_to_hf, unsupported_field
 
 HF_ARCH: dict[str, tuple[str, str]] = {
@@ -27,6 +28,7 @@ HF_ARCH: dict[str, tuple[str, str]] = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt": ("GPT2LMHeadModel", "gpt2"),
 }
 """Family → (HF architecture, model_type)."""
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -104,6 +106,8 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         )
     tokens = {k: hf[k] for k in TOKEN_KEYS if hf.get(k) is not None}
     extra: dict[str, Any] = {"hf_tokens": tokens} if tokens else {}
+    if family == "gpt":
+        return ModelConfig(**{**config_from_gpt2(hf, extra), **overrides})
     if family == "bloom":
         if hf.get("apply_residual_connection_post_layernorm"):
             raise unsupported_field(
@@ -220,6 +224,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         **config.extra.get("hf_tokens", {}),
     }
+    if family == "gpt":
+        return gpt2_config(config, common)
     if family == "bloom":
         return {
             **common,

@@ -215,6 +215,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Learned absolute positions (GPT-2, Megatron's learned_absolute): a table added to the
+        # token embeddings; it lives with them (the first pipeline stage).
+        self.embed_positions: nn.Embedding | None = None
+        if config.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.embed_layernorm = build_norm(config) if config.embedding_layernorm else None
         self.layers = nn.ModuleDict(
             {str(i): DecoderLayer(config, i) for i in range(config.num_layers)}
@@ -267,12 +272,7 @@ class CausalLM(nn.Module):
         position): a prefill needs one row of logits, not S, and the final norm and head then
         run on those rows alone.
         """
-        if self.embed_tokens is not None:
-            h_BSE = self.embed_tokens(x)
-            if self.embed_layernorm is not None:
-                h_BSE = self.embed_layernorm(h_BSE)
-        else:
-            h_BSE = x
+        h_BSE = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, s = h_BSE.shape[:2]
         step = cache_step
         if kv_cache is None and cache_step is not None:
@@ -284,10 +284,17 @@ class CausalLM(nn.Module):
                 )
             if step is None:
                 step = kv_cache.begin(s, key_padding_mask_BS)
+        if position_ids_BS is None and (
+            self.rotary is not None or self.embed_positions is not None
+        ):
+            position_ids_BS = self._default_positions(b, s, h_BSE.device, segment_ids_BS, step)
+        if self.embed_tokens is not None:
+            if self.embed_positions is not None:
+                h_BSE = h_BSE + self.embed_positions(position_ids_BS)
+            if self.embed_layernorm is not None:
+                h_BSE = self.embed_layernorm(h_BSE)
         rope = None
         if self.rotary is not None:
-            if position_ids_BS is None:
-                position_ids_BS = self._default_positions(b, s, h_BSE.device, segment_ids_BS, step)
             rope = self.rotary(position_ids_BS)
         for layer in self.layers.values():
             h_BSE = layer(h_BSE, rope, key_padding_mask_BS, segment_ids_BS, kv_cache, step)

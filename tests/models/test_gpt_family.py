@@ -144,3 +144,22 @@ def test_parameter_count_includes_the_position_table():
     config = get_config("tiny-gpt")
     model = build_model(config, device="meta")
     assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_convert_hf_native_hf_is_bit_identical_and_loads_in_transformers(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    from services.converter.job import ConvertOptions, convert
+
+    _, hf, directory = saved
+    native, back = tmp_path / "native", tmp_path / "hf"
+    convert(ConvertOptions("hf", "native", directory, native))
+    convert(ConvertOptions("native", "hf", native, back))
+    start, end = load_file(directory / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(start) == sorted(end)
+    for name in start:
+        assert torch.equal(start[name], end[name]), name
+    again = GPT2LMHeadModel.from_pretrained(back, attn_implementation="eager").eval()
+    ids = _ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.parallel_plan import check_model_split
 from parallel.context_parallel import apply_context_parallel, shard_sequence
 from parallel.grad_sync import GradSync
 from parallel.parallel_dims import ParallelDims
@@ -35,12 +36,13 @@ def check_model(dims: ParallelDims, model_config: Any, par: Any = None) -> None:
     from parallel import pipeline
 
     uneven = par is not None and pipeline.layer_counts(par, model_config.num_layers) is not None
-    dims.check_model(
-        num_layers=None if uneven else model_config.num_layers,
-        num_heads=model_config.num_attention_heads,
-        num_kv_heads=model_config.kv_heads,
-        ffn=model_config.ffn_hidden_size,
-        vocab=model_config.vocab_size,
+    check_model_split(
+        model_config,
+        tp=dims.tp,
+        pp=dims.pp,
+        virtual=dims.virtual_pp,
+        even_layers=not uneven,
+        sequence_parallel=dims.sequence_parallel,
     )
     window = getattr(model_config, "sliding_window", None)
     if window is not None and dims.cp > 1:

@@ -92,6 +92,7 @@ class Attention(nn.Module):
                 layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H, self.window
             )
             return self.o_proj(cached_BSHD.flatten(2))
+        k_BSKD, v_BSKD, key_padding_mask_BS = self.extend_keys(k_BSKD, v_BSKD, key_padding_mask_BS)
         out_BSHD = attention(
             q_BSHD,
             k_BSKD,
@@ -108,6 +109,16 @@ class Attention(nn.Module):
         )
         assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
         return self.o_proj(out_BSHD.flatten(2))
+
+    def extend_keys(
+        self,
+        k_BSKD: torch.Tensor,
+        v_BSKD: torch.Tensor,
+        key_padding_mask_BS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values and key mask the queries attend over: this call's own (a subclass puts
+        trainable prefixes before them, models/peft_methods.py; queries then sit at the end)."""
+        return k_BSKD, v_BSKD, key_padding_mask_BS
 
     def _project(
         self, x_BSE: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None

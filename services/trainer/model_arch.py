@@ -45,6 +45,9 @@ class ArchSection:
     """Epsilon inside every norm (Megatron's default without --model: 1e-5)."""
     swiglu: bool = False
     """Gated SwiGLU MLP (without it and without --model: GeLU)."""
+    no_position_embedding: bool = False
+    """Megatron's (deprecated) switch off of the learned position table: accepted with rope or
+    alibi, which have none; refused where the model would have one (Megatron's rule)."""
     openai_gelu: bool = False
     """GeLU's tanh approximation (GPT-2's gelu_new) instead of Megatron's default exact erf GeLU."""
     untie_embeddings_and_output_weights: bool = False
@@ -78,6 +81,10 @@ class ArchSection:
                 "--position-embedding-type none is not supported: Meshline models use "
                 "--position-embedding-type learned_absolute (GPT, the default), rope (Llama) or "
                 "alibi (Bloom)"
+            )
+        if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
+            raise ValueError(
+                "--no-position-embedding contradicts --position-embedding-type learned_absolute"
             )
         if self.swiglu and self.openai_gelu:
             raise ValueError("--openai-gelu and --swiglu both choose the MLP activation; keep one")
@@ -183,6 +190,12 @@ def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
     fields.update({key: value for key, (_, value) in arch.fields_set().items()})
     fields.update(config.model.overrides())
     if fields["position_embedding"] == "learned":
+        if arch.no_position_embedding:
+            raise ValueError(
+                "--no-position-embedding without --position-embedding-type: Megatron's default "
+                "is learned_absolute, which has the table; pass --position-embedding-type rope "
+                "or alibi (models without positions are not supported)"
+            )
         # Megatron's GPT (pretrain_gpt.py's model): HF GPT-2's layout, the "gpt" family.
         fields["family"] = "gpt"
         fields.setdefault("fused_gate_up", False)

@@ -297,3 +297,14 @@ def test_model_shorthand_fills_the_same_fields_and_conflicts_name_both():
     else:
         with pytest.raises(ValueError, match=r"--kv-channels 8 .*16"):
             build_model_config(kv8)
+
+
+def test_no_position_embedding_is_refused_where_the_model_has_a_table():
+    rope = build_model_config(parse_args([*BASE, "--use-rotary-position-embeddings",
+                                          "--no-position-embedding"]))  # fmt: skip
+    assert rope.position_embedding == "rope"
+    with pytest.raises(ValueError, match="--no-position-embedding without --position-embedding"):
+        build_model_config(parse_args([*BASE, "--no-position-embedding"]))
+    with pytest.raises(ValueError, match="contradicts --position-embedding-type learned_absolute"):
+        parse_args([*BASE, "--no-position-embedding", "--position-embedding-type",
+                    "learned_absolute"])  # fmt: skip

@@ -50,8 +50,16 @@ _TOKENIZER_FILES = re.compile(
     # they are copied as files, never imported
     r"(configuration|modeling|tokenization)_\w+\.py)$"
 )
-_LAYER = re.compile(r"^(?:model\.layers|transformer\.h)\.(\d+)\.")
-_PRE_PREFIXES = ("model.embed_tokens.", "transformer.word_embeddings")
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|h)\.(\d+)\.")
+# GPT-2's token and position tables (saved with or without `transformer.`) sit with the embedding.
+_PRE_PREFIXES = (
+    "model.embed_tokens.",
+    "transformer.word_embeddings",
+    "transformer.wte.",
+    "transformer.wpe.",
+    "wte.",
+    "wpe.",
+)
 
 
 def hf_unit(name: str) -> Unit | None:

@@ -27,7 +27,9 @@ parallelism is a training layout, not a checkpoint one here).
 Query-key-value rows are grouped per query group g: [q heads of g (H/K·D rows), k_g (D), v_g
 (D)], groups in order, so a TP rank holds K/T whole groups. SwiGLU's `dense_h_to_4h` holds, on
 rank r, [gate rows of r; up rows of r]. Embedding and output layer rows are the vocabulary, padded
-with zero rows to a multiple of `make_vocab_size_divisible_by`·T and split evenly.
+with zero rows to a multiple of `make_vocab_size_divisible_by`·T and split evenly. A learned
+position table (`embedding.position_embeddings.weight`, GPT's learned_absolute) is whole on every
+rank.
 """
 
 from __future__ import annotations
@@ -320,6 +322,8 @@ def edge_to_megatron(unit: Unit, tensors: Tensors, tp: int, padded_vocab: int) -
     if unit == PRE:
         embed = _pad_vocab(tensors["embed_tokens.weight"], padded_vocab)
         out["embedding.word_embeddings.weight"] = _split(embed, tp, 0, "embedding")
+        if "embed_positions.weight" in tensors:  # learned_absolute: every rank holds the table
+            out["embedding.position_embeddings.weight"] = [tensors["embed_positions.weight"]] * tp
         for leaf in ("weight", "bias"):
             if f"embed_layernorm.{leaf}" in tensors:
                 out[f"embedding.word_embeddings.norm.{leaf}"] = [
@@ -342,6 +346,13 @@ def edge_from_megatron(unit: Unit, shards: Shards, config: ModelConfig) -> Tenso
     vocab = config.vocab_size
     if unit == PRE:
         out["embed_tokens.weight"] = torch.cat(shards["embedding.word_embeddings.weight"])[:vocab]
+        positions = "embedding.position_embeddings.weight"
+        if config.position_embedding == "learned":
+            if positions not in shards:
+                raise ValueError(
+                    f"{positions} is missing: a learned_absolute model needs its position table"
+                )
+            out["embed_positions.weight"] = _replicated(shards[positions], positions)
         for leaf in ("weight", "bias"):
             name = f"embedding.word_embeddings.norm.{leaf}"
             if name in shards:

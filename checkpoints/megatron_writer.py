@@ -28,6 +28,9 @@ from checkpoints.torch_stream import StreamingTorchFile, TensorRef
 from checkpoints.units import POST, PRE, Tensors, Unit
 from models.config import ModelConfig
 
+_POSITION_TYPES = {"rope": "rope", "alibi": "alibi", "learned": "learned_absolute"}
+"""ModelConfig.position_embedding → Megatron's --position-embedding-type."""
+
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor that owns exactly its bytes (torch.save writes a view's whole storage)."""
@@ -159,9 +162,11 @@ class MegatronSink:
             ),
             normalization="RMSNorm" if c.norm_type == "rmsnorm" else "LayerNorm",
             norm_epsilon=c.norm_eps,
-            position_embedding_type=c.position_embedding,
+            position_embedding_type=_POSITION_TYPES[c.position_embedding],
+            add_position_embedding=c.position_embedding == "learned",
             rotary_base=c.rope_theta,
             swiglu=c.activation == "swiglu",
+            openai_gelu=c.activation == "gelu",
             add_bias_linear=c.mlp_bias,
             add_qkv_bias=c.attention_bias or c.qkv_bias,
             qk_layernorm=c.qk_norm,

@@ -39,7 +39,7 @@ def unit_of(name: str) -> Unit:
     """The unit a Meshline parameter name belongs to."""
     if name.startswith("layers."):
         return int(name.split(".", 2)[1])
-    if name.startswith(("embed_tokens.", "embed_layernorm.")):
+    if name.startswith(("embed_tokens.", "embed_positions.", "embed_layernorm.")):
         return PRE
     if name.startswith(("norm.", "lm_head.")):
         return POST

@@ -32,11 +32,16 @@ from typing import Any
 
 import torch
 
-from engine.decode_step import DecodeStep
+from engine.config_support import FieldSupport, declined
+from engine.decode_step import LEAN_SUPPORT, DecodeStep
 from kernels.cuda import graphs
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+
+GRAPH_SUPPORT: dict[str, FieldSupport] = dict(LEAN_SUPPORT)
+"""The graphs' row for every ModelConfig field: they replay the lean step (`DecodeStep.static`),
+so they implement what it implements (engine/config_support.py)."""
 
 MIN_BUCKET = 256
 """The shortest slot bucket a graph attends over."""
@@ -93,6 +98,9 @@ class GraphedDecode:
     ) -> None:
         if cache.is_ring:
             raise ValueError("GraphedDecode: sliding-window rings keep the eager decode step")
+        reason = declined(step.config, GRAPH_SUPPORT)
+        if reason is not None:
+            raise ValueError(f"GraphedDecode: {reason}")
         self.step = step
         self.cache = cache
         self.capture = capture

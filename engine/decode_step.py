@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config_support import FieldSupport, declined, every, only
 from kernels.activation import SWIGLU, SWIGLU_PACKED
 from kernels.attention import ATTENTION
 from kernels.attention.sdpa import folds_query_groups, grouped_single_query
@@ -39,6 +40,47 @@ from models.kv_cache import CacheStep, KVCache
 from models.transformer import MLP, Attention, CausalLM, DecoderLayer
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+
+_SIZE = "a size the step reads from the weights"
+_TRAINING = "training only (the step runs in eval mode)"
+LEAN_SUPPORT: dict[str, FieldSupport] = {
+    "family": every("the family names the HF layout; the step reads the modules"),
+    "vocab_size": every(_SIZE),
+    "hidden_size": every(_SIZE),
+    "num_layers": every(_SIZE),
+    "num_attention_heads": every(_SIZE),
+    "num_kv_heads": every("grouped kv heads as the sdpa backend runs them"),
+    "ffn_hidden_size": every(_SIZE),
+    "max_position_embeddings": every("bounds the cache, not the step"),
+    "norm_type": only("rmsnorm", why="the step calls the RMSNorm kernel only"),
+    "norm_eps": every("read from each norm"),
+    "position_embedding": only(
+        "rope", why="the step rotates q and k; ALiBi biases and learned positions are not in it"
+    ),
+    "rope_theta": every("read from the model's rotary table"),
+    "rope_scaling": FieldSupport(
+        lambda value: value is None or value.get("type") != "dynamic",
+        "dynamic RoPE scaling changes the frequencies with the length",
+    ),
+    "activation": only("swiglu", why="the step calls the SwiGLU kernels only"),
+    "attention_bias": every("biases of plain linear layers are applied"),
+    "qkv_bias": every("biases of plain linear layers are applied"),
+    "kv_channels": every("the explicit head width is read"),
+    "qk_norm": every("Qwen3's per-head q/k RMSNorm is applied"),
+    "sliding_window": only(None, why="the step attends over every cached key"),
+    "mlp_bias": every("biases of plain linear layers are applied"),
+    "tie_word_embeddings": every("a tied head is the same plain linear layer"),
+    "embedding_layernorm": only(False, why="no norm after the token embedding"),
+    "norm_head": only(False, why="the head's rows are not normalised"),
+    "fused_qkv": every("fused or separate q/k/v"),
+    "fused_gate_up": every("fused or separate gate/up"),
+    "init_std": every(_TRAINING),
+    "attention_dropout": every(_TRAINING),
+    "hidden_dropout": every(_TRAINING),
+    "moe": only(None, why="dense MLPs only"),
+    "extra": every("metadata the model never reads"),
+}
+"""The lean step's row for every ModelConfig field (engine/config_support.py)."""
 
 
 class Unsupported(Exception):
@@ -72,14 +114,18 @@ class DecodeStep:
 
     def __init__(self, model: CausalLM) -> None:
         config = model.config
+        reason = declined(config, LEAN_SUPPORT)
+        if reason is not None:
+            raise Unsupported(reason)
+        self.config = config
         if model.training:
             raise Unsupported("the model is in training mode")
         if model.embed_tokens is None or model.lm_head is None or model.norm is None:
             raise Unsupported("a pipeline stage (no embedding, final norm or head)")
         if type(model.embed_tokens) is not nn.Embedding or model.embed_layernorm is not None:
             raise Unsupported("the embedding is not a plain nn.Embedding")
-        if config.norm_head or model.rotary is None:
-            raise Unsupported("a normalised head or no RoPE (ALiBi)")
+        if model.rotary is None:  # the table declines every configuration without RoPE
+            raise Unsupported("no rotary table")
         scaling = model.rotary.scaling
         if scaling is not None and scaling.kind == "dynamic":
             raise Unsupported("dynamic RoPE scaling (the frequencies depend on the length)")

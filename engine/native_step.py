@@ -30,11 +30,26 @@ import logging
 
 import torch
 
-from engine.decode_step import DecodeStep, DenseLinear, StepLayer
+from engine.config_support import FieldSupport, declined, every, only
+from engine.decode_step import LEAN_SUPPORT, DecodeStep, DenseLinear, StepLayer
 from kernels.packed_linear import PackedLinear
 from models.kv_cache import CacheStep, KVCache
 
 log = logging.getLogger(__name__)
+
+NATIVE_SUPPORT: dict[str, FieldSupport] = {
+    **LEAN_SUPPORT,
+    "qk_norm": only(False, why="cpu_decode.c has no per-head q/k norms"),
+    "fused_qkv": only(
+        True, why="cpu_decode.c reads one fused q|k|v matrix, not separate projections"
+    ),
+    "fused_gate_up": only(
+        True, why="cpu_decode.c reads one fused gate|up matrix, not separate projections"
+    ),
+    "attention_bias": every("cpu_decode.c adds each linear layer's bias"),
+}
+"""The C step's row for every ModelConfig field: the lean step's (it runs around it) with what
+cpu_decode.c adds or lacks (engine/config_support.py)."""
 
 MAX_ROWS = 64
 """Rows per step cpu_decode.c accepts."""
@@ -125,6 +140,10 @@ class NativeStep:
         ok, why = available()
         if not ok:
             raise Unsupported(why)
+        reason = declined(lean.config, NATIVE_SUPPORT)
+        if reason is not None:
+            raise Unsupported(reason)
+        self.config = lean.config
         self.lean = lean
         embedding = lean.embedding
         self.dtype = embedding.dtype

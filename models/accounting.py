@@ -21,7 +21,7 @@ class ParameterBreakdown:
     """Parameter counts of each part of the network."""
 
     embedding: int
-    """Token embedding table (plus embedding layernorm)."""
+    """Token embedding table (plus the learned position table and embedding layernorm)."""
     per_layer: int
     """One decoder layer."""
     layer_matrices: int
@@ -75,6 +75,8 @@ def parameter_breakdown(config: ModelConfig) -> ParameterBreakdown:
     matrices = attn_matrices + mlp_matrices
     per_layer = matrices + router + attn_bias + qk_norm + mlp_bias + 2 * norm_parameters(config)
     embedding = config.vocab_size * e
+    if config.position_embedding == "learned":
+        embedding += config.max_position_embeddings * e  # the position table (GPT)
     if config.embedding_layernorm:
         embedding += norm_parameters(config)
     head = 0 if config.tie_word_embeddings else config.vocab_size * e
@@ -104,6 +106,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     n = active_parameters(config)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size
+    if config.position_embedding == "learned":
+        n -= config.max_position_embeddings * config.hidden_size  # a lookup, no matmul
     attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
     return float(6 * n + attention)
 

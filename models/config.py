@@ -2,7 +2,7 @@
 
 One generic decoder covers the Llama family (Llama 1/2/3, Baichuan 1/2, InternLM, Aquila),
 Qwen2/2.5/3, Mistral, the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: the typed `moe` field,
-`models/moe_config.py`) and Bloom through these options; `models/registry.py` holds the named
+`models/moe_config.py`), Bloom and Megatron's GPT (HF GPT-2) through these options; `models/registry.py` holds the named
 configurations. Every field has a default and a one-line docstring; a config is validated when
 built (`ValueError` naming the field), and `to_dict()` / `from_dict()` round-trip through JSON
 (`from_dict` also reads files written before `moe` was a field, which carried `extra["moe"]`).
@@ -28,10 +28,11 @@ FAMILIES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt",
 )
 NORM_TYPES = ("rmsnorm", "layernorm")
-POSITION_EMBEDDINGS = ("rope", "alibi")
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "alibi", "learned")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_exact")
 ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "llama3", "yarn")
 """RoPE scalings (kernels/rotary.py): HF's rope_type names plus Meshline's static "ntk"."""
 
@@ -73,7 +74,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     """Epsilon added to the variance inside every norm."""
     position_embedding: str = "rope"
-    """"rope" (rotary, half-rotation layout) or "alibi" (linear attention biases)."""
+    """"rope" (rotary, half-rotation layout), "alibi" (linear attention biases) or "learned" (a
+    trained absolute-position table added to the token embeddings: GPT-2, Megatron's default
+    learned_absolute; at most max_position_embeddings tokens)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
@@ -82,7 +85,9 @@ class ModelConfig:
     reads beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate,
     original_max_position_embeddings; "dynamic" original_max_position_embeddings (HF's names)."""
     activation: str = "swiglu"
-    """MLP activation: "swiglu", "geglu" (gated, gate_proj + up_proj) or "gelu" (tanh approx)."""
+    """MLP activation: "swiglu", "geglu" (gated, gate_proj + up_proj), "gelu" (tanh approximation:
+    HF gelu_new, Bloom, Megatron --openai-gelu) or "gelu_exact" (erf: Megatron's default, HF
+    "gelu")."""
     attention_bias: bool = False
     """Biases on the q/k/v/o projections (InternLM, Bloom)."""
     qkv_bias: bool = False

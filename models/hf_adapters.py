@@ -35,7 +35,9 @@ import re
 import torch
 
 from models.config import ModelConfig
+from models.families import MOE_EXPORT_FAMILY, MoEFacts, family_facts
 from models.hf_config import HF_ARCH, config_from_hf, hf_config
+from models.hf_gpt2 import gpt2_from_hf, gpt2_to_hf
 
 __all__ = ["HF_ARCH", "config_from_hf", "from_hf", "hf_config", "to_hf"]
 
@@ -46,7 +48,7 @@ _EXPERT = re.compile(
     r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
-_MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # on-disk names read
 _BLOOM_NAMES = {
     "self_attn.o_proj": "self_attention.dense",
     "mlp.up_proj": "mlp.dense_h_to_4h",
@@ -105,7 +107,7 @@ def _bloom_qkv_to_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return stacked.reshape(-1, *q.shape[1:])
 
 
-def _moe_to_hf(prefix: str, rest: str, tensor: torch.Tensor, per_expert: bool, mixtral: bool):
+def _moe_to_hf(prefix: str, rest: str, tensor: torch.Tensor, per_expert: bool, facts: MoEFacts):
     """(HF name, tensor) pairs of one MoE-layer tensor (`rest` after "layers.i.")."""
     if rest.startswith("mlp.shared_experts."):
         leaf = rest.removeprefix("mlp.shared_experts.")
@@ -119,10 +121,10 @@ def _moe_to_hf(prefix: str, rest: str, tensor: torch.Tensor, per_expert: bool, m
         return [(f"{prefix}.mlp.shared_expert.{leaf}", tensor)]
     if not per_expert:
         return [(f"{prefix}.{rest}", tensor)]
-    block = "block_sparse_moe" if mixtral else "mlp"
+    block = facts.block
     if rest == "mlp.gate.weight":
         return [(f"{prefix}.{block}.gate.weight", tensor)]
-    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+    names = facts.expert_names
     out = []
     for j, expert in enumerate(tensor.unbind(0)):
         base = f"{prefix}.{block}.experts.{j}."
@@ -181,10 +183,14 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
     `per_expert` writes MoE experts one tensor each, as `save_pretrained` stores them on disk.
     """
     canon = _unfuse(state, config)
-    moe = config.moe is not None
-    mixtral = config.family in ("mixtral", "llama")
+    facts = family_facts(config.family)
+    if facts.layout == "gpt2":
+        return gpt2_to_hf(canon, config)
+    moe_facts = facts.moe
+    if config.moe is not None and moe_facts is None:  # exported as HF Mixtral (hf_config)
+        moe_facts = family_facts(MOE_EXPORT_FAMILY).moe
     out: StateDict = {}
-    bloom = config.family == "bloom"
+    bloom = facts.layout == "bloom"
     for name, tensor in canon.items():
         if name.startswith("lm_head.") and config.tie_word_embeddings:
             continue
@@ -205,8 +211,9 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
             if bloom:
                 fused = _bloom_qkv_to_hf(parts[0], parts[1], parts[2], config.num_attention_heads)
                 out[f"transformer.h.{layer}.self_attention.query_key_value.{leaf}"] = fused
-            elif config.family == "baichuan":
-                out[f"model.layers.{layer}.self_attn.W_pack.{leaf}"] = torch.cat(parts, dim=0)
+            elif facts.packed_qkv is not None:
+                packed = f"model.layers.{layer}.self_attn.{facts.packed_qkv}.{leaf}"
+                out[packed] = torch.cat(parts, dim=0)
             else:
                 for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
                     out[f"model.layers.{layer}.self_attn.{proj}.{leaf}"] = part
@@ -214,9 +221,9 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
         if bloom:
             module, _, leaf = rest.rpartition(".")
             out[f"transformer.h.{layer}.{_BLOOM_NAMES[module]}.{leaf}"] = tensor
-        elif moe and rest.startswith("mlp."):
+        elif moe_facts is not None and rest.startswith("mlp."):
             prefix = f"model.layers.{layer}"
-            out.update(_moe_to_hf(prefix, rest, tensor, per_expert, mixtral))
+            out.update(_moe_to_hf(prefix, rest, tensor, per_expert, moe_facts))
         else:
             out[f"model.layers.{layer}.{rest}"] = tensor
     return out
@@ -224,6 +231,9 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
 
 def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     """HF state dict of `config.family` → Meshline names and fusions (inverse of `to_hf`)."""
+    facts = family_facts(config.family)
+    if facts.layout == "gpt2":
+        return gpt2_from_hf(hf_state, config)
     q, kv = config.num_attention_heads * config.head_dim, config.kv_heads * config.head_dim
     canon: StateDict = {}
     bloom_top = {hf: ours for ours, hf in _BLOOM_TOP.items()}
@@ -233,7 +243,7 @@ def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     for name, tensor in hf_state.items():
         if name.endswith(("rotary_emb.inv_freq", "attention.bias", "masked_bias")):
             continue  # derived buffers some checkpoints carry
-        if config.family == "bloom":
+        if facts.layout == "bloom":
             match = re.match(r"^transformer\.h\.(\d+)\.(.+)\.(weight|bias)$", name)
             if match is None:
                 module, _, leaf = name.rpartition(".")
@@ -255,9 +265,10 @@ def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
                 raise ValueError(f"from_hf: unexpected Bloom tensor {name!r}")
             continue
         ours = name.removeprefix("model.")
-        if ".self_attn.W_pack." in ours:
+        packed = facts.packed_qkv
+        if packed is not None and f".self_attn.{packed}." in ours:
             for proj, part in zip(("q", "k", "v"), tensor.split([q, kv, kv], dim=0), strict=True):
-                canon[ours.replace("W_pack", f"{proj}_proj")] = part
+                canon[ours.replace(packed, f"{proj}_proj")] = part
         else:
             canon[ours] = tensor
     if config.tie_word_embeddings and "embed_tokens.weight" in canon:

@@ -13,22 +13,20 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
+from models.families import (
+    FAMILY_FACTS,
+    MOE_EXPORT_FAMILY,
+    Family,
+    family_facts,
+    family_of_model_type,
+)
+from models.hf_gpt2 import config_from_gpt2, gpt2_config
 from models.hf_moe import moe_fields_from_hf, moe_fields_to_hf, unsupported_field
 
 HF_ARCH: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "internlm": ("InternLMForCausalLM", "internlm"),
-    "aquila": ("AquilaForCausalLM", "aquila"),
-    "baichuan": ("BaichuanForCausalLM", "baichuan"),
-    "bloom": ("BloomForCausalLM", "bloom"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "mixtral": ("MixtralForCausalLM", "mixtral"),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    name: (facts.hf_architecture, facts.hf_model_type) for name, facts in FAMILY_FACTS.items()
 }
-"""Family → (HF architecture, model_type)."""
+"""Family → (HF architecture, model_type), from models/families.py."""
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_KEYS = (
     "factor",
@@ -42,7 +40,6 @@ _ROPE_KEYS = (
     "attention_factor",
     "truncate",
 )
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -72,11 +69,11 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _window(hf: dict[str, Any], family: str) -> int | None:
+def _window(hf: dict[str, Any], facts: Family) -> int | None:
     """The sliding window all layers share, or None; per-layer mixes raise."""
     window = hf.get("sliding_window")
     layers = hf["num_hidden_layers"]
-    if family in ("mistral", "mixtral"):
+    if facts.window == "mistral":
         return window or None
     types = hf.get("layer_types")
     if types is None:
@@ -96,7 +93,7 @@ def _window(hf: dict[str, Any], family: str) -> int | None:
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """A ModelConfig from an HF `config.json` dict (any family of HF_ARCH)."""
     model_type = str(hf.get("model_type"))
-    family = {mt: fam for fam, (_, mt) in HF_ARCH.items()}.get(model_type)
+    family = family_of_model_type(model_type)
     if family is None:
         raise ValueError(
             f"config_from_hf: model_type {model_type!r} is not supported; expected one of "
@@ -104,14 +101,17 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         )
     tokens = {k: hf[k] for k in TOKEN_KEYS if hf.get(k) is not None}
     extra: dict[str, Any] = {"hf_tokens": tokens} if tokens else {}
-    if family == "bloom":
+    facts = family_facts(family)
+    if facts.layout == "gpt2":
+        return ModelConfig(**{**config_from_gpt2(hf, extra), **overrides})
+    if facts.layout == "bloom":
         if hf.get("apply_residual_connection_post_layernorm"):
             raise unsupported_field(
                 "apply_residual_connection_post_layernorm", True, "is not supported"
             )
         hidden = hf["hidden_size"]
         fields: dict[str, Any] = dict(
-            family="bloom",
+            family=family,
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             num_layers=hf["n_layer"],
@@ -143,13 +143,14 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     derived = hf["hidden_size"] // heads
     # Baichuan picks ALiBi by size in its remote code: the 13B models (hidden 5120) use it.
     # Exports of other sizes say so in "position_embedding" (ignored by the remote code).
-    alibi = family == "baichuan" and (
+    alibi = facts.remote_code_choices and (
         hf.get("position_embedding", "alibi" if hf["hidden_size"] == 5120 else "rope") == "alibi"
     )
-    moe = moe_fields_from_hf(hf, family) if family in _MOE_FAMILIES else None
-    if moe is not None and family != "mixtral":
+    moe = moe_fields_from_hf(hf, facts.moe) if facts.moe is not None else None
+    ffn = None
+    if facts.moe is not None and facts.moe.expert_ffn_key is not None:
         extra["hf_intermediate_size"] = hf.get("intermediate_size")
-    ffn = hf["moe_intermediate_size"] if family in ("qwen2_moe", "qwen3_moe") else None
+        ffn = hf[facts.moe.expert_ffn_key]
     fields = dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -165,12 +166,12 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=None if alibi else scaling,
         attention_bias=bool(hf.get("attention_bias", hf.get("bias", False))),
-        qkv_bias=family in ("qwen2", "qwen2_moe") and bool(hf.get("qkv_bias", True)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        sliding_window=_window(hf, family),
+        qkv_bias=facts.qkv_bias and bool(hf.get("qkv_bias", True)),
+        qk_norm=facts.qk_norm,
+        sliding_window=_window(hf, facts),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        norm_head=family == "baichuan" and hf.get("norm_head", hf["vocab_size"] == 125696),
+        norm_head=facts.remote_code_choices and hf.get("norm_head", hf["vocab_size"] == 125696),
         init_std=hf.get("initializer_range", 0.02),
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         moe=moe,
@@ -207,10 +208,12 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The HF `config.json` content that describes `config`'s network (and its token ids)."""
     family = config.family
+    facts = family_facts(family)
     moe = config.moe
-    if moe is not None and family not in _MOE_FAMILIES:
-        family = "mixtral"  # a Llama-style config with MoE layers (tiny-mixtral)
-    arch, model_type = HF_ARCH[family]
+    if moe is not None and facts.moe is None:
+        family = MOE_EXPORT_FAMILY  # a Llama-style config with MoE layers (tiny-mixtral)
+        facts = family_facts(family)
+    arch, model_type = facts.hf_architecture, facts.hf_model_type
     common: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -220,7 +223,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         **config.extra.get("hf_tokens", {}),
     }
-    if family == "bloom":
+    if facts.layout == "gpt2":
+        return gpt2_config(config, common)
+    if facts.layout == "bloom":
         return {
             **common,
             "n_layer": config.num_layers,
@@ -230,7 +235,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
             "hidden_dropout": config.hidden_dropout,
             "attention_dropout": config.attention_dropout,
         }
-    _check_expressible(config, family)
+    _check_expressible(config, facts)
     out: dict[str, Any] = {
         **common,
         "intermediate_size": config.ffn_hidden_size,
@@ -246,17 +251,17 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if config.position_embedding == "rope":
         out["rope_theta"] = config.rope_theta
         out["rope_parameters"] = _rope_parameters(config)
-    if family in ("llama", "internlm", "aquila", "baichuan", "qwen3", "qwen3_moe"):
+    if facts.attention_bias_key:
         out["attention_bias"] = config.attention_bias
-    if family in ("llama", "internlm", "aquila", "baichuan"):
+    if facts.llama_bias_keys:
         out["bias"] = config.attention_bias
         out["mlp_bias"] = config.mlp_bias
-    if family == "baichuan":
+    if facts.remote_code_choices:
         # Baichuan's remote code decides ALiBi by size and NormHead by version; say it outright.
         out["position_embedding"] = config.position_embedding
         out["norm_head"] = config.norm_head
         out["model_max_length"] = config.max_position_embeddings
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    if facts.window == "qwen":
         windowed = config.sliding_window is not None
         out["use_sliding_window"] = windowed
         if windowed:
@@ -264,42 +269,35 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         out["max_window_layers"] = 0 if windowed else config.num_layers
         kind = "sliding_attention" if windowed else "full_attention"
         out["layer_types"] = [kind] * config.num_layers
-    if family in ("mistral", "mixtral"):
+    if facts.window == "mistral":
         out["sliding_window"] = config.sliding_window
-    if family == "qwen2_moe":
+    if facts.qkv_bias_key:
         out["qkv_bias"] = config.qkv_bias
     if moe is not None:
-        out.update(moe_fields_to_hf(config, family, moe))
+        out.update(moe_fields_to_hf(config, facts, moe))
     return out
 
 
-def _check_expressible(config: ModelConfig, family: str) -> None:
-    """Raise ValueError naming the field `family`'s HF class cannot express."""
+def _check_expressible(config: ModelConfig, facts: Family) -> None:
+    """Raise ValueError naming the field the family's HF class cannot express."""
     bad: list[str] = []
     if config.activation != "swiglu":
         bad.append(f"activation={config.activation!r}")
-    if config.position_embedding != "rope" and family != "baichuan":
+    if config.position_embedding != "rope" and not facts.remote_code_choices:
         bad.append(f"position_embedding={config.position_embedding!r}")
-    if config.qkv_bias and family not in ("qwen2", "qwen2_moe"):
+    if config.qkv_bias and not facts.qkv_bias:
         bad.append("qkv_bias=True")
-    if family in ("qwen2", "qwen2_moe") and (config.attention_bias or not config.qkv_bias):
+    if facts.qkv_bias and (config.attention_bias or not config.qkv_bias):
         bad.append(f"attention_bias={config.attention_bias}, qkv_bias={config.qkv_bias}")
-    if config.qk_norm != (family in ("qwen3", "qwen3_moe")):
+    if config.qk_norm != facts.qk_norm:
         bad.append(f"qk_norm={config.qk_norm}")
-    if config.sliding_window is not None and family not in (
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen3",
-        "qwen2_moe",
-        "qwen3_moe",
-    ):
+    if config.sliding_window is not None and facts.window is None:
         bad.append(f"sliding_window={config.sliding_window}")
-    if config.attention_bias and family in ("mistral", "mixtral", "qwen2", "qwen2_moe"):
+    if config.attention_bias and not facts.attention_bias_key:
         bad.append("attention_bias=True")
-    if config.mlp_bias and family not in ("llama", "internlm", "aquila", "baichuan"):
+    if config.mlp_bias and not facts.llama_bias_keys:
         bad.append("mlp_bias=True")
-    if config.norm_head and family != "baichuan":
+    if config.norm_head and not facts.remote_code_choices:
         bad.append("norm_head=True")
     if config.embedding_layernorm or config.norm_type != "rmsnorm":
         bad.append(
@@ -307,6 +305,6 @@ def _check_expressible(config: ModelConfig, family: str) -> None:
         )
     if bad:
         raise ValueError(
-            f"hf_config: {', '.join(bad)} cannot be expressed by HF {HF_ARCH[family][0]} "
+            f"hf_config: {', '.join(bad)} cannot be expressed by HF {facts.hf_architecture} "
             f"(family {config.family!r}); pick the family whose HF class has it"
         )

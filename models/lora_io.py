@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.config import ModelConfig
+from models.families import family_facts
 from models.hf_adapters import from_hf, to_hf
 from models.lora import LoraConfig, LoraLinear, apply_lora, lora_state_dict
 
@@ -137,7 +138,7 @@ def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> dict[str, to
     """`rows` laid out like the output rows of Meshline weight `name`, in HF names and layout."""
     leaf = name.rsplit(".", 2)[-2]
     if leaf in ("q_proj", "k_proj", "v_proj"):
-        if config.family in ("bloom", "baichuan"):
+        if family_facts(config.family).fused_lora_qkv:
             raise ValueError(
                 f"LoRA export: {config.family} fuses q/k/v into one HF module; adapt qkv_proj "
                 f"(query_key_value) rather than {leaf} alone"

@@ -12,10 +12,12 @@ from torch import nn
 from kernels import activation as act
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
+PLAIN_GELU = {"gelu": "tanh", "gelu_exact": "none"}
+"""Ungated activations → torch's `approximate` argument of GeLU."""
 
 
 class MLP(nn.Module):
-    """Gated (SwiGLU / GeGLU) or plain GeLU feed-forward block of width `ffn`."""
+    """Gated (SwiGLU / GeGLU) or plain GeLU (tanh or erf) feed-forward block of width `ffn`."""
 
     def __init__(
         self,
@@ -43,7 +45,8 @@ class MLP(nn.Module):
         if self.fused:
             packed = act.swiglu_packed if self.activation == "swiglu" else act.geglu_packed
             return self.down_proj(packed(self.gate_up_proj(x_BSE)))
-        if self.activation == "gelu":
-            return self.down_proj(act.gelu(self.up_proj(x_BSE), approximate="tanh"))
+        if not self.fused and self.activation in PLAIN_GELU:
+            approximate = PLAIN_GELU[self.activation]
+            return self.down_proj(act.gelu(self.up_proj(x_BSE), approximate=approximate))
         gated = act.swiglu if self.activation == "swiglu" else act.geglu
         return self.down_proj(gated(self.gate_proj(x_BSE), self.up_proj(x_BSE)))

@@ -165,7 +165,7 @@ def rank_elements(
     for name, shape in named_shapes:
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layer_ids
-        elif name.startswith(("embed_tokens.", "embed_layernorm.")):
+        elif name.startswith(("embed_tokens.", "embed_positions.", "embed_layernorm.")):
             # A tied head on a last stage without the embedding keeps its own copy of it.
             tied_copy = name.startswith("embed_tokens.") and config.tie_word_embeddings
             keep = has_embedding or (tied_copy and has_head)

@@ -27,6 +27,7 @@ Patterns use `*` for one name component (the layer index). Style names are the k
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 
 from models.config import ModelConfig
 
@@ -66,20 +67,118 @@ def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str,
     return plan
 
 
-def check_tp_size(config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError naming the size that tensor parallelism of `tp_size` cannot split."""
-    checks = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_kv_heads": config.kv_heads,
-        "ffn_hidden_size": config.ffn_hidden_size,
-        "vocab_size": config.vocab_size,
-    }
-    for name, value in checks.items():
-        if value % tp_size:
+@dataclass(frozen=True)
+class SplitFlags:
+    """How one command spells its parallel sizes, so that a refusal names the flag it was given."""
+
+    tp: str = "--tensor-model-parallel-size"
+    """The tensor-parallel size flag."""
+    pp: str = "--pipeline-model-parallel-size"
+    """The pipeline-parallel size flag."""
+    kv_replicated: bool = True
+    """KV heads fewer than the TP size are replicated (training); False: TP must divide them
+    (serving shards, Megatron's query groups)."""
+    vocab_padded: bool = False
+    """The vocabulary is padded to a multiple of the TP size (Megatron files): not checked."""
+
+
+TRAIN_FLAGS = SplitFlags()
+SERVE_FLAGS = SplitFlags("--tensor-parallel-size", "--pipeline-parallel-size", kv_replicated=False)
+CONVERT_FLAGS = SplitFlags(
+    "--target-tensor-parallel-size",
+    "--target-pipeline-parallel-size",
+    kv_replicated=False,
+    vocab_padded=True,
+)
+
+
+def divisors(n: int) -> str:
+    """The divisors of `n` as text ("1, 2, 3, 6"; the first eight), for the fix a message
+    proposes."""
+    found = [d for d in range(1, min(n, 4096) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+
+
+def check_split(
+    *,
+    tp: int,
+    pp: int = 1,
+    virtual: int = 1,
+    num_layers: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    ffn: int,
+    vocab: int,
+    flags: SplitFlags = TRAIN_FLAGS,
+) -> None:
+    """Raise ValueError, one line naming the command's flag, when TP/PP cannot split the sizes.
+
+    The one check of a model against a parallel layout: the trainer (parent and workers),
+    `meshline serve` and `meshline convert` call it before any weight is read. `num_layers`
+    None: an uneven pipeline split the caller checked itself.
+    """
+    sizes = [("num_attention_heads", num_heads), ("ffn_hidden_size", ffn)]
+    if not flags.vocab_padded:
+        sizes.append(("vocab_size", vocab))
+    for what, value in sizes:
+        if value % tp:
             raise ValueError(
-                f"--tensor-model-parallel-size {tp_size} does not divide {name}={value}; "
-                "choose a tensor-parallel size that divides it"
+                f"{what} {value} is not divisible by {flags.tp} {tp}; choose a tensor-parallel "
+                f"size that divides {value} ({divisors(value)})"
             )
+    if flags.kv_replicated and num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} and {flags.tp} {tp}: one must divide the other (KV "
+            "heads are split up to their number and replicated beyond); choose a tensor-parallel "
+            f"size among {divisors(num_kv_heads)} or a multiple of {num_kv_heads}"
+        )
+    if not flags.kv_replicated and num_kv_heads % tp:
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} is not divisible by {flags.tp} {tp}; choose a "
+            f"tensor-parallel size that divides {num_kv_heads} ({divisors(num_kv_heads)})"
+        )
+    stages = pp * virtual
+    if num_layers is not None and num_layers % stages:
+        chunks = f" × {virtual} virtual chunks" if virtual > 1 else ""
+        raise ValueError(
+            f"num_layers {num_layers} is not divisible by {flags.pp} {pp}{chunks} = {stages} "
+            "pipeline stages (every stage holds the same number of layers); choose a pipeline "
+            f"size that divides {num_layers} ({divisors(num_layers)})"
+        )
+
+
+def check_model_split(
+    config: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    virtual: int = 1,
+    flags: SplitFlags = TRAIN_FLAGS,
+    even_layers: bool = True,
+    sequence_parallel: bool = False,
+) -> None:
+    """`check_split` on `config`'s sizes, plus what the model's own layers rule out."""
+    check_split(
+        tp=tp,
+        pp=pp,
+        virtual=virtual,
+        num_layers=config.num_layers if even_layers else None,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.kv_heads,
+        ffn=config.ffn_hidden_size,
+        vocab=config.vocab_size,
+        flags=flags,
+    )
+    if sequence_parallel and tp > 1 and config.position_embedding == "learned":
+        raise ValueError(
+            "--sequence-parallel with learned absolute positions (--position-embedding-type "
+            "learned_absolute, the gpt family) is not supported: drop --sequence-parallel"
+        )
+
+
+def check_tp_size(config: ModelConfig, tp_size: int, flags: SplitFlags = SERVE_FLAGS) -> None:
+    """Raise ValueError naming the size that tensor parallelism of `tp_size` cannot split."""
+    check_model_split(config, tp=tp_size, flags=flags, even_layers=False)
 
 
 def match_plan(plan: dict[str, str], module_names: list[str]) -> dict[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import attention
 from kernels.norm import LayerNorm, RMSNorm
 from models.transformer import Attention
 
@@ -56,14 +55,24 @@ class PrefixAttention(Attention):
         segment_ids_BS: torch.Tensor | None,
         cache: object | None,
     ) -> torch.Tensor:
-        """Self-attention whose keys/values are [prefix; context] (prefix visible to every query)."""
+        """`Attention.forward` whose keys/values are [prefix; context] (`extend_keys`): the
+        same projections, backend and sliding window; the prefix is visible to every query
+        within its window."""
         if cache is not None or segment_ids_BS is not None:
             raise ValueError(
                 "--peft-method prefix: KV-cache decoding and packed sequences (segment ids) are "
                 "not supported with prefixes; train without --reset-attention-mask/packing"
             )
-        q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, rope_cos_sin)
-        b = x_BSE.shape[0]
+        return super().forward(x_BSE, rope_cos_sin, key_padding_mask_BS, None, None)
+
+    def extend_keys(
+        self,
+        k_BSKD: torch.Tensor,
+        v_BSKD: torch.Tensor,
+        key_padding_mask_BS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[prefix; context] keys and values, the prefix always a real (unpadded) key."""
+        b = k_BSKD.shape[0]
         prefix_key_PKD, prefix_value_PKD = self.prefix_key_value()
         p = prefix_key_PKD.shape[0]
         pk_BPKD = prefix_key_PKD.to(k_BSKD.dtype).expand(b, -1, -1, -1)
@@ -73,20 +82,7 @@ class PrefixAttention(Attention):
         if key_padding_mask_BS is not None:
             ones_BP = key_padding_mask_BS.new_ones(b, p)
             key_padding_mask_BS = torch.cat([ones_BP, key_padding_mask_BS], dim=1)
-        out_BSHD = attention(
-            q_BSHD,
-            k_BSKD,
-            v_BSKD,
-            causal=True,
-            alibi_slopes_H=self.alibi_slopes_H(q_BSHD.shape[2], q_BSHD.device)
-            if self.alibi
-            else None,
-            key_padding_mask_BS=key_padding_mask_BS,
-            q_offset=p,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
-        assert isinstance(out_BSHD, torch.Tensor)  # return_lse is off
-        return self.o_proj(out_BSHD.flatten(2))
+        return k_BSKD, v_BSKD, key_padding_mask_BS
 
 
 def apply_prefix(

@@ -37,7 +37,7 @@ class StageRange:
     layer_end: int
     """One past the last global layer index held."""
     has_embedding: bool
-    """Holds embed_tokens (and the embedding layernorm): the first stage."""
+    """Holds embed_tokens (and the position table and embedding layernorm): the first stage."""
     has_head: bool
     """Holds the final norm and lm_head: the last stage."""
 
@@ -165,6 +165,7 @@ def build_stage(model_or_config: CausalLM | ModelConfig, stage: StageRange) -> C
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     if not stage.has_embedding:
         model.embed_tokens = None
+        model.embed_positions = None
         model.embed_layernorm = None
     return model
 

@@ -1,7 +1,7 @@
 """Named model configurations: the published sizes of each family plus tiny ones for tests.
 
-Llama-3/3.1/3.2, Qwen2.5, Qwen3, Mistral, Mixtral, Qwen1.5-MoE (qwen2_moe) and Qwen3-MoE sizes are
-those of the published HF `config.json` files.
+Llama-3/3.1/3.2, Qwen2.5, Qwen3, Mistral, Mixtral, Qwen1.5-MoE (qwen2_moe), Qwen3-MoE and GPT-2
+sizes are those of the published HF `config.json` files.
 
 Names double as CLI choices (`--model llama2-7B`). Sizes follow the released HF `config.json`
 files (and ModelLink's launch scripts for llama2-34B and internlm-65B, which have no HF release).
@@ -32,6 +32,20 @@ _BLOOM = dict(
     embedding_layernorm=True,
     fused_gate_up=False,
 )
+_GPT2 = dict(
+    family="gpt",
+    vocab_size=50257,
+    max_position_embeddings=1024,
+    norm_type="layernorm",
+    norm_eps=1e-5,
+    position_embedding="learned",
+    activation="gelu",
+    attention_bias=True,
+    mlp_bias=True,
+    tie_word_embeddings=True,
+    fused_gate_up=False,
+)
+"""GPT-2 (HF GPT2LMHeadModel, gelu_new): Megatron's GPT with --openai-gelu."""
 
 
 def _size(hidden: int, layers: int, heads: int, ffn: int, kv: int | None = None) -> dict[str, Any]:
@@ -126,6 +140,10 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     },
     "bloom-7B1": {**_BLOOM, **_size(4096, 30, 32, 16384)},
     "bloom-176B": {**_BLOOM, **_size(14336, 70, 112, 57344)},
+    "gpt2-124M": {**_GPT2, **_size(768, 12, 12, 3072)},
+    "gpt2-355M": {**_GPT2, **_size(1024, 24, 16, 4096)},
+    "gpt2-774M": {**_GPT2, **_size(1280, 36, 20, 5120)},
+    "gpt2-1.5B": {**_GPT2, **_size(1600, 48, 25, 6400)},
     "llama3-8B": {**_LLAMA3, **_size(4096, 32, 32, 14336, kv=8)},
     "llama3-70B": {**_LLAMA3, **_size(8192, 80, 64, 28672, kv=8)},
     "llama3.1-8B": {**_LLAMA31, **_size(4096, 32, 32, 14336, kv=8)},
@@ -176,6 +194,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         **_TINY,
         "ffn_hidden_size": 256,
     },
+    "tiny-gpt": {**_GPT2, **_TINY, "ffn_hidden_size": 256},
     "tiny-baichuan": {"family": "baichuan", **_TINY},
     "tiny-baichuan-alibi": {"family": "baichuan", **_TINY, "position_embedding": "alibi"},
     "tiny-internlm": {**_INTERNLM, **_TINY},

@@ -92,6 +92,7 @@ class Attention(nn.Module):
                 layer_id, step, q_BSHD, k_BSKD, v_BSKD, slopes_H, self.window
             )
             return self.o_proj(cached_BSHD.flatten(2))
+        k_BSKD, v_BSKD, key_padding_mask_BS = self.extend_keys(k_BSKD, v_BSKD, key_padding_mask_BS)
         out_BSHD = attention(
             q_BSHD,
             k_BSKD,
@@ -108,6 +109,16 @@ class Attention(nn.Module):
         )
         assert isinstance(out_BSHD, torch.Tensor)  # no return_lse: a single tensor
         return self.o_proj(out_BSHD.flatten(2))
+
+    def extend_keys(
+        self,
+        k_BSKD: torch.Tensor,
+        v_BSKD: torch.Tensor,
+        key_padding_mask_BS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values and key mask the queries attend over: this call's own (a subclass puts
+        trainable prefixes before them, models/peft_methods.py; queries then sit at the end)."""
+        return k_BSKD, v_BSKD, key_padding_mask_BS
 
     def _project(
         self, x_BSE: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
@@ -215,6 +226,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Learned absolute positions (GPT-2, Megatron's learned_absolute): a table added to the
+        # token embeddings; it lives with them (the first pipeline stage).
+        self.embed_positions: nn.Embedding | None = None
+        if config.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.embed_layernorm = build_norm(config) if config.embedding_layernorm else None
         self.layers = nn.ModuleDict(
             {str(i): DecoderLayer(config, i) for i in range(config.num_layers)}
@@ -267,12 +283,7 @@ class CausalLM(nn.Module):
         position): a prefill needs one row of logits, not S, and the final norm and head then
         run on those rows alone.
         """
-        if self.embed_tokens is not None:
-            h_BSE = self.embed_tokens(x)
-            if self.embed_layernorm is not None:
-                h_BSE = self.embed_layernorm(h_BSE)
-        else:
-            h_BSE = x
+        h_BSE = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, s = h_BSE.shape[:2]
         step = cache_step
         if kv_cache is None and cache_step is not None:
@@ -284,10 +295,17 @@ class CausalLM(nn.Module):
                 )
             if step is None:
                 step = kv_cache.begin(s, key_padding_mask_BS)
+        if position_ids_BS is None and (
+            self.rotary is not None or self.embed_positions is not None
+        ):
+            position_ids_BS = self._default_positions(b, s, h_BSE.device, segment_ids_BS, step)
+        if self.embed_tokens is not None:
+            if self.embed_positions is not None:
+                h_BSE = h_BSE + self.embed_positions(position_ids_BS)
+            if self.embed_layernorm is not None:
+                h_BSE = self.embed_layernorm(h_BSE)
         rope = None
         if self.rotary is not None:
-            if position_ids_BS is None:
-                position_ids_BS = self._default_positions(b, s, h_BSE.device, segment_ids_BS, step)
             rope = self.rotary(position_ids_BS)
         for layer in self.layers.values():
             h_BSE = layer(h_BSE, rope, key_padding_mask_BS, segment_ids_BS, kv_cache, step)

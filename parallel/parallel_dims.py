@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kernels import device
+from models.parallel_plan import check_split
 from parallel.config import HasParallelConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -107,33 +108,18 @@ class ParallelDims:
         seq_length: int | None = None,
     ) -> None:
         """Raise ValueError naming the flag and the numbers that this layout cannot split
-        (`num_layers` None: an uneven pipeline split the caller checked itself)."""
-        for what, value in (
-            ("num_attention_heads", num_heads),
-            ("ffn_hidden_size", ffn),
-            ("vocab_size", vocab),
-        ):
-            if value % self.tp:
-                raise ValueError(
-                    f"{what} {value} is not divisible by --tensor-model-parallel-size {self.tp}; "
-                    f"choose a tensor-parallel size that divides {value} ({_divisors(value)})"
-                )
-        if num_kv_heads % self.tp and self.tp % num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads {num_kv_heads} and --tensor-model-parallel-size {self.tp}: one must "
-                "divide the other (KV heads are split up to their number and replicated beyond); "
-                f"choose a tensor-parallel size among {_divisors(num_kv_heads)} or a multiple of "
-                f"{num_kv_heads}"
-            )
-        stages = self.pp * self.virtual_pp
-        if num_layers is not None and num_layers % stages:
-            chunks = f" × {self.virtual_pp} virtual chunks" if self.virtual_pp > 1 else ""
-            raise ValueError(
-                f"num_layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{self.pp}{chunks} = {stages} pipeline stages (every stage holds the same number "
-                f"of layers); choose a pipeline size that divides {num_layers} "
-                f"({_divisors(num_layers)})"
-            )
+        (`num_layers` None: an uneven pipeline split the caller checked itself); the shared
+        `models.parallel_plan.check_split` with the trainer's flag names."""
+        check_split(
+            tp=self.tp,
+            pp=self.pp,
+            virtual=self.virtual_pp,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            ffn=ffn,
+            vocab=vocab,
+        )
         if seq_length is not None:
             check_seq_length(seq_length, self.cp)
 
@@ -258,12 +244,6 @@ def _factors(tp: int, pp: int, cp: int, dp_replicate: int = 1) -> str:
         f"--context-parallel-size {cp}"
     )
     return text + (f" × data-parallel replicas {dp_replicate}" if dp_replicate > 1 else "")
-
-
-def _divisors(value: int) -> str:
-    """The divisors of `value`, as a short comma list (at most the first eight)."""
-    found = [d for d in range(1, min(value, 4096) + 1) if value % d == 0]
-    return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
 
 
 def check_world_size(world_size: int, *, tp: int, pp: int, cp: int, dp_replicate: int = 1) -> int:

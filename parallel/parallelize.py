@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.config import ModelConfig
+from models.parallel_plan import check_model_split
 from parallel.config import ParallelConfig
 from parallel.context_parallel import apply_context_parallel, shard_sequence
 from parallel.grad_sync import GradSync
@@ -39,12 +40,13 @@ def check_model(
     from parallel import pipeline
 
     uneven = par is not None and pipeline.layer_counts(par, model_config.num_layers) is not None
-    dims.check_model(
-        num_layers=None if uneven else model_config.num_layers,
-        num_heads=model_config.num_attention_heads,
-        num_kv_heads=model_config.kv_heads,
-        ffn=model_config.ffn_hidden_size,
-        vocab=model_config.vocab_size,
+    check_model_split(
+        model_config,
+        tp=dims.tp,
+        pp=dims.pp,
+        virtual=dims.virtual_pp,
+        even_layers=not uneven,
+        sequence_parallel=dims.sequence_parallel,
     )
     window = getattr(model_config, "sliding_window", None)
     if window is not None and dims.cp > 1:

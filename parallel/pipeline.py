@@ -86,7 +86,7 @@ class PipelineRankModel(nn.Module):
         self.config = config
         self.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
         owned = {}
-        for name in ("embed_tokens", "embed_layernorm", "norm", "lm_head"):
+        for name in ("embed_tokens", "embed_positions", "embed_layernorm", "norm", "lm_head"):
             owner = next((c for c in chunks if getattr(c, name, None) is not None), None)
             owned[name] = getattr(owner, name) if owner is not None else None
         if config.tie_word_embeddings and owned["embed_tokens"] is None and owned["lm_head"]:

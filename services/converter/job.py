@@ -30,6 +30,7 @@ from checkpoints.units import (
     units,
 )
 from models.config import ModelConfig
+from models.parallel_plan import CONVERT_FLAGS, check_model_split
 from services.converter.malloc import fix_mmap_threshold
 from services.converter.options import (
     FORMATS,
@@ -83,6 +84,21 @@ def open_sink(options: ConvertOptions, directory: Path, source: Source, dtype: t
     return spec.open_sink(directory, source, dtype, layout)
 
 
+def check_target_layout(options: ConvertOptions, config: ModelConfig) -> None:
+    """ValueError naming --target-tensor/pipeline-parallel-size (or the virtual stage size) when
+    the source's model config cannot be split that way: before any weight is read."""
+    if not get_format(options.save_format, "--save-format").model_parallel:
+        return
+    check_model_split(config, tp=options.target_tp, pp=options.target_pp, flags=CONVERT_FLAGS)
+    per_virtual = options.layers_per_virtual_stage
+    if per_virtual is not None and config.num_layers % (options.target_pp * per_virtual):
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_virtual} × "
+            f"--target-pipeline-parallel-size {options.target_pp} does not divide the model's "
+            f"num_layers {config.num_layers}; pick sizes whose product divides it"
+        )
+
+
 def _check_save_dir(options: ConvertOptions) -> None:
     reads = [("--load-dir", options.load_dir)]
     if options.lora_dir is not None:
@@ -104,6 +120,7 @@ def convert(
     named = get_config(options.model) if options.model else None
     source = open_source(options, named)
     config = source.config
+    check_target_layout(options, config)
     adapter = (
         open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
         if options.lora_dir is not None

@@ -19,12 +19,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
+from checkpoints.registry import AUTO, SERVE_FORMATS, detect_format, get_format
 from engine.engine import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.leader_follower import LeaderFollowerEngine
 from engine.parallel_engine import build_parallel_engine
 from engine.tokens import TokenizerInfo
 from kernels import device as devices
+from models.parallel_plan import SERVE_FLAGS, check_model_split
 from services.inference.config import InferenceServiceConfig
 
 log = logging.getLogger(__name__)
@@ -91,10 +93,31 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def check_layout(config: InferenceServiceConfig) -> None:
+    """ValueError naming --tensor-parallel-size / --pipeline-parallel-size when the checkpoint's
+    own config (config.json, the native or Megatron model config: no weight is read) cannot be
+    split that way; run before any rank is spawned."""
+    assert config.load is not None
+    directory = config.load
+    fmt = detect_format(directory) if config.load_format == AUTO else config.load_format
+    try:
+        model = get_format(fmt, "--load-format", SERVE_FORMATS).open_source(directory, None, None)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
+    check_model_split(
+        model.config,
+        tp=config.tensor_parallel_size,
+        pp=config.pipeline_parallel_size,
+        flags=SERVE_FLAGS,
+    )
+
+
 def launch_parallel(config: InferenceServiceConfig) -> Any:
-    """Start ranks 1..N-1 as child processes, join as rank 0, return the serving engine."""
+    """Check the layout against the checkpoint's config, start ranks 1..N-1 as child processes,
+    join as rank 0, return the serving engine."""
     from services.inference.serving import ServingEngine
 
+    check_layout(config)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     # The rendezvous store listens on a port the OS assigns as it binds. A port picked free and
     # handed to rank 0 to bind later could be taken meanwhile (another server starting, a

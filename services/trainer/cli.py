@@ -6,8 +6,8 @@
 Launcher flags (torchrun's names): --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint,
 --max-restarts (and torch.distributed.launch's --master-addr/--master-port, the rendezvous of a
 multi-node job); every other flag is a training flag (`meshline train --help-train` lists them).
-The training flags, and every path and tokenizer they name (`launch_checks`, then `preflight`
-opens the data and tokenizer), are checked before any worker starts.
+The training flags, every path and tokenizer they name, and the model they define against the
+TP/PP layout (`launch_checks`) are checked before any worker starts.
 
 Dry run (no devices, no weights): `meshline train … --dry-run --world-size N
 [--nproc-per-node M] [--dry-run-report FILE] [--device-memory 80GiB]` checks the command line,
@@ -25,10 +25,9 @@ import sys
 
 from services.trainer import dry_run
 from services.trainer.arguments import build_parser, parse_args
-from services.trainer.launch_checks import check_paths
+from services.trainer.launch_checks import check_inputs, check_model_layout, check_paths
 from services.trainer.launcher import launch
 from services.trainer.megatron_flags import WARNED_ENV
-from services.trainer.preflight import check_inputs
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -79,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(train_argv, read_files=True)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
-        config.validate((launch_args.nproc_per_node or 1) * nodes)
+        world_size = (launch_args.nproc_per_node or 1) * nodes
+        config.validate(world_size)
         check_paths(config)  # one line before any worker starts
         check_inputs(config)
+        check_model_layout(config, world_size)
         os.environ[WARNED_ENV] = "1"  # the workers need not repeat the no-effect flag warning
         try:
             return launch(

@@ -1,12 +1,17 @@
-"""Checks of every path and tokenizer flag of a training config, before any worker starts.
+"""The pre-launch checks of a training run: everything its config decides, before any worker
+starts or weight is read (the one such module; `meshline train` and the trainer service call it).
 
-`check_paths(config)` raises ValueError with one line naming the flag and the fix; `meshline
-train` calls it before torchrun (or the in-process run) so a wrong `--data-path` is reported at
-once instead of by every worker under a traceback. `load_action(config)` tells how `--load` is
-honoured under Megatron's resume rules. Both read only the parsed config, so a service can reuse
-them on a request's config. `preflight.check_inputs` then opens the datasets and tokenizer
-(what the trainer service runs too); its `--load` check follows `load_action`, so that
-`--load X --save X` on a fresh directory keeps working.
+- `check_paths(config)`: every path and tokenizer flag, one ValueError line naming the flag and
+  the fix, so a wrong `--data-path` is reported at once instead of by every worker under a
+  traceback.
+- `load_action(config)`: how `--load` is honoured under Megatron's resume rules.
+- `check_inputs(config)`: opens every dataset as the trainer will and checks the tokenizer and
+  checkpoint folders (FileNotFoundError for what is missing, the service's NOT_FOUND; ValueError
+  for what is unreadable); its `--load` check follows `load_action`, so that `--load X --save X`
+  on a fresh directory keeps working.
+- `check_model_layout(config, world_size)`: the model the flags define (registry or Megatron
+  architecture flags, the tokenizer's vocabulary) against the TP/PP/EP layout, with the check the
+  workers run (`parallel.parallelize.check_model`, i.e. `models.parallel_plan.check_split`).
 """
 
 from __future__ import annotations
@@ -167,3 +172,97 @@ def check_paths(config: TrainConfig) -> None:
             f"--lora-load {lora}: no such directory; pass an adapter directory (peft or "
             "Meshline) or a LoRA run's --save directory"
         )
+
+
+_DATA_FLAGS = (
+    ("data_path", "--data-path"),
+    ("train_data_path", "--train-data-path"),
+    ("valid_data_path", "--valid-data-path"),
+    ("test_data_path", "--test-data-path"),
+)
+
+
+def check_data(config: TrainConfig) -> None:
+    """Opens every data prefix as the trainer will (FileNotFoundError / ValueError naming it)."""
+    from tokendata.datasets.sources import open_instruction, open_pretraining
+
+    data = config.data
+    for name, flag in _DATA_FLAGS:
+        for prefix in _prefixes(getattr(data, name)):
+            try:
+                if data.is_instruction_dataset:
+                    open_instruction(prefix, data.data_format)
+                else:
+                    open_pretraining(prefix, data.data_format)
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"{flag} {prefix}: {exc}") from None
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"{flag} {prefix}: not a readable dataset: {exc}") from None
+
+
+def check_tokenizer(config: TrainConfig) -> None:
+    """The tokenizer file (SentencePiece) or folder (HF) exists (FileNotFoundError naming it)."""
+    data = config.data
+    if data.tokenizer_model and not Path(data.tokenizer_model).is_file():
+        raise FileNotFoundError(
+            f"--tokenizer-model {data.tokenizer_model}: no such file; pass the SentencePiece "
+            ".model file"
+        )
+    if data.tokenizer_name_or_path and not Path(data.tokenizer_name_or_path).is_dir():
+        raise FileNotFoundError(
+            f"--tokenizer-name-or-path {data.tokenizer_name_or_path}: no such directory; pass a "
+            "local directory holding tokenizer.json or tokenizer_config.json (hub names are not "
+            "downloaded)"
+        )
+
+
+def check_checkpoints(config: TrainConfig) -> None:
+    """--load follows Megatron's rule (`load_action`: a missing or empty folder starts fresh when
+    it is also --save); --lora-load names an existing folder."""
+    try:
+        load_action(config)
+    except ValueError as exc:
+        missing = config.run.load is not None and not Path(config.run.load).exists()
+        raise (FileNotFoundError if missing else ValueError)(str(exc)) from None
+    lora = config.peft.lora_load
+    if lora and not Path(lora).is_dir():
+        raise FileNotFoundError(f"--lora-load {lora}: no such checkpoint folder")
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """Every input of the run exists and is readable (FileNotFoundError / ValueError)."""
+    if not config.data.mock_data:
+        check_tokenizer(config)
+        check_data(config)
+    check_checkpoints(config)
+
+
+def check_model_layout(config: TrainConfig, world_size: int) -> None:
+    """The model the flags define fits the parallel layout of `world_size` ranks (ValueError
+    naming the flag), checked as the workers will check it but before any of them starts."""
+    from parallel.parallel_dims import build_dims
+    from parallel.parallelize import check_model
+    from parallel.pipeline import virtual_chunks
+    from services.trainer.setup import build_model_config
+
+    model_config = build_model_config(config, _tokenizer_vocab(config))
+    dims = build_dims(config, world_size)
+    par = config.parallel
+    dims.virtual_pp = virtual_chunks(
+        model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
+    )
+    check_model(dims, model_config, par)
+
+
+def _tokenizer_vocab(config: TrainConfig) -> int | None:
+    """The tokenizer's vocabulary (what the workers pad the model's to); None for --mock-data."""
+    data = config.data
+    source = data.tokenizer_model or data.tokenizer_name_or_path
+    if data.mock_data or data.tokenizer_type is None or source is None:
+        return None
+    from models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(
+        data.tokenizer_type, source, use_fast=not data.tokenizer_not_use_fast
+    )
+    return tokenizer.vocab_size

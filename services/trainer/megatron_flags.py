@@ -161,7 +161,6 @@ TABLE: tuple[CompatFlag, ...] = (
     CompatFlag("--accumulate-allreduce-grads-in-fp32", "same", "gradients are fp32 masters"),
     CompatFlag("--use-mcore-models", "same", "one model implementation (models/)"),
     CompatFlag("--transformer-impl", "same", "one model implementation (models/)", nargs=1),
-    CompatFlag("--no-position-embedding", "same", "no learned position table with rope/alibi"),
     CompatFlag("--no-create-attention-mask-in-dataloader", "same", "masks are built per kernel"),
     CompatFlag("--use-cpu-initialization", "same", "weights are initialised deterministically "
                "from --seed on any device"),

@@ -2,8 +2,8 @@
 
 A model can be defined by these flags alone, as Megatron/ModelLink scripts do, or chosen with
 `--model NAME`, which fills the same `models.config.ModelConfig` fields. Without `--model`, a flag
-left out takes Megatron's default (LayerNorm, GeLU MLP, biases on every linear, output layer tied
-to the embedding); with `--model`, it keeps the registry value, and a flag that contradicts the
+left out takes Megatron's default (learned absolute positions, LayerNorm, exact-erf GeLU MLP,
+biases on every linear, output layer tied to the embedding: the "gpt" family, HF GPT-2); with `--model`, it keeps the registry value, and a flag that contradicts the
 registry model (`--model tiny-llama --normalization LayerNorm`) is an error naming both. Shape
 flags (`--num-layers`, `--hidden-size`, ...) keep overriding the registry value.
 """
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 # Megatron's spelling -> ModelConfig value.
 NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
-POSITION_EMBEDDINGS = {"rope": "rope", "alibi": "alibi"}
+POSITION_EMBEDDINGS = {"rope": "rope", "alibi": "alibi", "learned_absolute": "learned"}
 # --attention-backend / --use-flash-attn / --triangle-attn -> kernels.attention backend name
 # (None: the device's default, i.e. flash-attn on CUDA when installed, npu_fusion_attention on NPU).
 ATTENTION_BACKENDS: dict[str, str | None] = {
@@ -37,13 +37,19 @@ class ArchSection:
     """Architecture flags of Megatron-LM / ModelLink (model defined without --model)."""
 
     position_embedding_type: Literal["rope", "alibi", "learned_absolute", "none"] | None = None
-    """Position encoding: rope or alibi (Megatron's learned_absolute and none are not supported)."""
+    """Position encoding: rope, alibi or learned_absolute (Megatron's default without --model: a
+    learned table of --max-position-embeddings rows, the "gpt" family); none is not supported."""
     normalization: Literal["LayerNorm", "RMSNorm"] | None = None
     """Norm layer kind (Megatron's default without --model: LayerNorm)."""
     norm_epsilon: float | None = None
     """Epsilon inside every norm (Megatron's default without --model: 1e-5)."""
     swiglu: bool = False
     """Gated SwiGLU MLP (without it and without --model: GeLU)."""
+    no_position_embedding: bool = False
+    """Megatron's (deprecated) switch off of the learned position table: accepted with rope or
+    alibi, which have none; refused where the model would have one (Megatron's rule)."""
+    openai_gelu: bool = False
+    """GeLU's tanh approximation (GPT-2's gelu_new) instead of Megatron's default exact erf GeLU."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output layer instead of one tied to the word embedding."""
     disable_bias_linear: bool = False
@@ -70,11 +76,18 @@ class ArchSection:
     or reference; Megatron's fused/unfused/local also accepted."""
 
     def __post_init__(self) -> None:
-        if self.position_embedding_type in ("learned_absolute", "none"):
+        if self.position_embedding_type == "none":
             raise ValueError(
-                f"--position-embedding-type {self.position_embedding_type} is not supported: "
-                "Meshline models use --position-embedding-type rope (Llama) or alibi (Bloom)"
+                "--position-embedding-type none is not supported: Meshline models use "
+                "--position-embedding-type learned_absolute (GPT, the default), rope (Llama) or "
+                "alibi (Bloom)"
             )
+        if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
+            raise ValueError(
+                "--no-position-embedding contradicts --position-embedding-type learned_absolute"
+            )
+        if self.swiglu and self.openai_gelu:
+            raise ValueError("--openai-gelu and --swiglu both choose the MLP activation; keep one")
         if self.norm_epsilon is not None and self.norm_epsilon <= 0:
             raise ValueError(f"--norm-epsilon must be positive, got {self.norm_epsilon}")
         if self.rotary_base is not None and self.rotary_base <= 0:
@@ -108,6 +121,8 @@ class ArchSection:
             out["norm_eps"] = (f"--norm-epsilon {self.norm_epsilon}", self.norm_epsilon)
         if self.swiglu:
             out["activation"] = ("--swiglu", "swiglu")
+        if self.openai_gelu:
+            out["activation"] = ("--openai-gelu", "gelu")
         if self.untie_embeddings_and_output_weights:
             out["tie_word_embeddings"] = ("--untie-embeddings-and-output-weights", False)
         if self.disable_bias_linear:
@@ -143,9 +158,10 @@ def _qkv_bias(disable_bias_linear: bool) -> dict[str, tuple[str, Any]]:
 # Megatron's defaults for a model given by flags alone (no --model): arguments.py's defaults.
 MEGATRON_DEFAULTS: dict[str, Any] = {
     "family": "llama",
+    "position_embedding": "learned",
     "norm_type": "layernorm",
     "norm_eps": 1e-5,
-    "activation": "gelu",
+    "activation": "gelu_exact",
     "attention_bias": True,
     "mlp_bias": True,
     "tie_word_embeddings": True,
@@ -173,12 +189,16 @@ def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
     fields = {**MEGATRON_DEFAULTS}
     fields.update({key: value for key, (_, value) in arch.fields_set().items()})
     fields.update(config.model.overrides())
-    if "position_embedding" not in fields:
-        raise ValueError(
-            "no --model and no --position-embedding-type: Megatron's default (learned "
-            "absolute positions) is not supported; pass --position-embedding-type rope "
-            "(Llama) or alibi (Bloom), or --model NAME"
-        )
+    if fields["position_embedding"] == "learned":
+        if arch.no_position_embedding:
+            raise ValueError(
+                "--no-position-embedding without --position-embedding-type: Megatron's default "
+                "is learned_absolute, which has the table; pass --position-embedding-type rope "
+                "or alibi (models without positions are not supported)"
+            )
+        # Megatron's GPT (pretrain_gpt.py's model): HF GPT-2's layout, the "gpt" family.
+        fields["family"] = "gpt"
+        fields.setdefault("fused_gate_up", False)
     if "vocab_size" not in fields and tokenizer_vocab is not None:
         fields["vocab_size"] = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
     fields.setdefault("ffn_hidden_size", megatron_ffn_size(fields["hidden_size"], arch.swiglu))

@@ -3,7 +3,7 @@
 A request carries the same flags `meshline train` takes. The servicer checks the launch fields
 and the environment (an allow-list, `worker_env`), parses the flags with the trainer's own
 parser, resolves every path under the data roots (`request_paths`), checks the inputs exist and
-are readable (`preflight`), then runs the job with the *resolved* flags (`services.trainer.job.run_job`: torchrun, or Kubernetes
+are readable (`launch_checks`), then runs the job with the *resolved* flags (`services.trainer.job.run_job`: torchrun, or Kubernetes
 workloads in a cluster) in a worker thread. Each metrics record becomes a StreamMetricsResponse
 and the operation's progress; StopTraining sends the workers SIGTERM, on which they save to --save
 and exit (SIGUSR2 with save_checkpoint=false: they exit without saving).
@@ -39,7 +39,7 @@ from services.common.server import ServiceBinding
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.job import TrainingRun, run_job
 from services.trainer.k8s_launcher import use_kubernetes
-from services.trainer.preflight import check_inputs
+from services.trainer.launch_checks import check_inputs, check_model_layout
 from services.trainer.request_paths import argv_from_config, confine_config
 from services.trainer.train_config import TrainConfig
 from services.trainer.worker_env import env_violations
@@ -133,6 +133,7 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
     config = confine_config(config, roots)
     try:
         check_inputs(config)
+        check_model_layout(config, world_size)
     except FileNotFoundError as exc:
         raise NotFound(f"args: {exc}") from None
     except ValueError as exc:

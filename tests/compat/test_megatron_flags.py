@@ -252,7 +252,7 @@ def test_megatron_architecture_flags_define_the_model_without_model():
     # Megatron's defaults for what is left out: LayerNorm, GeLU with 4h, biases, tied output.
     gpt = build_model_config(parse_args([*BASE, "--position-embedding-type", "alibi",
                                          "--make-vocab-size-divisible-by", "64"]), 300)  # fmt: skip
-    assert (gpt.norm_type, gpt.activation, gpt.ffn_hidden_size) == ("layernorm", "gelu", 256)
+    assert (gpt.norm_type, gpt.activation, gpt.ffn_hidden_size) == ("layernorm", "gelu_exact", 256)
     assert gpt.attention_bias and gpt.mlp_bias and gpt.tie_word_embeddings
     assert gpt.position_embedding == "alibi" and gpt.vocab_size == 320
     # --group-query-attention alone: Megatron's default of one query group.
@@ -261,11 +261,23 @@ def test_megatron_architecture_flags_define_the_model_without_model():
     assert mqa.kv_heads == 1
 
 
-def test_no_position_embedding_type_without_model_names_the_choices():
-    with pytest.raises(ValueError, match=r"--position-embedding-type rope .* or alibi"):
-        build_model_config(parse_args(BASE))
-    with pytest.raises(ValueError, match="learned_absolute is not supported"):
-        parse_args([*BASE, "--position-embedding-type", "learned_absolute"])
+def test_no_position_embedding_type_without_model_is_megatrons_gpt():
+    # Megatron's default model (pretrain_gpt.py): learned absolute positions, LayerNorm, exact
+    # GeLU, biases, tied output layer: the "gpt" family (HF GPT-2).
+    for argv in (BASE, [*BASE, "--position-embedding-type", "learned_absolute"]):
+        gpt = build_model_config(parse_args([*argv, "--max-position-embeddings", "64"]), 300)
+        assert (gpt.family, gpt.position_embedding, gpt.activation) == (
+            "gpt",
+            "learned",
+            "gelu_exact",
+        )
+        assert (gpt.norm_type, gpt.attention_bias, gpt.mlp_bias) == ("layernorm", True, True)
+        assert gpt.tie_word_embeddings and gpt.max_position_embeddings == 64
+    untied = build_model_config(parse_args([*BASE, "--openai-gelu",
+                                            "--untie-embeddings-and-output-weights"]))  # fmt: skip
+    assert untied.activation == "gelu" and not untied.tie_word_embeddings
+    with pytest.raises(ValueError, match="--position-embedding-type none is not supported"):
+        parse_args([*BASE, "--position-embedding-type", "none"])
 
 
 def test_model_shorthand_fills_the_same_fields_and_conflicts_name_both():
@@ -285,3 +297,14 @@ def test_model_shorthand_fills_the_same_fields_and_conflicts_name_both():
     else:
         with pytest.raises(ValueError, match=r"--kv-channels 8 .*16"):
             build_model_config(kv8)
+
+
+def test_no_position_embedding_is_refused_where_the_model_has_a_table():
+    rope = build_model_config(parse_args([*BASE, "--use-rotary-position-embeddings",
+                                          "--no-position-embedding"]))  # fmt: skip
+    assert rope.position_embedding == "rope"
+    with pytest.raises(ValueError, match="--no-position-embedding without --position-embedding"):
+        build_model_config(parse_args([*BASE, "--no-position-embedding"]))
+    with pytest.raises(ValueError, match="contradicts --position-embedding-type learned_absolute"):
+        parse_args([*BASE, "--no-position-embedding", "--position-embedding-type",
+                    "learned_absolute"])  # fmt: skip

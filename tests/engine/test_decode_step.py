@@ -113,8 +113,8 @@ def test_packed_linear_layers_identical():
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"position_embedding": "alibi", "norm_type": "layernorm"}, "RoPE"),
-        ({"sliding_window": 4}, "sliding window"),
+        ({"position_embedding": "alibi"}, "rotates q and k"),
+        ({"sliding_window": 4}, "sliding_window"),
         ({"activation": "gelu", "fused_gate_up": False}, "activation"),
         ({"norm_type": "layernorm"}, "RMSNorm"),
         (

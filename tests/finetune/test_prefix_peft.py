@@ -43,3 +43,31 @@ def test_prefix_logits_equal_peft_prefix_tuning():
         expected = peft_model.eval()(input_ids=x).logits
         got = ours(x, position_ids_BS=positions)
     assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_prefix_attention_keeps_the_sliding_window_and_the_backend(monkeypatch):
+    """PrefixAttention is `Attention.forward` with [prefix; context] keys: a windowed model's
+    queries see only their window (prefix included), through the layer's chosen backend."""
+    from kernels import attention as kernels_attention
+    from models import transformer
+
+    config = get_config("tiny-mistral")  # sliding window 8
+    model = build_model(config, device="cpu").eval()
+    apply_prefix(model, P)
+    attn = model.layers["0"].self_attn
+    assert isinstance(attn, PrefixAttention)
+    attn.attention_backend = "reference"
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["window"], kwargs["backend"], args[1].shape[1]))
+        return kernels_attention.attention(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "attention", spy)
+    x = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        windowed = model(x)
+        assert seen[0] == (8, "reference", P + 12)
+        for layer in model.layers.values():
+            layer.self_attn.window = None
+        assert (model(x) - windowed).abs().max().item() > 1e-4  # the window changes the result

@@ -65,7 +65,7 @@ def test_json_round_trip():
         ({"hidden_size": 65}, "hidden_size=65 is not divisible"),
         ({"num_kv_heads": 3}, "num_kv_heads=3"),
         ({"norm_type": "batchnorm"}, "norm_type='batchnorm'"),
-        ({"position_embedding": "learned"}, "position_embedding"),
+        ({"position_embedding": "learned_absolute"}, "position_embedding"),
         ({"activation": "relu"}, "activation='relu'"),
         ({"vocab_size": 0}, "vocab_size=0"),
         ({"rope_scaling": {"type": "yarn", "factor": 2}}, "rope_scaling"),

@@ -180,8 +180,8 @@ def test_config_from_hf_reads_published_layouts():
     )  # fmt: skip
     assert baichuan13.position_embedding == "alibi" and baichuan13.norm_head
     assert baichuan13.max_position_embeddings == 4096
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
-        config_from_hf({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
+        config_from_hf({"model_type": "gpt_neox"})
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "bloom", "internlm-bias"])

@@ -120,7 +120,9 @@ def test_tp_plan_covers_every_linear(name, fused):
 
 def test_tp_size_check_names_the_size():
     check_tp_size(get_config("llama2-70B"), 8)
-    with pytest.raises(ValueError, match="num_kv_heads=8"):
+    with pytest.raises(
+        ValueError, match="num_kv_heads 8 is not divisible by --tensor-parallel-size 16"
+    ):
         check_tp_size(get_config("llama2-70B"), 16)
 
 

@@ -4,7 +4,7 @@ other layout tests): Llama-3 (llama3 RoPE, tied head), Qwen3 (per-head q/k norms
 heads; explicit head_dim), Qwen2 (qkv bias) and Mistral (sliding window, which context
 parallelism refuses: ring attention has no window).
 
-Qwen2's (and Qwen2-MoE's) k bias is left out of the parameter comparison: it cannot change the attention (it adds
+Qwen2's (and Qwen2-MoE's, and GPT's) k bias is left out of the parameter comparison: it cannot change the attention (it adds
 q·b_k to every score of a query), so its gradient is rounding noise that Adam turns into
 ±lr steps in any layout."""
 
@@ -30,6 +30,9 @@ CASES = [
     ("tiny-qwen3", ["tp2", "tp2-sp", "pp2", "cp2"]),
     ("tiny-qwen2", ["tp2", "pp2", "cp2"]),
     ("tiny-mistral", ["tp2", "pp2"]),
+    # Megatron's GPT: learned positions (replicated under TP, first stage under PP); sequence
+    # parallelism is refused for it (tests/services/test_layout_checks_first.py).
+    ("tiny-gpt", ["tp2", "pp2", "cp2"]),
 ]
 
 
@@ -37,7 +40,7 @@ def _without_k_bias(params: dict[str, torch.Tensor], model: str) -> dict[str, to
     from models.registry import get_config
 
     c = get_config(model)
-    if not c.qkv_bias:
+    if not (c.qkv_bias or c.attention_bias):
         return params
     q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
     out = dict(params)

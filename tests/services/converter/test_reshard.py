@@ -112,7 +112,9 @@ def test_qkv_and_swiglu_layout_per_rank(kv_heads, tp):
 
 
 def test_tp_that_splits_a_query_group_is_refused(llama_dir, tmp_path):
-    with pytest.raises(ValueError, match="key/value heads"):
+    with pytest.raises(
+        ValueError, match="num_kv_heads 2 is not divisible by --target-tensor-parallel-size 4"
+    ):
         convert(ConvertOptions("hf", "megatron", llama_dir, tmp_path / "tp4", target_tp=4))
     assert not (tmp_path / "tp4").exists()
     assert not list(tmp_path.iterdir())  # no partial directory left behind

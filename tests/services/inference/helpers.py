@@ -20,7 +20,12 @@ from models import build_model
 from models.hf_adapters import from_hf, hf_config
 from models.registry import get_config
 
-MODELS = {"llama-gqa": "tiny-llama-gqa", "bloom": "tiny-bloom", "mistral": "tiny-mistral"}
+MODELS = {
+    "llama-gqa": "tiny-llama-gqa",
+    "bloom": "tiny-bloom",
+    "mistral": "tiny-mistral",
+    "gpt": "tiny-gpt",
+}
 EOS_ID = 2
 PAD_ID = 1
 """HF fills finished rows with `pad_token_id or eos`: a non-zero pad keeps padding recognisable."""

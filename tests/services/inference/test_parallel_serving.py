@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, directory: str, layout: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp", "pp"])
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom", "mistral"])
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom", "mistral", "gpt"])
 def test_two_processes_match_one(tmp_path, name, layout):
     """Mistral: prompts and generations run past the sliding window (8), so every rank's KV
     cache is a ring of 8 slots (models/kv_ring.py)."""

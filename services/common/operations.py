@@ -3,8 +3,11 @@
 Jobs run in worker threads (or report from processes through their parent) and update their
 operation through an `OperationHandle`; gRPC watchers are asyncio coroutines. Every change replaces
 the stored `Operation` with a new snapshot under one lock and is pushed, in order, to each watcher's
-event loop with `call_soon_threadsafe`. Records persist (see `operation_records`) on every state
-change and at most every `PERSIST_INTERVAL_S` for progress, so a restart keeps finished jobs.
+event loop with `call_soon_threadsafe`. Records persist in the service's state database
+(`state_db`, SQLite) on every state change and at most every `PERSIST_INTERVAL_S` for progress,
+so a restart keeps finished jobs. A restarted server fails the operations its dead predecessor
+left unfinished with the true reason, after stopping every process they had started
+(`job_processes`) and only then releasing their output claims.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
 from services.common.errors import InvalidArgument, NotFound
+from services.common.job_processes import stop_processes
 from services.common.metrics import OPERATIONS as OPERATIONS_METRICS
 from services.common.operation_jobs import OperationHandle, run_in_thread
-from services.common.operation_records import read_records, write_record
+from services.common.operation_records import read_records
 from services.common.operation_watch import Watcher
 from services.common.progress import RateMeter
+from services.common.state_db import ProcessRecord, StateDB
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +77,79 @@ class OperationsStore:
         self._last_persist: dict[str, float] = {}
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.db = StateDB(self.state_dir)
+        """The durable tables: operations, output claims, job processes."""
+        if self.state_dir is not None:
             self._load()
         OPERATIONS_METRICS.add(self)
 
     def _load(self) -> None:
         assert self.state_dir is not None
-        for operation in read_records(self.state_dir):
+        stored_names = {stored.operation.name for stored in self.db.operations()}
+        for legacy in read_records(self.state_dir):
+            # JSON records of servers before the database: imported once, then left as they are.
+            if legacy.name not in stored_names:
+                self.db.put_operation(legacy)
+        for stored in self.db.operations():
+            operation = stored.operation
             if not operation.done:
-                previous = State.Name(operation.state)
-                operation.state = FAILED
-                operation.done = True
-                operation.error.code = grpc.StatusCode.UNAVAILABLE.value[0]
-                operation.error.message = (
-                    f"server restarted while the operation was {previous}; start it again"
-                )
-                operation.update_time.GetCurrentTime()
-                operation.end_time.GetCurrentTime()
-                write_record(self.state_dir, operation, durable=True)
+                if stored.owner_alive:
+                    continue  # another live server over this directory runs it
+                self._fail_orphan(operation, stored.owner_pid)
             self._ops[operation.name] = operation
         if self._ops:
-            logger.info("loaded %d operation records from %s", len(self._ops), self.state_dir)
+            logger.info("loaded %d operations from %s", len(self._ops), self.db.path)
+
+    def _fail_orphan(self, operation: Operation, owner_pid: int) -> None:
+        """FAILED UNAVAILABLE for an unfinished operation of a dead server, its processes stopped."""
+        previous = State.Name(operation.state)
+        record = self.db.process(operation.name)
+        stopped = ""
+        if record is not None:
+            found, killed = stop_processes(record.token)
+            stopped = (
+                f"; {found} of its processes were still running and were stopped"
+                + (f" ({killed} with SIGKILL)" if killed else "")
+                if found
+                else "; its processes had already ended with the server"
+            )
+        operation.state = FAILED
+        operation.done = True
+        operation.error.code = grpc.StatusCode.UNAVAILABLE.value[0]
+        operation.error.message = (
+            f"server restarted while the operation was {previous}: the server process "
+            f"(pid {owner_pid}) ended before the job finished{stopped}; start it again"
+        )
+        operation.update_time.GetCurrentTime()
+        operation.end_time.GetCurrentTime()
+        # Done: the same write drops its claims and process records.
+        self.db.put_operation(operation)
+        logger.warning("%s: %s", operation.name, operation.error.message)
+
+    def record_process(self, record: ProcessRecord) -> None:
+        """Remembers the processes a job started, so a restarted server can stop them."""
+        self.db.record_process(record)
 
     # -- updates (any thread) -------------------------------------------------------------
 
-    def create(self, kind: str, metadata: Message | None = None) -> OperationHandle:
-        """A new PENDING operation of `kind` ("train", "convert", ...) and the handle to drive it."""
+    @staticmethod
+    def new_name(kind: str) -> str:
+        """A fresh operation name of `kind` (claims are taken under it before it is created)."""
         if not _KIND.fullmatch(kind):
             raise ValueError(f"operation kind {kind!r} must match {_KIND.pattern}")
-        name = f"operations/{kind}-{uuid.uuid4().hex[:12]}"
+        return f"operations/{kind}-{uuid.uuid4().hex[:12]}"
+
+    def create(
+        self, kind: str, metadata: Message | None = None, *, name: str | None = None
+    ) -> OperationHandle:
+        """A new PENDING operation of `kind` ("train", "convert", ...) and the handle to drive it.
+
+        `name` is one from `new_name(kind)`; by default a fresh one.
+        """
+        fresh = self.new_name(kind)
+        if name is not None and not name.startswith(fresh.rsplit("-", 1)[0] + "-"):
+            raise ValueError(f"operation name {name!r} is not one of kind {kind!r}")
+        name = name or fresh
         operation = Operation(name=name, kind=kind, state=PENDING)
         operation.create_time.GetCurrentTime()
         operation.update_time.CopyFrom(operation.create_time)
@@ -110,7 +160,7 @@ class OperationsStore:
             self._handles[name] = handle
             self._meters[name] = RateMeter()
             self._publish(operation)
-        self._persist(name, durable=True)
+        self._persist(name)
         return handle
 
     def _publish(self, operation: Operation) -> None:
@@ -144,12 +194,10 @@ class OperationsStore:
             if persist:
                 self._last_persist[name] = now
         if persist:
-            self._persist(name, durable=final)
+            self._persist(name)
         return True
 
-    def _persist(self, name: str, *, durable: bool) -> None:
-        if self.state_dir is None:
-            return
+    def _persist(self, name: str) -> None:
         with self._lock:
             operation, version = self._ops[name], self._version[name]
         # Records are written outside the store lock; versions keep a slow older write from
@@ -157,7 +205,7 @@ class OperationsStore:
         with self._io_lock:
             if self._written.get(name, 0) >= version:
                 return
-            write_record(self.state_dir, operation, durable=durable or operation.done)
+            self.db.put_operation(operation)
             self._written[name] = version
 
     def mark_running(self, name: str) -> None:

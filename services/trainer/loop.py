@@ -478,8 +478,10 @@ class Trainer:
         print(format_line(metrics, self.config.run.train_iters), flush=True)
         if self.on_metrics is not None:
             self.on_metrics(asdict(metrics))
-        if os.environ.get(METRICS_STDOUT_ENV):
-            print(METRICS_PREFIX + json.dumps(asdict(metrics)), flush=True)
+        if nonce := os.environ.get(METRICS_STDOUT_ENV):
+            # The launcher's nonce frames the line, so echoed user data cannot forge one.
+            framing = "" if nonce == "1" else f"{nonce} "
+            print(METRICS_PREFIX + framing + json.dumps(asdict(metrics)), flush=True)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -9,14 +9,10 @@ only; elsewhere CMD runs without the death signal and the restart sweep is the o
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 
-from services.common.job_processes import JOB_TOKEN_ENV
-
-PR_SET_PDEATHSIG = 1
+from services.common.job_processes import JOB_TOKEN_ENV, die_with_parent_here
 
 
 def main(argv: list[str]) -> int:
@@ -25,12 +21,7 @@ def main(argv: list[str]) -> int:
         print("usage: die_with_parent PARENT_PID TOKEN -- CMD...", file=sys.stderr)
         return 2
     parent, token, command = int(argv[0]), argv[1], argv[3:]
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            print(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
-            return 1
-    if os.getppid() != parent:
+    if not die_with_parent_here(parent):
         print(f"parent {parent} is gone; not starting {command[0]}", file=sys.stderr)
         return 1
     os.environ[JOB_TOKEN_ENV] = token

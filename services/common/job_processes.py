@@ -13,9 +13,11 @@ predecessor left unfinished (`stop_processes`) before it releases that operation
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 
@@ -25,6 +27,20 @@ logger = logging.getLogger(__name__)
 
 JOB_TOKEN_ENV = "MESHLINE_JOB_TOKEN"
 STOP_GRACE_S = 15.0
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_here(parent: int, signum: int = signal.SIGTERM) -> bool:
+    """Makes this process get `signum` when its parent thread dies (Linux `PR_SET_PDEATHSIG`).
+
+    False when the parent is no longer `parent` (it died before the call, so the signal would
+    never come: the caller should exit) ; True elsewhere, where only the restart sweep guards.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent
 
 
 def die_with_parent_command(token: str, command: Sequence[str], python: str) -> list[str]:

@@ -87,12 +87,14 @@ def test_preprocess_survives_random_kills(tmp_path: Path, sentencepiece_model: P
             name = start_job(service, req)
             time.sleep(rng.uniform(0.5, 4.0))
             workers = service.kill9()
-            wait_for(lambda: not alive(workers), 60, f"kill {kill}: the job's workers to end")
+            wait_for(lambda w=workers: not alive(w), 60, f"kill {kill}: the job's workers to end")
             service = start_service("preprocess", data, state)
             operation = get(service, name)
             assert operation.done, f"kill {kill}: {name} is not in a final state after restart"
             if operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED:
-                pytest.fail(f"kill {kill}: the job finished before the kill; make the corpus larger")
+                pytest.fail(
+                    f"kill {kill}: the job finished before the kill; make the corpus larger"
+                )
             assert operation.state == operations_pb2.OPERATION_STATE_FAILED
             assert operation.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
             assert db_rows(state, "SELECT path, operation FROM claims") == []

@@ -57,7 +57,9 @@ class WorkerKiller:
                 self.pending.pop(0)
 
 
-def run(save: Path, iters: int, killer: WorkerKiller | None, restarts: int) -> dict[int, float]:
+def run(
+    save: Path, iters: int, killer: WorkerKiller | None, restarts: int, save_interval: int = 3
+) -> dict[int, float]:
     """Trains `iters` steps into `save` (resuming from it); returns the last loss of each step."""
     losses: dict[int, float] = {}
     output = io.StringIO()
@@ -69,7 +71,7 @@ def run(save: Path, iters: int, killer: WorkerKiller | None, restarts: int) -> d
 
     flags = [*FLAGS, "--train-iters", str(iters), "--save", str(save), "--load", str(save)]
     code = launch(
-        [*flags, "--save-interval", "3"],
+        [*flags, "--save-interval", str(save_interval)],
         1,
         max_restarts=restarts,
         on_metrics=on_metrics,

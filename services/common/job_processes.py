@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import psutil
 
+from services.common.state_db import ProcessRecord
+
 logger = logging.getLogger(__name__)
 
 JOB_TOKEN_ENV = "MESHLINE_JOB_TOKEN"
@@ -107,3 +109,12 @@ def stop_processes(token: str, grace_s: float = STOP_GRACE_S) -> tuple[int, int]
     if stragglers:
         logger.error("job %s: processes %s did not die", token, sorted(stragglers))
     return len(found), killed
+
+
+def stop_local(record: ProcessRecord) -> str:
+    """Stops a local job's processes (`stop_processes`); says what it found, for the record."""
+    found, killed = stop_processes(record.token)
+    if not found:
+        return "its processes had already ended with the server"
+    how = f" ({killed} with SIGKILL)" if killed else ""
+    return f"{found} of its processes were still running and were stopped{how}"

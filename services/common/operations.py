@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -28,7 +28,7 @@ from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
 from services.common.errors import InvalidArgument, NotFound
-from services.common.job_processes import stop_processes
+from services.common.job_processes import stop_local
 from services.common.metrics import OPERATIONS as OPERATIONS_METRICS
 from services.common.operation_jobs import OperationHandle, run_in_thread
 from services.common.operation_records import read_records
@@ -49,6 +49,8 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 PERSIST_INTERVAL_S = 10.0
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+Stopper = Callable[[ProcessRecord], str]
+"""Stops what a job recorded in `processes` still runs; returns what it did, for the record."""
 
 
 def _copy(operation: Operation) -> Operation:
@@ -61,10 +63,17 @@ class OperationsStore:
     """Every operation of one server: create, update through handles, get, list, cancel, wait, watch."""
 
     def __init__(
-        self, state_dir: Path | str | None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        state_dir: Path | str | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stoppers: Mapping[str, Stopper] | None = None,
     ) -> None:
+        """`stoppers` stop, by launcher, what a dead predecessor's jobs still run (at load);
+        "local" (`job_processes.stop_local`) is always there."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._clock = clock
+        self._stoppers: dict[str, Stopper] = {"local": stop_local, **(stoppers or {})}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._ops: dict[str, Operation] = {}
@@ -106,13 +115,21 @@ class OperationsStore:
         record = self.db.process(operation.name)
         stopped = ""
         if record is not None:
-            found, killed = stop_processes(record.token)
-            stopped = (
-                f"; {found} of its processes were still running and were stopped"
-                + (f" ({killed} with SIGKILL)" if killed else "")
-                if found
-                else "; its processes had already ended with the server"
-            )
+            stopper = self._stoppers.get(record.launcher)
+            if stopper is None:
+                stopped = (
+                    f"; its {record.launcher} job ({record.token}) cannot be stopped by this "
+                    "server: stop it by hand"
+                )
+            else:
+                try:
+                    stopped = f"; {stopper(record)}"
+                except Exception as exc:  # the server must start; the message says what is left
+                    logger.exception("%s: could not stop its job", operation.name)
+                    stopped = (
+                        f"; stopping its {record.launcher} job ({record.token}) failed "
+                        f"({type(exc).__name__}: {exc}): stop it by hand"
+                    )
         operation.state = FAILED
         operation.done = True
         operation.error.code = grpc.StatusCode.UNAVAILABLE.value[0]

@@ -3,10 +3,10 @@
 A job writes under `.{name}.partial-XXXX` next to its outputs (one directory per job, never
 shared) and removes it when it ends. A job that is killed (SIGKILL, OOM, a node lost) cannot, so
 each staging directory has an `.owner` file that its job holds an exclusive `flock` on for as long
-as it runs (and that records the owner's pid and start time for people). A directory is stale
-when no job holds that lock — the kernel drops it when the holder dies, in any process or pod
-sharing the volume — or, for a directory without an owner file, when it is older than this
-process. A directory is registered as live before its owner file exists, so a job starting for
+as it runs (and that records the owner's pid and start time). A directory is stale when no job
+holds that lock — the kernel drops it when the holder dies, in any process or pod sharing the
+volume — and the recorded owner is not another live process (a job of a version that did not
+lock), or, for a directory without an owner file, when it is older than this process. A directory is registered as live before its owner file exists, so a job starting for
 the same output in this process never mistakes a just-created directory for a stale one. Stale
 directories are removed at service start (`sweep`) and when a job starts for the same output
 (`remove_stale`); a running job's directory, here or in another process, is kept.
@@ -77,10 +77,22 @@ def _owner_alive(stage: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)  # a running job holds it
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True  # a running job holds it
     finally:
         os.close(fd)
-    return False
+    # Unlocked: stale, unless an owner that never locks (a job of an older version) still lives.
+    try:
+        pid_text, started_text = (stage / OWNER_FILE).read_text().split()
+        pid, started = int(pid_text), float(started_text)
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process's jobs lock their folders; an unlocked one has ended
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
 
 
 def _stale(candidates: Iterable[Path]) -> list[Path]:

@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
 from services.common.claims import OutputClaims
+from services.common.errors import MeshlineError
 from services.common.operation_jobs import OperationHandle, run_in_thread
 from services.common.operations import OperationsStore
 
@@ -91,18 +92,21 @@ class JobRunner:
         except BaseException:
             self._release(name, claimed)
             raise
-        if callable(output):
-            named = output(operation_id(handle.name))
-            self.claims.hold(name, named)
-            claimed.append(named)
         try:
+            if callable(output):
+                named = output(operation_id(handle.name))
+                claimed.append(named)
+                self.claims.hold(name, named)
             if on_created is not None:
                 on_created(handle.name)
             run_in_thread(self.store, handle, job, on_exit=lambda: self._release(name, claimed))
         except BaseException as exc:
             # No thread, so no on_exit: release here and do not leave the operation PENDING.
             self._release(name, claimed)
-            handle.fail(grpc.StatusCode.INTERNAL, f"could not start the job: {exc}"[:1000])
+            if isinstance(exc, MeshlineError):
+                handle.fail(exc.code, exc.message)
+            else:
+                handle.fail(grpc.StatusCode.INTERNAL, f"could not start the job: {exc}"[:1000])
             raise
         return self.store.get(handle.name)
 

@@ -278,3 +278,15 @@ def test_a_claim_of_a_path_set_is_all_or_none(tmp_path: Path) -> None:
         runner.start(METADATA, GatedJob(), output=tmp_path / "ckpt" / "sub", field="save_dir")
     job.go.set()
     parent_job.go.set()
+
+
+def test_an_unlockable_named_output_fails_the_operation_it_created(tmp_path: Path) -> None:
+    store = OperationsStore(None)
+    runner = JobRunner(store, "evaluate", job_noun="evaluation")
+    blocker = tmp_path / "root-is-a-file"
+    blocker.write_text("")
+    with pytest.raises(FailedPrecondition, match="cannot create the claim lock"):
+        runner.start(METADATA, GatedJob(), output=lambda op_id: blocker / op_id)
+    (operation,) = store.list()[0]
+    assert operation.state == S.OPERATION_STATE_FAILED, "left PENDING forever"
+    assert operation.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]

@@ -478,8 +478,10 @@ class Trainer(TrainerState):
         record = asdict(metrics) | ({"objective": extra} if extra else {})
         if self.on_metrics is not None:
             self.on_metrics(record)
-        if os.environ.get(METRICS_STDOUT_ENV):
-            print(METRICS_PREFIX + json.dumps(record), flush=True)
+        if nonce := os.environ.get(METRICS_STDOUT_ENV):
+            # The launcher's nonce frames the line, so echoed user data cannot forge one.
+            framing = "" if nonce == "1" else f"{nonce} "
+            print(METRICS_PREFIX + framing + json.dumps(record), flush=True)
 
     def _objective_metrics(self, window: list[StepResult]) -> dict[str, float]:
         """The objective's extra sums over the logged steps and the job's replicas (none for sft).

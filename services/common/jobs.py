@@ -12,22 +12,24 @@ job to its `JobRunner`, which
    before the final state is stored, so a client that sees the operation done may start again.
 
 Output paths are resolved under the data roots before they are claimed
-(`DataRootsConfig.resolve`), so two spellings of one directory are one claim. Claims live in the
-server's memory: a restarted server has no running jobs (their records say FAILED UNAVAILABLE).
+(`DataRootsConfig.resolve`), so two spellings of one directory are one claim. A job claims the set
+of paths it writes, all or none (`claims.OutputClaims`: in memory, in the state database, and as
+`flock`s next to the outputs, so claims hold across processes and pods sharing a volume). A
+restarted server fails its predecessor's unfinished jobs (FAILED UNAVAILABLE) only after
+stopping their processes, and only then releases their claims (`OperationsStore`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
 from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
-from services.common.errors import Conflict
+from services.common.claims import OutputClaims
+from services.common.errors import MeshlineError
 from services.common.operation_jobs import OperationHandle, run_in_thread
 from services.common.operations import OperationsStore
 
@@ -40,42 +42,6 @@ def operation_id(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
-class OutputClaims:
-    """Output paths that running jobs write, one job per path. Thread-safe.
-
-    Claims are counted, not a set: a path held twice (an operation-named default that another
-    job happened to claim explicitly) stays claimed until both holders release it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._claimed: Counter[Path] = Counter()
-
-    def claim(self, path: Path, refusal: str) -> None:
-        """Claims `path`; raises Conflict (ABORTED) with `refusal` if a running job holds it."""
-        with self._lock:
-            if self._claimed[path]:
-                raise Conflict(refusal)
-            self._claimed[path] += 1
-
-    def hold(self, path: Path) -> None:
-        """Claims `path` without checking (a path named after a new operation is new)."""
-        with self._lock:
-            self._claimed[path] += 1
-
-    def release(self, path: Path) -> None:
-        """Releases one hold on `path` (a no-op if it is not claimed)."""
-        with self._lock:
-            if self._claimed[path] > 1:
-                self._claimed[path] -= 1
-            else:
-                self._claimed.pop(path, None)
-
-    def __contains__(self, path: object) -> bool:
-        with self._lock:
-            return bool(self._claimed.get(path))  # type: ignore[call-overload]
-
-
 class JobRunner:
     """Starts one service's jobs as operations of `kind` in `store`, one job per output path."""
 
@@ -84,13 +50,13 @@ class JobRunner:
         self.kind = kind
         self.job_noun = job_noun
         """What the refusal calls a running job ("conversion", "evaluation", ...)."""
-        self.claims = OutputClaims()
+        self.claims = OutputClaims(store.db)
 
-    def refusal(self, field: str, path: Path, path_noun: str) -> str:
+    def refusal(self, field: str, path: Path, path_noun: str, holder: str) -> str:
         """The ABORTED message for a second job writing `path` (named by request `field`)."""
         return (
-            f"{field}: another running {self.job_noun} writes {str(path)!r}; wait for it "
-            f"(WaitOperation) or choose another {path_noun}"
+            f"{field}: another running {self.job_noun} ({holder}) writes {str(path)!r}; wait "
+            f"for it (WaitOperation) or choose another {path_noun}"
         )
 
     def start(
@@ -98,44 +64,51 @@ class JobRunner:
         metadata: Message,
         job: Job,
         *,
-        output: Path | Callable[[str], Path] | None = None,
+        output: Path | Sequence[Path] | Callable[[str], Path] | None = None,
         field: str = "output",
         path_noun: str = "directory",
         on_created: Callable[[str], None] | None = None,
     ) -> operations_pb2.Operation:
         """Claims `output`, creates the operation, runs `job` in a thread; returns the operation.
 
-        `output` is the resolved path the job writes (Conflict naming `field` if a running job
-        writes it; `path_noun` says what to choose instead), or a function of the operation id
+        `output` is the resolved path the job writes, or every path it writes (Conflict naming
+        `field` and the holding operation if a running job writes one of them; `path_noun` says
+        what to choose instead), or a function of the operation id
         for outputs named after the operation (claimed once the operation exists), or None for
         a job without one output path (a training run without --save). `on_created` is
         called with the operation's name before the job starts (to register what other RPCs
         look up by that name).
         """
+        name = self.store.new_name(self.kind)
         claimed: list[Path] = []
-        if isinstance(output, Path):
-            self.claims.claim(output, self.refusal(field, output, path_noun))
-            claimed.append(output)
+        if isinstance(output, Path | list | tuple):
+            paths = [output] if isinstance(output, Path) else list(output)
+            self.claims.claim(
+                name, paths, lambda path, holder: self.refusal(field, path, path_noun, holder)
+            )
+            claimed += paths
         try:
-            handle = self.store.create(self.kind, metadata)
+            handle = self.store.create(self.kind, metadata, name=name)
         except BaseException:
-            self._release(claimed)
+            self._release(name, claimed)
             raise
-        if callable(output):
-            named = output(operation_id(handle.name))
-            self.claims.hold(named)
-            claimed.append(named)
         try:
+            if callable(output):
+                named = output(operation_id(handle.name))
+                claimed.append(named)
+                self.claims.hold(name, named)
             if on_created is not None:
                 on_created(handle.name)
-            run_in_thread(self.store, handle, job, on_exit=lambda: self._release(claimed))
+            run_in_thread(self.store, handle, job, on_exit=lambda: self._release(name, claimed))
         except BaseException as exc:
             # No thread, so no on_exit: release here and do not leave the operation PENDING.
-            self._release(claimed)
-            handle.fail(grpc.StatusCode.INTERNAL, f"could not start the job: {exc}"[:1000])
+            self._release(name, claimed)
+            if isinstance(exc, MeshlineError):
+                handle.fail(exc.code, exc.message)
+            else:
+                handle.fail(grpc.StatusCode.INTERNAL, f"could not start the job: {exc}"[:1000])
             raise
         return self.store.get(handle.name)
 
-    def _release(self, paths: list[Path]) -> None:
-        for path in paths:
-            self.claims.release(path)
+    def _release(self, name: str, paths: list[Path]) -> None:
+        self.claims.release(name, paths)

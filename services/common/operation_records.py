@@ -1,6 +1,7 @@
-"""On-disk records of operations: one JSON file per operation, replaced atomically.
+"""Legacy on-disk records of operations (one JSON file each), read once into the state database.
 
-A record holds the operation twice: readable (protobuf JSON, for people and tools) and as base64
+Servers before `state_db` kept one JSON file per operation in --state-dir; a server started on
+such a directory imports them (`OperationsStore`). A record held the operation twice: readable (protobuf JSON, for people and tools) and as base64
 binary, which is what loading uses, so that a record whose metadata/response types are not
 imported in the loading process still round-trips exactly.
 """
@@ -10,12 +11,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from meshline.common.v1 import operations_pb2
@@ -29,35 +26,6 @@ _TMP_PREFIX = ".tmp-"
 def record_path(state_dir: Path, name: str) -> Path:
     """Where operation `name` ("operations/train-2f1c9a") is recorded."""
     return state_dir / f"{name.rsplit('/', 1)[-1]}.json"
-
-
-def write_record(state_dir: Path, operation: operations_pb2.Operation, *, durable: bool) -> None:
-    """Writes the record through a temporary file and a rename; `durable` also fsyncs it."""
-    readable: dict[str, Any] | None
-    try:
-        readable = json_format.MessageToDict(operation)
-    except (TypeError, KeyError) as exc:
-        # An Any whose type is not in the descriptor pool; the binary copy still has it.
-        logger.warning("operation %s: no readable JSON copy (%s)", operation.name, exc)
-        readable = None
-    record = {
-        "format": RECORD_FORMAT,
-        "operation": readable,
-        "binary": base64.b64encode(operation.SerializeToString()).decode("ascii"),
-    }
-    target = record_path(state_dir, operation.name)
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=_TMP_PREFIX, suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_records(state_dir: Path) -> list[operations_pb2.Operation]:

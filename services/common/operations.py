@@ -3,8 +3,11 @@
 Jobs run in worker threads (or report from processes through their parent) and update their
 operation through an `OperationHandle`; gRPC watchers are asyncio coroutines. Every change replaces
 the stored `Operation` with a new snapshot under one lock and is pushed, in order, to each watcher's
-event loop with `call_soon_threadsafe`. Records persist (see `operation_records`) on every state
-change and at most every `PERSIST_INTERVAL_S` for progress, so a restart keeps finished jobs.
+event loop with `call_soon_threadsafe`. Records persist in the service's state database
+(`state_db`, SQLite) on every state change and at most every `PERSIST_INTERVAL_S` for progress,
+so a restart keeps finished jobs. A restarted server fails the operations its dead predecessor
+left unfinished with the true reason, after stopping every process they had started
+(`job_processes`) and only then releasing their output claims.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -25,11 +28,13 @@ from google.protobuf.message import Message
 
 from meshline.common.v1 import operations_pb2
 from services.common.errors import InvalidArgument, NotFound
+from services.common.job_processes import stop_local
 from services.common.metrics import OPERATIONS as OPERATIONS_METRICS
 from services.common.operation_jobs import OperationHandle, run_in_thread
-from services.common.operation_records import read_records, write_record
+from services.common.operation_records import read_records
 from services.common.operation_watch import Watcher
 from services.common.progress import RateMeter
+from services.common.state_db import ProcessRecord, StateDB
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 PERSIST_INTERVAL_S = 10.0
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+Stopper = Callable[[ProcessRecord], str]
+"""Stops what a job recorded in `processes` still runs; returns what it did, for the record."""
 
 
 def _copy(operation: Operation) -> Operation:
@@ -56,10 +63,17 @@ class OperationsStore:
     """Every operation of one server: create, update through handles, get, list, cancel, wait, watch."""
 
     def __init__(
-        self, state_dir: Path | str | None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        state_dir: Path | str | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stoppers: Mapping[str, Stopper] | None = None,
     ) -> None:
+        """`stoppers` stop, by launcher, what a dead predecessor's jobs still run (at load);
+        "local" (`job_processes.stop_local`) is always there."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._clock = clock
+        self._stoppers: dict[str, Stopper] = {"local": stop_local, **(stoppers or {})}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._ops: dict[str, Operation] = {}
@@ -72,34 +86,87 @@ class OperationsStore:
         self._last_persist: dict[str, float] = {}
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.db = StateDB(self.state_dir)
+        """The durable tables: operations, output claims, job processes."""
+        if self.state_dir is not None:
             self._load()
         OPERATIONS_METRICS.add(self)
 
     def _load(self) -> None:
         assert self.state_dir is not None
-        for operation in read_records(self.state_dir):
+        stored_names = {stored.operation.name for stored in self.db.operations()}
+        for legacy in read_records(self.state_dir):
+            # JSON records of servers before the database: imported once, then left as they are.
+            if legacy.name not in stored_names:
+                self.db.put_operation(legacy)
+        for stored in self.db.operations():
+            operation = stored.operation
             if not operation.done:
-                previous = State.Name(operation.state)
-                operation.state = FAILED
-                operation.done = True
-                operation.error.code = grpc.StatusCode.UNAVAILABLE.value[0]
-                operation.error.message = (
-                    f"server restarted while the operation was {previous}; start it again"
-                )
-                operation.update_time.GetCurrentTime()
-                operation.end_time.GetCurrentTime()
-                write_record(self.state_dir, operation, durable=True)
+                if stored.owner_alive:
+                    continue  # another live server over this directory runs it
+                self._fail_orphan(operation, stored.owner_pid)
             self._ops[operation.name] = operation
         if self._ops:
-            logger.info("loaded %d operation records from %s", len(self._ops), self.state_dir)
+            logger.info("loaded %d operations from %s", len(self._ops), self.db.path)
+
+    def _fail_orphan(self, operation: Operation, owner_pid: int) -> None:
+        """FAILED UNAVAILABLE for an unfinished operation of a dead server, its processes stopped."""
+        previous = State.Name(operation.state)
+        record = self.db.process(operation.name)
+        stopped = ""
+        if record is not None:
+            stopper = self._stoppers.get(record.launcher)
+            if stopper is None:
+                stopped = (
+                    f"; its {record.launcher} job ({record.token}) cannot be stopped by this "
+                    "server: stop it by hand"
+                )
+            else:
+                try:
+                    stopped = f"; {stopper(record)}"
+                except Exception as exc:  # the server must start; the message says what is left
+                    logger.exception("%s: could not stop its job", operation.name)
+                    stopped = (
+                        f"; stopping its {record.launcher} job ({record.token}) failed "
+                        f"({type(exc).__name__}: {exc}): stop it by hand"
+                    )
+        operation.state = FAILED
+        operation.done = True
+        operation.error.code = grpc.StatusCode.UNAVAILABLE.value[0]
+        operation.error.message = (
+            f"server restarted while the operation was {previous}: the server process "
+            f"(pid {owner_pid}) ended before the job finished{stopped}; start it again"
+        )
+        operation.update_time.GetCurrentTime()
+        operation.end_time.GetCurrentTime()
+        # Done: the same write drops its claims and process records.
+        self.db.put_operation(operation)
+        logger.warning("%s: %s", operation.name, operation.error.message)
+
+    def record_process(self, record: ProcessRecord) -> None:
+        """Remembers the processes a job started, so a restarted server can stop them."""
+        self.db.record_process(record)
 
     # -- updates (any thread) -------------------------------------------------------------
 
-    def create(self, kind: str, metadata: Message | None = None) -> OperationHandle:
-        """A new PENDING operation of `kind` ("train", "convert", ...) and the handle to drive it."""
+    @staticmethod
+    def new_name(kind: str) -> str:
+        """A fresh operation name of `kind` (claims are taken under it before it is created)."""
         if not _KIND.fullmatch(kind):
             raise ValueError(f"operation kind {kind!r} must match {_KIND.pattern}")
-        name = f"operations/{kind}-{uuid.uuid4().hex[:12]}"
+        return f"operations/{kind}-{uuid.uuid4().hex[:12]}"
+
+    def create(
+        self, kind: str, metadata: Message | None = None, *, name: str | None = None
+    ) -> OperationHandle:
+        """A new PENDING operation of `kind` ("train", "convert", ...) and the handle to drive it.
+
+        `name` is one from `new_name(kind)`; by default a fresh one.
+        """
+        fresh = self.new_name(kind)
+        if name is not None and not name.startswith(fresh.rsplit("-", 1)[0] + "-"):
+            raise ValueError(f"operation name {name!r} is not one of kind {kind!r}")
+        name = name or fresh
         operation = Operation(name=name, kind=kind, state=PENDING)
         operation.create_time.GetCurrentTime()
         operation.update_time.CopyFrom(operation.create_time)
@@ -110,7 +177,7 @@ class OperationsStore:
             self._handles[name] = handle
             self._meters[name] = RateMeter()
             self._publish(operation)
-        self._persist(name, durable=True)
+        self._persist(name)
         return handle
 
     def _publish(self, operation: Operation) -> None:
@@ -144,12 +211,10 @@ class OperationsStore:
             if persist:
                 self._last_persist[name] = now
         if persist:
-            self._persist(name, durable=final)
+            self._persist(name)
         return True
 
-    def _persist(self, name: str, *, durable: bool) -> None:
-        if self.state_dir is None:
-            return
+    def _persist(self, name: str) -> None:
         with self._lock:
             operation, version = self._ops[name], self._version[name]
         # Records are written outside the store lock; versions keep a slow older write from
@@ -157,7 +222,7 @@ class OperationsStore:
         with self._io_lock:
             if self._written.get(name, 0) >= version:
                 return
-            write_record(self.state_dir, operation, durable=durable or operation.done)
+            self.db.put_operation(operation)
             self._written[name] = version
 
     def mark_running(self, name: str) -> None:

@@ -366,7 +366,9 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         operation = self._jobs.start(
             preprocess_pb2.PreprocessMetadata(request=request),
             job,
-            output=self._config.resolve(request.output_prefix, "output_prefix"),
+            # The prefix this run writes: a sharded run's `-shard-I-of-N` prefix, so a plain run
+            # on that very prefix is the same claim.
+            output=Path(config.shard_output_prefix),
             field="output_prefix",
             path_noun="prefix",
         )

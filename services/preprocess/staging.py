@@ -1,15 +1,21 @@
 """Hidden staging directories of preprocess jobs, and the cleanup of those a killed job left.
 
-A job writes under `.{name}.partial-XXXX` next to its outputs and removes it when it ends. A job
-that is killed (SIGKILL, OOM, a node lost) cannot, so each staging directory records its owner
-(process id and start time) in an `.owner` file. A directory is stale when no live job of this
-process owns it and its owner process is gone (or it has no owner file and is older than this
-process). Stale directories are removed at service start (`sweep`) and when a job starts for the
-same output (`remove_stale`); a running job's directory, here or in another process, is kept.
+A job writes under `.{name}.partial-XXXX` next to its outputs (one directory per job, never
+shared) and removes it when it ends. A job that is killed (SIGKILL, OOM, a node lost) cannot, so
+each staging directory has an `.owner` file that its job holds an exclusive `flock` on for as long
+as it runs (and that records the owner's pid and start time). A directory is stale when no job
+holds that lock — the kernel drops it when the holder dies, in any process or pod sharing the
+volume — and the recorded owner is not another live process (a job of a version that did not
+lock), or, for a directory without an owner file, when it is older than this process. A directory is registered as live before its owner file exists, so a job starting for
+the same output in this process never mistakes a just-created directory for a stale one. Stale
+directories are removed at service start (`sweep`) and when a job starts for the same output
+(`remove_stale`); a running job's directory, here or in another process, is kept.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -28,7 +34,8 @@ OWNER_FILE = ".owner"
 # `tempfile.mkdtemp`'s names: the prefix, then 8 characters of [a-z0-9_].
 _STAGE_NAME = re.compile(r"\..+\.partial-[a-z0-9_]{8}")
 _PROCESS_STARTED = psutil.Process().create_time()
-_live: set[Path] = set()
+_live: dict[Path, int] = {}
+"""Staging directories of this process's running jobs, and the fd holding each owner lock."""
 _lock = threading.Lock()
 
 
@@ -37,11 +44,15 @@ def _owner_token() -> str:
 
 
 def create(directory: Path, name: str) -> Path:
-    """A new staging directory for outputs named `name` in `directory`, owned by this process."""
-    stage = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=directory))
-    (stage / OWNER_FILE).write_text(_owner_token())
+    """A new staging directory for outputs named `name` in `directory`, owned by this job."""
     with _lock:
-        _live.add(stage)
+        stage = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=directory))
+        fd = os.open(
+            stage / OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _live[stage] = fd
+        os.write(fd, _owner_token().encode())
     return stage
 
 
@@ -49,21 +60,35 @@ def release(stage: Path) -> None:
     """Removes a staging directory once its job has ended (published, failed or cancelled)."""
     shutil.rmtree(stage, ignore_errors=True)
     with _lock:
-        _live.discard(stage)
+        fd = _live.pop(stage, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _owner_alive(stage: Path) -> bool:
     try:
-        pid_text, started_text = (stage / OWNER_FILE).read_text().split()
-        pid, started = int(pid_text), float(started_text)
-    except (OSError, ValueError):
+        fd = os.open(stage / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         # No owner recorded: treat it as live only while it could belong to a job of this run.
         try:
             return stage.stat().st_mtime >= _PROCESS_STARTED
         except OSError:
             return False
-    if pid == os.getpid() and started == _PROCESS_STARTED:
-        return False  # ours, and not in `_live`: its job has ended
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True  # a running job holds it
+    finally:
+        os.close(fd)
+    # Unlocked: stale, unless an owner that never locks (a job of an older version) still lives.
+    try:
+        pid_text, started_text = (stage / OWNER_FILE).read_text().split()
+        pid, started = int(pid_text), float(started_text)
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process's jobs lock their folders; an unlocked one has ended
     try:
         return abs(psutil.Process(pid).create_time() - started) < 1.0
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):

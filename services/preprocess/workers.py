@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from models.tokenizer import build_tokenizer
+from services.common.job_processes import die_with_parent_here
 from services.preprocess.handlers import Handler, HandlerOptions, RecordError, get_handler_class
 from services.preprocess.readers import Record
 
@@ -83,8 +85,12 @@ def process_chunk(handler: Handler, chunk: list[Record]) -> list[Outcome]:
 _WORKER_HANDLER: Handler | None = None
 
 
-def _worker_init(spec: WorkerSpec) -> None:
+def _worker_init(spec: WorkerSpec, parent: int) -> None:
     global _WORKER_HANDLER
+    # A worker blocks on the task queue forever once its service is killed (every worker holds
+    # the queue's write end too): it must die with the process that started it.
+    if not die_with_parent_here(parent, signal.SIGKILL):
+        os._exit(1)
     # Parallelism comes from the processes; Rust's per-process thread pool would oversubscribe.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_HANDLER = build_handler(spec)
@@ -113,7 +119,7 @@ class OrderedWorkers:
                 self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_init,
-                initargs=(self.spec,),
+                initargs=(self.spec, os.getpid()),
             )
         return self
 

@@ -10,6 +10,7 @@ from services.common.operations import OperationsStore
 from services.common.server import ServiceBinding
 from services.common.service_cli import ServiceCli, service_main
 from services.trainer.config import DEFAULT_PORT, add_flags, from_args
+from services.trainer.k8s_launcher import stop_recorded_workload
 from services.trainer.servicer import bindings
 
 DESCRIPTION = (
@@ -20,7 +21,9 @@ DESCRIPTION = (
 
 def build(args: argparse.Namespace, server_config: ServerConfig) -> list[ServiceBinding]:
     """The server's bindings from the parsed flags (ValueError names a bad flag)."""
-    return bindings(from_args(args), OperationsStore(server_config.state_dir))
+    # A restarted trainer stops the workloads its predecessor left running in the cluster.
+    stoppers = {"kubernetes": stop_recorded_workload}
+    return bindings(from_args(args), OperationsStore(server_config.state_dir, stoppers=stoppers))
 
 
 CLI = ServiceCli("trainer", DEFAULT_PORT, DESCRIPTION, add_flags, build)

@@ -13,6 +13,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import grpc
 from meshline.trainer.v1 import trainer_pb2
 from services.common.errors import Cancelled
 from services.common.operations import OperationHandle
+from services.common.state_db import ProcessRecord
 from services.trainer.k8s_launcher import select_launcher
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, argv_from_config
 from services.trainer.train_config import TrainConfig
@@ -167,8 +169,15 @@ def run_job(
     metadata: trainer_pb2.TrainingMetadata,
     nproc: int,
     nnodes: int,
+    *,
+    on_started: Callable[[ProcessRecord], None] | None = None,
+    lock_fds: tuple[int, ...] = (),
 ) -> trainer_pb2.TrainingResult | None:
-    """The operation's body: run the job to its end; None after `handle.fail`."""
+    """The operation's body: run the job to its end; None after `handle.fail`.
+
+    `on_started` records the job's processes (so a restarted server can stop them); `lock_fds`
+    are the output claim's lock files, which the local launcher's agent holds while it runs.
+    """
     # In a cluster the job runs as Kubernetes workloads, else as local torchrun processes.
     launch = select_launcher(launcher, handle.name)
     config = run.config
@@ -208,6 +217,9 @@ def run_job(
         env=dict(run.env),
         output=output,
         save_on_stop=lambda: run.save_on_stop,
+        operation=handle.name,
+        on_started=on_started,
+        pass_fds=lock_fds,
     )
     if handle.cancel_requested.is_set():
         raise Cancelled(f"{handle.name} was cancelled")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from services.common.errors import FailedPrecondition, MeshlineError, ResourceExhausted, Unavailable
+from services.common.state_db import ProcessRecord
 from services.trainer.config import LAUNCHERS
 from services.trainer.k8s_client import KubeClient
 from services.trainer.k8s_jobs import (
@@ -103,6 +104,7 @@ class KubernetesLauncher:
         output: TextIO | None = None,
         save_on_stop: bool | Callable[[], bool] = True,
         operation: str = "",
+        on_started: Callable[[ProcessRecord], None] | None = None,
         **ignored: Any,
     ) -> int:
         """Runs the job with training flags `config`; returns 0 or a worker's exit code.
@@ -111,6 +113,8 @@ class KubernetesLauncher:
         training, ended it. `node_rank` and `rdzv_endpoint` of the local launcher are set per
         pod by the workload and so are ignored here. Pods are stopped with SIGTERM, so a stop
         saves unless `save_on_stop` is False at launch (a callable cannot change that later).
+        `on_started` gets the workload's record (`workload_record`), so that a restarted
+        trainer stops it (`stop_recorded_workload`).
         """
         out = output or sys.stdout
         spec = TrainingJobSpec(
@@ -127,6 +131,8 @@ class KubernetesLauncher:
         )
         objects = build_training_objects(spec, self.config)
         workload = self._create(objects, out)
+        if on_started is not None:
+            on_started(workload_record(operation, workload, self.client.namespace))
         out.write(f"created {workload['kind']} {spec.name} ({nnodes} x {nproc_per_node})\n")
         return _Follower(self, spec, workload, on_metrics, out).run(stop_event)
 
@@ -148,6 +154,24 @@ class KubernetesLauncher:
             except Exception as exc:  # the job runs regardless; only the clean-up is manual
                 out.write(f"Service {name} stays after the job ({type(exc).__name__}: {exc})\n")
         return made
+
+
+def workload_record(operation: str, workload: dict[str, Any], namespace: str) -> ProcessRecord:
+    """The `processes` row of a workload: its apiVersion, kind and name as the token."""
+    meta = workload["metadata"]
+    token = f"{workload['apiVersion']} {workload['kind']} {meta['name']}"
+    return ProcessRecord(operation, "kubernetes", 0, 0, 0.0, token, namespace)
+
+
+def stop_recorded_workload(record: ProcessRecord) -> str:
+    """Stops the workload of a job whose trainer died (the `kubernetes` stopper of the store).
+
+    Its pods get SIGTERM and save to --save first, as on StopTraining.
+    """
+    api_version, kind, name = record.token.split(" ", 2)
+    launcher = KubernetesLauncher.in_cluster()
+    launcher.client.stop({"apiVersion": api_version, "kind": kind, "metadata": {"name": name}})
+    return f"its {kind} {name} was stopped (its pods save to --save first)"
 
 
 class _Follower:

@@ -243,7 +243,7 @@ def check_model_layout(config: TrainConfig, world_size: int) -> None:
     from parallel.parallel_dims import build_dims
     from parallel.parallelize import check_model
     from parallel.pipeline import virtual_chunks
-    from services.trainer.setup import build_model_config
+    from training.setup import build_model_config
 
     model_config = build_model_config(config, _tokenizer_vocab(config))
     dims = build_dims(config, world_size)

@@ -1,18 +1,32 @@
 """Start training workers through `torch.distributed.run` (torchrun's elastic agent).
 
 `launch()` runs `python -m torch.distributed.run ... -m services.trainer.train <flags>` as a child
-process, streams its output, hands each metrics record to `on_metrics` (rank 0 prints them as
-`MESHLINE_METRICS {json}` lines when $MESHLINE_METRICS_STDOUT is set) and stops the job
+process, streams its output, hands each metrics record to `on_metrics` and stops the job
 gracefully when `stop_event` is set (SIGTERM to the workers, which save and exit; the agent and
-then the whole session are killed only if that overruns a grace period). The gRPC
+then every process of the job are killed only if that overruns a grace period). The gRPC
 TrainerService and `meshline train --nproc-per-node N` both use it.
+
+Lifetime: the agent is started through `services.common.die_with_parent`, so it gets SIGTERM
+(and stops its workers, which save first) when the process that launched it dies, even by
+SIGKILL; every process of the job carries a job token in its environment (`job_processes`), by
+which a restarted service finds and stops survivors, and `on_started` hands the caller what to
+record for that. The caller's claim lock files (`pass_fds`) are inherited by the agent, so the
+output claim holds for exactly as long as the job runs, even past its service.
+
+Metrics framing: rank 0 prints `MESHLINE_METRICS <nonce> {json}` lines, with a fresh random nonce
+per launch passed in $MESHLINE_METRICS_STDOUT. Only lines with that nonce are metrics; user data
+echoed in the output (a path holding a newline and `MESHLINE_METRICS {`) cannot forge or break
+one, and a record that does not parse is reported as output, never raised: the reader keeps
+draining the job's output until the job has ended.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,11 +40,20 @@ from typing import Any, TextIO
 import psutil
 import yaml
 
+from services.common.job_processes import (
+    JOB_TOKEN_ENV,
+    die_with_parent_command,
+    find_processes,
+    signal_processes,
+)
+from services.common.state_db import ProcessRecord, process_started
 from services.trainer.train_config import TrainConfig
 from training.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
 from training.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 
 STOP_GRACE_S = 60.0
+MAX_METRICS_LINE = 1 << 16
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,6 +124,9 @@ def launch(
     env: dict[str, str] | None = None,
     output: TextIO | None = None,
     save_on_stop: bool | Callable[[], bool] = True,
+    operation: str = "",
+    on_started: Callable[[ProcessRecord], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> int:
     """Run a training job with torchrun and wait for it; returns torchrun's exit code.
 
@@ -108,56 +134,106 @@ def launch(
     metrics records to `on_metrics`. Setting `stop_event` stops the workers at their next step;
     they save first when --save is given, unless `save_on_stop` is False — or, when it is a
     callable, returns False at the moment of the stop (the decision can come after the launch).
+    `on_started` gets the record of the started processes (for `operation`); `pass_fds` are
+    file descriptors the agent inherits (lock files that must be held while the job runs).
     """
     options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     out = output or sys.stdout
+    token = secrets.token_hex(16)
+    nonce = secrets.token_hex(16)
+    prefix = f"{METRICS_PREFIX}{nonce} "
     with tempfile.TemporaryDirectory(prefix="meshline-launch-") as tmp:
         argv = config_argv(config, tmp) if isinstance(config, TrainConfig) else list(config)
         child_env = {
             **os.environ,
             **(env or {}),
-            METRICS_STDOUT_ENV: "1",
+            METRICS_STDOUT_ENV: nonce,
             SAVE_ON_STOP_ENV: "0" if save_on_stop is False else "1",
+            JOB_TOKEN_ENV: token,
             "PYTHONUNBUFFERED": "1",
         }
         proc = subprocess.Popen(
-            torchrun_command(argv, options),
+            die_with_parent_command(token, torchrun_command(argv, options), sys.executable),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",
             env=child_env,
             start_new_session=True,
+            pass_fds=pass_fds,
         )
-        watcher = None
-        if stop_event is not None:
-            watcher = threading.Thread(
-                target=_watch_stop, args=(proc, stop_event, save_on_stop), daemon=True
-            )
-            watcher.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(METRICS_PREFIX):
-                if on_metrics is not None:
-                    on_metrics(json.loads(line[len(METRICS_PREFIX) :]))
-                continue
-            out.write(line)
-            out.flush()
-        code = proc.wait()
-        if stop_event is not None:
-            stop_event.set()
-            assert watcher is not None
-            watcher.join()
-        return code
+        try:
+            if on_started is not None:
+                started = process_started(proc.pid) or 0.0
+                on_started(
+                    ProcessRecord(
+                        operation, "local", proc.pid, proc.pid, started, token, os.uname().nodename
+                    )
+                )
+            watcher = None
+            if stop_event is not None:
+                watcher = threading.Thread(
+                    target=_watch_stop, args=(proc, stop_event, save_on_stop, token), daemon=True
+                )
+                watcher.start()
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(prefix):
+                    _metrics_line(line[len(prefix) :], on_metrics, out)
+                    continue
+                out.write(line)
+                out.flush()
+            code = proc.wait()
+            if stop_event is not None:
+                stop_event.set()
+                assert watcher is not None
+                watcher.join()
+            return code
+        finally:
+            if proc.poll() is None or find_processes(token):
+                # Something above raised: never leave the job running without a reader (its
+                # claim is released when this returns).
+                _kill_job(proc, token)
+
+
+def _metrics_line(
+    text: str, on_metrics: Callable[[dict[str, Any]], None] | None, out: TextIO
+) -> None:
+    """Hands one framed metrics record to `on_metrics`; a bad one is reported, never raised."""
+    try:
+        if len(text) > MAX_METRICS_LINE:
+            raise ValueError(f"longer than {MAX_METRICS_LINE} characters")
+        record = json.loads(text)
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        if on_metrics is not None:
+            on_metrics(record)
+    except Exception as exc:  # a bad record must not end the reading of a running job
+        logger.warning("ignoring a malformed metrics record: %s: %s", type(exc).__name__, exc)
+        out.write(f"(malformed metrics record ignored: {type(exc).__name__}: {exc})\n")
+
+
+def _kill_job(proc: subprocess.Popen, token: str) -> None:
+    """SIGKILL to the agent and every process carrying the job token; waits for the agent."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    signal_processes(find_processes(token), signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
 
 
 def _watch_stop(
-    proc: subprocess.Popen, stop_event: threading.Event, save_on_stop: bool | Callable[[], bool]
+    proc: subprocess.Popen,
+    stop_event: threading.Event,
+    save_on_stop: bool | Callable[[], bool],
+    token: str,
 ) -> None:
     """On stop: signal the workers (not the agent, which would report the job as failed).
 
     SIGTERM asks each worker to finish its step, save (with --save) and exit 0, so torchrun ends
     cleanly; SIGUSR2 does the same without the save. If that takes longer than STOP_GRACE_S the
-    agent is terminated, then the session killed.
+    agent is terminated, then every process of the job killed (the workers run in sessions of
+    their own, so the agent's process group does not reach them).
     """
     stop_event.wait()
     if proc.poll() is not None:
@@ -175,4 +251,4 @@ def _watch_stop(
     try:
         proc.wait(timeout=STOP_GRACE_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_job(proc, token)

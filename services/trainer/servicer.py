@@ -232,7 +232,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         run = TrainingRun(config, argv=argv_from_config(config), env=env)
 
         def job(handle: OperationHandle) -> trainer_pb2.TrainingResult | None:
-            return run_job(self._config.launcher, request, run, handle, metadata, nproc, nnodes)
+            return run_job(
+                self._config.launcher,
+                request,
+                run,
+                handle,
+                metadata,
+                nproc,
+                nnodes,
+                on_started=self._store.record_process,
+                lock_fds=tuple(self._jobs.claims.lock_fds(handle.name)),
+            )
 
         def register(name: str) -> None:
             self._runs[name] = run

@@ -628,7 +628,8 @@ def test_trainer_server_runs_streams_and_stops_a_real_job(
         with pytest.raises(grpc.RpcError) as caught:
             stub.StartTraining(trainer_pb2.StartTrainingRequest(args=twin), timeout=30)
         assert caught.value.code() == grpc.StatusCode.ABORTED
-        assert "args (--save): another running training job writes" in caught.value.details()
+        assert "args (--save): another running training job (" in caught.value.details()
+        assert f"({name}) writes" in caught.value.details()
         streamed = []
         for message in stub.StreamMetrics(trainer_pb2.StreamMetricsRequest(name=name), timeout=300):
             streamed.append(message)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,7 +69,7 @@ def test_second_job_on_the_same_output_is_refused_with_aborted(tmp_path: Path) -
         runner.start(METADATA, GatedJob(), output=out, field="save_dir")
     assert refused.value.code == grpc.StatusCode.ABORTED
     assert refused.value.message == (
-        f"save_dir: another running conversion writes {str(out)!r}; wait for it "
+        f"save_dir: another running conversion ({name}) writes {str(out)!r}; wait for it "
         "(WaitOperation) or choose another directory"
     )
     # The refused request created no operation; the first job is untouched.
@@ -200,23 +202,91 @@ def test_claims_are_of_paths_resolved_under_the_data_root(tmp_path: Path) -> Non
     job.go.set()
 
 
-def test_after_a_restart_running_jobs_are_failed_and_nothing_is_claimed(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    store = OperationsStore(state)
-    job = GatedJob()
-    name = _start(JobRunner(store, "convert"), job, tmp_path / "out")
+_HOLDER = """
+import sys, threading, time
+from pathlib import Path
+from services.common.jobs import JobRunner
+from services.common.operations import OperationsStore
+from meshline.common.v1 import operations_pb2 as S
 
-    restarted = OperationsStore(state)  # a new server process over the same records
+store = OperationsStore(Path(sys.argv[1]))
+runner = JobRunner(store, "convert")
+go = threading.Event()
+op = runner.start(S.Progress(), lambda handle: go.wait(), output=Path(sys.argv[2]), field="save_dir")
+print(op.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(state: Path, out: Path) -> tuple[subprocess.Popen, str]:
+    """A server-like process whose job claims `out` and never ends; returns it and the op name."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(state), str(out)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def test_claims_hold_across_processes_until_the_holder_dies(tmp_path: Path) -> None:
+    state, out = tmp_path / "state", tmp_path / "out"
+    proc, name = _holder(state, out)
+    try:
+        assert name.startswith("operations/convert-")
+        # A second server over the same state dir, and one over its own: both refused.
+        for other_state in (state, tmp_path / "other-state"):
+            runner = JobRunner(OperationsStore(other_state), "convert", job_noun="conversion")
+            with pytest.raises(Conflict, match="another running conversion") as refused:
+                runner.start(METADATA, GatedJob(), output=out, field="save_dir")
+            assert "writes" in refused.value.message
+        # The live owner's operation is left alone by the second server over its directory.
+        stored = {s.operation.name: s.operation for s in OperationsStore(state).db.operations()}
+        assert not stored[name].done
+    finally:
+        proc.kill()
+        proc.wait()
+    # Killed with SIGKILL: the restarted server fails its job with the reason, and the claim
+    # (database row and flock) is free.
+    restarted = OperationsStore(state)
     record = restarted.get(name)
     assert (record.state, record.error.code) == (
         S.OPERATION_STATE_FAILED,
         grpc.StatusCode.UNAVAILABLE.value[0],
     )
-    assert "server restarted" in record.error.message
+    assert f"(pid {proc.pid}) ended before the job finished" in record.error.message
+    assert restarted.db.claims() == {}
     runner = JobRunner(restarted, "convert")
     again = GatedJob()
-    again_name = _start(runner, again, tmp_path / "out")
+    again_name = _start(runner, again, out)
     again.go.set()
-    job.go.set()
     assert _wait_done(restarted, again_name).state == S.OPERATION_STATE_SUCCEEDED
-    _wait_done(store, name)
+
+
+def test_a_claim_of_a_path_set_is_all_or_none(tmp_path: Path) -> None:
+    store = OperationsStore(None)
+    runner = JobRunner(store, "preprocess")
+    shard = tmp_path / "wiki-shard-00001-of-00002"
+    job = GatedJob()
+    _start(runner, job, shard)
+    both = [tmp_path / "wiki-shard-00000-of-00002", shard]
+    with pytest.raises(Conflict, match=str(shard)):
+        runner.start(METADATA, GatedJob(), output=both, field="output_prefix")
+    assert both[0] not in runner.claims, "a refused set holds none of its paths"
+    # A claim also conflicts with one on an ancestor or descendant directory.
+    parent_job = GatedJob()
+    _start(runner, parent_job, tmp_path / "ckpt")
+    with pytest.raises(Conflict):
+        runner.start(METADATA, GatedJob(), output=tmp_path / "ckpt" / "sub", field="save_dir")
+    job.go.set()
+    parent_job.go.set()
+
+
+def test_an_unlockable_named_output_fails_the_operation_it_created(tmp_path: Path) -> None:
+    store = OperationsStore(None)
+    runner = JobRunner(store, "evaluate", job_noun="evaluation")
+    blocker = tmp_path / "root-is-a-file"
+    blocker.write_text("")
+    with pytest.raises(FailedPrecondition, match="cannot create the claim lock"):
+        runner.start(METADATA, GatedJob(), output=lambda op_id: blocker / op_id)
+    (operation,) = store.list()[0]
+    assert operation.state == S.OPERATION_STATE_FAILED, "left PENDING forever"
+    assert operation.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -13,7 +14,9 @@ import pytest
 
 from meshline.common.v1 import operations_pb2
 from services.common.errors import InvalidArgument, NotFound
+from services.common.operation_records import RECORD_FORMAT
 from services.common.operations import OperationsStore, run_in_thread
+from services.common.state_db import DB_NAME
 
 S = operations_pb2
 
@@ -152,11 +155,7 @@ def test_restarted_store_keeps_finished_and_fails_unfinished(tmp_path: Path) -> 
     running = store.create("train")
     running.start()
     pending = store.create("convert")
-    (tmp_path / ".tmp-interrupted.json").write_text("{")
-    (tmp_path / "garbage.json").write_text("not json")
-
-    record = json.loads((tmp_path / f"{done.name.split('/')[1]}.json").read_text())
-    assert record["operation"]["state"] == "OPERATION_STATE_SUCCEEDED", "records are readable JSON"
+    assert (tmp_path / DB_NAME).is_file(), "one SQLite file under the state dir"
 
     restarted = OperationsStore(tmp_path)
     finished = restarted.get(done.name)
@@ -169,10 +168,27 @@ def test_restarted_store_keeps_finished_and_fails_unfinished(tmp_path: Path) -> 
         assert op.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert f"server restarted while the operation was OPERATION_STATE_{was}" in op.error.message
     assert len(restarted.list()[0]) == 3
-    assert not (tmp_path / ".tmp-interrupted.json").exists()
     # The FAILED verdict was written back: a third start sees the same records.
     third = OperationsStore(tmp_path)
     assert third.get(running.name).error.message == restarted.get(running.name).error.message
+
+
+def test_legacy_json_records_are_imported(tmp_path: Path) -> None:
+    old = S.Operation(name="operations/train-0123456789ab", kind="train", done=True)
+    old.state = S.OPERATION_STATE_SUCCEEDED
+    old.create_time.GetCurrentTime()
+    record = {
+        "format": RECORD_FORMAT,
+        "operation": None,
+        "binary": base64.b64encode(old.SerializeToString()).decode("ascii"),
+    }
+    (tmp_path / "train-0123456789ab.json").write_text(json.dumps(record))
+    (tmp_path / ".tmp-interrupted.json").write_text("{")
+    (tmp_path / "garbage.json").write_text("not json")
+    store = OperationsStore(tmp_path)
+    assert store.get(old.name).state == S.OPERATION_STATE_SUCCEEDED
+    assert not (tmp_path / ".tmp-interrupted.json").exists()
+    assert OperationsStore(tmp_path).get(old.name).state == S.OPERATION_STATE_SUCCEEDED
 
 
 def test_watch_yields_every_change_in_order() -> None:

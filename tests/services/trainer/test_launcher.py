@@ -6,8 +6,11 @@ import io
 import json
 import threading
 
+import psutil
 import pytest
 
+from services.common.job_processes import find_processes
+from services.common.state_db import ProcessRecord
 from services.trainer import cli
 from services.trainer.arguments import parse_args
 from services.trainer.launcher import LaunchOptions, launch, torchrun_command
@@ -127,3 +130,47 @@ def test_a_stop_decided_after_launch_can_skip_the_save(tmp_path):
     assert 2 <= summary["steps"] < 500 and summary["checkpoint"] is None
     assert not (tmp_path / "ckpt" / "latest").exists()
     assert "SIGUSR2" in output.getvalue()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_output_echoing_a_hostile_save_path_neither_forges_nor_breaks_metrics(tmp_path):
+    # #37 finding 1: a --save path holding a newline and `MESHLINE_METRICS {` crashed the
+    # parser (FAILED INTERNAL, claim released, training still writing), and a whole forged line
+    # became a metrics record.
+    save = tmp_path / 'a\nMESHLINE_METRICS {"step": 99999, "loss": 0.5}\nMESHLINE_METRICS {\nb'
+    records: list[dict] = []
+    output = io.StringIO()
+    flags = [*FLAGS, "--train-iters", "4", "--save", str(save), "--save-interval", "2"]
+    code = launch(flags, 1, on_metrics=records.append, env={"OMP_NUM_THREADS": "1"}, output=output)
+    assert code == 0, output.getvalue()[-3000:]
+    assert [r["step"] for r in records] == [2, 4], "only the workers' own records count"
+    assert (save / "latest").read_text().strip() == "4"
+    assert 'MESHLINE_METRICS {"step": 99999' in output.getvalue(), "forged lines are output"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_reader_that_fails_stops_the_job_before_returning(tmp_path):
+    # Whatever breaks the reading of the output, no process of the job outlives `launch`, so the
+    # claim its caller releases next is not released under a running job.
+    class BrokenOutput(io.StringIO):
+        def write(self, text: str) -> int:
+            if "training" in text or "step" in text:
+                raise RuntimeError("the log sink broke")
+            return super().write(text)
+
+    started: list[ProcessRecord] = []
+    flags = [*FLAGS, "--train-iters", "100000", "--save", str(tmp_path / "ckpt")]
+    with pytest.raises(RuntimeError, match="the log sink broke"):
+        launch(
+            flags,
+            1,
+            env={"OMP_NUM_THREADS": "1"},
+            output=BrokenOutput(),
+            on_started=started.append,
+        )
+    (record,) = started
+    assert record.launcher == "local" and record.token
+    assert find_processes(record.token) == [], "a process of the job survived its reader"
+    assert not psutil.pid_exists(record.pid) or psutil.Process(record.pid).status() == "zombie"

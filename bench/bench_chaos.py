@@ -1,0 +1,166 @@
+"""Chaos bench (#37): random SIGKILLs of the job services, and the goodput of a training run
+whose worker is killed every N steps under --max-restarts.
+
+    python -m bench.bench_chaos --kills 50 --seed 37
+    python -m bench.bench_chaos --kills 0 --goodput-iters 60 --kill-every 20
+
+Part 1 kills the preprocess or trainer service (chosen at random) at a random moment of a job,
+restarts it on the same --state-dir and checks from outside, as tests/chaos does: every process
+the killed service had started is gone, the job's operation is in a final state (FAILED
+UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is empty and the claim's flock
+free, and no staging folder is left. Part 2 trains `--goodput-iters` steps uninterrupted, then
+again with the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss
+curves' equality and the goodput: useful steps over wall time, against the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.preprocess.v1 import preprocess_pb2_grpc
+from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.chaos.procs import Service, alive, db_rows, lock_is_free, start_service
+from tests.chaos.test_killed_worker_resume import WorkerKiller, run
+from tests.chaos.test_preprocess_kills import make_corpus, request
+from tests.chaos.test_trainer_lifetime import training_args
+
+
+@dataclass
+class KillReport:
+    """What the kills found."""
+
+    kills: dict[str, int] = field(default_factory=dict)
+    """Kills per service."""
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """Final states seen after the restarts."""
+    violations: list[str] = field(default_factory=list)
+    """Every broken guarantee, with the kill it followed."""
+
+
+def _check(report: KillReport, ok: bool, what: str) -> None:
+    if not ok:
+        report.violations.append(what)
+
+
+def _kill_and_restart(
+    service: Service, name: str, state: Path, data: Path
+) -> tuple[Service, list, operations_pb2.Operation]:
+    """SIGKILL, wait up to 90 s for its processes, restart; (restarted, leftovers, operation)."""
+    started = service.kill9()
+    deadline = time.monotonic() + 90
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = alive(started)
+    restarted = start_service(service.name, data, state)
+    with restarted.channel() as channel:
+        ops = operations_pb2_grpc.OperationsServiceStub(channel)
+        get = operations_pb2.GetOperationRequest(name=name)
+        operation = ops.GetOperation(get, timeout=30).operation
+    return restarted, leftover, operation
+
+
+def kill_round(kills: int, seed: int, base: Path) -> KillReport:
+    """`kills` random SIGKILLs across preprocess and trainer jobs."""
+    from tests.fixtures.tokenizers import build_sentencepiece
+
+    rng = random.Random(seed)
+    report = KillReport()
+    data = base / "data"
+    data.mkdir()
+    model = build_sentencepiece(data / "sp")
+    make_corpus(data / "corpus", files=6, docs=6000)
+    states = {"preprocess": base / "state-preprocess", "trainer": base / "state-trainer"}
+    services = {name: start_service(name, data, states[name]) for name in states}
+    try:
+        for i in range(kills):
+            which = rng.choice(sorted(services))
+            service = services[which]
+            output = data / "out" / f"{which}-{i}"
+            output.parent.mkdir(exist_ok=True)
+            with service.channel() as channel:
+                if which == "preprocess":
+                    stub = preprocess_pb2_grpc.PreprocessServiceStub(channel)
+                    req = request(Path(model), data / "corpus", output)
+                    name = stub.StartPreprocess(req, timeout=60).operation.name
+                    delay = rng.uniform(0.1, 2.5)
+                else:
+                    tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
+                    treq = trainer_pb2.StartTrainingRequest(args=training_args(output))
+                    name = tstub.StartTraining(treq, timeout=60).operation.name
+                    delay = rng.uniform(0.5, 15.0)
+            time.sleep(delay)
+            tag = f"kill {i} ({which}, {name}, after {delay:.1f}s)"
+            services[which], leftover, operation = _kill_and_restart(
+                service, name, states[which], data
+            )
+            report.kills[which] = report.kills.get(which, 0) + 1
+            state_name = operations_pb2.OperationState.Name(operation.state)
+            report.outcomes[state_name] = report.outcomes.get(state_name, 0) + 1
+            _check(report, not leftover, f"{tag}: processes outlived the service: {leftover}")
+            _check(report, operation.done, f"{tag}: not final after the restart")
+            _check(
+                report,
+                db_rows(states[which], "SELECT path FROM claims") == [],
+                f"{tag}: a claim survived",
+            )
+            _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
+            staged = list(output.parent.glob(".*.partial-*"))
+            _check(report, not staged, f"{tag}: staging left: {staged}")
+    finally:
+        for service in services.values():
+            service.stop()
+    return report
+
+
+def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]:
+    """Uninterrupted vs killed-every-`every`-steps training of `iters` steps."""
+    started = time.monotonic()
+    reference = run(base / "reference", iters, None, 0, save_interval=every)
+    clean_s = time.monotonic() - started
+    at = list(range(every, iters, every))
+    killer = WorkerKiller(base / "chaos", at)
+    started = time.monotonic()
+    interrupted = run(base / "chaos", iters, killer, len(at), save_interval=every)
+    chaos_s = time.monotonic() - started
+    return {
+        "iters": iters,
+        "kills": len(killer.kills),
+        "uninterrupted_s": round(clean_s, 1),
+        "killed_s": round(chaos_s, 1),
+        "goodput": round(clean_s / chaos_s, 3),
+        "loss_curve_identical": interrupted == reference,
+        "restart_cost_s": round((chaos_s - clean_s) / max(len(killer.kills), 1), 1),
+    }
+
+
+def main() -> None:
+    """Runs both parts and prints one JSON object."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=50, help="random service kills (0: none)")
+    parser.add_argument("--seed", type=int, default=37, help="random seed of the kills")
+    parser.add_argument("--goodput-iters", type=int, default=60, help="steps of each run (0: skip)")
+    parser.add_argument("--kill-every", type=int, default=20, help="steps between worker kills")
+    args = parser.parse_args()
+    result: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="meshline-chaos-") as tmp:
+        base = Path(tmp)
+        if args.kills:
+            (base / "kills").mkdir()
+            started = time.monotonic()
+            report = kill_round(args.kills, args.seed, base / "kills")
+            result["kills"] = {**report.__dict__, "wall_s": round(time.monotonic() - started)}
+        if args.goodput_iters:
+            (base / "goodput").mkdir()
+            result["goodput"] = goodput(args.goodput_iters, args.kill_every, base / "goodput")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

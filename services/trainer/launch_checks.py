@@ -251,7 +251,7 @@ def check_model_layout(config: TrainConfig, world_size: int) -> None:
     dims.virtual_pp = virtual_chunks(
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
-    check_model(dims, model_config, par)
+    check_model(dims, model_config, config.parallel_config())
 
 
 def _tokenizer_vocab(config: TrainConfig) -> int | None:

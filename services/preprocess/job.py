@@ -20,7 +20,7 @@ from typing import Any
 
 from services.common.paths import resolve_under_roots
 from services.common.safe_fs import open_dir
-from services.preprocess import staging
+from services.preprocess import provenance, staging
 from services.preprocess.arrow_sink import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
 from services.preprocess.handlers.base import INSTRUCTION_KEYS
@@ -310,6 +310,7 @@ def run_preprocess(
             counts=counts,
             bad_records=bad.examples,
             shard=_shard_entry(config, resolved),
+            provenance=_provenance(config, resolved, handler),
         )
         write_manifest(document, stage.path / manifest_path(prefix).name)
         stage.publish(manifest_path(prefix).name)
@@ -346,6 +347,23 @@ def _shard_entry(config: PreprocessConfig, resolved: list[InputPlan]) -> dict[st
         "input_files_total": sum(len(plan.files) for plan in resolved),
         "input_bytes_total": sum(plan.total_bytes() for plan in resolved),
     }
+
+
+def _provenance(
+    config: PreprocessConfig, resolved: list[InputPlan], handler: Handler
+) -> dict[str, Any]:
+    """The manifest's provenance block (what `meshline preprocess merge` checks)."""
+    identity = provenance.RunIdentity(
+        output_prefix=config.output_prefix,
+        num_shards=config.num_shards,
+        tokenizer=handler.tokenizer.describe(),
+        handler=handler.describe(),
+        options=_handler_options(config),
+    )
+    span = None
+    if config.num_shards > 1:
+        span = shard_range(resolved, config.shard_index, config.num_shards)
+    return provenance.build(identity, resolved, config.shard_index, span)
 
 
 def _input_entries(plans: list[InputPlan]) -> list[dict[str, Any]]:

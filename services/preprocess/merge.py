@@ -8,7 +8,9 @@ byte-identical to one process over the same inputs.
 
 Each part must be a finished run (its manifest present); before merging, every part's files are
 checked against the sizes and sha256 in its manifest, and the parts must agree on tokenizer,
-handler, output keys and dtypes. The merged manifest lists every part (prefix, shard index,
+handler, output keys and dtypes. The shards of a sharded run must add up: all present, in
+order, computed over the same input state by the same run (`provenance.check_runs`, naming the
+shard and the provenance field that differs). The merged manifest lists every part (prefix, shard index,
 inputs, counts, file checksums). Outputs are staged and published like `run_preprocess`'s: the
 manifest last, nothing under a final name on error.
 """
@@ -31,6 +33,7 @@ from services.preprocess.manifest import (
     write_manifest,
 )
 from services.preprocess.outputs import OutputShard
+from services.preprocess.provenance import check_runs
 from tokendata.indexed import IndexedDatasetWriter, bin_path, idx_path
 
 _COUNTS = ("records", "documents", "tokens", "bytes_read", "skipped_records", "dropped_records")
@@ -160,14 +163,7 @@ def _check_compatible(parts: list[_Part]) -> None:
                     f"{first.prefix} has {first.outputs[key]['dtype']}; Megatron's merge needs "
                     "one dtype (re-tokenise with the same tokenizer)"
                 )
-    shards: list[dict] = [part.manifest.get("shard") or {} for part in parts]
-    if all(shards) and len({(s["output_prefix"], s["num_shards"]) for s in shards}) == 1:
-        indices = [s["index"] for s in shards]
-        if indices != list(range(shards[0]["num_shards"])):
-            raise ValueError(
-                f"--input: shard indices {indices} are not 0..{shards[0]['num_shards'] - 1} in "
-                "order; pass every shard of the run, in index order, to get the single-run result"
-            )
+    check_runs([(str(part.prefix), part.manifest) for part in parts])
 
 
 def _existing(prefix: Path, keys: list[str]) -> list[Path]:
@@ -182,6 +178,7 @@ def _part_entry(part: _Part) -> dict[str, Any]:
         "prefix": str(part.prefix),
         "manifest": file_entry(manifest_path(part.prefix)),
         "shard": part.manifest.get("shard"),
+        "provenance": part.manifest.get("provenance"),
         "inputs": part.manifest["inputs"],
         "counts": {k: part.manifest["counts"].get(k, 0) for k in _COUNTS},
         "outputs": [

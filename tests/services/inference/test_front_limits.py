@@ -121,3 +121,37 @@ def test_a_full_parse_queue_answers_429(served, monkeypatch):
         timeout=30,
     )
     assert reply.status_code == 429 and "large request bodies" in reply.json()["error"]["message"]
+
+
+LOAD_GAUGES = (
+    "meshline_inference_queue_depth",
+    "meshline_inference_running_rows",
+    "meshline_inference_kv_cache_rows_usage_ratio",
+    "meshline_inference_kv_cache_tokens_usage_ratio",
+)
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = requests.get(url, timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in LOAD_GAUGES:
+            values[name] = float(value)
+    return values
+
+
+def test_load_gauges_read_zero_on_an_idle_server(served):
+    served, metrics_url = served
+    body = {"model": served.model_name, "prompt": "the cat", "max_tokens": 4, "temperature": 0}
+    for _ in range(2):
+        reply = requests.post(
+            f"{served.http_url}/v1/completions", json=body, headers=AUTH, timeout=60
+        )
+        assert reply.ok
+    deadline = time.monotonic() + 5
+    while served.engine.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gauges = _gauges(metrics_url)
+    assert set(gauges) == set(LOAD_GAUGES)
+    assert gauges == dict.fromkeys(LOAD_GAUGES, 0.0)  # the running-rows and KV-rows ones were 1

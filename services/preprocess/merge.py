@@ -18,13 +18,11 @@ manifest last, nothing under a final name on error.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.preprocess import staging
 from services.preprocess.manifest import (
     build_manifest,
     file_entry,
@@ -202,20 +200,20 @@ def merge_preprocessed(
     parts = [_load_part(spec) for spec in specs]
     _check_compatible(parts)
     keys = list(parts[0].outputs)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     existing = _existing(prefix, keys)
     if existing and not overwrite:
         raise ValueError(
             f"--output-prefix {prefix}: outputs already exist ({existing[0].name}, ...); "
             "pass --overwrite or choose another prefix"
         )
-    stage = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
+    # Staged, published and cleaned up through the output directory opened once (safe_fs).
+    stage = staging.create(prefix.parent, prefix.name)
     writers: list[IndexedDatasetWriter] = []
     try:
         shards, entries = [], []
         for key in keys:
             dtype = parts[0].outputs[key]["dtype"]
-            writer = IndexedDatasetWriter(stage / f"{prefix.name}_{key}_document", dtype)
+            writer = IndexedDatasetWriter(stage.path / f"{prefix.name}_{key}_document", dtype)
             writers.append(writer)
             for part in parts:
                 writer.add_index(part.dataset(key))
@@ -228,7 +226,7 @@ def merge_preprocessed(
                 tokens=writer.num_tokens,
             )
             entry = asdict(shard)
-            entry["files"] = [file_entry(stage / name) for name in shard.files]
+            entry["files"] = [file_entry(stage.path / name) for name in shard.files]
             entry["dtype"] = dtype
             shards.append(shard)
             entries.append(entry)
@@ -247,21 +245,20 @@ def merge_preprocessed(
         )
         document["parts"] = [_part_entry(part) for part in parts]
         for old in sorted(existing, key=lambda p: not p.name.endswith(".manifest.json")):
-            old.unlink(missing_ok=True)
+            stage.remove_output(old.name)
         for shard in shards:
             for name in sorted(shard.files, key=lambda n: n.endswith(".idx")):
-                os.replace(stage / name, prefix.parent / name)
+                stage.publish(name)
             shard.files = [str(prefix.parent / name) for name in shard.files]
             shard.path_prefix = str(prefix.parent / shard.path_prefix)
-        staged_manifest = stage / manifest_path(prefix).name
-        write_manifest(document, staged_manifest)
-        os.replace(staged_manifest, manifest_path(prefix))
+        write_manifest(document, stage.path / manifest_path(prefix).name)
+        stage.publish(manifest_path(prefix).name)
     except BaseException:
         for writer in writers:
             writer.abort()
         raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        staging.release(stage)
     return MergeResult(
         outputs=shards,
         manifest_path=str(manifest_path(prefix)),

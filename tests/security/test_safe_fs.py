@@ -192,3 +192,14 @@ def test_stale_staging_sweep_skips_links_with_staging_names(resolver, root, outs
     assert staging.sweep((root,)) == []
     assert (outside / ".corpus.partial-abcd1234").is_dir()
     assert os.path.islink(root / ".corpus.partial-abcd1234")
+
+
+def test_evaluation_results_refuse_an_output_folder_swapped_for_a_symlink(resolver, root, outside):
+    from services.evaluator.results import write_results
+
+    (root / "eval").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PermissionDenied, match="output_path"):
+        write_results(root / "eval" / "run1", [], {}, 0.0, (root,))
+    _untouched(outside)
+    path, _ = write_results(root / "real" / "run1", [], {}, 0.0, (root,))
+    assert path.is_file() and path.parent == root / "real" / "run1"

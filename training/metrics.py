@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoints.safe_fs import open_dir_beneath
+
 CSV_COLUMNS = (
     "step",
     "loss",
@@ -84,24 +86,26 @@ class MetricsWriter:
         if not self.enabled:
             return
         assert self.log_dir is not None
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._csv_path = self.log_dir / "metrics.csv"
-        self._eval_path = self.log_dir / "eval.csv"
-        for path, columns in ((self._csv_path, CSV_COLUMNS), (self._eval_path, EVAL_COLUMNS)):
-            if not path.exists() or path.stat().st_size == 0:
-                with path.open("w", newline="") as fh:
+        # Opened once beneath the data root (`checkpoints.safe_fs`): every write below goes
+        # through this descriptor, so a log dir swapped for a symlink redirects nothing.
+        self._dir = open_dir_beneath(self.log_dir, create=True)
+        for name, columns in (("metrics.csv", CSV_COLUMNS), ("eval.csv", EVAL_COLUMNS)):
+            info = self._dir.lstat(name)
+            if info is None or info.st_size == 0:
+                with self._dir.fdopen(name, "w", newline="") as fh:
                     csv.writer(fh).writerow(columns)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+            self._tb_dir = self._dir.subdir("tensorboard", create=True)
+            self._tb = SummaryWriter(log_dir=self._tb_dir.proc_path())
 
     def write(self, m: StepMetrics) -> None:
         """Append one row and the matching TensorBoard scalars."""
         if not self.enabled:
             return
         row = asdict(m)
-        with self._csv_path.open("a", newline="") as fh:
+        with self._dir.fdopen("metrics.csv", "a", newline="") as fh:
             csv.writer(fh).writerow([_fmt(row[c]) for c in CSV_COLUMNS])
             fh.flush()
             os.fsync(fh.fileno())
@@ -114,7 +118,7 @@ class MetricsWriter:
         """Record validation loss and perplexity; returns the perplexity."""
         ppl = math.exp(min(val_loss, 80.0))
         if self.enabled:
-            with self._eval_path.open("a", newline="") as fh:
+            with self._dir.fdopen("eval.csv", "a", newline="") as fh:
                 csv.writer(fh).writerow([step, _fmt(val_loss), _fmt(ppl)])
             if self._tb is not None:
                 self._tb.add_scalar("val/loss", val_loss, step)
@@ -127,6 +131,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+            self._tb_dir.close()
+        if self.enabled:
+            self._dir.close()
 
 
 def _fmt(value: Any) -> str:

@@ -16,6 +16,9 @@ per profiled rank when step 11 ends, or when the run ends inside the window.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from checkpoints.safe_fs import open_dir_beneath
 from kernels.device import Platform
 from training.run_sections import RunSection
 
@@ -68,7 +72,8 @@ class StepProfiler:
         elif step == self.start - 1 or self.start <= step < self.end:
             warmup = 1 if step == self.start - 1 else 0
             self._first = step + warmup
-            self.save_dir.mkdir(parents=True, exist_ok=True)
+            # Opened beneath the data root now; the trace is written through this descriptor.
+            self._dir = open_dir_beneath(self.save_dir, create=True)
             self._prof = self._build(warmup, self.end - self._first)
             self._prof.start()
         else:
@@ -94,6 +99,10 @@ class StepProfiler:
         self.platform.capture_range(start=False)
         started = time.perf_counter()
         prof.stop()
+        with self._dir:
+            self._finish(prof, started)
+
+    def _finish(self, prof: Any, started: float) -> None:
         if self._last < self._first:
             log.warning(
                 "--profile: the run ended before the log's step %d; no trace", self._first + 1
@@ -149,7 +158,13 @@ class StepProfiler:
     def _write(self, prof: Any) -> None:
         steps = f"{self._first + 1}-{self._last + 1}"  # as the log numbers them
         path = self.save_dir / f"rank{self.rank}.steps{steps}.pt.trace.json"
-        prof.export_chrome_trace(str(path))
+        # The profiler writes by path: to a private temporary folder, copied from there through
+        # the folder opened beneath the data root (a swapped save dir redirects nothing).
+        with tempfile.TemporaryDirectory(prefix="meshline-trace-") as private:
+            prof.export_chrome_trace(os.path.join(private, path.name))
+            source = os.path.join(private, path.name)
+            with open(source, "rb") as src, self._dir.fdopen(path.name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
         self.trace_path = path
         log.info(
             "profile of rank %d, the log's steps %d-%d: %s (open it in https://ui.perfetto.dev "

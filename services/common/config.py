@@ -42,6 +42,8 @@ class ServerConfig:
     """`text` (key=value lines) or `json` (one JSON object per line)."""
     metrics_port: int | None = None
     """Port of the Prometheus `/metrics` endpoint on `host` (0 = any free); None: no endpoint."""
+    metrics_secure: bool = False
+    """Give `/metrics` the service's TLS files and bearer token (else plain HTTP, no auth)."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -57,6 +59,13 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(
                 f"--metrics-port must be in [0, 65535] (0 = any free port), got {self.metrics_port}"
+            )
+        if self.metrics_secure and self.metrics_port is None:
+            raise ValueError("--metrics-secure needs --metrics-port (the endpoint it secures)")
+        if self.metrics_secure and self.tls_cert is None and self.auth_token_file is None:
+            raise ValueError(
+                "--metrics-secure reuses the server's --tls-cert/--tls-key and --auth-token-file; "
+                "give at least one of them"
             )
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must be >= 0 seconds, got {self.grace_s}")
@@ -158,6 +167,13 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
     )
+    group.add_argument(
+        "--metrics-secure",
+        action="store_true",
+        default=False,
+        help="serve /metrics with the server's --tls-cert/--tls-key (HTTPS, mTLS with "
+        "--tls-client-ca) and require its --auth-token-file token (default: plain HTTP, no auth)",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -176,4 +192,5 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         log_format=args.log_format,
         metrics_port=args.metrics_port,
+        metrics_secure=args.metrics_secure,
     )

@@ -7,20 +7,36 @@ errors are the series whose `code` is not "OK" (gRPC) or whose `status` is >= 40
 
 Operations (preprocess, train, convert, evaluate jobs) are read from their stores at scrape time
 by `OperationsCollector`: a count per kind and state, and the progress of every running one.
+
+The endpoint is plain HTTP without auth unless `--metrics-secure` is given: then it reuses the
+server's `--tls-cert/--tls-key` (HTTPS; mTLS with `--tls-client-ca`) and `--auth-token-file`
+(scrapes send `Authorization: Bearer <token>`), so it is no weaker than the service's port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    make_wsgi_app,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -66,17 +82,84 @@ class MetricsServer(Protocol):
     def server_close(self) -> None: ...
 
 
-def start_metrics_server(host: str, port: int) -> MetricsServer:
-    """Serves the default registry on `http://host:port/metrics` from a daemon thread.
+def start_metrics_server(
+    host: str, port: int, *, token: str | None = None, tls: MetricsTLS | None = None
+) -> MetricsServer:
+    """Serves the default registry on `http(s)://host:port/metrics` from a daemon thread.
 
-    Port 0 picks a free one (read it from `.server_port`). Raises OSError naming the flag
-    when the port cannot be bound.
+    Port 0 picks a free one (read it from `.server_port`). With `token`, a scrape must send
+    `Authorization: Bearer <token>` (401 otherwise, no metric in the answer); with `tls`, the
+    endpoint speaks HTTPS only (mTLS when `tls.client_ca` is set). Raises OSError naming the
+    flag when the port cannot be bound.
     """
+    if token is None and tls is None:
+        try:
+            httpd, _ = start_http_server(port, addr=host)
+        except OSError as exc:
+            raise OSError(f"cannot bind {host}:{port} for --metrics-port: {exc}") from exc
+        return httpd
+    app = _bearer_guard(make_wsgi_app(), token) if token is not None else make_wsgi_app()
     try:
-        httpd, _ = start_http_server(port, addr=host)
+        httpd = make_server(host, port, app, _QuietThreadingServer, handler_class=_QuietHandler)
     except OSError as exc:
         raise OSError(f"cannot bind {host}:{port} for --metrics-port: {exc}") from exc
+    if tls is not None:
+        # The handshake is deferred to the request's own thread: a client that never finishes
+        # it holds one thread, not the accept loop.
+        httpd.socket = tls.context().wrap_socket(
+            httpd.socket, server_side=True, do_handshake_on_connect=False
+        )
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     return httpd
+
+
+@dataclass(frozen=True)
+class MetricsTLS:
+    """The server's TLS files, reused by the metrics endpoint (`--metrics-secure`)."""
+
+    cert: str
+    """PEM certificate chain (`--tls-cert`)."""
+    key: str
+    """PEM private key (`--tls-key`)."""
+    client_ca: str | None = None
+    """PEM CA client certificates must chain to (`--tls-client-ca`; None: no client certs)."""
+
+    def context(self) -> ssl.SSLContext:
+        """A server-side SSL context over these files."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_ca is not None:
+            context.load_verify_locations(self.client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
+def _bearer_guard(app: Callable[..., Any], token: str) -> Callable[..., Any]:
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(got, expected):
+            start_response(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")],
+            )
+            return [b"send 'Authorization: Bearer <token>' with the server's --auth-token-file\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged (one line per scrape would drown the service's log)."""
+
+
+class _QuietThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed TLS handshake or a dropped scrape is the client's problem, not logged."""
 
 
 def _split(method: str) -> tuple[str, str]:

@@ -20,7 +20,19 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoints.safe_fs import ROOTS_ENV, roots_from_env
 from services.common.errors import InvalidArgument, PermissionDenied
+
+__all__ = [
+    "ROOTS_ENV",
+    "check_at_use",
+    "confine_to",
+    "confine_tree",
+    "open_resolved",
+    "resolve_under_roots",
+    "roots_env_value",
+    "roots_from_env",
+]
 
 
 def resolve_under_roots(path: str, roots: Sequence[Path], field: str) -> Path:
@@ -47,19 +59,9 @@ def resolve_under_roots(path: str, roots: Sequence[Path], field: str) -> Path:
     )
 
 
-ROOTS_ENV = "MESHLINE_DATA_ROOTS"
-"""Set by a service for the processes it starts: the data roots, joined with `os.pathsep`."""
-
-
 def roots_env_value(roots: Sequence[Path]) -> str:
     """The `ROOTS_ENV` value naming `roots` (for a child process's environment)."""
     return os.pathsep.join(str(root) for root in roots)
-
-
-def roots_from_env(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
-    """The roots a service passed down in `ROOTS_ENV`; empty when not started by a service."""
-    value = (os.environ if environ is None else environ).get(ROOTS_ENV, "")
-    return tuple(Path(part) for part in value.split(os.pathsep) if part)
 
 
 def check_at_use(path: str | os.PathLike[str], field: str) -> Path:

@@ -15,7 +15,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -28,7 +28,11 @@ from services.common.health import NOT_SERVING, SERVING, HealthServicer
 from services.common.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from services.common.interceptors import GuardInterceptor
 from services.common.logging import setup_logging
-from services.common.metrics import MetricsInterceptor, start_metrics_server
+from services.common.metrics import (
+    MetricsInterceptor,
+    MetricsTLS,
+    start_metrics_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +143,17 @@ async def shutdown(
     await asyncio.gather(server.stop(grace_s), *hooks)
 
 
+def metrics_security(config: ServerConfig) -> dict[str, Any]:
+    """`start_metrics_server`'s token and TLS for `--metrics-secure` (the service's own)."""
+    if not config.metrics_secure:
+        return {}
+    tls = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        tls = MetricsTLS(config.tls_cert, config.tls_key, config.tls_client_ca)
+    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+    return {"token": token, "tls": tls}
+
+
 async def serve(
     bindings: Sequence[ServiceBinding],
     config: ServerConfig,
@@ -152,11 +167,12 @@ async def serve(
     server, port, health = await create_server(bindings, config)
     metrics = None
     if config.metrics_port is not None:
-        metrics = start_metrics_server(config.host, config.metrics_port)
+        metrics = start_metrics_server(config.host, config.metrics_port, **metrics_security(config))
         logger.info(
-            "metrics on http://%s/metrics",
+            "metrics on %s://%s/metrics",
+            "https" if config.metrics_secure and config.tls else "http",
             format_address(config.host, metrics.server_port),
-            extra={"metrics_port": metrics.server_port},
+            extra={"metrics_port": metrics.server_port, "metrics_secure": config.metrics_secure},
         )
     companions = [await b.companion(config) for b in bindings if b.companion is not None]
     names = ", ".join(binding.name for binding in bindings)

@@ -10,7 +10,6 @@ may go and what `overwrite` may replace (only the converter's own earlier output
 from __future__ import annotations
 
 import math
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +44,7 @@ from services.converter.options import (
 from services.converter.output_dir import (
     check_replaceable,
     check_save_dir,
+    discard,
     publish,
     staging_dir,
     write_marker,
@@ -135,7 +135,8 @@ def convert(
         or get_format(options.load_format).model_parallel
     )
 
-    tmp = staging_dir(options.save_dir)
+    staging = staging_dir(options.save_dir)
+    tmp = staging.path
     sink: Sink | None = None
     try:
         verify, skipped = options.verify, None
@@ -185,11 +186,11 @@ def convert(
             verify_report = compare(expected, load_model(output), tolerance)
             if not verify_report.passed:
                 raise VerificationFailed(verify_report)
-        publish(tmp, options.save_dir, options.overwrite)
+        publish(staging, options.save_dir, options.overwrite)
     except BaseException:
         if sink is not None:
             sink.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(staging)
         raise
     return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
 

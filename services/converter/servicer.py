@@ -43,7 +43,12 @@ from services.converter.job import (
     VerificationFailed,
     convert,
 )
-from services.converter.output_dir import UnsafeSaveDir, check_replaceable, check_save_dir
+from services.converter.output_dir import (
+    UnsafeSaveDir,
+    check_replaceable,
+    check_save_dir,
+    sweep_stale,
+)
 
 SERVICE_NAME = converter_pb2.DESCRIPTOR.services_by_name["ConverterService"].full_name
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -329,7 +334,11 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
 
 
 def bindings(config: ConverterServiceConfig, store: OperationsStore) -> list[ServiceBinding]:
-    """The converter service and the OperationsService over the same store."""
+    """The converter service and the OperationsService over the same store.
+
+    Staging folders that killed conversions left under the data roots are removed first.
+    """
+    sweep_stale(config.data_roots)
     servicer = ConverterServicer(config, store)
     return [
         ServiceBinding(

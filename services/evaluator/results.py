@@ -13,10 +13,12 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.safe_fs import open_dir
 from services.evaluator.scoring.metrics import mean, mean_stderr, pooled_stderr, weighted_mean
 from services.evaluator.tasks import GROUP_VERSIONS
 from services.evaluator.tasks.base import Task
@@ -185,17 +187,26 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def write_results(
-    output_path: Path, outcomes: list[TaskOutcome], config: dict[str, Any], start_time: float
+    output_path: Path,
+    outcomes: list[TaskOutcome],
+    config: dict[str, Any],
+    start_time: float,
+    roots: Sequence[Path] = (),
 ) -> tuple[Path, dict[str, Any]]:
-    """Write samples_{task}.jsonl files, then results.json; returns its path and content."""
-    output_path.mkdir(parents=True, exist_ok=True)
-    for o in outcomes:
-        lines = (json.dumps(s, ensure_ascii=False, default=str) for s in o.samples)
-        atomic_write(output_path / f"samples_{o.task.name}.jsonl", "\n".join(lines) + "\n")
-    document = build_results(outcomes, config, start_time, time.time())
-    path = output_path / "results.json"
-    atomic_write(path, json.dumps(document, ensure_ascii=False, indent=2, default=str))
-    return path, document
+    """Write samples_{task}.jsonl files, then results.json; returns its path and content.
+
+    Every file is written atomically through `output_path` opened beneath its data root
+    (`roots`; none: the path as it resolves now), so a folder swapped for a symlink during the
+    evaluation redirects nothing (PermissionDenied naming `output_path` if swapped before).
+    """
+    with open_dir(output_path, roots, "output_path", create=True) as directory:
+        for o in outcomes:
+            lines = (json.dumps(s, ensure_ascii=False, default=str) for s in o.samples)
+            directory.write_text(f"samples_{o.task.name}.jsonl", "\n".join(lines) + "\n")
+        document = build_results(outcomes, config, start_time, time.time())
+        text = json.dumps(document, ensure_ascii=False, indent=2, default=str)
+        directory.write_text("results.json", text)
+    return output_path / "results.json", document
 
 
 def format_table(document: dict[str, Any]) -> str:

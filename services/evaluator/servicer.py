@@ -340,9 +340,9 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "num_samples": config.num_samples,
             "temperature": config.temperature if config.num_samples > 1 else None,
         }
-        # Re-checked at use: the folder may have become a symlink leaving the roots meanwhile.
-        self._config.resolve(str(output), "output_path")
-        path, _ = write_results(output, outcomes, settings, start)
+        # Written through the folder opened beneath its data root: a folder swapped for a
+        # symlink meanwhile is refused (PERMISSION_DENIED), never followed.
+        path, _ = write_results(output, outcomes, settings, start, self._config.data_roots)
         return evaluator_pb2.EvaluationResult(
             results=_task_results(outcomes),
             results_path=str(path),

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.inference.config import InferenceServiceConfig
+from services.inference.http_body import OffLoopBodyRoute
 from services.inference.http_config import HttpConfig
 from services.inference.http_middleware import GuardMiddleware
 from services.inference.http_streaming import merged, sse, until_disconnect
@@ -70,6 +71,7 @@ def build_app(
 ) -> FastAPI:
     """The ASGI app serving `engine` (None: every model route answers 503)."""
     app = FastAPI(title="Meshline inference (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    app.router.route_class = OffLoopBodyRoute  # bodies parsed off the loop shared with gRPC
     api = _Api(engine, limits, http)
     app.add_middleware(GuardMiddleware, http=http, auth_token=auth_token)
     _add_error_handlers(app)

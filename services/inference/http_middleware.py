@@ -30,6 +30,19 @@ ROUTES = frozenset(
     }
 )
 """Route labels of the metrics; any other path counts as "other" (bounded label values)."""
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+"""Method labels of the metrics; any other method counts as "other" (bounded label values)."""
+
+
+def metric_labels(path: str, method: str, authenticated: bool) -> tuple[str, str]:
+    """(route, method) labels, each from a fixed set: a client cannot mint new series.
+
+    A request that failed auth is counted, but under ("other", "other"): nothing it sent
+    chooses a label before the server knows who sent it.
+    """
+    if not authenticated:
+        return "other", "other"
+    return (path if path in ROUTES else "other"), (method if method in METHODS else "other")
 
 
 class GuardMiddleware:
@@ -47,8 +60,6 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
-        method = scope.get("method", "GET")
         start = time.perf_counter()
         status = [500]
 
@@ -60,8 +71,10 @@ class GuardMiddleware:
         try:
             await self._guarded(scope, receive, send_counted, path)
         finally:
+            authenticated = status[0] != 401
+            route, method = metric_labels(path, scope.get("method", ""), authenticated)
             HTTP_LATENCY.labels(route, method).observe(time.perf_counter() - start)
-            HTTP_REQUESTS.labels(route, method, str(status[0])).inc()
+            HTTP_REQUESTS.labels(route, method, _status_label(status[0])).inc()
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         if path in EXEMPT:
@@ -133,6 +146,11 @@ class GuardMiddleware:
             "shorter prompts per request",
             code="request_too_large",
         )
+
+
+def _status_label(status: int) -> str:
+    """The status as a label; only 100..599 (what an ASGI app may send) are distinct values."""
+    return str(status) if 100 <= status <= 599 else "other"
 
 
 async def _reply(send: Send, error: ApiError) -> None:

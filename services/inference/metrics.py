@@ -62,20 +62,39 @@ KV_CACHE_TOKENS_USAGE = Gauge(
 STEPS = Counter("meshline_inference_engine_steps_total", "Engine steps that ran the model.")
 
 
+_last_step: dict[str, float] = {"queue": 0.0, "rows": 0.0, "kv_rows": 0.0, "kv_tokens": 0.0}
+"""The load gauges' values as of the last model step (read at scrape time, see `instrument`)."""
+
+
 def _observe_step(engine: Engine) -> None:
     rows, waiting = engine.load()
     pool = engine.pool
     BATCH_SIZE.observe(rows)
-    QUEUE_DEPTH.set(waiting)
-    RUNNING_ROWS.set(rows)
-    KV_CACHE_ROWS_USAGE.set(pool.num_rows / pool.max_rows)
-    KV_CACHE_TOKENS_USAGE.set(pool.slots_used() / pool.slot_capacity)
+    _last_step.update(
+        queue=waiting,
+        rows=rows,
+        kv_rows=pool.num_rows / pool.max_rows,
+        kv_tokens=pool.slots_used() / pool.slot_capacity,
+    )
     STEPS.inc()
 
 
 def instrument(engine: Engine) -> None:
-    """Record batch size, queue depth and cache use after each of `engine`'s steps."""
+    """Record batch size, queue depth and cache use after each of `engine`'s steps.
+
+    The load gauges are read when scraped: the last step's values while the engine has work,
+    0 once it has none. The engine observes a step before it releases the rows that step
+    finished, and runs no step when idle, so a stored value would stay at the last request's
+    load forever (two gauges read non-zero on an idle server, issue 37).
+    """
     engine.on_step = _observe_step
+    for gauge, key in (
+        (QUEUE_DEPTH, "queue"),
+        (RUNNING_ROWS, "rows"),
+        (KV_CACHE_ROWS_USAGE, "kv_rows"),
+        (KV_CACHE_TOKENS_USAGE, "kv_tokens"),
+    ):
+        gauge.set_function(lambda key=key: _last_step[key] if engine.has_work() else 0.0)
 
 
 async def metered(

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from services.common.paths import resolve_under_roots
-from services.preprocess import staging
+from services.common.safe_fs import open_dir
+from services.preprocess import provenance, staging
 from services.preprocess.arrow_sink import ArrowSink
 from services.preprocess.handlers import Handler, HandlerOptions, get_handler_class
 from services.preprocess.handlers.base import output_keys_of
@@ -186,14 +187,16 @@ def _make_sink(config: PreprocessConfig, stage_prefix: Path, handler: Handler) -
     return MmapSink(stage_prefix, keys, vocab)
 
 
-def _publish(shards: list[OutputShard], stage: Path, directory: Path, replaced: list[Path]) -> None:
+def _publish(
+    shards: list[OutputShard], stage: staging.Stage, directory: Path, replaced: list[Path]
+) -> None:
     # The old manifest goes first: it must never describe a mix of old and new files.
     for old in sorted(replaced, key=lambda p: not p.name.endswith(MANIFEST_SUFFIX)):
-        old.unlink(missing_ok=True)
+        stage.remove_output(old.name)
     for shard in shards:
         # The index last: a reader keys on `.idx`, which must never precede its `.bin`.
         for name in sorted(shard.files, key=lambda n: n.endswith(".idx")):
-            os.replace(stage / name, directory / name)
+            stage.publish(name)
         shard.files = [str(directory / name) for name in shard.files]
         shard.path_prefix = str(directory / shard.path_prefix)
 
@@ -217,6 +220,7 @@ def run_preprocess(
     prefix = Path(config.shard_output_prefix)
     if roots:
         resolve_under_roots(str(prefix.parent), roots, "output_prefix")
+        open_dir(prefix.parent, roots, "output_prefix", create=True).close()  # no mkdir via a link
     directory = _check_output_dir(prefix)
     resolved = [resolve_input(spec, config.hf_params()) for spec in config.input]
     plans = shard_plans(resolved, config.shard_index, config.num_shards)
@@ -242,13 +246,12 @@ def run_preprocess(
     progress = Progress(input_files_total=sum(len(plan.files) for plan in plans))
     printer = ProgressPrinter(config.log_interval)
     bad = _BadRecords(config)
-    staging.remove_stale(directory, prefix.name)
-    stage = staging.create(directory, prefix.name)
+    # The output directory is opened beneath its root here, once: staging, publishing and
+    # clean-up go through that descriptor, never through the path again.
+    stage = staging.create(directory, prefix.name, roots)
     sink: Sink | None = None
     try:
-        if roots:
-            resolve_under_roots(str(stage), roots, "output_prefix")
-        sink = _make_sink(config, stage / prefix.name, handler)
+        sink = _make_sink(config, stage.path / prefix.name, handler)
         packer = Packer(config.seq_length if config.pack else None)
         first_key = handler.output_keys()[0]
 
@@ -293,7 +296,7 @@ def run_preprocess(
                 f"--handler-name {config.handler_name}"
             )
         shards = sink.finalize()
-        outputs = _output_entries(shards, stage, handler)
+        outputs = _output_entries(shards, stage.path, handler)
         result = PreprocessResult(
             documents=progress.documents,
             tokens=progress.tokens,
@@ -301,9 +304,6 @@ def run_preprocess(
             skipped_records=bad.count,
             dropped_records=progress.dropped_records,
         )
-        if roots:
-            resolve_under_roots(str(directory), roots, "output_prefix")
-            resolve_under_roots(str(stage), roots, "output_prefix")
         _publish(shards, stage, directory, existing)
         result.outputs = shards
         result.elapsed_seconds = time.monotonic() - started
@@ -317,10 +317,10 @@ def run_preprocess(
             counts=counts,
             bad_records=bad.examples,
             shard=_shard_entry(config, resolved),
+            provenance=_provenance(config, resolved, handler),
         )
-        staged_manifest = stage / manifest_path(prefix).name
-        write_manifest(document, staged_manifest)
-        os.replace(staged_manifest, manifest_path(prefix))
+        write_manifest(document, stage.path / manifest_path(prefix).name)
+        stage.publish(manifest_path(prefix).name)
         result.manifest_path = str(manifest_path(prefix))
         printer.finish(progress)
         return result
@@ -354,6 +354,23 @@ def _shard_entry(config: PreprocessConfig, resolved: list[InputPlan]) -> dict[st
         "input_files_total": sum(len(plan.files) for plan in resolved),
         "input_bytes_total": sum(plan.total_bytes() for plan in resolved),
     }
+
+
+def _provenance(
+    config: PreprocessConfig, resolved: list[InputPlan], handler: Handler
+) -> dict[str, Any]:
+    """The manifest's provenance block (what `meshline preprocess merge` checks)."""
+    identity = provenance.RunIdentity(
+        output_prefix=config.output_prefix,
+        num_shards=config.num_shards,
+        tokenizer=handler.tokenizer.describe(),
+        handler=handler.describe(),
+        options=_handler_options(config),
+    )
+    span = None
+    if config.num_shards > 1:
+        span = shard_range(resolved, config.shard_index, config.num_shards)
+    return provenance.build(identity, resolved, config.shard_index, span)
 
 
 def _input_entries(plans: list[InputPlan]) -> list[dict[str, Any]]:

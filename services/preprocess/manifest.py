@@ -52,6 +52,7 @@ def build_manifest(
     counts: dict[str, Any],
     bad_records: list[dict[str, str]],
     shard: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest document (all arguments already JSON-safe); `shard` only for a sharded run."""
     document = {
@@ -68,6 +69,8 @@ def build_manifest(
     }
     if shard is not None:
         document["shard"] = shard
+    if provenance is not None:
+        document["provenance"] = provenance
     return document
 
 

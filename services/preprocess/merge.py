@@ -8,7 +8,9 @@ byte-identical to one process over the same inputs.
 
 Each part must be a finished run (its manifest present); before merging, every part's files are
 checked against the sizes and sha256 in its manifest, and the parts must agree on tokenizer,
-handler, output keys and dtypes. The merged manifest lists every part (prefix, shard index,
+handler, output keys and dtypes. The shards of a sharded run must add up: all present, in
+order, computed over the same input state by the same run (`provenance.check_runs`, naming the
+shard and the provenance field that differs). The merged manifest lists every part (prefix, shard index,
 inputs, counts, file checksums). Outputs are staged and published like `run_preprocess`'s: the
 manifest last, nothing under a final name on error.
 """
@@ -16,13 +18,11 @@ manifest last, nothing under a final name on error.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.preprocess import staging
 from services.preprocess.manifest import (
     build_manifest,
     file_entry,
@@ -31,6 +31,7 @@ from services.preprocess.manifest import (
     write_manifest,
 )
 from services.preprocess.outputs import OutputShard
+from services.preprocess.provenance import check_runs
 from tokendata.indexed import IndexedDatasetWriter, bin_path, idx_path
 
 _COUNTS = ("records", "documents", "tokens", "bytes_read", "skipped_records", "dropped_records")
@@ -160,14 +161,7 @@ def _check_compatible(parts: list[_Part]) -> None:
                     f"{first.prefix} has {first.outputs[key]['dtype']}; Megatron's merge needs "
                     "one dtype (re-tokenise with the same tokenizer)"
                 )
-    shards: list[dict] = [part.manifest.get("shard") or {} for part in parts]
-    if all(shards) and len({(s["output_prefix"], s["num_shards"]) for s in shards}) == 1:
-        indices = [s["index"] for s in shards]
-        if indices != list(range(shards[0]["num_shards"])):
-            raise ValueError(
-                f"--input: shard indices {indices} are not 0..{shards[0]['num_shards'] - 1} in "
-                "order; pass every shard of the run, in index order, to get the single-run result"
-            )
+    check_runs([(str(part.prefix), part.manifest) for part in parts])
 
 
 def _existing(prefix: Path, keys: list[str]) -> list[Path]:
@@ -182,6 +176,7 @@ def _part_entry(part: _Part) -> dict[str, Any]:
         "prefix": str(part.prefix),
         "manifest": file_entry(manifest_path(part.prefix)),
         "shard": part.manifest.get("shard"),
+        "provenance": part.manifest.get("provenance"),
         "inputs": part.manifest["inputs"],
         "counts": {k: part.manifest["counts"].get(k, 0) for k in _COUNTS},
         "outputs": [
@@ -205,20 +200,20 @@ def merge_preprocessed(
     parts = [_load_part(spec) for spec in specs]
     _check_compatible(parts)
     keys = list(parts[0].outputs)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     existing = _existing(prefix, keys)
     if existing and not overwrite:
         raise ValueError(
             f"--output-prefix {prefix}: outputs already exist ({existing[0].name}, ...); "
             "pass --overwrite or choose another prefix"
         )
-    stage = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
+    # Staged, published and cleaned up through the output directory opened once (safe_fs).
+    stage = staging.create(prefix.parent, prefix.name)
     writers: list[IndexedDatasetWriter] = []
     try:
         shards, entries = [], []
         for key in keys:
             dtype = parts[0].outputs[key]["dtype"]
-            writer = IndexedDatasetWriter(stage / f"{prefix.name}_{key}_document", dtype)
+            writer = IndexedDatasetWriter(stage.path / f"{prefix.name}_{key}_document", dtype)
             writers.append(writer)
             for part in parts:
                 writer.add_index(part.dataset(key))
@@ -231,7 +226,7 @@ def merge_preprocessed(
                 tokens=writer.num_tokens,
             )
             entry = asdict(shard)
-            entry["files"] = [file_entry(stage / name) for name in shard.files]
+            entry["files"] = [file_entry(stage.path / name) for name in shard.files]
             entry["dtype"] = dtype
             shards.append(shard)
             entries.append(entry)
@@ -250,21 +245,20 @@ def merge_preprocessed(
         )
         document["parts"] = [_part_entry(part) for part in parts]
         for old in sorted(existing, key=lambda p: not p.name.endswith(".manifest.json")):
-            old.unlink(missing_ok=True)
+            stage.remove_output(old.name)
         for shard in shards:
             for name in sorted(shard.files, key=lambda n: n.endswith(".idx")):
-                os.replace(stage / name, prefix.parent / name)
+                stage.publish(name)
             shard.files = [str(prefix.parent / name) for name in shard.files]
             shard.path_prefix = str(prefix.parent / shard.path_prefix)
-        staged_manifest = stage / manifest_path(prefix).name
-        write_manifest(document, staged_manifest)
-        os.replace(staged_manifest, manifest_path(prefix))
+        write_manifest(document, stage.path / manifest_path(prefix).name)
+        stage.publish(manifest_path(prefix).name)
     except BaseException:
         for writer in writers:
             writer.abort()
         raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        staging.release(stage)
     return MergeResult(
         outputs=shards,
         manifest_path=str(manifest_path(prefix)),

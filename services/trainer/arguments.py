@@ -14,6 +14,7 @@ import ast
 import functools
 import inspect
 import itertools
+import sys
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -159,6 +160,93 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
+MAX_ARGS = 20_000
+"""Command-line arguments accepted at most (long --data-path lists included)."""
+MAX_FLAGS = 2_000
+"""Option strings (`--name`) accepted at most: argparse's cost grows with their square."""
+MAX_ARG_CHARS = 65_536
+"""Characters of one argument at most (a path, a data blend entry)."""
+
+
+def check_argv(argv: list[str]) -> None:
+    """ValueError naming the limit when `argv` is too long to parse in bounded time.
+
+    One linear pass before argparse, whose cost grows with the square of the number of option
+    strings (100k arguments kept a service thread busy for minutes).
+    """
+    if len(argv) > MAX_ARGS:
+        raise ValueError(
+            f"{len(argv)} arguments: at most {MAX_ARGS} are accepted; put long settings in "
+            "--config FILE"
+        )
+    flags = 0
+    for position, arg in enumerate(argv):
+        if len(arg) > MAX_ARG_CHARS:
+            raise ValueError(
+                f"argument {position} ({arg[:40]!r}...) is {len(arg)} characters; at most "
+                f"{MAX_ARG_CHARS} are accepted"
+            )
+        flags += arg.startswith("-") and not _is_number(arg)
+    if flags > MAX_FLAGS:
+        raise ValueError(
+            f"{flags} flags: at most {MAX_FLAGS} are accepted (each flag once is ~300); drop "
+            "the repeated ones or use --config FILE"
+        )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether a config-file `value` has the field type `tp` (an int is a number, not a bool)."""
+    if value is None:
+        return tp is not _strip_optional(tp)  # None only where the field is optional
+    tp = _strip_optional(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True  # a type the flags do not declare (none today): the section checks it
+
+
+def check_types(values: dict[str, Any], source: str) -> None:
+    """ValueError naming the key when a value from `source` (--config FILE) has the wrong type."""
+    index = field_index()
+    for name, value in values.items():
+        if name in index and not _type_ok(value, index[name][1]):
+            wanted = _type_name(_strip_optional(index[name][1]))
+            raise ValueError(
+                f"{source}: setting {name!r} must be {wanted}, got {type(value).__name__} "
+                f"{str(value)[:60]!r}"
+            )
+
+
 def config_from_values(values: dict[str, Any]) -> TrainConfig:
     """Build the config from `{field_name: value}`; unset fields keep their defaults."""
     per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -185,10 +273,12 @@ def parse_args(
     section by section; call `config.validate(world_size)` once the job size is known for the
     cross-flag checks.
     """
+    check_argv(sys.argv[1:] if argv is None else argv)
     namespace = build_parser().parse_args(argv)
     given = vars(namespace)
     config_path = given.pop("config", None)
     values = load_config_file(config_path) if config_path else {}
+    check_types(values, f"--config {config_path}")
     values.update(given)
     values, notes = megatron_flags.apply(values, read_files=read_files)
     config = config_from_values(values)

@@ -273,6 +273,7 @@ def dry_run(
     `local_world_size` is the launcher's --nproc-per-node: without --hsdp-shard-size, HSDP
     shards within a node, as in the launched run (`parallel.parallel_dims.build_dims`).
     """
+    check_world_size(world_size)
     config.validate(world_size)
     par = config.parallel
     dims = build_dims(config, world_size, local_world_size)
@@ -424,8 +425,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None)
 
 
+MAX_WORLD_SIZE = 65_536
+"""Ranks a dry run simulates at most: its report has one entry per rank (memory grows with it)."""
+
+
 def check_world_size(world_size: int | None) -> int:
-    """The --world-size of a dry run (required, positive)."""
+    """The --world-size of a dry run (required, positive, at most `MAX_WORLD_SIZE`)."""
     if world_size is None or world_size < 1:
         raise ValueError("--dry-run needs --world-size N (the number of ranks to simulate)")
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"--world-size {world_size}: a dry run simulates at most {MAX_WORLD_SIZE} ranks (it "
+            "reports every rank, so memory grows with N); check a smaller job of the same "
+            "parallel layout"
+        )
     return world_size

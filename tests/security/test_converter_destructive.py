@@ -24,8 +24,11 @@ import pytest
 from checkpoints.safetensors_stream import read_header
 from meshline.common.v1 import checkpoint_pb2
 from meshline.converter.v1 import converter_pb2
+from services.common.operations import OperationsStore
 from services.converter import cli, output_dir
+from services.converter.config import ConverterServiceConfig
 from services.converter.output_dir import MARKER, publish, staging_dir, write_marker
+from services.converter.servicer import bindings as converter_bindings
 from tests.security.grpc_convert import convert_over_grpc
 from tests.services.converter.conftest import hf_llama_gqa, save_hf
 
@@ -165,7 +168,7 @@ def test_publish_refuses_a_save_dir_swapped_for_a_symlink(tmp_path):
     write_marker(victim, {"format": "native"})
     save = tmp_path / "out"
     tmp = staging_dir(save)
-    (tmp / "new.txt").write_text("new output")
+    (tmp.path / "new.txt").write_text("new output")
     save.symlink_to(victim)
     with pytest.raises(FileExistsError, match="symlink"):
         publish(tmp, save, overwrite=True)
@@ -271,14 +274,14 @@ def test_index_naming_a_file_outside_the_checkpoint_is_refused(root, tmp_path):
     assert not (root / "out").exists()
 
 
-def _old_and_new(tmp_path: Path) -> tuple[Path, Path]:
+def _old_and_new(tmp_path: Path) -> tuple[output_dir.Staging, Path]:
     save = tmp_path / "out"
     save.mkdir()
     write_marker(save, {"format": "native"})
     (save / "old.txt").write_text("old output")
     tmp = staging_dir(save)
-    write_marker(tmp, {"format": "native"})
-    (tmp / "new.txt").write_text("new output")
+    write_marker(tmp.path, {"format": "native"})
+    (tmp.path / "new.txt").write_text("new output")
     return tmp, save
 
 
@@ -297,7 +300,56 @@ def test_publish_swaps_in_one_step_where_the_kernel_can(tmp_path, monkeypatch):
 
 def test_publish_without_renameat2_still_replaces_completely(tmp_path, monkeypatch):
     tmp, save = _old_and_new(tmp_path)
-    monkeypatch.setattr(output_dir, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(output_dir, "_exchange", lambda parent, a, b: False)
     publish(tmp, save, overwrite=True)
     assert (save / "new.txt").is_file() and not (save / "old.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_publish_and_cleanup_follow_no_parent_swapped_during_the_conversion(tmp_path):
+    """The folder holding save_dir swapped for a symlink mid-run: nothing lands or is deleted
+    outside; the output is published where the conversion started (#37 finding 4)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("not yours")
+    parent = tmp_path / "models"
+    staged = staging_dir(parent / "out")
+    write_marker(staged.path, {"format": "native"})
+    parent.rename(tmp_path / "models.moved")
+    parent.symlink_to(outside, target_is_directory=True)
+    publish(staged, parent / "out", overwrite=False)
+    assert sorted(p.name for p in outside.iterdir()) == ["sentinel"]
+    assert (tmp_path / "models.moved" / "out" / output_dir.MARKER).is_file()
+    assert not (tmp_path / "models.moved" / "out" / ".owner").exists()
+    failed = staging_dir(tmp_path / "models.moved" / "again")
+    (outside / failed.name).mkdir()  # a same-named folder outside that clean-up must not touch
+    (tmp_path / "models.moved").rename(tmp_path / "models.again")
+    (tmp_path / "models.moved").symlink_to(outside, target_is_directory=True)
+    output_dir.discard(failed)
+    assert (outside / failed.name).is_dir()
+    assert not (tmp_path / "models.again" / failed.name).exists()
+
+
+def test_a_killed_conversions_staging_is_removed_at_service_start(root, tmp_path):
+    """kill -9 mid-conversion leaves a full-size staging folder: the next start removes it, and
+    only the converter's own staging names (a preprocess one, a user's folder stay)."""
+    script = (
+        "import os, sys, time; from pathlib import Path; "
+        "from services.converter.output_dir import staging_dir; "
+        "s = staging_dir(Path(sys.argv[1])); (s.path / 'model.bin').write_bytes(bytes(1 << 20)); "
+        "print(s.name, flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(root / "out")], stdout=subprocess.PIPE, text=True
+    )
+    name = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    child.stdout.close()
+    assert (root / name / "model.bin").stat().st_size == 1 << 20
+    keep = [root / ".out.partial-abcd1234", root / ".notes.converting-keep"]
+    for folder in keep:
+        folder.mkdir()
+    converter_bindings(ConverterServiceConfig(data_roots=(root,)), OperationsStore(None))
+    assert not (root / name).exists()
+    assert all(folder.is_dir() for folder in keep)

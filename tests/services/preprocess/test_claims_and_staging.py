@@ -16,6 +16,7 @@ from meshline.preprocess.v1 import preprocess_pb2, preprocess_pb2_grpc
 from services.common.client import make_channel
 from services.common.config import ServerConfig
 from services.common.operations import OperationsStore
+from services.common.safe_fs import open_dir
 from services.common.server import create_server
 from services.preprocess import staging
 from services.preprocess.config import PreprocessServiceConfig
@@ -87,20 +88,22 @@ def test_sharded_and_plain_job_on_one_shard_prefix_conflict(
 
 def test_a_new_staging_dir_is_never_stale_to_another_job(tmp_path: Path) -> None:
     stage = staging.create(tmp_path, "P")
+    where = tmp_path / stage.name
     try:
         # Another job of this process starting for the same name must keep it.
-        assert staging.remove_stale(tmp_path, "P") == []
-        assert stage.is_dir()
+        with open_dir(tmp_path, (), "output_prefix") as out:
+            assert staging.remove_stale(out, "P") == []
+        assert where.is_dir()
     finally:
         staging.release(stage)
-    assert not stage.exists()
+    assert not where.exists()
 
 
 _OTHER_JOB = """
 import sys, time
 from pathlib import Path
 from services.preprocess import staging
-print(staging.create(Path(sys.argv[1]), "P"), flush=True)
+print(staging.create(Path(sys.argv[1]), "P").name, flush=True)
 time.sleep(600)
 """
 
@@ -111,14 +114,16 @@ def test_staging_dir_of_a_job_in_another_process_is_kept_until_it_dies(tmp_path:
     )
     assert proc.stdout is not None
     try:
-        stage = Path(proc.stdout.readline().strip())
+        stage = tmp_path / proc.stdout.readline().strip()
         assert stage.is_dir()
-        assert staging.remove_stale(tmp_path, "P") == []
+        with open_dir(tmp_path, (), "output_prefix") as out:
+            assert staging.remove_stale(out, "P") == []
         assert staging.sweep([tmp_path]) == []
         assert stage.is_dir(), "a running job's staging folder was deleted by another"
     finally:
         proc.kill()
         proc.wait()
     # Its owner is dead (the kernel dropped its lock): now it is stale.
-    assert staging.remove_stale(tmp_path, "P") == [stage]
+    with open_dir(tmp_path, (), "output_prefix") as out:
+        assert staging.remove_stale(out, "P") == [stage.name]
     assert not stage.exists()

@@ -20,8 +20,8 @@ from kernels import device
 from services.common.errors import PermissionDenied
 from services.preprocess import staging
 from services.trainer.arguments import parse_args
-from services.trainer.metrics import MetricsWriter, StepMetrics
-from services.trainer.profiling import StepProfiler
+from training.metrics import MetricsWriter, StepMetrics
+from training.profiling import StepProfiler
 
 BASE = ["--model", "tiny-llama", "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
         "--eval-interval", "0", "--log-interval", "1"]  # fmt: skip

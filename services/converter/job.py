@@ -58,6 +58,8 @@ from services.converter.verify import (
     skip_reason,
 )
 
+_GGUF_FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+
 
 def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
     """The source checkpoint of `options`, with `named` (from --model) checked or applied."""
@@ -176,7 +178,9 @@ def convert(
         verify_report = None
         if reference is not None:
             report.stage("verify", None)
-            tolerance = options.verify_tolerance or default_tolerance(dtype)
+            # a GGUF output's matrices are rounded to --gguf-type, not to --dtype
+            written = _GGUF_FLOAT_TYPES.get(options.gguf_type or "", dtype)
+            tolerance = options.verify_tolerance or default_tolerance(written)
             expected = fixed_logits(reference.build())
             del reference
             output = _open_output(options, tmp)

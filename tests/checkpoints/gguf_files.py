@@ -130,3 +130,51 @@ def write_llama_gguf(path: Path, types: tuple[str, ...] = TYPES, seed: int = 0, 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w",
+              "or", "▁wor", "ld", "▁world", "▁t", "t", "a", "s", "▁a", "▁s"]  # fmt: skip
+"""Pieces of a tiny SentencePiece vocabulary, best score first."""
+
+
+def write_spm_gguf(path: Path, seed: int = 0) -> Path:
+    """A 1-layer llama GGUF whose tokenizer is SentencePiece style (`tokenizer.ggml.model`
+    llama): <unk>/<s>/</s>, 256 byte tokens, SPM_PIECES scored by rank, no merges."""
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    writer = GGUFWriter(path, "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    kv = HIDDEN // HEADS * KV_HEADS
+    writer.add_tensor(
+        "token_embd.weight", rng.standard_normal((len(tokens), HIDDEN)).astype(np.float32)
+    )
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN),
+                             ("attn_v", kv, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
+                             ("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN),
+                             ("ffn_down", HIDDEN, FFN)):  # fmt: skip
+        add_matrix(writer, f"blk.0.{name}.weight", "F32", rows, cols, rng)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -205,3 +205,20 @@ def test_a_directory_must_hold_exactly_one_gguf_file(tmp_path):
     write_llama_gguf(tmp_path / "b.gguf")
     with pytest.raises(ValueError, match=r"holds 2 \.gguf files"):
         GGUFSource(tmp_path)
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_transformers_and_llama_cpp(tmp_path):
+    from tests.checkpoints.gguf_files import write_spm_gguf
+
+    source, ours, reference, _ = _tokenizer_pair(write_spm_gguf(tmp_path / "spm.gguf"))
+    assert source.config.tie_word_embeddings
+    for text in ("hello world", "hello\nworld!", "tasty sashimi é"):
+        assert ours(text).input_ids == reference(text).input_ids
+        assert ours.decode(ours(text).input_ids, skip_special_tokens=True) == text
+    assert ours("hello").input_ids[0] == 1  # add_bos_token defaults on for SentencePiece
+    # llama.cpp (llm_tokenizer_spm) prefixes a space to every text fragment that starts the
+    # input or follows a special token; transformers 5's LlamaTokenizer does neither here
+    pieces = ours.convert_ids_to_tokens(ours(" hello").input_ids)
+    assert pieces == ["<s>", "▁", "▁hello"]
+    pieces = ours.convert_ids_to_tokens(ours("<s>hello</s>", add_special_tokens=False).input_ids)
+    assert pieces == ["<s>", "▁hello", "</s>"]

@@ -48,6 +48,8 @@ class SinkOptions:
     """Megatron vocabulary padding multiple (per TP rank)."""
     max_shard_bytes: int | None = None
     """Largest HF safetensors shard (None: the HF writer's default)."""
+    gguf_type: str | None = None
+    """ggml type of a GGUF output's matrices (F32, F16, BF16, Q8_0, Q4_0; None: from the dtype)."""
 
 
 OpenSource = Callable[["Path", "ModelConfig | None", "int | None"], "Source"]
@@ -85,6 +87,11 @@ class FormatSpec:
     detect_rank: int = 0
     """Order of the `detect` checks, lowest first: a directory some tool filled with several
     formats' files is read as the first match."""
+    single_file: bool = False
+    """The checkpoint is one file: `--load-dir` may name it (or a directory holding it)."""
+    check_target: Callable[[Source, SinkOptions], None] | None = None
+    """Refuses (ValueError) a source this format cannot write, before any weight is read; None:
+    every model is written."""
 
     @property
     def writes(self) -> bool:
@@ -164,6 +171,30 @@ def _fsdp_source(directory: Path, named: ModelConfig | None, iteration: int | No
     return FSDPSource(directory, named)
 
 
+def _gguf_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    from checkpoints.gguf_format import GGUFSource
+
+    return GGUFSource(directory, named)
+
+
+def _gguf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions) -> Sink:
+    from checkpoints.gguf_writer import GGUFSink
+
+    return GGUFSink(directory, source, dtype, layout.gguf_type)
+
+
+def _gguf_check(source: Source, layout: SinkOptions) -> None:
+    from checkpoints.gguf_writer import check_config, tokenizer_metadata
+
+    check_config(source.config)
+    tokenizer_metadata(source.tokenizer_files, source.config.vocab_size)
+
+
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+"""`--gguf-type` choices: the ggml types a GGUF output's matrices are written in."""
+GGUF_QUANTIZED = ("Q8_0", "Q4_0")
+"""The `GGUF_TYPES` that round weights (a parity check at float tolerance would fail)."""
+
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's file naming the saved iteration (checkpoints/megatron_format.py TRACKER)."""
 
@@ -225,6 +256,15 @@ _ENTRIES = (
         label="FSDP",
         layout="a DCP directory or one torch state-dict file of an HF model",
         open_source=_fsdp_source,
+    ),
+    FormatSpec(
+        key="gguf",
+        label="GGUF",
+        layout="one llama.cpp .gguf file",
+        open_source=_gguf_source,
+        open_sink=_gguf_sink,
+        single_file=True,
+        check_target=_gguf_check,
     ),
 )
 

@@ -81,20 +81,22 @@ def calibrate(x: torch.Tensor, config: QuantConfig) -> QParams:
         )
     axis = None if config.axis is None else config.axis % x.dim()
     x32 = x.detach().float()
-    channels = [x32] if axis is None else list(x32.movedim(axis, 0))
+    # one row per channel (a single row per tensor): absmax / min / max reduce rows at once, so
+    # a weight's many channels (or groups, `quantize_weight`) cost no Python loop
+    rows = x32.reshape(1, -1) if axis is None else x32.movedim(axis, 0).reshape(x.shape[axis], -1)
     tiny = torch.finfo(torch.float32).tiny
     if config.symmetric:
         if config.method == "kl":
             thresholds = torch.tensor(
-                [kl_threshold(c, config.kl_bins, config.qmax + 1) for c in channels]
+                [kl_threshold(c, config.kl_bins, config.qmax + 1) for c in rows]
             )
         else:
-            thresholds = torch.stack([c.abs().max() for c in channels])
+            thresholds = rows.abs().amax(1)
         scale = (thresholds / config.qmax).clamp_min(tiny)
         zero_point = torch.zeros_like(scale, dtype=torch.int32)
     else:
-        lo = torch.stack([c.min().clamp(max=0.0) for c in channels])
-        hi = torch.stack([c.max().clamp(min=0.0) for c in channels])
+        lo = rows.amin(1).clamp(max=0.0)
+        hi = rows.amax(1).clamp(min=0.0)
         scale = ((hi - lo) / (config.qmax - config.qmin)).clamp_min(tiny)
         zero_point = (config.qmin - torch.round(lo / scale)).clamp(config.qmin, config.qmax).int()
     if axis is None:
@@ -169,3 +171,89 @@ def _kl_of_cut(hist: np.ndarray, cut: int, quant_bins: int) -> float:
     mask = p > 0
     q_safe = np.where(q > 0, q, 1e-10)
     return float(np.sum(p[mask] * np.log(p[mask] / q_safe[mask])))
+
+
+# -- weight-only quantisation of Linear weights (quantized checkpoints) --------------------------
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How a Linear weight [out, in] is quantised (round to nearest, weight only)."""
+
+    bits: int
+    """8 or 4."""
+    group_size: int | None = None
+    """Inputs sharing one scale along a row; None: one scale per output channel."""
+    symmetric: bool = True
+    """Zero point 0 (symmetric) or a per-group zero point over [min, max] (affine)."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"weight quantisation bits must be 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group size must be >= 1, got {self.group_size}")
+        if self.bits == 4 and self.group_size is not None and self.group_size % 2:
+            raise ValueError(
+                f"int4 groups pack two codes a byte: group size {self.group_size} is odd"
+            )
+
+    def groups(self, columns: int) -> int:
+        """Scales per row of a weight with `columns` inputs (ValueError when they do not divide)."""
+        if self.group_size is None:
+            return 1
+        if columns % self.group_size:
+            raise ValueError(
+                f"a row of {columns} inputs does not split into groups of {self.group_size}"
+            )
+        return columns // self.group_size
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantised Linear weight: codes, scales and (affine) zero points."""
+
+    codes: torch.Tensor
+    """int8 [out, in], each in the scheme's code range."""
+    scale: torch.Tensor
+    """float32 [out, groups]."""
+    zero_point: torch.Tensor | None
+    """int8 [out, groups] for affine schemes, None for symmetric ones."""
+
+
+def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    """Round-to-nearest codes of a 2-D weight: per output channel, or per `group_size` inputs."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_weight takes a 2-D weight, got shape {tuple(weight.shape)}")
+    out, columns = weight.shape
+    groups = scheme.groups(columns)
+    rows = weight.detach().float().reshape(out * groups, columns // groups)
+    qp = calibrate(rows, QuantConfig(bits=scheme.bits, symmetric=scheme.symmetric, axis=0))
+    codes = quantize(rows, qp).reshape(out, columns)
+    zero = qp.zero_point.to(torch.int8).reshape(out, groups) if not scheme.symmetric else None
+    return QuantizedWeight(codes, qp.scale.reshape(out, groups), zero)
+
+
+def dequantize_weight(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight (codes - zero) · scale, per group, in `dtype`."""
+    out, columns = q.codes.shape
+    groups = q.scale.shape[1]
+    codes = q.codes.float().reshape(out, groups, columns // groups)
+    if q.zero_point is not None:
+        codes = codes - q.zero_point.float().unsqueeze(-1)
+    return (codes * q.scale.float().unsqueeze(-1)).reshape(out, columns).to(dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7], even last dim → uint8, two a byte (element 2j low nibble)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}")
+    nibbles = (codes.to(torch.int16) & 0x0F).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: int8 codes in [-8, 7]."""
+    low = (packed & 0x0F).to(torch.int16)
+    high = (packed >> 4).to(torch.int16)
+    both = torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.where(both >= 8, both - 16, both).to(torch.int8)

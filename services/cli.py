@@ -31,7 +31,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "services.trainer.cli", "train or fine-tune a model (single or multi-process)", 5
     ),
     "convert": Subcommand(
-        "services.converter.cli", "convert and reshard checkpoints (HF, native, Megatron)", 7
+        "services.converter.cli", "convert and reshard checkpoints (HF, native, Megatron, GGUF)", 7
     ),
     "generate": Subcommand(
         "services.inference.cli", "generate text from a checkpoint (or --chat)", 8

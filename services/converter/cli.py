@@ -15,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from checkpoints.registry import GGUF_TYPES
 from checkpoints.units import DTYPES
 from services.converter import modellink_flags
 from services.converter.job import (
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="format of the source checkpoint (default with ModelLink's flags: hf, or megatron "
         "for a --lora-load merge) (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
         "to fp32 like zero_to_fp32.py; fsdp: an FSDP SHARDED_STATE_DICT DCP directory or "
-        "FULL_STATE_DICT file of an HF model)",
+        "FULL_STATE_DICT file of an HF model; gguf: a llama.cpp .gguf file of the llama "
+        "architecture, dequantized, tokenizer and chat template from its metadata)",
     )
     p(
         "--save-format",
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="source directory: an HF model directory, a native save directory (its `latest` "
         "step) or step-XXXXXX directory, a Megatron directory with "
         "latest_checkpointed_iteration.txt, a DeepSpeed directory with `latest` (or its "
-        "global_stepN), or an FSDP DCP directory / directory with one state-dict file",
+        "global_stepN), an FSDP DCP directory / directory with one state-dict file, or a .gguf "
+        "file (or a directory holding one)",
     )
     p(
         "--save-dir",
@@ -203,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="HF outputs larger than this are split into shards with an index (default 2048)",
     )
+    p(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        default=None,
+        help="ggml type of a --save-format gguf output's matrices and token embedding (norms "
+        "stay F32; default: F32/F16/BF16 by --dtype); Q8_0 and Q4_0 round the weights, so the "
+        "automatic parity check is skipped for them",
+    )
     modellink_flags.add_flags(parser)
     return parser
 
@@ -239,6 +250,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         overwrite=args.overwrite,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_shard_bytes=args.max_shard_size_mb * 1024**2,
+        gguf_type=args.gguf_type,
     )
 
 

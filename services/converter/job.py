@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from checkpoints.lora import open_adapter
-from checkpoints.registry import SinkOptions, get_format
+from checkpoints.registry import GGUF_QUANTIZED, SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
     Sink,
@@ -59,12 +59,15 @@ from services.converter.verify import (
     skip_reason,
 )
 
+_GGUF_FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+
 
 def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
     """The source checkpoint of `options`, with `named` (from --model) checked or applied."""
-    if not options.load_dir.is_dir():
-        raise FileNotFoundError(f"--load-dir {options.load_dir} is not an existing directory")
     spec = get_format(options.load_format)
+    if not options.load_dir.is_dir() and not (spec.single_file and options.load_dir.is_file()):
+        what = "directory or file" if spec.single_file else "directory"
+        raise FileNotFoundError(f"--load-dir {options.load_dir} is not an existing {what}")
     iteration = options.load_iteration if spec.iterations else None
     return spec.open_source(options.load_dir, named, iteration)
 
@@ -74,14 +77,19 @@ def open_sink(options: ConvertOptions, directory: Path, source: Source, dtype: t
     spec = get_format(options.save_format, "--save-format")
     if spec.open_sink is None:
         raise ValueError(f"--save-format {options.save_format}: {spec.label} is read only")
-    layout = SinkOptions(
+    return spec.open_sink(directory, source, dtype, sink_options(options))
+
+
+def sink_options(options: ConvertOptions) -> SinkOptions:
+    """The output layout settings of `options`."""
+    return SinkOptions(
         target_tp=options.target_tp,
         target_pp=options.target_pp,
         layers_per_virtual_stage=options.layers_per_virtual_stage,
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         max_shard_bytes=options.max_shard_bytes,
+        gguf_type=options.gguf_type,
     )
-    return spec.open_sink(directory, source, dtype, layout)
 
 
 def check_target_layout(options: ConvertOptions, config: ModelConfig) -> None:
@@ -121,6 +129,9 @@ def convert(
     source = open_source(options, named)
     config = source.config
     check_target_layout(options, config)
+    target = get_format(options.save_format)
+    if target.check_target is not None:
+        target.check_target(source, sink_options(options))
     adapter = (
         open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
         if options.lora_dir is not None
@@ -140,6 +151,12 @@ def convert(
     sink: Sink | None = None
     try:
         verify, skipped = options.verify, None
+        if verify is None and options.gguf_type in GGUF_QUANTIZED:
+            skipped = (
+                f"--gguf-type {options.gguf_type} rounds the weights; pass --verify with a "
+                "--verify-tolerance to compare logits"
+            )
+            verify = False
         if verify is None:
             size = sum(math.prod(s) for s in expected_shapes_cached(config).values())
             skipped = skip_reason(size, available_memory_bytes())
@@ -179,7 +196,9 @@ def convert(
         verify_report = None
         if reference is not None:
             report.stage("verify", None)
-            tolerance = options.verify_tolerance or default_tolerance(dtype)
+            # a GGUF output's matrices are rounded to --gguf-type, not to --dtype
+            written = _GGUF_FLOAT_TYPES.get(options.gguf_type or "", dtype)
+            tolerance = options.verify_tolerance or default_tolerance(written)
             expected = fixed_logits(reference.build())
             del reference
             output = _open_output(options, tmp)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES
-from checkpoints.registry import READ_FORMATS, WRITE_FORMATS, get_format
+from checkpoints.registry import GGUF_TYPES, READ_FORMATS, WRITE_FORMATS, get_format
 from checkpoints.units import DTYPES
 from services.converter.verify import VerifyReport
 
@@ -77,6 +77,8 @@ class ConvertOptions:
     """Megatron vocabulary padding multiple (per TP rank)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest HF safetensors shard before the output is split with an index."""
+    gguf_type: str | None = None
+    """ggml type of a GGUF output's matrices (GGUF_TYPES); None: F32/F16/BF16 by the dtype."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form notes (ignored by the conversion)."""
 
@@ -111,6 +113,13 @@ class ConvertOptions:
         for flag, lora_value in (("--lora-r", self.lora_r), ("--lora-alpha", self.lora_alpha)):
             if lora_value is not None and (lora_value <= 0 or self.lora_dir is None):
                 raise ValueError(f"{flag} needs a value > 0 and --lora-load, got {lora_value}")
+        if self.gguf_type is not None and (
+            self.save_format != "gguf" or self.gguf_type not in GGUF_TYPES
+        ):
+            raise ValueError(
+                f"--gguf-type {self.gguf_type!r} needs --save-format gguf and one of "
+                f"{list(GGUF_TYPES)}"
+            )
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:

@@ -57,8 +57,8 @@ def test_registry_and_enum_name_the_same_formats():
 
 
 def test_a_registry_entry_without_an_enum_value_is_caught():
-    extra = replace(FORMATS["hf"], key="gguf", label="GGUF")
-    assert disagreements({**FORMATS, "gguf": extra}) == ["registry format 'gguf' has no enum value"]
+    extra = replace(FORMATS["hf"], key="onnx", label="ONNX")
+    assert disagreements({**FORMATS, "onnx": extra}) == ["registry format 'onnx' has no enum value"]
     fewer = {key: spec for key, spec in FORMATS.items() if key != "fsdp"}
     assert disagreements(fewer) == ["enum value of 'fsdp' has no registry entry"]
 
@@ -72,6 +72,7 @@ def test_enum_numbers_keep_the_converter_and_evaluator_wire_format():
         "CHECKPOINT_FORMAT_MEGATRON": 3,
         "CHECKPOINT_FORMAT_DEEPSPEED": 4,
         "CHECKPOINT_FORMAT_FSDP": 5,
+        "CHECKPOINT_FORMAT_GGUF": 6,
     }
     assert list(FORMATS) == [KEYS[n] for n in sorted(KEYS)], "registry order is enum order"
 
@@ -108,7 +109,9 @@ def test_cli_choices_come_from_the_registry():
 
     assert _choices(convert_parser(), "--load-format") == READ_FORMATS == tuple(FORMATS)
     assert (
-        _choices(convert_parser(), "--save-format") == WRITE_FORMATS == ("hf", "native", "megatron")
+        _choices(convert_parser(), "--save-format")
+        == WRITE_FORMATS
+        == ("hf", "native", "megatron", "gguf")
     )
     assert SERVE_FORMATS == ("hf", "native", "megatron") and SERVE_CHOICES[0] == "auto"
     serve = argparse.ArgumentParser()
@@ -132,7 +135,7 @@ def test_converter_servicer_maps_follow_the_registry(tmp_path):
     assert {VALUES[key]: key for key in WRITE_FORMATS} == WRITTEN_KEYS
     config = ConverterServiceConfig(data_roots=(tmp_path,))
     hf = checkpoint_pb2.CHECKPOINT_FORMAT_HF
-    for number in [*Enum.values(), 6, -1]:
+    for number in [*Enum.values(), 7, -1]:
         request = converter_pb2.ConvertRequest(
             load_format=number, save_format=hf, load_dir="a", save_dir="b", dtype=1
         )
@@ -157,7 +160,7 @@ def test_evaluator_accepts_exactly_the_served_formats(tmp_path):
     from services.evaluator.servicer import check_fields
 
     config = EvaluatorServiceConfig(data_roots=(tmp_path,))
-    for number in [*Enum.values(), 6, -1]:
+    for number in [*Enum.values(), 7, -1]:
         request = evaluator_pb2.StartEvaluationRequest(
             tasks=["boolq"],
             task_data_path="data",
@@ -175,8 +178,8 @@ def test_get_format_names_the_flag_and_the_choices():
     assert get_format("megatron").model_parallel and get_format("deepspeed").iterations
     with pytest.raises(ValueError, match=r"--save-format 'fsdp': expected one of \['hf'"):
         get_format("fsdp", "--save-format", WRITE_FORMATS)
-    with pytest.raises(ValueError, match="--load-format 'gguf'"):
-        get_format("gguf")
+    with pytest.raises(ValueError, match="--load-format 'onnx'"):
+        get_format("onnx")
 
 
 def _touch(directory: Path, *names: str) -> Path:

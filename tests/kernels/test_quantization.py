@@ -109,3 +109,41 @@ def test_bad_config_raises():
         qz.QuantConfig(method="kl", symmetric=False)
     with pytest.raises(ValueError, match="axis 3"):
         qz.calibrate(torch.randn(2, 2), qz.QuantConfig(axis=3))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, None), (8, 64)])
+def test_weight_codes_equal_torchs_per_channel_quantizer(bits, group_size, symmetric):
+    g = torch.Generator().manual_seed(bits + (group_size or 0))
+    w = torch.randn(12, 128, generator=g) * torch.logspace(-2, 0, 12)[:, None] + 0.01
+    scheme = qz.WeightScheme(bits, group_size, symmetric)
+    q = qz.quantize_weight(w, scheme)
+    groups = scheme.groups(128)
+    rows = w.reshape(12 * groups, -1)
+    zero = torch.zeros(12 * groups, dtype=torch.int64)
+    if q.zero_point is not None:
+        zero = q.zero_point.reshape(-1).long()
+    # torch's reference quantizer (round half to even), one channel per group, same parameters
+    reference = torch.quantize_per_channel(
+        rows, q.scale.reshape(-1).double(), zero, axis=0, dtype=torch.qint8
+    ).int_repr()
+    lo = -(2 ** (bits - 1)) + (1 if symmetric else 0)
+    expected = reference.clamp(lo, 2 ** (bits - 1) - 1).reshape(12, 128)
+    assert torch.equal(q.codes, expected)
+    step = q.scale.repeat_interleave(128 // groups, dim=1)
+    assert torch.all((qz.dequantize_weight(q) - w).abs() <= step / 2 * (1 + 1e-5))
+
+
+def test_int4_packs_two_codes_a_byte_and_unpacks():
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)
+    packed = qz.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert int(packed[0, 0]) == (0x8 | (0x9 << 4))  # -8 low, -7 high
+    assert torch.equal(qz.unpack_int4(packed), codes)
+
+
+def test_weight_scheme_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        qz.WeightScheme(3)
+    with pytest.raises(ValueError, match="does not split into groups of 128"):
+        qz.WeightScheme(4, 128).groups(96)

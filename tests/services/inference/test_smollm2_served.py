@@ -19,6 +19,7 @@ from meshline.inference.v1 import inference_pb2 as pb
 from tests.services.inference.http_served import ServerHarness
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow  # building the dequantized model and loading it twice: ~1-2 min
 
 PROMPTS = (
     "The capital of France is",

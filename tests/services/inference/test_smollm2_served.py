@@ -188,3 +188,78 @@ def test_meshline_generate_encodes_as_the_hf_tokenizer(smol, tmp_path):
     ids = tokenizer.encode(PROMPTS[0])
     assert result["prompt_token_ids"] == ids
     assert result["sequences"][0]["token_ids"] == _hf_greedy(hf, ids)
+
+
+LOGLIKELIHOOD = (
+    ("The capital of France is", " Paris"),
+    ("The capital of France is ", "Paris."),  # trailing space moves to the continuation
+    ("", "Hello world"),  # empty context: lm-eval's prefix token (BOS, <|im_start|>) first
+    ("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", "4"),
+    ("Question: Is water wet?\nAnswer:", " yes"),
+    ("Question: Is water wet?\nAnswer:", " no"),
+)
+"""lm-eval loglikelihood requests covering its encoding rules (BOS-prefixed text included)."""
+
+
+def _instances(kind: str, arguments) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, args, i) for i, args in enumerate(arguments)]
+
+
+def test_loglikelihoods_equal_lm_evals_hf_model(smol):
+    """lm-eval's HFLM (default add_bos_token) is the reference for lm-eval's local-completions
+    against the server and for Meshline's evaluator (gRPC and in-process)."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from services.evaluator.models.grpc_client import GrpcLanguageModel
+    from services.evaluator.models.local import LocalLanguageModel
+
+    served, hf, tokenizer, served_dir = smol
+    reference = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=1, max_length=CONTEXT)
+    expected = reference.loglikelihood(
+        _instances("loglikelihood", LOGLIKELIHOOD), disable_tqdm=True
+    )
+    remote = LocalCompletionsAPI(
+        base_url=f"{served.http_url}/v1/completions",
+        model=served.model_name,
+        tokenizer_backend="remote",  # /tokenize and /tokenizer_info of the server
+        tokenized_requests=True,
+        num_concurrent=1,
+        max_retries=1,
+        batch_size=2,
+        max_length=CONTEXT,
+    )
+    grpc_model = GrpcLanguageModel(f"127.0.0.1:{served.grpc_port}", batch_size=4)
+    local = LocalLanguageModel(served_dir, load_format="hf", batch_size=4)
+    results = {
+        "local-completions": remote.loglikelihood(_instances("loglikelihood", LOGLIKELIHOOD)),
+        "meshline grpc": grpc_model.loglikelihood(list(LOGLIKELIHOOD)),
+        "meshline local": local.loglikelihood(list(LOGLIKELIHOOD)),
+    }
+    for name, got in results.items():
+        for request, (lp, greedy), (ref_lp, ref_greedy) in zip(
+            LOGLIKELIHOOD, got, expected, strict=True
+        ):
+            assert lp == pytest.approx(ref_lp, abs=1e-3), (name, request)
+            assert bool(greedy) == bool(ref_greedy), (name, request)
+
+    # generate_until: the prompt is encoded as HFLM encodes it, so the answers are the same.
+    from services.evaluator.models.base import GenerationRequest
+
+    prompts = ("def add(a, b):\n", "The capital of France is")
+    theirs = reference.generate_until(
+        _instances(
+            "generate_until",
+            [
+                (p, {"until": ["\n\n"], "max_gen_toks": NEW_TOKENS, "do_sample": False})
+                for p in prompts
+            ],
+        ),
+        disable_tqdm=True,
+    )
+    ours = grpc_model.generate_until([GenerationRequest(p, ("\n\n",), NEW_TOKENS) for p in prompts])
+    assert ours == theirs
+    grpc_model.close()
+    local.close()

@@ -263,3 +263,29 @@ def test_loglikelihoods_equal_lm_evals_hf_model(smol):
     assert ours == theirs
     grpc_model.close()
     local.close()
+
+
+def test_humaneval_completions_equal_lm_evals_hf_model(smol, tmp_path):
+    """The issue's case: HumanEval prompts encoded as lm-eval encodes them give HFLM's
+    completions (greedy, `NEW_TOKENS` new tokens, lm-eval's stop strings)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from services.evaluator.models.grpc_client import GrpcLanguageModel
+    from services.evaluator.runner import EvalConfig, evaluate
+    from services.evaluator.sandbox.runner import isolation
+    from tests.services.evaluator.lm_eval_ref import FIXTURES
+
+    served, hf, tokenizer, _ = smol
+    model = GrpcLanguageModel(f"127.0.0.1:{served.grpc_port}", batch_size=4)
+    config = EvalConfig(
+        tasks=("humaneval",), task_data_path=FIXTURES, output_path=tmp_path, limit=3,
+        max_new_tokens=NEW_TOKENS, allow_unsafe_code_execution=not isolation().available,
+    )  # fmt: skip
+    (outcome,) = evaluate(config, model)
+    model.close()
+    arguments = [tuple(args) for sample in outcome.samples for args in sample["arguments"]]
+    ours = [resp for sample in outcome.samples for resp in sample["resps"]]
+    assert len(ours) == 3 and all(a[1]["max_gen_toks"] == NEW_TOKENS for a in arguments)
+    reference = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=1, max_length=CONTEXT)
+    theirs = reference.generate_until(_instances("generate_until", arguments), disable_tqdm=True)
+    assert ours == theirs

@@ -285,7 +285,8 @@ def test_humaneval_completions_equal_lm_evals_hf_model(smol, tmp_path):
     model.close()
     arguments = [tuple(args) for sample in outcome.samples for args in sample["arguments"]]
     ours = [resp for sample in outcome.samples for resp in sample["resps"]]
-    assert len(ours) == 3 and all(a[1]["max_gen_toks"] == NEW_TOKENS for a in arguments)
+    assert len(ours) == len(outcome.samples) >= 2
+    assert all(a[1]["max_gen_toks"] == NEW_TOKENS for a in arguments)
     reference = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=1, max_length=CONTEXT)
     theirs = reference.generate_until(_instances("generate_until", arguments), disable_tqdm=True)
     assert ours == theirs

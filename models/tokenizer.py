@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -116,14 +117,45 @@ class SentencePieceTokenizer:
         # LlamaTokenizer's defaults for a bare model file: add_bos_token=True, add_eos_token=False.
         self.prefix_ids: tuple[int, ...] = () if self.bos_id is None else (self.bos_id,)
         self.suffix_ids: tuple[int, ...] = ()
+        # Control and unknown pieces written in text (`<s>`, `</s>`, `<unk>`) are their ids, as
+        # transformers' Llama tokenizer (which adds them as special tokens) reads them.
+        self._specials = {
+            str(self._sp.IdToPiece(i)): i
+            for i in range(self.vocab_size)
+            if self._sp.IsControl(i) or self._sp.IsUnknown(i)
+        }
+        self._split = re.compile(
+            "("
+            + "|".join(re.escape(p) for p in sorted(self._specials, key=len, reverse=True))
+            + ")"
+        )
+        self._unk_len = len(self._sp.EncodeAsIds(self._sp.IdToPiece(self._sp.unk_id())))
 
     @staticmethod
     def _valid(token_id: int) -> int | None:
         return None if token_id < 0 else int(token_id)
 
+    def _encode_with_specials(self, text: str) -> list[int]:
+        """Ids of a text holding special pieces: text after one is encoded without the dummy
+        prefix ("▁"), as transformers' LlamaTokenizer (legacy=False) does, by encoding it after
+        the unknown piece's text and dropping that piece's ids."""
+        ids: list[int] = []
+        for index, part in enumerate(self._split.split(text)):
+            if index % 2:
+                ids.append(self._specials[part])
+            elif part and index == 0:
+                ids += self._sp.EncodeAsIds(part)
+            elif part:
+                unk = str(self._sp.IdToPiece(self._sp.unk_id()))
+                ids += self._sp.EncodeAsIds(unk + part)[self._unk_len :]
+        return ids
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids of `text`; BOS first with `add_special_tokens` when the model has one."""
-        ids = list(self._sp.EncodeAsIds(text))
+        if self._specials and self._split.search(text):
+            ids = self._encode_with_specials(text)
+        else:
+            ids = list(self._sp.EncodeAsIds(text))
         return [*self.prefix_ids, *ids, *self.suffix_ids] if add_special_tokens else ids
 
     def encode_batch(
@@ -131,6 +163,10 @@ class SentencePieceTokenizer:
     ) -> list[list[int]]:
         """`encode` over many texts in one native call."""
         encoded = [list(ids) for ids in self._sp.Encode(list(texts))]
+        if self._specials:
+            for i, text in enumerate(texts):
+                if self._split.search(text):
+                    encoded[i] = self._encode_with_specials(text)
         if not add_special_tokens:
             return encoded
         return [[*self.prefix_ids, *ids, *self.suffix_ids] for ids in encoded]

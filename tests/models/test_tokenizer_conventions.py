@@ -61,3 +61,19 @@ def test_smollm2_prompt_has_no_bos(smollm2_tokenizer_dir):
     assert tokens.encode_prompt("The capital of France is") == [504, 3575, 282, 4649, 314]
     assert tokens.bos_id == 1 and tokens.prefix_id == 1
     assert tokens.pieces([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_bare_sentencepiece_reads_special_pieces_in_text_as_transformers(tmp_path):
+    """A bare `.model` (`--tokenizer-type SentencePiece`): `<s>`, `</s>`, `<pad>`, `<unk>` in text
+    are their ids, and the text after one gets no dummy prefix, as transformers' LlamaTokenizer
+    built from the same model file encodes them (BOS first with the defaults)."""
+    from transformers import AutoTokenizer
+
+    directory = build_convention("sentencepiece-bos", tmp_path / "sp")
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    ours = build_tokenizer("SentencePiece", directory / "tokenizer.model")
+    texts = ["<s>Q: hi", "a <s> b", "x</s>y", "hello<pad>there", "<unk>z", "hello world", "<s>"]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_special_tokens=True) == reference.encode(text), text
+    assert ours.encode_batch(texts, add_special_tokens=True) == [reference.encode(t) for t in texts]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from models.tokenizer import Tokenizer
 
@@ -18,7 +17,7 @@ class TokenizerInfo:
     eos_id: int | None = None
     """End-of-sequence id (generation stops on it); None: never stops early."""
     bos_id: int | None = None
-    """Beginning-of-sequence id, prepended to text prompts and to empty score contexts."""
+    """Beginning-of-sequence id (text prompts get it only where the tokenizer adds it)."""
     pad_id: int | None = None
     """Padding id, reported by GetModelInfo."""
     tokenizer: Tokenizer | None = None
@@ -53,21 +52,20 @@ class TokenizerInfo:
             )
         return self.tokenizer
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Prompt ids of `text`: BOS (when the tokenizer has one) then the text's ids."""
-        ids = self.require().encode(text)
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
+    @property
+    def prefix_id(self) -> int | None:
+        """The token an empty context is scored after: BOS, else EOS (lm-eval's prefix token)."""
+        return self.bos_id if self.bos_id is not None else self.eos_id
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt ids of `text` as the tokenizer encodes it with its default settings
+        (`AutoTokenizer.encode`: BOS/EOS only where the tokenizer itself adds them);
+        `add_special_tokens=False` gives the text's ids alone (vLLM's request field)."""
+        return self.require().encode(text, add_special_tokens=add_special_tokens)
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """Token strings of `ids` (sentencepiece pieces or HF tokens)."""
-        inner: Any = self.require()
-        sp = getattr(inner, "_sp", None)
-        if sp is not None:
-            return [str(sp.IdToPiece(int(i))) for i in ids]
-        hf = getattr(inner, "_tok", None)
-        if hf is not None:
-            return [str(t) for t in hf.convert_ids_to_tokens([int(i) for i in ids])]
-        return [inner.decode([int(i)]) for i in ids]
+        return self.require().pieces(ids)
 
     def detokenize(self, ids: Sequence[int], skip_special: bool) -> str:
         """Text of `ids`, special tokens dropped when `skip_special`."""
@@ -76,25 +74,4 @@ class TokenizerInfo:
             decode = self.decode
             assert decode is not None
             return decode(ids)
-        return self._decode_keep_special(ids)
-
-    def _decode_keep_special(self, ids: Sequence[int]) -> str:
-        tokenizer: Any = self.require()
-        hf = getattr(tokenizer, "_tok", None)
-        if hf is not None:
-            return str(hf.decode([int(i) for i in ids], skip_special_tokens=False))
-        sp = getattr(tokenizer, "_sp", None)
-        if sp is not None:
-            # sentencepiece drops control pieces in DecodeIds; spell them out between text runs.
-            out: list[str] = []
-            run: list[int] = []
-            for i in ids:
-                if sp.IsControl(int(i)):
-                    out.append(str(sp.DecodeIds(run)))
-                    out.append(str(sp.IdToPiece(int(i))))
-                    run = []
-                else:
-                    run.append(int(i))
-            out.append(str(sp.DecodeIds(run)))
-            return "".join(out)
-        return str(tokenizer.decode(ids))
+        return self.require().decode_keep_special(ids)

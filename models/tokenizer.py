@@ -1,10 +1,18 @@
 """Tokenizers behind one small interface: SentencePiece models and HF tokenizer directories.
 
-Special ids, the same for every implementation:
+Special tokens, the same rule for every implementation and every stage (preprocess, serving,
+scoring, evaluation):
 
-- `encode(text)` returns the text's ids only: no BOS, no EOS. Callers add special tokens where
-  their format wants them (preprocess handlers append `eod_id`; chat templates end assistant turns
-  with `eos_id`), so the ids a shard stores never depend on a tokenizer's hidden defaults.
+- `encode(text, add_special_tokens=True)` is what the tokenizer itself gives with its default
+  settings, as `AutoTokenizer.from_pretrained(dir).encode(text)` does: BOS / EOS exactly where the
+  tokenizer's own post-processor (`tokenizer.json`) or `add_bos_token` / `add_eos_token`
+  (tokenizer_config.json, for directories transformers loads) puts them. A bare SentencePiece
+  `.model` carries no such flags: it follows the defaults of transformers' `LlamaTokenizer` built
+  from it (BOS first when the model has a BOS piece, no EOS).
+- `encode(text)` (add_special_tokens=False) returns the text's ids only. Special tokens written
+  in the text (`<|im_start|>`, `<|begin_of_text|>`) become their ids in both modes for HF
+  tokenizers, as transformers' default `split_special_tokens=False` does.
+- `prefix_ids` / `suffix_ids` are what `add_special_tokens=True` puts before / after one text.
 - `eod_id` (end of document, Megatron's name) is `eos_id`.
 - `pad_id` is the tokenizer's own pad id when it has one, else `eod_id`: padded positions carry
   no loss, so any valid id works, and a real id keeps embedding lookups in range.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -36,16 +45,29 @@ class Tokenizer(Protocol):
     eod_id: int
     pad_id: int
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` without special tokens."""
+    prefix_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of `text`; with `add_special_tokens` framed as the tokenizer's own defaults say."""
         ...
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
         """`encode` over many texts (faster: one call into the native tokenizer)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` (special tokens dropped)."""
+        ...
+
+    def decode_keep_special(self, ids: Sequence[int]) -> str:
+        """Text of `ids` with special tokens spelled out (`<s>`)."""
+        ...
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Token strings of `ids` as the tokenizer's vocabulary spells them (`<s>`, `Ġthe`)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -92,22 +114,83 @@ class SentencePieceTokenizer:
         self.eod_id = self.eos_id
         pad = self._valid(self._sp.pad_id())
         self.pad_id = self.eod_id if pad is None else pad
+        # LlamaTokenizer's defaults for a bare model file: add_bos_token=True, add_eos_token=False.
+        self.prefix_ids: tuple[int, ...] = () if self.bos_id is None else (self.bos_id,)
+        self.suffix_ids: tuple[int, ...] = ()
+        # Control and unknown pieces written in text (`<s>`, `</s>`, `<unk>`) are their ids, as
+        # transformers' Llama tokenizer (which adds them as special tokens) reads them.
+        self._specials = {
+            str(self._sp.IdToPiece(i)): i
+            for i in range(self.vocab_size)
+            if self._sp.IsControl(i) or self._sp.IsUnknown(i)
+        }
+        self._split = re.compile(
+            "("
+            + "|".join(re.escape(p) for p in sorted(self._specials, key=len, reverse=True))
+            + ")"
+        )
+        self._unk_len = len(self._sp.EncodeAsIds(self._sp.IdToPiece(self._sp.unk_id())))
 
     @staticmethod
     def _valid(token_id: int) -> int | None:
         return None if token_id < 0 else int(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` without special tokens."""
-        return list(self._sp.EncodeAsIds(text))
+    def _encode_with_specials(self, text: str) -> list[int]:
+        """Ids of a text holding special pieces: text after one is encoded without the dummy
+        prefix ("▁"), as transformers' LlamaTokenizer (legacy=False) does, by encoding it after
+        the unknown piece's text and dropping that piece's ids."""
+        ids: list[int] = []
+        for index, part in enumerate(self._split.split(text)):
+            if index % 2:
+                ids.append(self._specials[part])
+            elif part and index == 0:
+                ids += self._sp.EncodeAsIds(part)
+            elif part:
+                unk = str(self._sp.IdToPiece(self._sp.unk_id()))
+                ids += self._sp.EncodeAsIds(unk + part)[self._unk_len :]
+        return ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of `text`; BOS first with `add_special_tokens` when the model has one."""
+        if self._specials and self._split.search(text):
+            ids = self._encode_with_specials(text)
+        else:
+            ids = list(self._sp.EncodeAsIds(text))
+        return [*self.prefix_ids, *ids, *self.suffix_ids] if add_special_tokens else ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
         """`encode` over many texts in one native call."""
-        return [list(ids) for ids in self._sp.Encode(list(texts))]
+        encoded = [list(ids) for ids in self._sp.Encode(list(texts))]
+        if self._specials:
+            for i, text in enumerate(texts):
+                if self._split.search(text):
+                    encoded[i] = self._encode_with_specials(text)
+        if not add_special_tokens:
+            return encoded
+        return [[*self.prefix_ids, *ids, *self.suffix_ids] for ids in encoded]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`."""
         return str(self._sp.DecodeIds([int(i) for i in ids]))
+
+    def decode_keep_special(self, ids: Sequence[int]) -> str:
+        """Text of `ids` with control pieces spelled out (DecodeIds drops them)."""
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if self._sp.IsControl(int(i)):
+                out += [str(self._sp.DecodeIds(run)), str(self._sp.IdToPiece(int(i)))]
+                run = []
+            else:
+                run.append(int(i))
+        out.append(str(self._sp.DecodeIds(run)))
+        return "".join(out)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Sentencepiece pieces of `ids` (`<s>`, `▁the`)."""
+        return [str(self._sp.IdToPiece(int(i))) for i in ids]
 
     def describe(self) -> dict[str, Any]:
         """Identity for manifests."""
@@ -120,6 +203,8 @@ class SentencePieceTokenizer:
             "eos_id": self.eos_id,
             "eod_id": self.eod_id,
             "pad_id": self.pad_id,
+            "prefix_ids": list(self.prefix_ids),
+            "suffix_ids": list(self.suffix_ids),
         }
 
 
@@ -137,13 +222,38 @@ def _special_token(directory: Path, name: str) -> str | None:
     return None
 
 
+def _config_special_tokens(directory: Path) -> list[str]:
+    """Every special token tokenizer_config.json names (bos/eos/unk/pad and the extra lists)."""
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return []
+    config = json.loads(path.read_text(encoding="utf-8"))
+    found: list[str] = []
+    values: list[Any] = [
+        config.get(n) for n in ("bos_token", "eos_token", "unk_token", "pad_token")
+    ]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key)
+        values += list(extra.values()) if isinstance(extra, dict) else list(extra or [])
+    for value in values:
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value and value not in found:
+            found.append(value)
+    return found
+
+
 class HFTokenizer:
-    """A local HF tokenizer directory.
+    """A local HF tokenizer directory, encoding exactly as `AutoTokenizer.from_pretrained(dir)`.
 
     With `use_fast` and a `tokenizer.json`, the Rust `tokenizers` library loads it directly (what
-    `PreTrainedTokenizerFast` wraps; special tokens come from tokenizer_config.json), which keeps
-    worker start-up free of transformers/torch imports. Otherwise transformers' `AutoTokenizer`
-    loads it (`--tokenizer-not-use-fast` selects the slow Python tokenizer).
+    transformers' fast tokenizer wraps), which keeps worker start-up free of transformers/torch
+    imports. It follows transformers 5's rules for such a directory: the post-processor of
+    `tokenizer.json` decides BOS/EOS (transformers drops `add_bos_token`/`add_eos_token` of
+    tokenizer_config.json when a tokenizer.json exists), and the special tokens named in
+    tokenizer_config.json are matched in text even when tokenizer.json does not list them as added
+    tokens. Otherwise transformers' `AutoTokenizer` loads it (`--tokenizer-not-use-fast` selects
+    the slow Python tokenizer), and its own `encode` is used.
     """
 
     def __init__(self, name_or_path: str | os.PathLike[str], use_fast: bool = True) -> None:
@@ -173,11 +283,19 @@ class HFTokenizer:
             )
         self.eod_id = int(self.eos_id)
         self.pad_id = self.eod_id if self._pad_id is None else int(self._pad_id)
+        self.prefix_ids, self.suffix_ids = self._framing()
 
     def _load_rust(self) -> None:
+        from tokenizers import AddedToken
         from tokenizers import Tokenizer as RustTokenizer
 
         self._rust = RustTokenizer.from_file(str(self.path / "tokenizer.json"))
+        added = {str(t.content) for t in self._rust.get_added_tokens_decoder().values()}
+        missing = [t for t in _config_special_tokens(self.path) if t not in added]
+        if missing:
+            self._rust.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing]
+            )
         self.vocab_size = int(self._rust.get_vocab_size(with_added_tokens=True))
         ids = {}
         for name in ("bos_token", "eos_token", "pad_token"):
@@ -200,19 +318,35 @@ class HFTokenizer:
         self.eos_id = self._tok.eos_token_id
         self._pad_id = self._tok.pad_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` without special tokens."""
-        if self._rust is not None:
-            return list(self._rust.encode(text, add_special_tokens=False).ids)
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def _framing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ids before, ids after) one text that the tokenizer's defaults add, read off a probe."""
+        bare = self.encode("a")
+        full = self.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return tuple(full[:start]), tuple(full[start + len(bare) :])
+        raise ValueError(
+            f"--tokenizer-name-or-path {self.path}: its post-processor changes the text's own "
+            f"tokens ({bare} -> {full}); only processors that add tokens around a text are supported"
+        )
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of `text`; with `add_special_tokens` as the tokenizer's defaults frame it."""
+        if self._rust is not None:
+            return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
         """`encode` over many texts (the Rust backend batches them across threads)."""
         if not texts:
             return []
         if self._rust is not None:
-            return [e.ids for e in self._rust.encode_batch(list(texts), add_special_tokens=False)]
-        return [list(ids) for ids in self._tok(list(texts), add_special_tokens=False)["input_ids"]]
+            encoded = self._rust.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+            return [e.ids for e in encoded]
+        found = self._tok(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        return [list(ids) for ids in found]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` with special tokens dropped."""
@@ -220,6 +354,19 @@ class HFTokenizer:
         if self._rust is not None:
             return str(self._rust.decode(values, skip_special_tokens=True))
         return str(self._tok.decode(values, skip_special_tokens=True))
+
+    def decode_keep_special(self, ids: Sequence[int]) -> str:
+        """Text of `ids` with special tokens spelled out."""
+        values = [int(i) for i in ids]
+        if self._rust is not None:
+            return str(self._rust.decode(values, skip_special_tokens=False))
+        return str(self._tok.decode(values, skip_special_tokens=False))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of `ids` (transformers' `convert_ids_to_tokens`)."""
+        if self._rust is not None:
+            return [str(self._rust.id_to_token(int(i))) for i in ids]
+        return [str(t) for t in self._tok.convert_ids_to_tokens([int(i) for i in ids])]
 
     def describe(self) -> dict[str, Any]:
         """Identity for manifests (checksum of tokenizer.json, else tokenizer_config.json)."""
@@ -240,6 +387,8 @@ class HFTokenizer:
             "eos_id": self.eos_id,
             "eod_id": self.eod_id,
             "pad_id": self.pad_id,
+            "prefix_ids": list(self.prefix_ids),
+            "suffix_ids": list(self.suffix_ids),
         }
 
 

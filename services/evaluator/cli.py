@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="tokenizer when the checkpoint has none",
     )
+    parser.add_argument(
+        "--add-bos-token",
+        choices=("true", "false"),
+        help="lm-eval's add_bos_token: true puts BOS before every context and prompt, false "
+        "encodes them without special tokens (default: as the tokenizer's own settings say)",
+    )
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: per task)")
     parser.add_argument("--limit", type=int, help="samples per task at most")
     parser.add_argument(
@@ -109,10 +115,11 @@ def task_names(text: str) -> tuple[str, ...]:
 
 def open_model(args: argparse.Namespace) -> LanguageModel:
     """The model named by --endpoint or --load."""
+    add_bos = None if args.add_bos_token is None else args.add_bos_token == "true"
     if args.endpoint:
         from services.evaluator.models.grpc_client import GrpcLanguageModel
 
-        return GrpcLanguageModel(args.endpoint, batch_size=args.batch_size)
+        return GrpcLanguageModel(args.endpoint, batch_size=args.batch_size, add_bos_token=add_bos)
     from services.evaluator.models.local import LocalLanguageModel
 
     return LocalLanguageModel(
@@ -120,6 +127,7 @@ def open_model(args: argparse.Namespace) -> LanguageModel:
         load_format=args.load_format,
         tokenizer=args.tokenizer,
         batch_size=args.batch_size,
+        add_bos_token=add_bos,
     )
 
 

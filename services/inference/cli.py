@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--fp16", dest="dtype", action="store_const", const="float16")
     load.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16")
     what = parser.add_argument_group("input (one of)")
-    what.add_argument("--prompt", default=None, help="prompt text (BOS added)")
+    what.add_argument(
+        "--prompt", default=None, help="prompt text (encoded as the tokenizer's defaults say)"
+    )
     what.add_argument("--input-ids", default=None, help="prompt token ids, comma separated")
     what.add_argument("--chat", action="store_true", help='interactive "You >>" session')
     what.add_argument("--prompt-template", default="plain", help="chat template (--chat)")
@@ -147,7 +149,7 @@ def chat(engine: Any, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -
         if not line.strip():
             continue
         history.append(Message("user", line.rstrip("\n")))
-        ids = [] if tokens.bos_id is None else [tokens.bos_id]
+        ids = list(tokens.require().prefix_ids)  # what the tokenizer puts before a text
         for segment in template.render(history):
             ids += tokens.require().encode(segment.text)
             if segment.loss and tokens.eos_id is not None:

@@ -179,13 +179,7 @@ class _Api:
         tokens = engine.tokens
         if tokens.tokenizer is None:
             raise invalid("prompt", "this server has no tokenizer")
-        ids = await off_loop(
-            lambda: (
-                tokens.encode_prompt(body.prompt)
-                if body.add_special_tokens
-                else tokens.require().encode(body.prompt)
-            )
-        )
+        ids = await off_loop(lambda: tokens.encode_prompt(body.prompt, body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_seq_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
@@ -225,7 +219,9 @@ class _Api:
         # Tokenising runs in a worker thread, as on the gRPC front: a long prompt must not stall
         # the event loop that serves every other stream and the health probes.
         prompts = await off_loop(
-            lambda: resolve_prompts(engine, body.prompt, self.http.max_prompts)
+            lambda: resolve_prompts(
+                engine, body.prompt, self.http.max_prompts, body.add_special_tokens
+            )
         )
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:

@@ -73,9 +73,10 @@ class ChoiceResult:
 
 
 def resolve_prompts(
-    engine: ServingEngine, prompt: object, limit: int
+    engine: ServingEngine, prompt: object, limit: int, add_special_tokens: bool = True
 ) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) of each prompt of a completion request; text gets BOS."""
+    """(text or None, token ids) of each prompt of a completion request; text is encoded as the
+    tokenizer's defaults say (`add_special_tokens`), ids are taken as they are."""
     if isinstance(prompt, str):
         prompts: list[object] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -89,18 +90,23 @@ def resolve_prompts(
     if len(prompts) > limit:
         raise invalid("prompt", f"at most {limit} prompts per request, got {len(prompts)}")
     return [
-        (p if isinstance(p, str) else None, prompt_ids(engine, p, f"prompt[{i}]"))
+        (
+            p if isinstance(p, str) else None,
+            prompt_ids(engine, p, f"prompt[{i}]", add_special_tokens),
+        )
         for i, p in enumerate(prompts)
     ]
 
 
-def prompt_ids(engine: ServingEngine, prompt: object, param: str) -> list[int]:
+def prompt_ids(
+    engine: ServingEngine, prompt: object, param: str, add_special_tokens: bool = True
+) -> list[int]:
     """Ids of one prompt (text or ids), checked against the vocabulary."""
     tokens = engine.tokens
     if isinstance(prompt, str):
         if tokens.tokenizer is None:
             raise invalid(param, "this server has no tokenizer; send token ids")
-        ids = tokens.encode_prompt(prompt)
+        ids = tokens.encode_prompt(prompt, add_special_tokens)
     else:
         ids = list(prompt)  # type: ignore[call-overload]
         bad = [t for t in ids if not 0 <= t < tokens.vocab_size]

@@ -108,6 +108,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    add_special_tokens: bool = True
+    """vLLM extension: frame text prompts with the tokenizer's own special tokens (its BOS where
+    it adds one), as transformers' `encode` does by default; false: the text's ids alone."""
 
 
 class ContentPart(_Request):

@@ -450,10 +450,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 )
             except ValueError as exc:
                 raise FailedPrecondition(f"items[{i}]: {exc}") from None
-            if not context and tokens.bos_id is not None:
-                context = [tokens.bos_id]
+            if not context and tokens.prefix_id is not None:
+                context = [tokens.prefix_id]  # lm-eval's prefix token: BOS, else EOS
             check.require(
-                context, f"items[{i}].context", "empty context and the tokenizer has no BOS"
+                context, f"items[{i}].context", "empty context and the tokenizer has no BOS or EOS"
             )
             check.require(
                 continuation, f"items[{i}].continuation", "the continuation encodes to no tokens"
@@ -475,10 +475,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         tokens = engine.tokens
 
         def tokenize() -> inference_pb2.TokenizeResponse:
-            if request.add_special_tokens:
-                ids = tokens.encode_prompt(request.text)
-            else:
-                ids = tokens.require().encode(request.text)
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = tokens.encode_prompt(request.text, add_special_tokens=add)
             # Built here too: a response of millions of pieces takes a while to assemble.
             return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens.pieces(ids))
 

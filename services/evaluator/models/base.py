@@ -1,19 +1,41 @@
 """`LanguageModel`: what tasks need from a model, with lm-eval's tokenisation rules on top.
 
-Implementations provide four primitives over token ids (tokenize, score, generate, context
-length); this class turns text requests into them the way lm-evaluation-harness 0.4's HF model
-does: trailing whitespace of a context moves to the front of its continuation; the context is
-encoded with the tokenizer's special tokens (BOS for Llama-style tokenizers) and the
-continuation is what encoding context + continuation adds after the context's tokens; prompts
-are encoded the same way. Contexts too long for the model are cut from the left
-(log-likelihood: context + continuation fit the context length; generation: the prompt leaves
-room for `max_new_tokens`).
+Implementations provide the primitives over token ids (tokenize with or without the
+tokenizer's special tokens, the special tokens' ids and texts, score, generate, context length);
+this class turns text requests into them the way lm-evaluation-harness 0.4's HF model (`HFLM`,
+default `add_bos_token=None`) does:
+
+- a text is encoded as the tokenizer's defaults say (`tokenizer.encode(text)`: BOS only where
+  the tokenizer adds one), except that a text already starting with the prefix token's text
+  (log-likelihood) or the BOS text (generation) gets no special tokens; `add_bos_token` True /
+  False (lm-eval's model argument) puts BOS first / encodes the text alone instead;
+- log-likelihood: trailing whitespace of a context moves to the front of its continuation; the
+  continuation is what encoding context + continuation adds after the context's tokens; an empty
+  context is the prefix token (BOS, else EOS) before the continuation's own ids, or the
+  continuation's first token when that already is the prefix token;
+- contexts too long for the model are cut from the left (log-likelihood: context +
+  continuation fit the context length; generation: the prompt leaves room for
+  `max_new_tokens`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The served tokenizer's special tokens that lm-eval's encoding rules look at."""
+
+    bos_id: int | None
+    """BOS id (None: the tokenizer has none)."""
+    bos_text: str | None
+    """BOS as text (`<s>`); a generation prompt starting with it gets no special tokens."""
+    prefix_id: int
+    """lm-eval's prefix token: BOS, else EOS; an empty context is scored after it."""
+    prefix_text: str
+    """The prefix token as text; a context starting with it gets no special tokens."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +59,9 @@ class LanguageModel(ABC):
 
     name: str = ""
     """What is evaluated (endpoint or checkpoint path), for the results."""
+    add_bos_token: bool | None = None
+    """lm-eval's `add_bos_token`: None follows the tokenizer's own settings; True puts BOS
+    before every text, False encodes texts without special tokens."""
 
     @property
     def fingerprint(self) -> str:
@@ -49,8 +74,14 @@ class LanguageModel(ABC):
         """Longest token sequence the model takes."""
 
     @abstractmethod
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, with the tokenizer's special tokens (BOS when it has one)."""
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text; with `add_special_tokens` framed as the tokenizer's own
+        settings say (transformers' default `encode`), else the text's ids alone."""
+
+    @property
+    @abstractmethod
+    def special_tokens(self) -> SpecialTokens:
+        """The tokenizer's BOS / prefix token, as ids and texts."""
 
     @abstractmethod
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -67,10 +98,29 @@ class LanguageModel(ABC):
 
     # -- text level, shared ---------------------------------------------------------------------
 
+    def encode_texts(self, texts: list[str], plain_prefix: str | None) -> dict[str, list[int]]:
+        """Ids of each distinct text under lm-eval's rule (module docstring); a text starting with
+        `plain_prefix` (a special token's text) is encoded without special tokens."""
+        unique = sorted(set(texts))
+        plain = [t for t in unique if self.add_bos_token is False or _starts(t, plain_prefix)]
+        framed = [t for t in unique if t not in set(plain)]
+        ids = dict(zip(plain, self.tokenize(plain, False) if plain else [], strict=True))
+        if self.add_bos_token:  # lm-eval's add_bos_token=True: BOS, then the text alone
+            bos = self.special_tokens.bos_id
+            if bos is None:
+                raise ValueError("add_bos_token: the tokenizer has no BOS token; leave it unset")
+            found = self.tokenize(framed, False) if framed else []
+            ids.update(zip(framed, ([bos, *f] for f in found), strict=True))
+        elif framed:
+            ids.update(zip(framed, self.tokenize(framed, True), strict=True))
+        return ids
+
     def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) of each (context, continuation) pair."""
-        contexts, continuations = [], []
+        special = self.special_tokens
+        contexts, continuations, empty = [], [], []
         for context, continuation in requests:
+            empty.append(context == "")  # before moving spaces, as lm-eval tests it
             spaces = len(context) - len(context.rstrip())
             if spaces:
                 continuation = context[-spaces:] + continuation
@@ -78,13 +128,26 @@ class LanguageModel(ABC):
             contexts.append(context)
             continuations.append(continuation)
         wholes = [c + x for c, x in zip(contexts, continuations, strict=True)]
-        unique = sorted(set(contexts) | set(wholes))
-        ids = dict(zip(unique, self.tokenize(unique), strict=True))
+        pairs = [
+            t for e, c, w in zip(empty, contexts, wholes, strict=True) if not e for t in (c, w)
+        ]
+        ids = self.encode_texts(pairs, special.prefix_text)
+        alone = sorted({x for e, x in zip(empty, continuations, strict=True) if e})
+        alone_ids = dict(zip(alone, self.tokenize(alone, False) if alone else [], strict=True))
         items = []
         limit = self.context_length
-        for context, whole in zip(contexts, wholes, strict=True):
-            ctx = ids[context]
-            cont = ids[whole][len(ctx) :]
+        for is_empty, context, continuation, whole in zip(
+            empty, contexts, continuations, wholes, strict=True
+        ):
+            if not is_empty:
+                ctx = ids[context]
+                cont = ids[whole][len(ctx) :]
+            else:
+                cont = alone_ids[continuation]
+                if cont and cont[0] == special.prefix_id:
+                    ctx, cont = cont[:1], cont[1:]
+                else:
+                    ctx = [special.prefix_id]
             if not cont:
                 raise ValueError(f"continuation {whole[len(context) :]!r} encodes to no tokens")
             cont = cont[-(limit - 1) :]
@@ -93,8 +156,7 @@ class LanguageModel(ABC):
 
     def generate_until(self, requests: list[GenerationRequest]) -> list[str]:
         """Greedy answers to each request."""
-        unique = sorted({r.context for r in requests})
-        ids = dict(zip(unique, self.tokenize(unique), strict=True))
+        ids = self.encode_texts([r.context for r in requests], self.special_tokens.bos_text)
         prompts = []
         for request in requests:
             if request.max_new_tokens >= self.context_length:
@@ -119,3 +181,8 @@ class LanguageModel(ABC):
             items.append((before, tokens[start : start + size]))
         scores = self.score_ids(items) if items else []
         return sum(s[0] for s in scores), len(tokens)
+
+
+def _starts(text: str, prefix: str | None) -> bool:
+    """lm-eval's `has_bos_prefix`: the text already starts with the special token's text."""
+    return bool(prefix) and text.startswith(prefix)  # type: ignore[arg-type]

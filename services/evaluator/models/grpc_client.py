@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.evaluator.models.base import GenerationRequest, LanguageModel
+from services.evaluator.models.base import GenerationRequest, LanguageModel, SpecialTokens
 
 DEFAULT_TIMEOUT_S = 600.0
 _Item = tuple[tuple[int, ...], tuple[int, ...]]
@@ -28,15 +28,18 @@ class GrpcLanguageModel(LanguageModel):
         batch_size: int = 8,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         channel: grpc.Channel | None = None,
+        add_bos_token: bool | None = None,
     ) -> None:
         self.name = endpoint
+        self.add_bos_token = add_bos_token
         self._channel = channel or grpc.insecure_channel(
             endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._batch = max(1, batch_size)
         self._timeout = timeout_s
-        self._token_cache: dict[str, list[int]] = {}
+        self._token_cache: dict[tuple[str, bool], list[int]] = {}
+        self._special: SpecialTokens | None = None
         try:
             info = self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
@@ -58,21 +61,44 @@ class GrpcLanguageModel(LanguageModel):
         """The served model's context length."""
         return self._context_length
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Ids via the server's Tokenize (with BOS), several calls in flight."""
-        missing = [t for t in dict.fromkeys(texts) if t not in self._token_cache]
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Ids via the server's Tokenize, several calls in flight."""
+        keys = [(t, add_special_tokens) for t in texts]
+        missing = [k for k in dict.fromkeys(keys) if k not in self._token_cache]
         for start in range(0, len(missing), self._batch):
             chunk = missing[start : start + self._batch]
             futures = [
                 self._stub.Tokenize.future(
-                    inference_pb2.TokenizeRequest(text=t, add_special_tokens=True),
+                    inference_pb2.TokenizeRequest(text=t, add_special_tokens=add),
                     timeout=self._timeout,
                 )
-                for t in chunk
+                for t, add in chunk
             ]
-            for text, future in zip(chunk, futures, strict=True):
-                self._token_cache[text] = list(future.result().token_ids)
-        return [list(self._token_cache[t]) for t in texts]
+            for key, future in zip(chunk, futures, strict=True):
+                self._token_cache[key] = list(future.result().token_ids)
+        return [list(self._token_cache[k]) for k in keys]
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        """BOS and lm-eval's prefix token from GetModelInfo, their texts from Detokenize."""
+        if self._special is None:
+            info = self.info
+            bos = info.bos_token_id if info.HasField("bos_token_id") else None
+            eos = info.eos_token_id if info.HasField("eos_token_id") else None
+            prefix = bos if bos is not None else eos
+            if prefix is None:
+                raise ValueError(f"--endpoint {self.name}: the served tokenizer has no BOS or EOS")
+
+            def text(token_id: int | None) -> str | None:
+                if token_id is None:
+                    return None
+                request = inference_pb2.DetokenizeRequest(
+                    token_ids=[token_id], skip_special_tokens=False
+                )
+                return self._stub.Detokenize(request, timeout=self._timeout).text
+
+            self._special = SpecialTokens(bos, text(bos), prefix, text(prefix) or "")
+        return self._special
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Score calls of up to `batch_size` items; each distinct item is sent once.

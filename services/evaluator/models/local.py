@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.evaluator.models.base import GenerationRequest, LanguageModel
+from services.evaluator.models.base import GenerationRequest, LanguageModel, SpecialTokens
 
 
 class LocalLanguageModel(LanguageModel):
@@ -23,6 +23,7 @@ class LocalLanguageModel(LanguageModel):
         load_format: str = "auto",
         tokenizer: Path | None = None,
         batch_size: int = 8,
+        add_bos_token: bool | None = None,
     ) -> None:
         from engine.engine import Engine, EngineConfig
         from engine.loading import load_checkpoint
@@ -30,6 +31,7 @@ class LocalLanguageModel(LanguageModel):
         from kernels import device as devices
 
         self.name = str(load_dir)
+        self.add_bos_token = add_bos_token
         self._loaded = load_checkpoint(
             Path(load_dir),
             load_format=load_format,
@@ -53,15 +55,29 @@ class LocalLanguageModel(LanguageModel):
         """The model's max_position_embeddings."""
         return int(self._engine.context_length)
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """The checkpoint tokenizer's ids (with BOS, as the service's Tokenize)."""
-        return [self._engine.tokens.encode_prompt(t) for t in texts]
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """The checkpoint tokenizer's ids (as the service's Tokenize)."""
+        tokenizer = self._engine.tokens.require()
+        return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        """BOS and lm-eval's prefix token of the checkpoint's tokenizer."""
+        tokens = self._engine.tokens
+        prefix = tokens.prefix_id
+        if prefix is None:
+            raise ValueError(f"--load {self.name}: the tokenizer has neither BOS nor EOS")
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else tokens.detokenize([token_id], skip_special=False)
+
+        return SpecialTokens(tokens.bos_id, text(tokens.bos_id), prefix, text(prefix) or "")
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """The engine's `score` (the service's Score path) over all items at once: choices
         sharing a context run it once, repeated items run once."""
-        bos = self._engine.tokens.bos_id
-        fixed = [(c or [bos if bos is not None else self._pad], x) for c, x in items]
+        prefix = self._engine.tokens.prefix_id
+        fixed = [(c or [prefix if prefix is not None else self._pad], x) for c, x in items]
         return [(r.logprob, r.is_greedy) for r in self._engine.score(fixed, pad_id=self._pad)]
 
     def generate_ids(

@@ -117,15 +117,19 @@ def encode_segments(
 ) -> Sample:
     """Tokenise rendered segments into aligned input_ids / attention_mask / labels.
 
-    With `eos_after_reply` every loss-carrying segment (an assistant reply) is followed by the EOS
-    id, which also carries loss so the model learns to stop; without it (formats whose text marks
-    turn ends itself) one EOS ends the sample. Samples longer than `seq_length` are truncated.
+    The sample starts with what the tokenizer puts before a text with its default settings (BOS
+    for Llama-style tokenizers, nothing for GPT-2/Qwen-style ones: the served prompt's framing),
+    without loss; each segment is then encoded without special tokens (special tokens written in
+    the template's text, `<|im_start|>`, become their ids). With `eos_after_reply` every
+    loss-carrying segment (an assistant reply) is followed by the EOS id, which also carries loss
+    so the model learns to stop; without it (formats whose text marks turn ends itself) one EOS
+    ends the sample. Samples longer than `seq_length` are truncated.
     """
     tokenizer = handler.tokenizer
     texts = [segment.text for segment in segments]
     encoded = tokenizer.encode_batch(texts) if texts else []
-    input_ids: list[int] = []
-    labels: list[int] = []
+    input_ids: list[int] = list(tokenizer.prefix_ids)
+    labels: list[int] = [IGNORE_INDEX] * len(input_ids)
     for segment, ids in zip(segments, encoded, strict=True):
         if segment.loss:
             if eos_after_reply:
@@ -134,13 +138,14 @@ def encode_segments(
         else:
             labels.extend([IGNORE_INDEX] * len(ids))
         input_ids.extend(ids)
-    if not eos_after_reply and input_ids:
+    has_text = len(input_ids) > len(tokenizer.prefix_ids)
+    if not eos_after_reply and has_text:
         input_ids.append(tokenizer.eod_id)
         labels.append(tokenizer.eod_id)
     limit = handler.options.seq_length
     if limit is not None and len(input_ids) > limit:
         input_ids, labels = input_ids[:limit], labels[:limit]
-    if not input_ids:
+    if not has_text:
         return {}
     return {
         "packed_input_ids": input_ids,

@@ -11,14 +11,22 @@ from services.preprocess.handlers.base import Handler, RecordError, Sample, requ
 class GeneralPretrainHandler(Handler):
     """Tokenises each `--json-keys` field into its own dataset; `--append-eod` ends documents.
 
-    Empty documents (no tokens) are dropped, as they would only add zero-length entries to the
-    index.
+    A document's ids are the tokenizer's own encoding with its default settings (transformers'
+    `encode(text)`: BOS first where the tokenizer adds one), then the EOD id with `--append-eod`
+    unless the tokenizer already ends every text with it (`add_eos_token`). Without
+    `--append-eod`, empty documents (no text tokens) are dropped, as they would only add
+    special-token-only entries to the index.
     """
 
     name = "GeneralPretrainHandler"
 
     def _finish(self, ids: list[int]) -> list[int]:
-        return [*ids, self.tokenizer.eod_id] if self.options.append_eod else ids
+        tokenizer = self.tokenizer
+        if not self.options.append_eod:
+            empty = len(ids) <= len(tokenizer.prefix_ids) + len(tokenizer.suffix_ids)
+            return [] if empty else ids
+        ends_with_eod = tokenizer.suffix_ids[-1:] == (tokenizer.eod_id,)
+        return ids if ends_with_eod else [*ids, tokenizer.eod_id]
 
     def process(self, record: dict[str, Any]) -> Sample | None:
         """Token ids of each json key of one record."""
@@ -40,7 +48,9 @@ class GeneralPretrainHandler(Handler):
             good.append(index)
             for key, value in zip(keys, values, strict=True):
                 texts[key].append(value)
-        encoded = {key: self.tokenizer.encode_batch(texts[key]) for key in keys}
+        encoded = {
+            key: self.tokenizer.encode_batch(texts[key], add_special_tokens=True) for key in keys
+        }
         for position, index in enumerate(good):
             sample = {key: self._finish(encoded[key][position]) for key in keys}
             results[index] = sample if any(sample.values()) else None

@@ -58,3 +58,29 @@ def test_choices_sharing_a_context_go_in_one_score_call(served):
         assert math.isclose(lp, lp_alone, abs_tol=1e-4) and greedy == greedy_alone
     model.close()
     one_by_one.close()
+
+
+def test_add_bos_token_sets_what_contexts_are_scored_after(served):
+    """`--add-bos-token` (lm-eval's add_bos_token): unset follows the tokenizer (this fixture's
+    sentencepiece model puts BOS first), false scores the text alone, true puts BOS first; a
+    context already starting with the BOS text is never given a second one."""
+    from services.evaluator.cli import build_parser, open_model
+
+    _, server = served
+    recorder = RecordScoreCalls()
+    channel = grpc.intercept_channel(grpc.insecure_channel(server.address), recorder)
+    sent = {}
+    for setting in (None, False, True):
+        model = GrpcLanguageModel(server.address, channel=channel, add_bos_token=setting)
+        bos = model.special_tokens.bos_id
+        assert (bos, model.special_tokens.bos_text) == (1, "<s>")
+        plain = model.tokenize(["Question: is the sun a star?"], add_special_tokens=False)[0]
+        recorder.calls.clear()
+        model.loglikelihood([("Question: is the sun a star?", " yes"), ("<s>Q:", " no")])
+        (first, second), *_ = recorder.calls
+        sent[setting] = first[0]
+        assert first[0] == ((bos, *plain) if setting is not False else tuple(plain))
+        assert second[0].count(bos) == 1 and second[0][0] == bos
+    assert sent[None] == sent[True] != sent[False]
+    args = build_parser().parse_args(["--endpoint", server.address, "--add-bos-token", "false"])
+    assert open_model(args).add_bos_token is False

@@ -87,10 +87,10 @@ def test_prompt_tokenising_leaves_the_event_loop_free(served, monkeypatch):
     encode = tokens.encode_prompt
     started, release = threading.Event(), threading.Event()
 
-    def held_encode(text):
+    def held_encode(text, add_special_tokens=True):
         started.set()
         release.wait(WAIT_S)
-        return encode(text)
+        return encode(text, add_special_tokens)
 
     monkeypatch.setattr(tokens, "encode_prompt", held_encode)
     body = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}

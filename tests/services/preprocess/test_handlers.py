@@ -20,6 +20,8 @@ from services.preprocess.handlers import (
 from tests.fixtures import records as fx
 
 EOS = 2
+BOS = 1
+"""The bare SentencePiece model frames a text as LlamaTokenizer does: BOS first, no EOS."""
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,9 @@ def sp(sentencepiece_model):
 
 
 def expected(sp, parts):
-    """input_ids / labels from (text, loss, eos_after) parts, tokenised by the reference library."""
-    ids, labels = [], []
+    """input_ids / labels from (text, loss, eos_after) parts, tokenised by the reference library,
+    after the tokenizer's BOS (no loss on it)."""
+    ids, labels = [BOS], [IGNORE_INDEX]
     for text, loss, eos in parts:
         piece = sp.encode(text) + ([EOS] if eos else [])
         ids += piece
@@ -157,10 +160,13 @@ def test_pretrain_handler_keys_and_eod(tok, sp):
     results = handler.process_batch(
         [{"text": "hello world", "title": "T"}, {"text": "x"}, {"text": "", "title": ""}]
     )
-    assert results[0] == {"text": [*sp.encode("hello world"), EOS], "title": [*sp.encode("T"), EOS]}
+    assert results[0] == {
+        "text": [BOS, *sp.encode("hello world"), EOS],
+        "title": [BOS, *sp.encode("T"), EOS],
+    }
     assert isinstance(results[1], RecordError)
     assert str(results[1]) == "missing key 'title'; keys present: ['text']"
-    assert results[2] == {"text": [EOS], "title": [EOS]}
+    assert results[2] == {"text": [BOS, EOS], "title": [BOS, EOS]}
     plain = get_handler_class("pretrain")(tok)
     assert plain.process({"text": ""}) is None
 

@@ -20,6 +20,7 @@ from tests.fixtures import records as fx
 from tokendata.arrow_shards import read_arrow_shards
 
 EOS = 2
+BOS = 1
 TEXTS = [f"{line} Document {i}." for i, line in enumerate(fx.PLAIN * 4)]
 
 
@@ -38,9 +39,20 @@ def megatron_docs(prefix) -> list[list[int]]:
     return [dataset[i].tolist() for i in range(len(dataset))]
 
 
+class _Document:
+    """Reference ids of a pretraining document: sentencepiece's own, after BOS (the bare model's
+    framing, LlamaTokenizer's default; see models/tokenizer.py)."""
+
+    def __init__(self, sp: spm.SentencePieceProcessor) -> None:
+        self.sp = sp
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS, *self.sp.encode(text)]
+
+
 @pytest.fixture(scope="module")
 def sp(sentencepiece_model):
-    return spm.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    return _Document(spm.SentencePieceProcessor(model_file=str(sentencepiece_model)))
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "txt", "csv", "parquet", "jsonl.gz"])

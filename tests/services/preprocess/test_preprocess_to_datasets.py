@@ -61,7 +61,7 @@ def test_pretraining_shards_serve_fixed_length_samples(tmp_path, sentencepiece_m
     tok = build_tokenizer("SentencePiece", sentencepiece_model)
     config = DataConfig(data_path=[result.outputs[0].path_prefix], split="1,0,0")
     train, _, _ = build_datasets(config, tok, 32, seed=7)
-    docs = [tok.encode(text) for text in texts]
+    docs = [tok.encode(text, add_special_tokens=True) for text in texts]
 
     def inside_a_document(piece: list[int]) -> bool:
         n = len(piece)

@@ -87,7 +87,7 @@ def test_hf_json_builder_input_and_sibling_prefixes(
     tokenizer = build_tokenizer("SentencePiece", model)
     dataset = IndexedDataset(tmp_path / "c_text_document")
     assert [list(dataset[i]) for i in range(len(dataset))] == [
-        [*tokenizer.encode(text), tokenizer.eod_id] for text in TEXTS
+        [*tokenizer.encode(text, add_special_tokens=True), tokenizer.eod_id] for text in TEXTS
     ]
     assert isinstance(third, grpc.aio.AioRpcError)
     assert third.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -48,6 +48,7 @@ from engine.sampling import (
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
+from engine.validation import InvalidRequest, RequestLimits, request_problems
 from kernels import registry
 from kernels.cpu.hugepages import move_to_huge_pages
 from kernels.packed_linear import pack_linears
@@ -290,22 +291,20 @@ class Engine:
         with self._lock:
             return bool(self._live)
 
+    def request_limits(self) -> RequestLimits:
+        """What this engine can run: its model length, cache rows and vocabulary."""
+        return RequestLimits(
+            max_model_len=self.max_seq_len,
+            max_rows=self.pool.max_rows,
+            vocab_size=self.tokens.vocab_size,
+        )
+
     def check_request(self, prompt_ids: list[int], config: SamplingConfig) -> None:
-        """ValueError naming the field when a request cannot run on this model and engine."""
-        if not prompt_ids:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        vocab = self.tokens.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        rows = max(config.num_beams, 1 if config.num_beams > 1 else config.num_return_sequences)
-        if rows > self.pool.max_rows:
-            raise ValueError(
-                f"params.num_beams: the request needs {rows} cache rows, the engine has "
-                f"{self.pool.max_rows} (--max-batch-rows)"
-            )
+        """InvalidRequest (a ValueError) listing every problem when a request cannot run here
+        (engine.validation; a long generation is cut at the model length, not refused)."""
+        problems = request_problems(prompt_ids, config, self.request_limits(), whole=False)
+        if problems:
+            raise InvalidRequest(problems)
 
     def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether prompt + new tokens fit the cache (callers answer OUT_OF_RANGE otherwise)."""

@@ -178,19 +178,17 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)
         return 2
     try:
-        from engine.engine import Engine
-        from engine.loading import load_checkpoint
-        from engine.tokens import TokenizerInfo
+        from engine.build import LoadSpec, build_engine
+        from engine.config import EngineConfig
 
-        loaded = load_checkpoint(
+        spec = LoadSpec(
             Path(args.load),
-            load_format=args.load_format,
-            dtype=args.dtype,
-            tokenizer=Path(args.tokenizer) if args.tokenizer else None,
-            lora=Path(args.lora_load) if args.lora_load else None,
+            args.load_format,
+            Path(args.tokenizer) if args.tokenizer else None,
+            Path(args.lora_load) if args.lora_load else None,
         )
-        tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-        engine = Engine(loaded.model, tokens)
+        _, engine = build_engine(spec, EngineConfig(dtype=args.dtype))
+        tokens = engine.tokens
         if args.chat:
             transcript = chat(engine, args, stdin or sys.stdin, sys.stdout)
             if args.output_json:

@@ -31,7 +31,8 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.engine import CPU_LINEAR, Engine, EngineConfig
+from engine.config import CPU_LINEAR, EngineConfig
+from engine.engine import Engine
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from models import build_model

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
+from engine.cache_plan import plan_cache
+from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
@@ -48,6 +50,7 @@ from engine.sampling import (
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
+from engine.validation import InvalidRequest, RequestLimits, request_problems
 from kernels import registry
 from kernels.cpu.hugepages import move_to_huge_pages
 from kernels.packed_linear import pack_linears
@@ -81,56 +84,6 @@ def head_logits(model: CausalLM, h_BxE: torch.Tensor) -> torch.Tensor:
     if model.config.norm_head:
         return F.linear(h_BxE, F.normalize(head.weight, dim=-1))
     return head(h_BxE)
-
-
-CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
-DECODE_STEPS = ("auto", "lean", "module")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Capacity of one engine."""
-
-    max_batch_rows: int = 32
-    """KV-cache rows: sequences (beams count one each) decoded together."""
-    max_seq_len: int | None = None
-    """Cache slots per row (prompt + new tokens); None: the model's context length."""
-    cpu_linear: str = "auto"
-    """CPU linear weights: "auto" times dense, packed and column-major on the model's own shapes
-    at start-up and keeps the fastest, or packed+gemv when that is fastest and its second copy
-    of the weights takes at most 10% of the available memory (engine/linear_choice.py); "dense"
-    as loaded; "packed" repacked once for oneDNN (faster decode and prefill, same memory, the
-    model becomes inference-only, see kernels/packed_linear.py);
-    "packed+gemv" also keeps the dense weights for one-row calls and the C decode step (twice
-    the linear weights' memory); "colmajor" stores the dense weights column-major instead (same
-    memory, MKL's faster path for few-row inputs). A head tied to the embedding stays dense."""
-    compile_decode: bool = False
-    """CPU: capture the one-token decode forward with torch.compile (inductor's C++ backend),
-    which fuses each layer's norms, RoPE, residual adds and activation into a few kernels; the
-    linear layers and the KV-cache write + attention run as they are. The first decode steps
-    at a new batch shape compile (seconds each, a few shapes in all); prefill stays eager."""
-    decode_step: str = "auto"
-    """"auto": one-token decode steps run `engine.decode_step.DecodeStep` (the module forward's
-    computation, bit-identical, without per-module dispatch) when it covers the model, else the
-    module forward; on CPU in fp32, a step runs in one C call instead
-    (`engine.native_step.NativeStep`, equal to fp32 rounding; one row, or several with dense
-    weights) where it was built and covers the model; "lean": DecodeStep alone; "module":
-    always the module forward (`model(...)`)."""
-    enforce_eager: bool = False
-    """CUDA: run every decode step eagerly. By default the lean decode step is replayed from
-    CUDA graphs, one per active row count and slot bucket (engine/cuda_graphs.py)."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_rows < 1:
-            raise ValueError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
-        if self.cpu_linear not in CPU_LINEAR:
-            raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
-        if self.decode_step not in DECODE_STEPS:
-            raise ValueError(
-                f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
-            )
 
 
 @dataclass
@@ -177,7 +130,6 @@ class Engine:
         self.context_length = int(
             getattr(model.config, "context_length", model.config.max_position_embeddings)
         )
-        self.max_seq_len = min(self.config.max_seq_len or self.context_length, self.context_length)
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # before any layout or step takes views of the weights
             log.info("weights: %s", move_to_huge_pages(model).why)
@@ -186,7 +138,13 @@ class Engine:
                 f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
                 f"{self.device.type}"
             )
-        self.pool = SlotPool(model, self.config.max_batch_rows, self.max_seq_len)
+        plan = plan_cache(model, self.config, self.context_length, self.device)
+        self.cache_plan = plan
+        """The KV cache's size and why (engine.cache_plan); its summary is logged once."""
+        log.info("%s", plan.summary)
+        self.max_seq_len = plan.max_model_len
+        """Tokens per sequence, prompt + new (--max-model-len)."""
+        self.pool = SlotPool(model, self._agree_rows(plan.rows), self.max_seq_len)
         shared_head = model.config.tie_word_embeddings or model.config.norm_head
         skip = ("lm_head",) if shared_head else ()
         self.cpu_linear = self.config.cpu_linear
@@ -222,6 +180,10 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    def _agree_rows(self, rows: int) -> int:
+        """Cache rows every process of this engine allocates (one process: its own plan)."""
+        return rows
 
     def _build_decode_step(self) -> DecodeStep | NativeStep | None:
         """The lean decode step, with steps in C where that applies (see
@@ -290,22 +252,20 @@ class Engine:
         with self._lock:
             return bool(self._live)
 
+    def request_limits(self) -> RequestLimits:
+        """What this engine can run: its model length, cache rows and vocabulary."""
+        return RequestLimits(
+            max_model_len=self.max_seq_len,
+            max_rows=self.pool.max_rows,
+            vocab_size=self.tokens.vocab_size,
+        )
+
     def check_request(self, prompt_ids: list[int], config: SamplingConfig) -> None:
-        """ValueError naming the field when a request cannot run on this model and engine."""
-        if not prompt_ids:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        vocab = self.tokens.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        rows = max(config.num_beams, 1 if config.num_beams > 1 else config.num_return_sequences)
-        if rows > self.pool.max_rows:
-            raise ValueError(
-                f"params.num_beams: the request needs {rows} cache rows, the engine has "
-                f"{self.pool.max_rows} (--max-batch-rows)"
-            )
+        """InvalidRequest (a ValueError) listing every problem when a request cannot run here
+        (engine.validation; a long generation is cut at the model length, not refused)."""
+        problems = request_problems(prompt_ids, config, self.request_limits(), whole=False)
+        if problems:
+            raise InvalidRequest(problems)
 
     def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether prompt + new tokens fit the cache (callers answer OUT_OF_RANGE otherwise)."""

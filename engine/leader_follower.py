@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.requests import GenerationRequest, ScoreResult
 from engine.tokens import TokenizerInfo
 from models.transformer import CausalLM
@@ -33,12 +35,21 @@ class LeaderFollowerEngine(Engine):
         config: EngineConfig,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(model, tokens, config)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._leader = dist.get_global_rank(group, 0) if group is not None else 0
         self._received: tuple[list[GenerationRequest], set[int]] = ([], set())
+        super().__init__(model, tokens, config)
+
+    def _agree_rows(self, rows: int) -> int:
+        """The fewest rows any rank's budget allows (pipeline stages hold different layers, so
+        their plans differ; every rank must run the same rows)."""
+        agreed = torch.tensor([rows], dtype=torch.long)
+        if dist.get_backend(self.group) == "nccl":
+            agreed = agreed.to(self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return int(agreed.item())
 
     def _send(self, *command: Any) -> None:
         dist.broadcast_object_list([command], src=self._leader, group=self.group)

@@ -9,7 +9,6 @@ top-k, top-p. A filtered logit becomes -inf, so softmax gives it probability exa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +23,11 @@ clients and other languages' gRPC stubs can carry)."""
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding settings of one request after defaults are applied (HF `GenerationConfig` names)."""
+    """Decoding settings of one request after defaults are applied (HF `GenerationConfig` names).
+
+    A plain value: `engine.validation.sampling_problems` judges it (every front and
+    `Engine.submit` call it), so a front can build one from untrusted fields and report all
+    their problems at once."""
 
     max_new_tokens: int = 64
     """Tokens to generate at most per sequence."""
@@ -52,36 +55,6 @@ class SamplingConfig:
     """Seed of the request's sampler (sequence i of a request uses seed + i)."""
     logprobs: int = 0
     """Most likely alternatives reported with each generated token (0: none; not with beams)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
-        if not math.isfinite(self.repetition_penalty) or not math.isfinite(self.length_penalty):
-            raise ValueError(
-                f"repetition_penalty and length_penalty must be finite, got "
-                f"{self.repetition_penalty} and {self.length_penalty}"
-            )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.temperature <= 2:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.num_beams < 1:
-            raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.num_return_sequences < 1 or (
-            self.num_beams > 1 and self.num_return_sequences > self.num_beams
-        ):
-            raise ValueError(
-                f"num_return_sequences must be in [1, num_beams={self.num_beams}] with beam "
-                f"search, got {self.num_return_sequences}"
-            )
 
     @property
     def sampling(self) -> bool:

@@ -7,7 +7,9 @@ or `training/` that takes a config is typed `Any`. A stage folder `services/<a>/
 itself and libraries, never another stage. Only the composition layer (`services/cli.py`,
 `services/serve.py`, `services/demos/`) may import several stages. No import cycle anywhere (an
 import under `if TYPE_CHECKING:` is not a runtime edge and does not count); no `_private` name of
-one first-party module imported by another.
+one first-party module imported by another. `services/*` build engines only through
+`engine.build.build_engine`: no service constructs an engine class or imports the loader or the
+parallel engine builders.
 """
 
 from __future__ import annotations
@@ -296,3 +298,52 @@ def test_no_import_cycles() -> None:
 def test_every_library_is_packaged(library: str) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"{library}*"' in pyproject, f"{library} missing from [tool.setuptools.packages.find]"
+
+
+ENGINE_CLASSES = frozenset({"Engine", "LeaderFollowerEngine", "PipelineEngine"})
+"""Engine classes a service must not construct itself (build_engine does)."""
+ENGINE_BUILDING = frozenset(
+    {
+        "engine.loading.load_checkpoint",
+        "engine.parallel_engine",
+        "engine.pipeline_engine",
+        "engine.tensor_parallel",
+    }
+)
+"""What builds an engine from parts: the checkpoint loader and the parallel wrappers."""
+
+
+def _engine_constructions(source: str) -> list[int]:
+    """Lines of `source` that call an engine class (`Engine(...)`, `x.Engine(...)`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ENGINE_CLASSES:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_engine_construction_finder_finds_one() -> None:
+    assert _engine_constructions("e = Engine(model, tokens)\nf = engine.PipelineEngine(m)") == [
+        1,
+        2,
+    ]
+
+
+def test_services_build_engines_only_through_build_engine() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        if not module.startswith("services.") or module in EXTENSIONS:
+            continue
+        bad += [
+            f"{module}:{line} constructs an engine"
+            for line in _engine_constructions(path.read_text())
+        ]
+        for imp in IMPORTS[module]:
+            for name in imp.names or ("",):
+                full = f"{imp.target}.{name}" if name else imp.target
+                if any(full == b or full.startswith(b + ".") for b in ENGINE_BUILDING):
+                    bad.append(f"{module}:{imp.line} imports {full}")
+    assert not bad, "build engines with engine.build.build_engine:\n" + "\n".join(bad)

@@ -123,11 +123,18 @@ def _write_json(path: str, payload: Any) -> None:
     tmp.replace(target)
 
 
-def _check_fits(engine: Any, ids: list[int], config: Any) -> None:
-    if not engine.fits_context(len(ids), config.max_new_tokens):
+def _check(engine: Any, ids: list[int], config: Any, prompt_flag: str) -> None:
+    """ValueError naming each flag at fault (engine.validation's rules, as the servers apply)."""
+    from engine.validation import request_problems
+
+    problems = request_problems(ids, config, engine.request_limits())
+    if problems:
         raise ValueError(
-            f"--max-new-tokens {config.max_new_tokens}: the prompt ({len(ids)} tokens) plus new "
-            f"tokens exceeds the context length {engine.max_seq_len}"
+            "; ".join(
+                f"{prompt_flag if p.field == 'prompt' else '--' + p.field.replace('_', '-')}: "
+                f"{p.reason}"
+                for p in problems
+            )
         )
 
 
@@ -155,7 +162,7 @@ def chat(engine: Any, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -
             if segment.loss and tokens.eos_id is not None:
                 ids.append(tokens.eos_id)
         config = _sampling(args)
-        _check_fits(engine, ids, config)
+        _check(engine, ids, config, "--chat")
         [results] = engine.generate([ids], [config])
         reply = results[0].text.strip()
         stdout.write(f"Meshline >> {reply}\n")
@@ -173,19 +180,17 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)
         return 2
     try:
-        from engine.engine import Engine
-        from engine.loading import load_checkpoint
-        from engine.tokens import TokenizerInfo
+        from engine.build import LoadSpec, build_engine
+        from engine.config import EngineConfig
 
-        loaded = load_checkpoint(
+        spec = LoadSpec(
             Path(args.load),
-            load_format=args.load_format,
-            dtype=args.dtype,
-            tokenizer=Path(args.tokenizer) if args.tokenizer else None,
-            lora=Path(args.lora_load) if args.lora_load else None,
+            args.load_format,
+            Path(args.tokenizer) if args.tokenizer else None,
+            Path(args.lora_load) if args.lora_load else None,
         )
-        tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-        engine = Engine(loaded.model, tokens)
+        _, engine = build_engine(spec, EngineConfig(dtype=args.dtype))
+        tokens = engine.tokens
         if args.chat:
             transcript = chat(engine, args, stdin or sys.stdin, sys.stdout)
             if args.output_json:
@@ -193,8 +198,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
             return 0
         ids = _parse_ids(args.input_ids) if args.input_ids else tokens.encode_prompt(args.prompt)
         config = _sampling(args)
-        engine.check_request(ids, config)
-        _check_fits(engine, ids, config)
+        _check(engine, ids, config, "--input-ids" if args.input_ids else "--prompt")
         [results] = engine.generate([ids], [config])
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

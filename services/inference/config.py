@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
+from engine.build import LoadSpec
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, format_size, parse_size
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
@@ -35,7 +37,15 @@ class InferenceServiceConfig:
     """Pipeline stages the layers are split over; with TP each stage is sharded over
     tensor_parallel_size processes (tp × pp processes in all)."""
     max_batch_rows: int = 32
-    """KV-cache rows: sequences decoded together (each beam takes one row)."""
+    """Most KV-cache rows: sequences decoded together (each beam takes one row); the KV-cache
+    budget may allow fewer (see engine/cache_plan.py)."""
+    max_model_len: int | None = None
+    """Tokens per sequence, prompt + new (vLLM's --max-model-len); None: the model's context."""
+    kv_cache_memory: int | None = None
+    """KV-cache budget in bytes (--kv-cache-memory 2GiB); None: the device's share
+    (--gpu-memory-utilization) on accelerators, 512 MiB on CPU."""
+    gpu_memory_utilization: float | None = None
+    """Accelerators: share of the device's memory for weights + KV cache (vLLM's; 0.9)."""
     batch_wait_ms: float = 1.0
     """A request reaching an idle engine waits until no other request has come for this long
     (at most 5 times it), so that requests sent together are prefilled and decoded together;
@@ -71,7 +81,27 @@ class InferenceServiceConfig:
     max_request_mb: int = 16
     """Largest request message in MiB (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
 
+    def engine_config(self) -> EngineConfig:
+        """The engine these flags shape (every rank of a parallel server builds the same)."""
+        return EngineConfig(
+            max_batch_rows=self.max_batch_rows,
+            max_model_len=self.max_model_len,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            dtype=self.dtype,
+            cpu_linear=self.cpu_linear,
+            compile_decode=self.compile_decode,
+            decode_step=self.decode_step,
+            enforce_eager=self.enforce_eager,
+        )
+
+    def load_spec(self) -> LoadSpec:
+        """The checkpoint to serve (needs --load)."""
+        assert self.load is not None
+        return LoadSpec(self.load, self.load_format, self.tokenizer, self.lora_load)
+
     def __post_init__(self) -> None:
+        self.engine_config()  # ValueError naming the flag, before any weight is read
         if self.load is not None:
             self.load = Path(self.load).resolve()
             if not self.load.is_dir():
@@ -173,6 +203,28 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_batch_rows,
         help=f"KV-cache rows decoded together, a beam takes one (default {d.max_batch_rows})",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens per sequence, prompt + new (vLLM's flag; default: the model's context "
+        "length); the KV cache holds rows of this length",
+    )
+    group.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        metavar="SIZE",
+        help="KV-cache budget, e.g. 2GiB or 512MiB (vLLM's flag); the cache rows follow from "
+        "it and --max-model-len, at most --max-batch-rows (default: --gpu-memory-utilization "
+        f"on accelerators, {format_size(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="accelerators: share of the device's memory for weights and KV cache, measured "
+        "after loading (vLLM's flag; default 0.9); refused on CPU",
     )
     group.add_argument(
         "--batch-wait-ms",
@@ -284,6 +336,9 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_batch_rows=args.max_batch_rows,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         batch_wait_ms=args.batch_wait_ms,
         cpu_linear=args.cpu_linear,
         compile_decode=args.compile_decode,

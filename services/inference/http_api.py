@@ -220,7 +220,11 @@ class _Api:
         # the event loop that serves every other stream and the health probes.
         prompts = await off_loop(
             lambda: resolve_prompts(
-                engine, body.prompt, self.http.max_prompts, body.add_special_tokens
+                engine,
+                body.prompt,
+                self.http.max_prompts,
+                self.limits.max_text_chars,
+                body.add_special_tokens,
             )
         )
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -339,7 +343,9 @@ class _Api:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine = self._require(body.model)
-        prompt = await off_loop(lambda: render_chat(engine, body, self.http.chat_template))
+        prompt = await off_loop(
+            lambda: render_chat(engine, body, self.http.chat_template, self.limits.max_text_chars)
+        )
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(

@@ -24,6 +24,14 @@ from pathlib import Path
 
 from engine.requests import Finish, StepEvent
 from engine.sampling import SamplingConfig
+from engine.validation import (
+    InvalidRequest,
+    Problem,
+    RequestLimits,
+    fit_problems,
+    prompt_text_problems,
+    sampling_problems,
+)
 from models.templates import TEMPLATES, Message
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import CHAT_TEMPLATE_AUTO
@@ -73,7 +81,11 @@ class ChoiceResult:
 
 
 def resolve_prompts(
-    engine: ServingEngine, prompt: object, limit: int, add_special_tokens: bool = True
+    engine: ServingEngine,
+    prompt: object,
+    limit: int,
+    max_chars: int,
+    add_special_tokens: bool = True,
 ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt of a completion request; text is encoded as the
     tokenizer's defaults say (`add_special_tokens`), ids are taken as they are."""
@@ -92,23 +104,32 @@ def resolve_prompts(
     return [
         (
             p if isinstance(p, str) else None,
-            prompt_ids(engine, p, f"prompt[{i}]", add_special_tokens),
+            prompt_ids(engine, p, f"prompt[{i}]", max_chars, add_special_tokens),
         )
         for i, p in enumerate(prompts)
     ]
 
 
 def prompt_ids(
-    engine: ServingEngine, prompt: object, param: str, add_special_tokens: bool = True
+    engine: ServingEngine,
+    prompt: object,
+    param: str,
+    max_chars: int,
+    add_special_tokens: bool = True,
 ) -> list[int]:
-    """Ids of one prompt (text or ids), checked against the vocabulary."""
+    """Ids of one prompt (text or ids), checked against --max-text-chars and the vocabulary."""
     tokens = engine.tokens
     if isinstance(prompt, str):
+        problems = prompt_text_problems(prompt, RequestLimits(max_prompt_chars=max_chars))
+        if problems:
+            raise api_problems(problems, param)
         if tokens.tokenizer is None:
             raise invalid(param, "this server has no tokenizer; send token ids")
         ids = tokens.encode_prompt(prompt, add_special_tokens)
     else:
         ids = list(prompt)  # type: ignore[call-overload]
+        if len(ids) > max_chars:
+            raise invalid(param, f"at most {max_chars} ids (--max-text-chars), got {len(ids)}")
         bad = [t for t in ids if not 0 <= t < tokens.vocab_size]
         if bad:
             raise invalid(
@@ -137,36 +158,23 @@ def plan(
     if request.logit_bias:
         raise invalid("logit_bias", "not supported")
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if len(stops) > limits.max_stop_strings or not all(stops):
-        raise invalid("stop", f"give at most {limits.max_stop_strings} non-empty stop strings")
-    if max_tokens > limits.max_new_tokens_limit:
-        raise invalid(
-            "max_tokens", f"must be <= {limits.max_new_tokens_limit} (--max-new-tokens-limit)"
-        )
-    longest = max(prompt_lengths)
-    if longest + max_tokens > engine.engine.max_seq_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {engine.engine.max_seq_len} tokens; the "
-            f"prompt has {longest} and max_tokens asks for {max_tokens} more. Shorten the "
-            "prompt or lower max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
     n = request.n
     temperature = 1.0 if request.temperature is None else request.temperature
     want_logprobs = top_k_wanted is not None
     top_k = top_k_wanted or 0
     common = dict(
         max_new_tokens=max(max_tokens, 1),
-        repetition_penalty=request.repetition_penalty or 1.0,
+        repetition_penalty=1.0
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        length_penalty=1.0 if request.length_penalty is None else request.length_penalty,
         stop=tuple(stops),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
     )
     if request.use_beam_search:
         beams = request.best_of or n
-        if beams < n or beams > limits.max_num_beams:
-            raise invalid("best_of", f"beam width must be in [n={n}, {limits.max_num_beams}]")
+        if beams < n:
+            raise invalid("best_of", f"beam width must be >= n ({n}), got {beams}")
         if want_logprobs:
             raise invalid("logprobs", "per-token log-probabilities are not given with beam search")
         if request.stream:
@@ -174,39 +182,79 @@ def plan(
         config = SamplingConfig(
             num_beams=beams,
             num_return_sequences=n,
-            length_penalty=1.0 if request.length_penalty is None else request.length_penalty,
             early_stopping=bool(request.early_stopping),
             **common,  # type: ignore[arg-type]
         )
-        return _checked(Plan(config, n, 0, False), engine)
-    sampling = temperature > 0
+        return _checked(Plan(config, n, 0, False), prompt_lengths, engine, limits)
+    # NaN compares false: it stays the temperature, so validation refuses it.
+    sampling = not temperature <= 0
     best_of = request.best_of or n
     if best_of < n:
         raise invalid("best_of", f"must be >= n ({n}), got {best_of}")
-    if best_of > 1 and not sampling:
-        raise invalid("n", "greedy decoding (temperature 0) gives one choice; sample or beam")
     if best_of != n and request.stream:
         raise invalid("best_of", "must equal n when streaming")
-    if best_of > limits.max_num_beams:
-        raise invalid("n", f"at most {limits.max_num_beams} sequences per prompt (--max-num-beams)")
     config = SamplingConfig(
         do_sample=sampling,
-        temperature=temperature if sampling else 1.0,
-        top_k=max(request.top_k or 0, 0),
+        temperature=temperature,
+        # vLLM's -1 disables top_k, as 0 does; other negatives are refused by validation.
+        top_k=0 if request.top_k in (None, -1) else request.top_k,
         top_p=1.0 if request.top_p is None else request.top_p,
         num_return_sequences=best_of,
         # The engine reports at least the chosen token's log-probability when any is wanted.
         logprobs=max(top_k, 1) if want_logprobs else 0,
         **common,  # type: ignore[arg-type]
     )
-    return _checked(Plan(config, n, top_k, want_logprobs), engine)
+    return _checked(Plan(config, n, top_k, want_logprobs), prompt_lengths, engine, limits)
 
 
-def _checked(result: Plan, engine: ServingEngine) -> Plan:
-    cfg = result.config
-    rows = cfg.num_beams if cfg.num_beams > 1 else cfg.num_return_sequences
-    if rows > engine.engine.pool.max_rows:
-        raise invalid("n", f"needs {rows} cache rows; the server has {engine.engine.pool.max_rows}")
+OPENAI_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "num_return_sequences": "n",
+    "num_beams": "best_of",
+}
+"""Engine field names (engine.validation) that OpenAI's API spells otherwise."""
+
+
+def api_problems(problems: list[Problem], prompt_param: str = "prompt") -> ApiError:
+    """HTTP 400 in OpenAI's error shape listing every problem; `param` names the first."""
+    names = [
+        prompt_param if p.field == "prompt" else OPENAI_NAMES.get(p.field, p.field)
+        for p in problems
+    ]
+    message = "; ".join(f"{name}: {p.reason}" for name, p in zip(names, problems, strict=True))
+    too_long = any("--max-model-len" in p.reason for p in problems)
+    code = "context_length_exceeded" if too_long else "invalid_value"
+    return ApiError(400, message, param=names[0], code=code)
+
+
+def http_limits(engine: ServingEngine, limits: InferenceServiceConfig) -> RequestLimits:
+    """The service's per-request flags with the engine's capacity."""
+    fit = engine.engine.request_limits()
+    return RequestLimits(
+        max_new_tokens=limits.max_new_tokens_limit,
+        max_num_beams=limits.max_num_beams,
+        max_stop_strings=limits.max_stop_strings,
+        max_stop_string_chars=limits.max_stop_string_chars,
+        max_prompt_chars=limits.max_text_chars,
+        max_model_len=fit.max_model_len,
+        max_rows=fit.max_rows,
+        vocab_size=fit.vocab_size,
+    )
+
+
+def _checked(
+    result: Plan,
+    prompt_lengths: list[int],
+    engine: ServingEngine,
+    limits: InferenceServiceConfig,
+) -> Plan:
+    """The plan, or ApiError(400) listing what engine.validation finds in it."""
+    bounds = http_limits(engine, limits)
+    problems = sampling_problems(result.config, bounds)
+    if not problems:
+        problems = fit_problems(max(prompt_lengths), result.config, bounds)
+    if problems:
+        raise api_problems(problems)
     return result
 
 
@@ -217,8 +265,8 @@ async def generate(engine: ServingEngine, prompt: list[int], current: Plan) -> l
         # Answered once, at the end: the engine posts this request's events once it finishes.
         async for event in metered(engine.front, prompt, current.config, "http", hold=True):
             fold(results[event.index], event)
-    except ValueError as exc:
-        raise invalid("prompt", str(exc)) from None
+    except InvalidRequest as exc:
+        raise api_problems(exc.problems) from None
     if len(results) > current.n:
         results = sorted(results, key=lambda r: -r.cumulative_logprob)[: current.n]
     return results
@@ -258,8 +306,16 @@ async def prompt_logprobs(
     return out
 
 
-def render_chat(engine: ServingEngine, request: ChatCompletionRequest, template: str) -> list[int]:
-    """Prompt ids of a chat: the tokenizer's own template ("auto") or a named prompt template."""
+def render_chat(
+    engine: ServingEngine, request: ChatCompletionRequest, template: str, max_chars: int
+) -> list[int]:
+    """Prompt ids of a chat: the tokenizer's own template ("auto") or a named prompt template;
+    the messages' text together is at most `max_chars` (--max-text-chars), as a gRPC prompt."""
+    chars = sum(len(m.text()) for m in request.messages)
+    if chars > max_chars:
+        raise invalid(
+            "messages", f"at most {max_chars} characters in all (--max-text-chars), got {chars}"
+        )
     tokens = engine.tokens
     if tokens.tokenizer is None:
         raise invalid("messages", "this server has no tokenizer, so it cannot render a chat")

@@ -3,7 +3,8 @@
 Field names and defaults follow OpenAI's `/v1/completions` and `/v1/chat/completions`; the
 extensions vLLM accepts are here under vLLM's names (`top_k`, `repetition_penalty`,
 `use_beam_search`, `length_penalty`, `early_stopping`). Unknown fields are ignored, as OpenAI's
-own server does. Every value is range-checked by pydantic or `ApiError` before the engine sees it.
+own server does. Types are checked here (pydantic); sampling values and limits by
+`engine.validation` (the gRPC front's rules), answered as one 400 listing every problem.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20
-"""Most alternatives per position (OpenAI's limit for `logprobs` / `top_logprobs`)."""
+from engine.validation import MAX_LOGPROBS
 
 
 class ApiError(Exception):
@@ -76,24 +76,24 @@ class SamplingFields(_Request):
     """Decoding fields shared by completions and chat completions."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: float | None = None
     """0: greedy. Unset: 1.0 (sampling), as OpenAI."""
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_p: float | None = None
+    top_k: int | None = None
     """vLLM extension; -1 or 0 disables."""
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = None
     """vLLM extension (Hugging Face semantics); 1.0 disables."""
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
     """vLLM extension: beam search with `best_of` beams (default `n`), returning the best `n`."""
-    best_of: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
     user: str | None = None

@@ -20,11 +20,9 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from checkpoints.registry import AUTO, SERVE_FORMATS, detect_format, get_format
-from engine.engine import EngineConfig
+from engine.build import build_engine
 from engine.engine_thread import EngineThread
 from engine.leader_follower import LeaderFollowerEngine
-from engine.parallel_engine import build_parallel_engine
-from engine.tokens import TokenizerInfo
 from kernels import device as devices
 from models.parallel_plan import SERVE_FLAGS, check_model_split
 from services.inference.config import InferenceServiceConfig
@@ -37,26 +35,14 @@ TIMEOUT_S = 7 * 24 * 3600.0
 
 def build_rank_engine(config: InferenceServiceConfig) -> tuple[LeaderFollowerEngine, Any]:
     """Load the checkpoint, keep this rank's shard or stage, wrap it (needs the process group)."""
-    from engine.loading import load_checkpoint
-
-    assert config.load is not None
-    loaded = load_checkpoint(
-        config.load,
-        load_format=config.load_format,
-        dtype=config.dtype,
-        tokenizer=config.tokenizer,
-        lora=config.lora_load,
+    loaded, engine = build_engine(
+        config.load_spec(),
+        config.engine_config(),
         device=devices.current().torch_device(),
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
-    tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-    engine_config = EngineConfig(max_batch_rows=config.max_batch_rows, cpu_linear=config.cpu_linear)
-    engine = build_parallel_engine(
-        loaded.model,
-        tokens,
-        engine_config,
-        tp=config.tensor_parallel_size,
-        pp=config.pipeline_parallel_size,
-    )
+    assert isinstance(engine, LeaderFollowerEngine)
     return engine, loaded
 
 

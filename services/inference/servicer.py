@@ -1,21 +1,31 @@
 """InferenceService: validates every request, then runs it on the loaded model's engine.
 
-Validation happens in two stages: request fields on their own (INVALID_ARGUMENT naming every bad
-field, before anything else), then against the loaded model (token ids inside the vocabulary,
-prompt + max_new_tokens inside the context: OUT_OF_RANGE). A server started without --load
+Generation requests are judged by `engine.validation` (the rules the HTTP front applies too) in
+two stages, both INVALID_ARGUMENT naming every bad field: the fields on their own, before
+anything else, then against the loaded model (token ids inside the vocabulary, prompt +
+max_new_tokens inside --max-model-len, cache rows). A Score item past the context is
+OUT_OF_RANGE. A server started without --load
 answers well-formed model calls with FAILED_PRECONDITION "no model loaded".
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import AsyncIterator
 
 import grpc
 
 from engine.requests import Finish, RequestError, StepEvent
-from engine.sampling import MAX_SEED, SamplingConfig
+from engine.sampling import SamplingConfig
+from engine.validation import (
+    MAX_LOGPROBS,
+    Problem,
+    RequestLimits,
+    prompt_problems,
+    prompt_text_problems,
+    request_problems,
+    sampling_problems,
+)
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.common.checkpoint_formats import VALUES
 from services.common.errors import (
@@ -40,9 +50,6 @@ FINISH_REASONS = {
     Finish.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
 }
 DEFAULT_MAX_NEW_TOKENS = 64
-MAX_TEMPERATURE = 2.0
-MAX_LOGPROBS = 20
-"""Most alternatives per position a request may ask for (OpenAI's limit for top_logprobs)."""
 MAX_REPORTED_VIOLATIONS = 20
 """A Score request stops being checked after this many bad fields (the error stays readable)."""
 
@@ -73,127 +80,51 @@ def load_engine(config: InferenceServiceConfig) -> ServingEngine | None:
     return build_serving_engine(config)
 
 
-def check_sampling_params(
-    params: inference_pb2.SamplingParams, config: InferenceServiceConfig, check: Validator
-) -> None:
-    """Records every out-of-range sampling field in `check` (fields named `params.<name>`)."""
-    if params.HasField("max_new_tokens"):
-        check.require(
-            1 <= params.max_new_tokens <= config.max_new_tokens_limit,
-            "params.max_new_tokens",
-            f"must be in [1, {config.max_new_tokens_limit}], got {params.max_new_tokens}",
-        )
-    if params.HasField("temperature"):
-        check.require(
-            math.isfinite(params.temperature) and 0 < params.temperature <= MAX_TEMPERATURE,
-            "params.temperature",
-            f"must be in (0, {MAX_TEMPERATURE}] (use do_sample=false for greedy decoding), "
-            f"got {params.temperature}",
-        )
-    if params.HasField("top_k"):
-        check.require(
-            params.top_k >= 0, "params.top_k", f"must be >= 0 (0 disables), got {params.top_k}"
-        )
-    if params.HasField("top_p"):
-        check.require(
-            0 < params.top_p <= 1, "params.top_p", f"must be in (0, 1], got {params.top_p}"
-        )
-    num_beams = params.num_beams if params.HasField("num_beams") else 1
-    check.require(
-        1 <= num_beams <= config.max_num_beams,
-        "params.num_beams",
-        f"must be in [1, {config.max_num_beams}], got {num_beams}",
+def request_limits(
+    config: InferenceServiceConfig, engine: ServingEngine | None = None
+) -> RequestLimits:
+    """The limits one request meets: the service's flags, and the engine's capacity if loaded."""
+    fit = engine.engine.request_limits() if engine is not None else RequestLimits()
+    return RequestLimits(
+        max_new_tokens=config.max_new_tokens_limit,
+        max_num_beams=config.max_num_beams,
+        max_stop_strings=config.max_stop_strings,
+        max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_chars=config.max_text_chars,
+        max_model_len=fit.max_model_len,
+        max_rows=fit.max_rows,
+        vocab_size=fit.vocab_size,
     )
-    if params.HasField("repetition_penalty"):
-        check.require(
-            math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0,
-            "params.repetition_penalty",
-            f"must be > 0 (1.0 disables), got {params.repetition_penalty}",
+
+
+def raise_problems(problems: list[Problem], prompt_field: str) -> None:
+    """INVALID_ARGUMENT listing every problem (sampling fields as `params.<name>`)."""
+    if problems:
+        raise InvalidArgument.from_violations(
+            (prompt_field if p.field == "prompt" else f"params.{p.field}", p.reason)
+            for p in problems
         )
-    if params.HasField("length_penalty"):
-        check.require(
-            math.isfinite(params.length_penalty),
-            "params.length_penalty",
-            f"must be a finite number, got {params.length_penalty}",
-        )
-    check.require(
-        len(params.stop) <= config.max_stop_strings,
-        "params.stop",
-        f"at most {config.max_stop_strings} stop strings, got {len(params.stop)}",
-    )
-    check.require(all(params.stop), "params.stop", "stop strings must not be empty")
-    longest = max((len(s) for s in params.stop), default=0)
-    check.require(
-        longest <= config.max_stop_string_chars,
-        "params.stop",
-        f"stop strings must be at most {config.max_stop_string_chars} characters, got {longest}",
-    )
-    if params.HasField("seed"):
-        check.require(
-            params.seed <= MAX_SEED,
-            "params.seed",
-            f"must be in [0, 2**63 - 1] (sequence i uses seed + i), got {params.seed}",
-        )
-    if params.HasField("logprobs"):
-        check.require(
-            0 <= params.logprobs <= MAX_LOGPROBS,
-            "params.logprobs",
-            f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}",
-        )
-        check.require(
-            params.logprobs == 0 or num_beams == 1,
-            "params.logprobs",
-            "per-token log-probabilities are not reported with beam search (num_beams > 1)",
-        )
-    n = params.num_return_sequences if params.HasField("num_return_sequences") else 1
-    if check.require(
-        1 <= n <= config.max_num_beams,
-        "params.num_return_sequences",
-        f"must be in [1, {config.max_num_beams}], got {n}",
-    ):
-        if num_beams > 1:
-            check.require(
-                n <= num_beams,
-                "params.num_return_sequences",
-                f"must be <= num_beams ({num_beams}) with beam search, got {n}",
-            )
-        elif not params.do_sample:
-            check.require(
-                n == 1,
-                "params.num_return_sequences",
-                f"greedy decoding returns one sequence; set do_sample=true or num_beams >= {n}",
-            )
 
 
 def check_generate_request(
     request: inference_pb2.GenerateRequest, config: InferenceServiceConfig
 ) -> None:
-    """Raises InvalidArgument naming every malformed field of a Generate(Stream) request."""
-    check = Validator()
+    """Raises InvalidArgument naming every malformed field of a Generate(Stream) request
+    (engine.validation's rules, before any model is needed)."""
     has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
-    check.require(
-        has_text != has_ids,
-        "prompt",
-        "give exactly one of prompt and prompt_token_ids"
-        + (" (both are set)" if has_text else " (neither is set)"),
-    )
-    check.require(
-        len(request.prompt) <= config.max_text_chars,
-        "prompt",
-        f"at most {config.max_text_chars} characters (--max-text-chars), got {len(request.prompt)}",
-    )
-    if check.require(
-        len(request.prompt_token_ids) <= config.max_text_chars,
-        "prompt_token_ids",
-        f"at most {config.max_text_chars} ids, got {len(request.prompt_token_ids)}",
-    ):
-        check.require(
-            min(request.prompt_token_ids, default=0) >= 0,
-            "prompt_token_ids",
-            "token ids must be >= 0",
+    if has_text == has_ids:
+        raise InvalidArgument(
+            "prompt",
+            "give exactly one of prompt and prompt_token_ids"
+            + (" (both are set)" if has_text else " (neither is set)"),
         )
-    check_sampling_params(request.params, config, check)
-    check.raise_if_any()
+    limits = request_limits(config)
+    if has_text:
+        problems = prompt_text_problems(request.prompt, limits)
+    else:
+        problems = prompt_problems(list(request.prompt_token_ids), limits)
+    problems += sampling_problems(sampling_config(request.params), limits)
+    raise_problems(problems, "prompt" if has_text else "prompt_token_ids")
 
 
 def check_score_request(
@@ -369,35 +300,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         else:
             prompt_ids = list(request.prompt_token_ids)
             field = "prompt_token_ids"
-        if not prompt_ids:
-            raise InvalidArgument(field, "the prompt encodes to no tokens")
-        limit = engine.engine.max_seq_len
-        if len(prompt_ids) >= limit:
-            raise OutOfRange(
-                f"{field}: the prompt is {len(prompt_ids)} tokens, the context length is {limit}; "
-                "shorten it"
-            )
-        if max(prompt_ids) >= tokens.vocab_size:
-            bad = [t for t in prompt_ids if t >= tokens.vocab_size]
-            raise InvalidArgument(
-                field, f"token ids {bad[:5]} are outside the vocabulary [0, {tokens.vocab_size})"
-            )
-        try:
-            config = sampling_config(request.params)
-        except ValueError as exc:  # a combination the field checks let through
-            raise InvalidArgument("params", str(exc)) from exc
-        rows = config.num_beams if config.num_beams > 1 else config.num_return_sequences
-        if rows > engine.engine.pool.max_rows:
-            raise OutOfRange(
-                f"params.num_beams: the request needs {rows} cache rows, the server has "
-                f"{engine.engine.pool.max_rows} (--max-batch-rows)"
-            )
-        if len(prompt_ids) + config.max_new_tokens > limit:
-            raise OutOfRange(
-                f"params.max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                f"({config.max_new_tokens}) exceeds the context length {limit}; shorten the "
-                "prompt or ask for fewer tokens"
-            )
+        config = sampling_config(request.params)
+        limits = request_limits(self._config, engine)
+        raise_problems(request_problems(prompt_ids, config, limits), field)
         return prompt_ids, config
 
     async def _run_score(

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig
+from engine.build import build_engine
+from engine.engine import Engine
 from engine.engine_thread import EngineThread
-from engine.loading import LoadedModel, load_checkpoint
+from engine.loading import LoadedModel
 from engine.tokens import TokenizerInfo
 from kernels import device as devices
 from models.accounting import count_parameters
@@ -81,22 +82,6 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
 
 
 def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
-    assert config.load is not None
-    platform = devices.current()
-    loaded = load_checkpoint(
-        config.load,
-        load_format=config.load_format,
-        dtype=config.dtype,
-        tokenizer=config.tokenizer,
-        lora=config.lora_load,
-        device=platform.torch_device(),
+    return build_engine(
+        config.load_spec(), config.engine_config(), device=devices.current().torch_device()
     )
-    tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
-    engine_config = EngineConfig(
-        max_batch_rows=config.max_batch_rows,
-        cpu_linear=config.cpu_linear,
-        compile_decode=config.compile_decode,
-        decode_step=config.decode_step,
-        enforce_eager=config.enforce_eager,
-    )
-    return loaded, Engine(loaded.model, tokens, engine_config)

@@ -114,7 +114,7 @@ def test_kv_cache_logits_match_a_full_forward(model):
 
 def test_context_length_ends_a_sequence(model):
     ours, config = model
-    engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_seq_len=12))
+    engine = Engine(ours, TokenizerInfo(config.vocab_size), EngineConfig(max_model_len=12))
     assert not engine.fits_context(10, 3)
     [[result]] = engine.generate(
         [prompt(10, config.vocab_size)], [SamplingConfig(max_new_tokens=2)]
@@ -264,7 +264,7 @@ def test_kv_usage_gauge_counts_ring_slots_not_positions():
     _, ours, config = hf_reference("mistral", seed=1)
     window = config.sliding_window
     engine = Engine(
-        ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=2, max_seq_len=64)
+        ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=2, max_model_len=64)
     )
     assert engine.pool.cache.is_ring and engine.pool.slot_capacity == 2 * window
     engine.submit(prompt(3 * window, config.vocab_size), SamplingConfig(max_new_tokens=8))

@@ -180,13 +180,13 @@ def test_hostile_generate_is_refused_and_contained(served, case):
     _contained(served, hostile)
 
 
-def test_prompt_past_the_context_is_out_of_range_and_contained(served):
+def test_prompt_past_the_context_is_invalid_and_contained(served):
     long_prompt = pb.GenerateRequest(prompt_token_ids=prompt(400, VOCAB, seed=4))
 
     def hostile(stub):
         _refused(
             lambda: stub.Generate(long_prompt, timeout=60),
-            grpc.StatusCode.OUT_OF_RANGE,
+            grpc.StatusCode.INVALID_ARGUMENT,
             "prompt_token_ids",
         )
 

@@ -1,7 +1,7 @@
 """`LocalLanguageModel`: the inference service's engine loaded into the evaluator's process.
 
-`--load DIR [--load-format hf|native|megatron]`: the checkpoint is loaded with
-`engine.loading.load_checkpoint` on this process's device; scoring runs the engine's
+`--load DIR [--load-format hf|native|megatron]`: the engine is built with
+`engine.build.build_engine` on this process's device; scoring runs the engine's
 `score` (the service's Score path, `engine/scoring.py`), generation its batched
 greedy decoding.
 """
@@ -25,29 +25,22 @@ class LocalLanguageModel(LanguageModel):
         batch_size: int = 8,
         add_bos_token: bool | None = None,
     ) -> None:
-        from engine.engine import Engine, EngineConfig
-        from engine.loading import load_checkpoint
-        from engine.tokens import TokenizerInfo
+        from engine.build import LoadSpec, build_engine
+        from engine.config import EngineConfig
         from kernels import device as devices
 
         self.name = str(load_dir)
         self.add_bos_token = add_bos_token
-        self._loaded = load_checkpoint(
-            Path(load_dir),
-            load_format=load_format,
-            tokenizer=tokenizer,
+        self._loaded, self._engine = build_engine(
+            LoadSpec(Path(load_dir), load_format, tokenizer),
+            EngineConfig(max_batch_rows=max(1, batch_size)),
             device=devices.current().torch_device(),
         )
         if self._loaded.tokenizer is None:
             raise ValueError(
                 f"--load {load_dir}: the checkpoint holds no tokenizer; give --tokenizer PATH"
             )
-        tokens = TokenizerInfo.from_tokenizer(
-            self._loaded.tokenizer, self._loaded.config.vocab_size
-        )
-        self._engine = Engine(
-            self._loaded.model, tokens, EngineConfig(max_batch_rows=max(1, batch_size))
-        )
+        tokens = self._engine.tokens
         self._pad = tokens.pad_id or 0
 
     @property

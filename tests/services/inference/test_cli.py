@@ -67,7 +67,8 @@ def test_chat_session(checkpoint, capsys):
     "extra, message",
     [
         (["--input-ids", "1,x"], "--input-ids"),
-        (["--input-ids", "1,9999"], "prompt_token_ids"),
+        (["--input-ids", "1,9999"], "--input-ids: token ids [9999]"),
+        (["--input-ids", "1", "--temperature", "nan", "--do-sample"], "--temperature"),
         (["--input-ids", "1", "--max-new-tokens", "500"], "--max-new-tokens"),
         (["--prompt", "a", "--input-ids", "1"], "exactly one"),
     ],

@@ -1,4 +1,5 @@
-"""Every engine setting of `serve inference` reaches the engine: flag -> config -> EngineConfig."""
+"""Every engine setting of `serve inference` reaches the engine: flag -> config -> EngineConfig,
+in one process and on every rank of a tensor/pipeline-parallel server (both call build_engine)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import EngineConfig
-from services.inference import serving
+from engine.config import EngineConfig
+from services.inference import parallel_serving, serving
 from services.inference.config import InferenceServiceConfig, add_flags, from_args
 
 # A value other than the default for each EngineConfig field the server exposes.
 NON_DEFAULT = {
     "max_batch_rows": ("--max-batch-rows", "3", 3),
+    "max_model_len": ("--max-model-len", "64", 64),
+    "kv_cache_memory": ("--kv-cache-memory", "1.5GiB", 3 * 2**29),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", "0.5", 0.5),
+    "dtype": ("--dtype", "bfloat16", "bfloat16"),
     "cpu_linear": ("--cpu-linear", "packed", "packed"),
     "compile_decode": ("--compile-decode", None, True),
     "decode_step": ("--decode-step", "module", "module"),
@@ -42,17 +47,36 @@ def test_flag_reaches_the_engine_config(
 
     seen: list[EngineConfig] = []
 
-    class Loaded:
-        model = object()
-        tokenizer = None
+    def build(spec, cfg, **kwargs):
+        seen.append(cfg)
+        return object(), object()
 
-        class config:  # stands in for a ModelConfig
-            vocab_size = 8
-
-    monkeypatch.setattr(serving, "load_checkpoint", lambda *a, **k: Loaded)
-    monkeypatch.setattr(serving, "Engine", lambda model, tokens, cfg: seen.append(cfg))
+    monkeypatch.setattr(serving, "build_engine", build)
+    monkeypatch.setattr(parallel_serving, "build_engine", build)
+    monkeypatch.setattr(parallel_serving, "LeaderFollowerEngine", object)
     serving._load(config)
-    assert getattr(seen[0], field) == expected
+    parallel_serving.build_rank_engine(config)
+    assert [getattr(cfg, field) for cfg in seen] == [expected, expected]
+
+
+def test_size_suffixes_and_refusals(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+
+    def parsed(*argv: str) -> InferenceServiceConfig:
+        return from_args(parser.parse_args(["--load", str(tmp_path), *argv]))
+
+    assert parsed("--kv-cache-memory", "512MiB").kv_cache_memory == 512 * 2**20
+    assert parsed("--kv-cache-memory", "2GB").kv_cache_memory == 2 * 10**9
+    assert parsed("--kv-cache-memory", "4096").kv_cache_memory == 4096
+    with pytest.raises(ValueError, match="--kv-cache-memory '2 lots'"):
+        parsed("--kv-cache-memory", "2 lots")
+    with pytest.raises(ValueError, match="--max-model-len must be >= 2"):
+        parsed("--max-model-len", "1")
+    with pytest.raises(ValueError, match="--gpu-memory-utilization must be in"):
+        parsed("--gpu-memory-utilization", "1.5")
+    with pytest.raises(ValueError, match="not both"):
+        parsed("--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB")
 
 
 def test_batch_wait_reaches_the_engine_thread(

@@ -186,7 +186,7 @@ def test_score_matches_hf_log_softmax(served):
         ),
         (
             pb.GenerateRequest(prompt_token_ids=[5] * 100, params=_params(max_new_tokens=40)),
-            grpc.StatusCode.OUT_OF_RANGE,
+            grpc.StatusCode.INVALID_ARGUMENT,
             "params.max_new_tokens",
         ),
         (
@@ -196,7 +196,7 @@ def test_score_matches_hf_log_softmax(served):
         ),
         (
             pb.GenerateRequest(prompt="hi", params=_params(num_beams=12)),
-            grpc.StatusCode.OUT_OF_RANGE,
+            grpc.StatusCode.INVALID_ARGUMENT,
             "params.num_beams",
         ),
         (

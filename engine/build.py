@@ -1,0 +1,65 @@
+"""`build_engine(LoadSpec, EngineConfig)`: the one way to build an engine from a checkpoint.
+
+The inference service (one process, and every rank of a tensor/pipeline-parallel server), the
+evaluator's in-process model and `meshline generate` all call it, so every `EngineConfig` field
+reaches every engine (tests/test_layering.py checks that services build engines only here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loading import LoadedModel, load_checkpoint
+from engine.parallel_engine import build_parallel_engine
+from engine.tokens import TokenizerInfo
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Which checkpoint to serve and how to read it."""
+
+    path: Path
+    """Checkpoint directory (--load)."""
+    load_format: str = "auto"
+    """Layout of `path` (--load-format): auto (detect), hf, native or megatron."""
+    tokenizer: Path | None = None
+    """Tokenizer directory or sentencepiece .model when the checkpoint holds none (--tokenizer)."""
+    lora: Path | None = None
+    """PEFT LoRA adapter merged into the weights at load time (--lora-load)."""
+
+
+def build_engine(
+    spec: LoadSpec,
+    config: EngineConfig,
+    *,
+    device: torch.device | str = "cpu",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> tuple[LoadedModel, Engine]:
+    """Load `spec` on `device` and wrap it in an engine shaped by `config`.
+
+    With tensor_parallel_size x pipeline_parallel_size > 1 (the default process group joined),
+    this rank keeps its stage and shard and gets a `LeaderFollowerEngine`
+    (engine/parallel_engine.py). ValueError names the flag at fault.
+    """
+    loaded = load_checkpoint(
+        spec.path,
+        load_format=spec.load_format,
+        dtype=config.dtype,
+        tokenizer=spec.tokenizer,
+        lora=spec.lora,
+        device=device,
+    )
+    tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
+    if tensor_parallel_size * pipeline_parallel_size > 1:
+        engine: Engine = build_parallel_engine(
+            loaded.model, tokens, config, tp=tensor_parallel_size, pp=pipeline_parallel_size
+        )
+    else:
+        engine = Engine(loaded.model, tokens, config)
+    return loaded, engine

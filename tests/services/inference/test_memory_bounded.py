@@ -1,0 +1,100 @@
+"""`meshline serve inference --load SmolLM2` with default flags: memory bounded (#36).
+
+The real SmolLM2-135M-Instruct (8192-token context, 30 layers) used to pre-allocate its KV
+cache for 32 rows of the full context: 12.6-13.5 GB of RSS. With the default budget the server
+logs what it reserved, stays under 2 GB, and a request past --max-model-len is refused with
+HTTP 400 (OpenAI's context_length_exceeded) and gRPC INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from meshline.inference.v1 import inference_pb2 as pb
+from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[3]
+RSS_LIMIT = 2 * 10**9
+PATTERNS = {
+    "grpc": re.compile(r"serving \S+ on 127\.0\.0\.1:(\d+)"),
+    "http": re.compile(r"OpenAI-compatible HTTP API on http://127\.0\.0\.1:(\d+)/v1"),
+}
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+def test_default_flags_serve_smollm2_under_2gb(smollm2_hf_dir):
+    command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
+    command += ["--load", str(smollm2_hf_dir), "--http-port", "0", "--grace-period", "5"]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    ports: dict[str, int] = {}
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            for name, pattern in PATTERNS.items():
+                if (match := pattern.search(line)) and name not in ports:
+                    ports[name] = int(match[1])
+            if len(ports) == len(PATTERNS):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300) and len(ports) == 2, "".join(lines[-30:])
+        [reserved] = [line for line in lines if "KV cache:" in line]
+        assert "x 8192 tokens (the model's context length)" in reserved, reserved
+        assert "budget 512.0 MiB (the CPU default" in reserved, reserved
+        url = f"http://127.0.0.1:{ports['http']}/v1/completions"
+        answer = requests.post(
+            url, json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        )
+        assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"]
+        rss = _rss(process.pid)
+        assert rss < RSS_LIMIT, f"RSS {rss / 2**20:.0f} MiB with default flags\n{reserved}"
+
+        too_long = requests.post(url, json={"prompt": [504] * 8190, "max_tokens": 8})
+        assert too_long.status_code == 400, too_long.text
+        error = too_long.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert "8192 (--max-model-len)" in error["message"]
+        stub = pb_grpc.InferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(pb.GenerateRequest(prompt_token_ids=[504] * 8192), timeout=60)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_token_ids" in caught.value.details()
+        assert "--max-model-len" in caught.value.details()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)

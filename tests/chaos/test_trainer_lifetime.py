@@ -22,12 +22,12 @@ from tests.chaos.procs import alive, db_rows, lock_is_free, start_service, wait_
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
-def training_args(save: Path, iters: int = 100000, *extra: str) -> list[str]:
-    """A tiny-llama mock-data run that logs and checkpoints often."""
+def training_args(save: Path, iters: int = 100000, log_interval: int = 1) -> list[str]:
+    """A tiny-llama mock-data run that checkpoints often."""
     return [
         *("--model", "tiny-llama", "--mock-data", "--train-iters", str(iters)),
         *("--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "32"),
-        *("--log-interval", "1", "--save", str(save), "--save-interval", "2", *extra),
+        *("--log-interval", str(log_interval), "--save", str(save), "--save-interval", "2"),
     ]
 
 
@@ -43,15 +43,12 @@ def test_killed_trainer_service_leaves_no_worker_and_a_true_state(tmp_path: Path
     try:
         with trainer.channel() as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-            ops = operations_pb2_grpc.OperationsServiceStub(channel)
-            request = trainer_pb2.StartTrainingRequest(args=training_args(save))
+            # Rare metrics lines: a worker that printed into the dead server's pipe would die of
+            # EPIPE by chance; the guarantee must not rest on that.
+            args = training_args(save, log_interval=100000)
+            request = trainer_pb2.StartTrainingRequest(args=args)
             name = stub.StartTraining(request, timeout=60).operation.name
-
-            def progressed() -> bool:
-                get = operations_pb2.GetOperationRequest(name=name)
-                return ops.GetOperation(get, timeout=30).operation.progress.completed >= 3
-
-            wait_for(progressed, 180, "three logged steps")
+            wait_for(lambda: (save / "latest").exists(), 180, "the first checkpoint")
         workers = trainer.kill9()
         assert len(workers) >= 2, "the agent and its worker were running"
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -321,7 +321,8 @@ def _with_grad_sync(
     if dims.pp == 1:
         model.grad_sync = grad_sync  # type: ignore[assignment]
         return model
-    rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model.config)
+    model_config = cast(ModelConfig, model.config)
+    rank_model = pipeline.PipelineRankModel([c for _, c in chunks], model_config)
     rank_model.runner = pipeline.PipelineRunner(
         chunks,
         dims,

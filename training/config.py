@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import check_seq_length, check_world_size
@@ -73,7 +73,7 @@ class TrainingConfig:
         """The `kernels.attention` backend to force on every layer (None: the device's default)."""
         return None
 
-    def validate(self, world_size: int = 1) -> TrainingConfig:
+    def validate(self, world_size: int = 1) -> Self:
         """Check the settings against each other and the job size; returns self."""
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")

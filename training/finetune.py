@@ -15,15 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from torch import nn
 
+from models.config import ModelConfig
 from training.ckpt.state import TrainState, tensor_tree
 from training.config_sections import flag_name
 
 if TYPE_CHECKING:  # both import this module (PeftSection, check): runtime imports would cycle
-    from models.config import ModelConfig
     from training.checkpoint import CheckpointManager
     from training.config import TrainingConfig
     from training.trainer_state import TrainerState
@@ -111,7 +111,7 @@ def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:
         return model
     check(config)
     seed = config.run.seed
-    model_config: ModelConfig = model.config
+    model_config = cast(ModelConfig, model.config)
     if peft.peft_method == "bitfit":
         from models.peft_methods import apply_bitfit
 
@@ -173,7 +173,7 @@ def checkpoint_state(trainer: TrainerState, *, loading: bool) -> TrainState:
 
 
 def resume(
-    trainer: TrainerState, manager_for: Callable[[TrainerState, str], CheckpointManager]
+    trainer: TrainerState, manager_for: Callable[[TrainerState, str | None], CheckpointManager]
 ) -> int | None:
     """Restore adapters, optimizer and counters from a --lora-load run checkpoint (else None)."""
     import torch

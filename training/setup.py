@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -129,7 +129,8 @@ def build_parallel(
     if dims.is_model_parallel:
         from parallel.parallelize import parallelize_model
 
-        return parallelize_model(model, model.config, config.parallel_config(), dims, param_dtype)
+        model_config = cast(ModelConfig, model.config)
+        return parallelize_model(model, model_config, config.parallel_config(), dims, param_dtype)
     from parallel.data_parallel import (
         apply_run_data_parallel,
         build_dp_mesh,
@@ -182,7 +183,9 @@ def checkpoint_state(trainer: TrainerState, *, loading: bool = False) -> TrainSt
     )
 
 
-def _manager(trainer: TrainerState, directory: str) -> CheckpointManager:
+def _manager(trainer: TrainerState, directory: str | None) -> CheckpointManager:
+    if directory is None:
+        raise ValueError("no checkpoint directory: pass --save DIR (or --load DIR to resume)")
     run, data = trainer.config.run, trainer.config.data
     tokenizer_files = [data.tokenizer_model] if data.tokenizer_model else []
     return CheckpointManager(

@@ -77,6 +77,32 @@ _ARG_FIELDS = {
     "num_attention_heads": "num_attention_heads",
     "ffn_hidden_size": "ffn_hidden_size",
 }
+_NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+_POSITIONS = {"rope": "rope", "alibi": "alibi", "learned_absolute": "learned"}
+
+
+def math_mismatches(args: Any, config: ModelConfig) -> list[str]:
+    """The checkpoint args (Megatron's flags as saved) that say the model computes otherwise
+    than `config`: normalization, position embedding, SwiGLU and the GeLU form."""
+    out = []
+    norm = getattr(args, "normalization", None)
+    if norm in _NORMS and _NORMS[norm] != config.norm_type:
+        out.append(f"normalization={norm} but norm_type={config.norm_type!r}")
+    position = getattr(args, "position_embedding_type", None)
+    if position in _POSITIONS and _POSITIONS[position] != config.position_embedding:
+        out.append(
+            f"position_embedding_type={position} but position_embedding="
+            f"{config.position_embedding!r}"
+        )
+    swiglu = getattr(args, "swiglu", None)
+    if swiglu is not None and bool(swiglu) != (config.activation == "swiglu"):
+        out.append(f"swiglu={swiglu} but activation={config.activation!r}")
+    openai_gelu = getattr(args, "openai_gelu", None)
+    gelu = "gelu" if openai_gelu else "gelu_exact"
+    plain_gelu = config.activation in ("gelu", "gelu_exact")
+    if openai_gelu is not None and not swiglu and plain_gelu and config.activation != gelu:
+        out.append(f"openai_gelu={openai_gelu} but activation={config.activation!r}")
+    return out
 
 
 def load_file(path: Path) -> dict[str, Any]:
@@ -217,6 +243,12 @@ class MegatronSource:
                         f"{self.iter_dir}: checkpoint args say {arg}={theirs} but the model config "
                         f"has {field}={ours}; pass the matching --model"
                     )
+            wrong = math_mismatches(args, config)
+            if wrong:
+                raise ValueError(
+                    f"{self.iter_dir}: checkpoint args say {'; '.join(wrong)}; pass the --model "
+                    "whose architecture the checkpoint was trained with"
+                )
             groups = getattr(args, "num_query_groups", None)
             if getattr(args, "group_query_attention", False) and groups != config.kv_heads:
                 raise ValueError(

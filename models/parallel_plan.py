@@ -13,6 +13,8 @@ Patterns use `*` for one name component (the layer index). Style names are the k
 - "sequence_parallel": a norm run on sequence-sharded activations (SequenceParallel).
 - "colwise_loss_parallel": output head sharded over the vocabulary, logits left sharded for a
   loss-parallel cross entropy.
+- A learned position table (`embed_positions`, the gpt family) is not in the plan: every rank
+  holds it whole and adds it to the replicated embedding output (no sequence parallelism).
 - "alibi_heads": an ALiBi attention module whose `head_offset` must be set to this rank's first
   head (rank · H/tp), so that each rank uses its own heads' slopes.
 - "moe_experts": the stacked experts of an MoE layer (`models.moe.Experts`): every expert's

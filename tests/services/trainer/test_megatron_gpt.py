@@ -61,3 +61,21 @@ def test_megatron_gpt_trains_and_exports_to_transformers_gpt2(tmp_path, capsys):
     again = load_model(NativeSource(back)).state_dict()
     for name, tensor in trained.state_dict().items():
         assert torch.equal(again[name], tensor), name
+
+
+def test_megatron_args_that_change_the_math_must_match_the_model():
+    """A Megatron checkpoint read with --model: its saved flags (GeLU form, norm, positions,
+    SwiGLU) must describe that model, or the reader refuses (`math_mismatches`)."""
+    from argparse import Namespace
+
+    from checkpoints.megatron_format import math_mismatches
+    from models.registry import get_config
+
+    default = dict(normalization="LayerNorm", position_embedding_type="learned_absolute",
+                   swiglu=False, openai_gelu=False)  # fmt: skip
+    gpt2 = get_config("gpt2-124M")  # HF GPT-2: the tanh GeLU
+    assert math_mismatches(Namespace(**default), gpt2) == [
+        "openai_gelu=False but activation='gelu'"
+    ]
+    assert math_mismatches(Namespace(**{**default, "openai_gelu": True}), gpt2) == []
+    assert len(math_mismatches(Namespace(**default), get_config("tiny-llama"))) == 3

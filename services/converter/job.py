@@ -46,6 +46,7 @@ from services.converter.output_dir import (
     check_save_dir,
     discard,
     publish,
+    source_fingerprint,
     staging_dir,
     write_marker,
 )
@@ -146,6 +147,10 @@ def convert(
         or get_format(options.load_format).model_parallel
     )
 
+    # Fingerprinted before reading: the output records the source state it was made from.
+    origin = {"load_dir": source_fingerprint(options.load_dir, "--load-dir")}
+    if options.lora_dir is not None:
+        origin["lora_dir"] = source_fingerprint(options.lora_dir, "--lora-load-dir")
     staging = staging_dir(options.save_dir)
     tmp = staging.path
     sink: Sink | None = None
@@ -191,7 +196,12 @@ def convert(
         files = sink.finish()
         write_marker(
             tmp,
-            {"format": options.save_format, "load_dir": str(options.load_dir), "files": files},
+            {
+                "format": options.save_format,
+                "load_dir": str(options.load_dir),
+                "files": files,
+                "source": origin,
+            },
         )
         verify_report = None
         if reference is not None:

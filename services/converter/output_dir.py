@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
@@ -161,6 +162,38 @@ def discard(staging: Staging) -> None:
 def sweep_stale(roots: Sequence[Path]) -> list[Path]:
     """Removes staging folders that killed conversions left under `roots` (service start)."""
     return sweep(roots, STAGING_NAME, set, "conversion")
+
+
+MAX_SOURCE_FILES = 100_000
+"""Files of a source folder fingerprinted at most (a larger one is refused, naming the flag)."""
+
+
+def source_fingerprint(directory: Path, flag: str) -> dict[str, Any]:
+    """What the output was converted from: sha256 over (relative path, size, mtime) of every
+    file under `directory` (links not followed), with the counts.
+
+    Recorded in the output's `MARKER`, so an output can be matched to the exact source state it
+    came from (a source rewritten since gives another fingerprint).
+    """
+    entries: list[list[Any]] = []
+    for current, dirs, files in os.walk(directory, followlinks=False):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(current) / name
+            info = os.lstat(path)
+            entries.append([str(path.relative_to(directory)), info.st_size, info.st_mtime_ns])
+            if len(entries) > MAX_SOURCE_FILES:
+                raise UnsafeSaveDir(
+                    f"{flag} {directory}: more than {MAX_SOURCE_FILES} files; point it at one "
+                    "checkpoint folder"
+                )
+    text = json.dumps(entries, separators=(",", ":"))
+    return {
+        "path": str(directory),
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "files": len(entries),
+        "bytes": sum(entry[1] for entry in entries),
+    }
 
 
 def write_marker(directory: Path, details: dict[str, Any]) -> None:

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from checkpoints.safe_fs import open_dir_beneath
+
 CACHE_VERSION = 2
 """Bumped when the meaning of a cached answer changes (e.g. tokenisation rules), so that old
 answers are not reused."""
@@ -30,10 +32,15 @@ class ResponseCache:
         key = f"v{CACHE_VERSION}|{fingerprint}"
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
         self.path = root / digest / f"{task}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Opened once beneath the data root (`MESHLINE_DATA_ROOTS`, else the path as it resolves
+        # now): appends go through this descriptor, never through a folder swapped later.
+        self._dir = open_dir_beneath(self.path.parent, create=True)
+        self._name = self.path.name
         self._answers: dict[str, Any] = {}
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+        if self._dir.lstat(self._name) is not None:
+            with self._dir.fdopen(self._name, encoding="utf-8") as fh:
+                text = fh.read()
+            for line in text.splitlines():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
@@ -50,9 +57,13 @@ class ResponseCache:
         """The cached response of `key`."""
         return self._answers[key]
 
+    def close(self) -> None:
+        """Closes the cache folder's descriptor (answers stay readable with `get`)."""
+        self._dir.close()
+
     def add(self, pairs: list[tuple[str, Any]]) -> None:
         """Record responses and flush them to disk."""
-        with self.path.open("a", encoding="utf-8") as fh:
+        with self._dir.fdopen(self._name, "a", encoding="utf-8") as fh:
             for key, response in pairs:
                 self._answers[key] = response
                 fh.write(json.dumps({"key": key, "response": response}, ensure_ascii=False) + "\n")

@@ -220,7 +220,10 @@ def evaluate(
         if progress is not None:
             progress(name, index, len(prepared), done, total)
         start = time.perf_counter()
-        _answer(item, model, cache, config.batch_size, on_batch, cancelled)
+        try:
+            _answer(item, model, cache, config.batch_size, on_batch, cancelled)
+        finally:
+            cache.close()
         responses = [[cache.get(key) for key, _ in r] for r in item.requests]
         outcomes.append(
             aggregate_task(

@@ -207,7 +207,9 @@ def _type_name(tp: Any) -> str:
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        item = typing.get_args(tp)[0]
+        plural = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
+        return f"a list of {plural.get(item, _type_name(item))}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -241,9 +243,12 @@ def check_types(values: dict[str, Any], source: str) -> None:
     for name, value in values.items():
         if name in index and not _type_ok(value, index[name][1]):
             wanted = _type_name(_strip_optional(index[name][1]))
+            hint = ""
+            if isinstance(value, str) and _is_number(value):
+                hint = " (YAML reads 1e-3 as text: write 1.0e-3)"
             raise ValueError(
                 f"{source}: setting {name!r} must be {wanted}, got {type(value).__name__} "
-                f"{str(value)[:60]!r}"
+                f"{str(value)[:60]!r}{hint}"
             )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from services.trainer.resume_check import check_same_model
 from services.trainer.train_config import TrainConfig
 
 
@@ -75,6 +76,7 @@ def _check_resumable(config: TrainConfig, load: str) -> None:
     if latest is not None:
         path, meta = latest
         check_resumable(meta, path, optimizer=not run.no_load_optim, rng=not run.no_load_rng)
+        check_same_model(config, path)
 
 
 def _prefixes(paths: list[str]) -> list[str]:

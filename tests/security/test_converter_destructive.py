@@ -72,7 +72,9 @@ def _request(root: Path, save_dir: str, **extra) -> converter_pb2.ConvertRequest
 
 
 def _no_staging_left(directory: Path) -> bool:
-    return not [p for p in directory.rglob(".*") if ".partial-" in p.name or ".old-" in p.name]
+    return not [
+        p for p in directory.rglob(".*") if ".converting-" in p.name or ".replaced-" in p.name
+    ]
 
 
 @pytest.mark.parametrize(
@@ -149,6 +151,14 @@ def test_overwrite_replaces_only_the_converters_own_output(root):
     assert (root / "sentinel.txt").read_text() == sentinel
     assert _digest(root / "models" / "hf") == source
     assert _no_staging_left(root)
+    # The output records the source state it came from (#37: converter provenance).
+    marker = json.loads((root / "out" / MARKER).read_text())
+    hf = root / "models" / "hf"
+    assert marker["source"]["load_dir"] == output_dir.source_fingerprint(hf, "--load-dir")
+    config = hf / "config.json"
+    config.write_text(config.read_text() + " ")
+    changed = output_dir.source_fingerprint(hf, "--load-dir")
+    assert changed["sha256"] != marker["source"]["load_dir"]["sha256"]
 
 
 def test_cli_refuses_an_ancestor_of_the_source(root, capsys):

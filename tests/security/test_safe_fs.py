@@ -203,3 +203,18 @@ def test_evaluation_results_refuse_an_output_folder_swapped_for_a_symlink(resolv
     _untouched(outside)
     path, _ = write_results(root / "real" / "run1", [], {}, 0.0, (root,))
     assert path.is_file() and path.parent == root / "real" / "run1"
+
+
+def test_evaluator_response_cache_follows_no_folder_swapped_during_the_run(
+    resolver, root, outside
+) -> None:
+    from services.evaluator.cache import ResponseCache
+
+    cache = ResponseCache(root / "eval" / "cache", "model-a", "arc_easy")
+    cache.add([("k1", "first")])
+    moved = _swap(root / "eval", outside)
+    cache.add([("k2", "second")])
+    cache.close()
+    _untouched(outside)
+    (written,) = (moved / "cache").rglob("arc_easy.jsonl")
+    assert len(written.read_text().splitlines()) == 2

@@ -137,9 +137,18 @@ class RunSection:
     profile_save_path: str | None = None
     """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
     TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
-    stage: Literal["sft"] = "sft"
+    stage: Literal["sft", "rm", "dpo"] = "sft"
     """Training objective (MindSpeed-LLM's --stage; `training.objectives`): sft = next-token cross
-    entropy over the unmasked labels, for pretraining and instruction tuning alike."""
+    entropy over the unmasked labels, for pretraining and instruction tuning alike; rm = a reward
+    model (scalar value head, pairwise loss) and dpo = direct preference optimisation against the
+    starting weights, both on pairwise shards (docs/alignment.md)."""
+    dpo_beta: float = 0.1
+    """--stage dpo: β, the strength of the pull towards the reference (IPO's τ for ipo)."""
+    dpo_loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """--stage dpo: the loss (trl's names): sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO)."""
+    dpo_label_smoothing: float = 0.0
+    """--stage dpo: ε in [0, 0.5), the assumed share of flipped labels (sigmoid: conservative
+    DPO; robust: rDPO)."""
 
     def __post_init__(self) -> None:
         if self.train_iters <= 0:
@@ -149,6 +158,21 @@ class RunSection:
                 f"--exit-interval ({self.exit_interval}) and --exit-duration-in-mins "
                 f"({self.exit_duration_in_mins}) must be >= 0 (0 disables them)"
             )
+        if self.stage != "dpo":
+            changed = [
+                flag
+                for flag, value, default in (
+                    ("--dpo-beta", self.dpo_beta, 0.1),
+                    ("--dpo-loss-type", self.dpo_loss_type, "sigmoid"),
+                    ("--dpo-label-smoothing", self.dpo_label_smoothing, 0.0),
+                )
+                if value != default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply to --stage dpo (this run is --stage "
+                    f"{self.stage}); drop them or pass --stage dpo"
+                )
         if self.profile_step_start < 0 or self.profile_step_end <= self.profile_step_start:
             raise ValueError(
                 f"--profile-step-start {self.profile_step_start} and --profile-step-end "

@@ -120,7 +120,10 @@ NON_DEFAULT = {
     "profile_with_memory": ("--profile-with-memory",),
     "profile_record_shapes": ("--profile-record-shapes",),
     "profile_save_path": ("--profile-save-path", "prof"),
-    "stage": (),  # sft, the default, is the only objective so far (tests/training)
+    "stage": ("--stage", "dpo"),
+    "dpo_beta": ("--dpo-beta", "0.3"),
+    "dpo_loss_type": ("--dpo-loss-type", "robust"),
+    "dpo_label_smoothing": ("--dpo-label-smoothing", "0.1"),
     "use_distributed_optimizer": ("--use-distributed-optimizer",),
     "zero_stage": None,  # set by --use-distributed-optimizer (checked below)
     "hsdp": ("--hsdp",),

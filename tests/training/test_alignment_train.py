@@ -152,3 +152,17 @@ def test_token_shards_given_to_a_preference_stage_are_named(sentencepiece_model,
     flags = _flags(sentencepiece_model, str(tmp_path / "nothing"), "rm")
     with pytest.raises(ValueError, match="no pairwise shards"):
         Trainer(parse_args(flags))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_accumulation_1x8_equals_8x1(sentencepiece_model, pair_prefix, stage):
+    """trl's invariant: 8 micro-batches of 1 pair and 1 micro-batch of 8 give one loss curve."""
+    curves = []
+    for micro in ("1", "8"):
+        flags = _flags(sentencepiece_model, pair_prefix, stage, "--train-iters", "20")
+        flags[flags.index("--micro-batch-size") + 1] = micro
+        _, _, records = _run(flags)
+        curves.append([r["loss"] for r in records])
+    assert len(curves[0]) == 20
+    assert max(abs(a - b) for a, b in zip(*curves, strict=True)) < 1e-3

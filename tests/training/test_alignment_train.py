@@ -166,3 +166,17 @@ def test_accumulation_1x8_equals_8x1(sentencepiece_model, pair_prefix, stage):
         curves.append([r["loss"] for r in records])
     assert len(curves[0]) == 20
     assert max(abs(a - b) for a, b in zip(*curves, strict=True)) < 1e-3
+
+
+def test_simpo_run_learns_the_preference_without_a_reference(sentencepiece_model, pair_prefix):
+    flags = _flags(sentencepiece_model, pair_prefix, "simpo", "--gamma-beta-ratio", "0.5")
+    trainer, summary, records = _run(flags)
+    assert (trainer.objective.beta, trainer.objective.gamma) == (2.5, 1.25)
+    assert summary.final_loss < 0.5 * summary.first_loss
+    assert records[-1]["objective"]["rewards/accuracies"] == 1.0
+    with pytest.raises(ValueError, match="--simpo-beta only apply to --stage simpo"):
+        parse_args(_flags(sentencepiece_model, pair_prefix, "dpo", "--simpo-beta", "2"))
+    with pytest.raises(ValueError, match="--simpo-beta must be > 0"):
+        parse_args(_flags(sentencepiece_model, pair_prefix, "simpo", "--simpo-beta", "0")).validate(
+            1
+        )

@@ -36,8 +36,8 @@ class CountingNextToken(NextTokenLoss):
 
 def test_registry_is_keyed_by_the_stage_name_and_refuses_others_by_flag() -> None:
     assert isinstance(build_objective("sft"), NextTokenLoss)
-    assert set(OBJECTIVES) == {"sft", "rm", "dpo"}
-    with pytest.raises(ValueError, match=r"--stage 'ppo'.*known: \['dpo', 'rm', 'sft'\]"):
+    assert set(OBJECTIVES) == {"sft", "rm", "dpo", "simpo"}
+    with pytest.raises(ValueError, match=r"--stage 'ppo'.*known: \['dpo', 'rm', 'sft', 'simpo'\]"):
         build_objective("ppo")
 
 

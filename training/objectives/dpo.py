@@ -21,7 +21,7 @@ from training.objectives.pairs import (
     concatenated,
     sequence_logps,
 )
-from training.objectives.preference import PairwiseObjective
+from training.objectives.preference import PairwiseObjective, reward_metrics
 from training.objectives.preference_losses import DPO_LOSS_TYPES, dpo_loss
 
 
@@ -82,15 +82,7 @@ class DPOLoss(PairwiseObjective):
             chosen_tokens=chosen_tokens,
             rejected_tokens=rejected_tokens,
         )
-        metrics = {
-            "pairs": float(chosen_logps.shape[0]),
-            "rewards/chosen": float(terms.chosen_rewards.sum()),
-            "rewards/rejected": float(terms.rejected_rewards.sum()),
-            "rewards/accuracies": float((terms.chosen_rewards > terms.rejected_rewards).sum()),
-            "rewards/margins": float((terms.chosen_rewards - terms.rejected_rewards).sum()),
-            "logps/chosen": float(chosen_logps.detach().sum()),
-            "logps/rejected": float(rejected_logps.detach().sum()),
-        }
+        metrics = reward_metrics(terms, chosen_logps, rejected_logps)
         return ObjectiveOutput(terms.losses.sum(), metrics)
 
     def begin(self, model: nn.Module, step: int) -> None:

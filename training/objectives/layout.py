@@ -2,7 +2,7 @@
 
 `TrainingConfig.validate` calls `check_stage` (the CLI calls it before launching workers, the
 service before starting a job). `sft` runs under every layout the loop has. The preference stages
-(`rm`, `dpo`) have been run and checked in one process on full weights (tests/training/
+(`rm`, `dpo`, `simpo`) have been run and checked in one process on full weights (tests/training/
 test_alignment_train.py); data/tensor/pipeline/context parallelism, adapters, recompute and
 torch.compile are refused by flag until a test shows them equal to one process.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from training.objectives.dpo import DPOLoss
+from training.objectives.simpo import SimPOLoss
 
 if TYPE_CHECKING:
     from training.config import TrainingConfig
 
-PREFERENCE_STAGES = ("rm", "dpo")
+PREFERENCE_STAGES = ("rm", "dpo", "simpo")
 """Stages that train on preference pairs."""
 
 
@@ -59,3 +60,5 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
             loss_type=config.run.dpo_loss_type,
             label_smoothing=config.run.dpo_label_smoothing,
         )
+    if stage == SimPOLoss.name:
+        SimPOLoss(beta=config.run.simpo_beta, gamma_beta_ratio=config.run.gamma_beta_ratio)

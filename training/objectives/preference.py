@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from training.objectives.base import Objective
+from training.objectives.preference_losses import PairTerms
 
 PAIRS_METRIC = "pairs"
 """The metric sum every preference objective logs: pairs scored (the divisor of the means)."""
@@ -27,3 +28,19 @@ class PairwiseObjective(Objective):
         if pairs <= 0:
             return {}
         return {name: value / pairs for name, value in sums.items() if name != PAIRS_METRIC}
+
+
+def reward_metrics(
+    terms: PairTerms, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor
+) -> dict[str, float]:
+    """trl's logged quantities of a policy-preference loss, as sums (with `pairs`)."""
+    chosen, rejected = terms.chosen_rewards, terms.rejected_rewards
+    return {
+        PAIRS_METRIC: float(chosen.shape[0]),
+        "rewards/chosen": float(chosen.sum()),
+        "rewards/rejected": float(rejected.sum()),
+        "rewards/accuracies": float((chosen > rejected).sum()),
+        "rewards/margins": float((chosen - rejected).sum()),
+        "logps/chosen": float(chosen_logps.detach().sum()),
+        "logps/rejected": float(rejected_logps.detach().sum()),
+    }

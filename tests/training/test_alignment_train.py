@@ -115,13 +115,16 @@ def test_dpo_label_smoothing_and_loss_type_reach_the_objective(sentencepiece_mod
 
 
 def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_prefix):
-    trainer, summary, records = _run(_flags(sentencepiece_model, pair_prefix, "rm"))
+    flags = _flags(sentencepiece_model, pair_prefix, "rm")
+    flags[flags.index("--eval-interval") + 1] = "6"  # the held-out pairs (--split 90,10,0)
+    trainer, summary, records = _run([*flags, "--eval-iters", "1"])
     assert isinstance(trainer.objective, RewardLoss)
     assert trainer.model.lm_head.out_features == 1  # the value head replaced the vocabulary head
     assert summary.final_loss < 0.5 * summary.first_loss
     last = records[-1]["objective"]
     assert {"accuracy", "margin", "rewards/chosen", "rewards/rejected"} == set(last)
     assert last["accuracy"] == 1.0 and last["margin"] > 0
+    assert summary.val_loss is not None and summary.val_loss < 0.5 * summary.first_loss
 
 
 @pytest.mark.parametrize(

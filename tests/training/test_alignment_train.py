@@ -136,6 +136,8 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
         (("--dpo-beta", "0"), 1, "--dpo-beta must be > 0"),
         (("--dpo-loss-type", "hinge", "--dpo-label-smoothing", "0.1"), 1, "no effect on"),
         (("--stage", "rm", "--load", "/x", "--finetune"), 1, "--finetune with --stage rm"),
+        (("--eod-mask-loss",), 1, "--eod-mask-loss with --stage dpo"),
+        (("--variable-seq-lengths",), 1, "--variable-seq-lengths with --stage dpo"),
     ],
 )
 def test_unsupported_combinations_are_refused_before_any_worker(

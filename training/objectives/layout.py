@@ -40,13 +40,20 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
         "--mock-data": config.data.mock_data,
         "--is-instruction-dataset": config.data.is_instruction_dataset,
         "--pack": config.data.pack,
+        # Token-stream options that pairs, padded per side, have no use for:
+        "--variable-seq-lengths": config.data.variable_seq_lengths,
+        "--reset-position-ids": config.data.reset_position_ids,
+        "--reset-attention-mask": config.data.reset_attention_mask,
+        "--eod-mask-loss": config.data.eod_mask_loss,
+        "--data-cache-path": config.data.data_cache_path is not None,
+        "--test-data-path": bool(config.data.test_data_path),
     }
     for flag, given in refused.items():
         if given:
             raise ValueError(
                 f"{flag} with {where}: not supported for the preference stages yet (they train "
-                "full weights on pairwise shards, without recompute or compile); drop "
-                f"{flag} (docs/alignment.md)"
+                "full weights on pairwise shards padded per side, without recompute or compile); "
+                f"drop {flag} (docs/alignment.md)"
             )
     if stage == "rm" and config.run.load and config.run.finetune:
         raise ValueError(

@@ -18,6 +18,7 @@ from parallel.parallel_dims import check_seq_length, check_world_size
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from training.finetune import PeftSection, check
 from training.model_config import registry_model_config
+from training.objectives.layout import check_stage
 from training.run_sections import ParallelSection, PrecisionSection, RunSection
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class TrainingConfig:
                     f"{run.train_iters}: no step would be profiled; lower it"
                 )
         check(self)
+        check_stage(self, world_size)
         shard = self.parallel.hsdp_shard_size
         if self.parallel.hsdp and shard and dp % shard:
             raise ValueError(

@@ -126,7 +126,7 @@ class Trainer(TrainerState):
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
-        self.objective = build_objective(config.run.stage)
+        self.objective = build_objective(config.run.stage, config.run)
         if self.dims.pp > 1 and not self.objective.pipeline_loss:
             raise ValueError(
                 f"--stage {config.run.stage} under --pipeline-model-parallel-size "
@@ -147,7 +147,9 @@ class Trainer(TrainerState):
             datasets, vocab_hint, self.collate = build_data(config, self.dp_size)
         self.model_config = build_model_config(config, vocab_hint)
         if model is None:
-            model = create_model(self.model_config, self.device, config.run.seed)
+            model = self.objective.prepare_model(
+                create_model(self.model_config, self.device, config.run.seed)
+            )
         model = model.to(self.plan.model_dtype)
         apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
@@ -190,6 +192,7 @@ class Trainer(TrainerState):
         if self.rank == 0:
             log.info("MFU against %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
         self._loss_ema: float | None = None
+        self._objective_begun = False
         self.checkpoints = None
         # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
         # ranks hold replicated activations (sharded regions fork their own: tp_random).
@@ -232,6 +235,9 @@ class Trainer(TrainerState):
         from models.moe import set_aux_loss_scale
         from parallel.data_parallel import no_sync
 
+        if not self._objective_begun:  # after any --load, before the first step of this process
+            self.objective.begin(self.model, self.state.step)
+            self._objective_begun = True
         n_micro = self.batches.num_micro_batches(self.state.consumed_samples)
         global_batch = self.batches.global_batch(self.state.consumed_samples)
         micro = [self.stream.next() for _ in range(n_micro)]
@@ -274,7 +280,7 @@ class Trainer(TrainerState):
         self.state.step += 1
         if self.auto_recompute is not None:
             self.auto_recompute.after_step(self.state.step)
-        tokens_done = sum(int(b["input_ids"].numel()) for b in micro)
+        tokens_done = sum(self.objective.tokens(b) for b in micro)
         if not math.isfinite(loss):
             return self._on_nonfinite(loss, "loss", tokens_done, global_batch)
         stats = self.optimizer.step(scale)
@@ -495,7 +501,8 @@ class Trainer(TrainerState):
         values = torch.tensor(sums, dtype=torch.float64)
         if self.feed is not None:
             values *= self.feed.loss_weight
-        return dict(zip(names, self._all_reduce(values).tolist(), strict=True))
+        sums = dict(zip(names, self._all_reduce(values).tolist(), strict=True))
+        return self.objective.summarize(sums)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -137,9 +137,23 @@ class RunSection:
     profile_save_path: str | None = None
     """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
     TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
-    stage: Literal["sft"] = "sft"
+    stage: Literal["sft", "rm", "dpo", "simpo"] = "sft"
     """Training objective (MindSpeed-LLM's --stage; `training.objectives`): sft = next-token cross
-    entropy over the unmasked labels, for pretraining and instruction tuning alike."""
+    entropy over the unmasked labels, for pretraining and instruction tuning alike; rm = a reward
+    model (scalar value head, pairwise loss), dpo = direct preference optimisation against the
+    starting weights and simpo = reference-free SimPO, all on pairwise shards
+    (docs/alignment.md)."""
+    dpo_beta: float = 0.1
+    """--stage dpo: β, the strength of the pull towards the reference (IPO's τ for ipo)."""
+    dpo_loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """--stage dpo: the loss (trl's names): sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO)."""
+    dpo_label_smoothing: float = 0.0
+    """--stage dpo: ε in [0, 0.5), the assumed share of flipped labels (sigmoid: conservative
+    DPO; robust: rDPO)."""
+    simpo_beta: float = 2.5
+    """--stage simpo: β, the scale of the length-normalised log-probability margin."""
+    gamma_beta_ratio: float = 1.4
+    """--stage simpo: γ/β, the target margin γ as a multiple of --simpo-beta."""
 
     def __post_init__(self) -> None:
         if self.train_iters <= 0:
@@ -149,6 +163,29 @@ class RunSection:
                 f"--exit-interval ({self.exit_interval}) and --exit-duration-in-mins "
                 f"({self.exit_duration_in_mins}) must be >= 0 (0 disables them)"
             )
+        for stage, settings in (
+            (
+                "dpo",
+                (
+                    ("--dpo-beta", self.dpo_beta, 0.1),
+                    ("--dpo-loss-type", self.dpo_loss_type, "sigmoid"),
+                    ("--dpo-label-smoothing", self.dpo_label_smoothing, 0.0),
+                ),
+            ),
+            (
+                "simpo",
+                (
+                    ("--simpo-beta", self.simpo_beta, 2.5),
+                    ("--gamma-beta-ratio", self.gamma_beta_ratio, 1.4),
+                ),
+            ),
+        ):
+            changed = [flag for flag, value, default in settings if value != default]
+            if changed and self.stage != stage:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply to --stage {stage} (this run is --stage "
+                    f"{self.stage}); drop them or pass --stage {stage}"
+                )
         if self.profile_step_start < 0 or self.profile_step_end <= self.profile_step_start:
             raise ValueError(
                 f"--profile-step-start {self.profile_step_start} and --profile-step-end "

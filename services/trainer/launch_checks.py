@@ -21,6 +21,7 @@ from typing import Literal
 
 from services.trainer.resume_check import check_same_model
 from services.trainer.train_config import TrainConfig
+from training.objectives.layout import PREFERENCE_STAGES
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -110,6 +111,16 @@ def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
         raise ValueError(message) from None
 
 
+def _check_pairs(flag: str, prefix: str, data_format: str) -> None:
+    """A preference stage's prefix holds pairwise shards (tokendata/datasets/pairwise.py)."""
+    from tokendata.datasets.pairwise import PairSource
+
+    try:
+        PairSource(prefix, data_format)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--data-path", flag, 1)) from None
+
+
 def _check_tokenizer(config: TrainConfig) -> None:
     data = config.data
     kind = data.tokenizer_type
@@ -157,9 +168,18 @@ def check_paths(config: TrainConfig) -> None:
             ("--test-data-path", data.test_data_path),
         ):
             for prefix in _prefixes(paths):
-                _check_dataset(flag, prefix, data.is_instruction_dataset)
+                if config.run.stage in PREFERENCE_STAGES:
+                    _check_pairs(flag, prefix, data.data_format)
+                else:
+                    _check_dataset(flag, prefix, data.is_instruction_dataset)
     _check_tokenizer(config)
-    load_action(config)
+    action = load_action(config)
+    if action == "resume" and config.run.stage == "dpo" and not config.run.finetune:
+        raise ValueError(
+            f"--stage dpo with --load {config.run.load}: resuming is not supported (the reference "
+            "is the run's starting weights, which a checkpoint does not hold); start from the "
+            "SFT weights with --load DIR --finetune"
+        )
     run = config.run
     for flag, value in (
         ("--save", run.save),

@@ -293,3 +293,41 @@ def test_sigmoid_label_smoothing_is_conservative_dpo() -> None:
 def test_dpo_settings_are_refused_by_flag(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         DPOLoss(**kwargs)
+
+
+def test_simpo_loss_rewards_and_gradients_equal_trl_cpo_trainer() -> None:
+    """SimPO against trl's CPOTrainer (loss_type="simpo", no NLL term): its averaged log-probs on
+    the transformers model, its `cpo_loss`, and the gradients through both."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    from training.objectives.simpo import SimPOLoss
+
+    hf, ours, config = _llama_pair(seed=0)
+    batch = _pairwise_batch(config.vocab_size, pad=config.vocab_size - 1)
+    beta, ratio = 2.0, 0.5
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    mask = torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]])
+    attention = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+    logits = hf(input_ids=ids, attention_mask=attention).logits
+    avg = CPOTrainer.get_batch_logps(logits, ids.masked_fill(mask == 0, -100), True)
+    trainer = SimpleNamespace(
+        alpha=0.0,
+        loss_type="simpo",
+        beta=beta,
+        simpo_gamma=ratio * beta,
+        label_smoothing=0.0,
+        accelerator=_Accelerator(),
+    )
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trainer, *avg.chunk(2))
+    losses.mean().backward()
+
+    objective = SimPOLoss(beta=beta, gamma_beta_ratio=ratio)
+    out = objective.compute(ours, batch, CTX)
+    pairs = objective.count(batch)
+    (out.loss_sum / pairs).backward()
+    assert abs(out.loss_sum.item() / pairs - losses.mean().item()) <= ATOL
+    assert abs(out.metrics["rewards/chosen"] / pairs - chosen_rewards.mean().item()) <= ATOL
+    assert abs(out.metrics["rewards/rejected"] / pairs - rejected_rewards.mean().item()) <= ATOL
+    expected = from_hf({name: p.grad for name, p in hf.named_parameters()}, config)
+    for name, param in ours.named_parameters():
+        assert (param.grad - expected[name]).abs().max().item() <= ATOL, name

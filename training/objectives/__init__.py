@@ -1,27 +1,53 @@
 """Training objectives, one registry keyed by the string the CLI and the config use (--stage).
 
-`sft` (next-token cross entropy) is the only one so far. A reward model (`rm`: a scalar head
-scored on chosen/rejected pairs) or DPO (`dpo`: chosen/rejected plus a frozen reference model)
-is a new `Objective` subclass in its own file, registered here: it reads its pairs from the batch,
-says what it counts (pairs) and returns the summed loss with any extra metrics. Adding one also
-adds its name to `RunSection.stage`'s choices, which is what lets `--stage NAME` through.
+`sft` (next-token cross entropy), `rm` (a reward model: a scalar value head scored on
+chosen/rejected pairs), `dpo` (chosen/rejected against a frozen reference) and `simpo`
+(reference-free, length-normalised). Each is an
+`Objective` subclass in its own file, registered here: it reads its batch, says what it counts
+(tokens, pairs) and returns the summed loss with any extra metrics. Adding one also adds its name
+to `RunSection.stage`'s choices, which is what lets `--stage NAME` through, and to
+`layout.STAGE_LAYOUTS`, which says what it has been run under.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.dpo import DPOLoss
+from training.objectives.rm import RewardLoss
 from training.objectives.sft import NextTokenLoss
+from training.objectives.simpo import SimPOLoss
+
+if TYPE_CHECKING:
+    from training.run_sections import RunSection
 
 __all__ = ["OBJECTIVES", "ForwardContext", "Objective", "ObjectiveOutput", "build_objective"]
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (NextTokenLoss,)}
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (NextTokenLoss, RewardLoss, DPOLoss, SimPOLoss)
+}
 """Objective classes by name."""
 
 
-def build_objective(name: str) -> Objective:
-    """The registered objective `name` (ValueError naming --stage and the known ones otherwise)."""
+def build_objective(name: str, run: RunSection | None = None) -> Objective:
+    """The registered objective `name` with the run's settings (--dpo-*, --simpo-beta,
+    --gamma-beta-ratio, --seed; defaults
+    without `run`); ValueError naming --stage and the known ones for an unknown name."""
     if name not in OBJECTIVES:
         raise ValueError(
             f"--stage {name!r} is not a training objective; known: {sorted(OBJECTIVES)}"
         )
+    if run is None:
+        return OBJECTIVES[name]()
+    if name == DPOLoss.name:
+        return DPOLoss(
+            beta=run.dpo_beta,
+            loss_type=run.dpo_loss_type,
+            label_smoothing=run.dpo_label_smoothing,
+        )
+    if name == SimPOLoss.name:
+        return SimPOLoss(beta=run.simpo_beta, gamma_beta_ratio=run.gamma_beta_ratio)
+    if name == RewardLoss.name:
+        return RewardLoss(seed=run.seed)
     return OBJECTIVES[name]()

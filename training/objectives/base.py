@@ -52,6 +52,24 @@ class Objective(ABC):
     pipeline_loss: ClassVar[bool] = False
     """True when the pipeline schedule's built-in loss (next-token cross entropy) is this one."""
 
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The network this objective trains, made from the registry model before any parallel
+        wrapping, adapter or optimizer (a reward model swaps in a value head); default: as is."""
+        return model
+
+    def begin(self, model: nn.Module, step: int) -> None:
+        """Called once before the first step this process runs, after any checkpoint load, with
+        the (wrapped) model and the steps already done (DPO takes its reference here)."""
+        del model, step  # nothing to set up for most objectives
+
+    def tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Token positions the micro-batch feeds the model (for the throughput line)."""
+        return int(batch["input_ids"].numel())
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """The logged values from the metric sums of a logging window (default: the sums)."""
+        return sums
+
     @abstractmethod
     def count(self, batch: dict[str, torch.Tensor]) -> float:
         """What the loss of `batch` is normalised by, read from the batch before any forward."""

@@ -9,21 +9,23 @@ the logged sums are trl's quantities (divide by `pairs` for trl's means).
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.base import ForwardContext, ObjectiveOutput
 from training.objectives.pairs import (
     check_pairwise,
     concatenated,
     sequence_logps,
 )
+from training.objectives.preference import PairwiseObjective, reward_metrics
 from training.objectives.preference_losses import DPO_LOSS_TYPES, dpo_loss
 
 
-class DPOLoss(Objective):
+class DPOLoss(PairwiseObjective):
     """Summed per-pair DPO loss, normalised by the pair count."""
 
     name: ClassVar[str] = "dpo"
@@ -54,10 +56,6 @@ class DPOLoss(Objective):
         if reference is not None:
             reference.requires_grad_(False).eval()
 
-    def count(self, batch: dict[str, torch.Tensor]) -> float:
-        """Pairs in the micro-batch."""
-        return float(batch["chosen_input_ids"].shape[0])
-
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
     ) -> ObjectiveOutput:
@@ -84,16 +82,20 @@ class DPOLoss(Objective):
             chosen_tokens=chosen_tokens,
             rejected_tokens=rejected_tokens,
         )
-        metrics = {
-            "pairs": float(chosen_logps.shape[0]),
-            "rewards/chosen": float(terms.chosen_rewards.sum()),
-            "rewards/rejected": float(terms.rejected_rewards.sum()),
-            "rewards/accuracies": float((terms.chosen_rewards > terms.rejected_rewards).sum()),
-            "rewards/margins": float((terms.chosen_rewards - terms.rejected_rewards).sum()),
-            "logps/chosen": float(chosen_logps.detach().sum()),
-            "logps/rejected": float(rejected_logps.detach().sum()),
-        }
+        metrics = reward_metrics(terms, chosen_logps, rejected_logps)
         return ObjectiveOutput(terms.losses.sum(), metrics)
+
+    def begin(self, model: nn.Module, step: int) -> None:
+        """Without a given reference, freeze a copy of the starting weights as the reference."""
+        if self.reference is not None:
+            return
+        if step > 0:
+            raise ValueError(
+                f"--stage dpo resumed at step {step}: the reference is the run's starting weights, "
+                "which a checkpoint does not hold; start from the SFT weights (--load DIR "
+                "--finetune) instead of resuming"
+            )
+        self.reference = copy.deepcopy(model).requires_grad_(False).eval()
 
     @torch.no_grad()
     def _reference_logps(

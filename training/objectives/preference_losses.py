@@ -23,15 +23,16 @@ DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust")
 
 
 @dataclass(frozen=True)
-class DPOTerms:
-    """The per-pair DPO loss and the implicit rewards trl logs."""
+class PairTerms:
+    """A preference loss per pair and the implicit rewards trl logs."""
 
     losses: torch.Tensor
     """Per-pair loss [P] (backward runs through it)."""
     chosen_rewards: torch.Tensor
-    """β (log π_θ(y_w|x) − log π_ref(y_w|x)), detached [P] (trl's `rewards/chosen`)."""
+    """The chosen response's implicit reward, detached [P] (trl's `rewards/chosen`): DPO's
+    β (log π_θ(y_w|x) − log π_ref(y_w|x)), SimPO's β log π_θ(y_w|x) / |y_w|."""
     rejected_rewards: torch.Tensor
-    """β (log π_θ(y_l|x) − log π_ref(y_l|x)), detached [P] (trl's `rewards/rejected`)."""
+    """The same for the rejected response (trl's `rewards/rejected`)."""
 
 
 def dpo_loss(
@@ -45,7 +46,7 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     chosen_tokens: torch.Tensor | None = None,
     rejected_tokens: torch.Tensor | None = None,
-) -> DPOTerms:
+) -> PairTerms:
     """DPO (Rafailov et al. 2023) and the variants trl names by `loss_type`.
 
     With h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x):
@@ -77,10 +78,28 @@ def dpo_loss(
         )
     else:
         raise ValueError(f"dpo_loss: unknown loss_type {loss_type!r}; known: {DPO_LOSS_TYPES}")
-    return DPOTerms(
+    return PairTerms(
         losses=losses,
         chosen_rewards=beta * chosen_logratios.detach(),
         rejected_rewards=beta * rejected_logratios.detach(),
+    )
+
+
+def simpo_loss(
+    policy_chosen_avg_logps: torch.Tensor,
+    policy_rejected_avg_logps: torch.Tensor,
+    *,
+    beta: float,
+    gamma: float,
+) -> PairTerms:
+    """SimPO (Meng et al. 2024), reference-free: −log σ(β/|y_w| log π_θ(y_w|x) −
+    β/|y_l| log π_θ(y_l|x) − γ), the log-probabilities averaged over each response's tokens
+    (trl's CPOTrainer with loss_type="simpo", cpo_alpha=0)."""
+    h = policy_chosen_avg_logps - policy_rejected_avg_logps
+    return PairTerms(
+        losses=-F.logsigmoid(beta * h - gamma),
+        chosen_rewards=beta * policy_chosen_avg_logps.detach(),
+        rejected_rewards=beta * policy_rejected_avg_logps.detach(),
     )
 
 

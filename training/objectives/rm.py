@@ -14,9 +14,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.value_head import has_value_head
-from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from models.transformer import CausalLM
+from models.value_head import attach_value_head, has_value_head
+from training.objectives.base import ForwardContext, ObjectiveOutput
 from training.objectives.pairs import check_pairwise, concatenated, last_token_index
+from training.objectives.preference import PairwiseObjective
 from training.objectives.preference_losses import reward_pair_loss
 
 
@@ -34,14 +36,18 @@ def pair_rewards(
     return chosen, rejected
 
 
-class RewardLoss(Objective):
+class RewardLoss(PairwiseObjective):
     """Summed pairwise reward loss, normalised by the pair count."""
 
     name: ClassVar[str] = "rm"
 
-    def count(self, batch: dict[str, torch.Tensor]) -> float:
-        """Pairs in the micro-batch."""
-        return float(batch["chosen_input_ids"].shape[0])
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The registry model with its vocabulary head replaced by a scalar value head."""
+        assert isinstance(model, CausalLM), "the registry builds CausalLM models"
+        return attach_value_head(model, seed=self.seed)
 
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext

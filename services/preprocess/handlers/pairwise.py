@@ -16,6 +16,7 @@ either side, or with both sides equal, is refused naming the record.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +58,9 @@ class PairwiseHandler(Handler):
         """The four pairwise datasets."""
         return PAIRWISE_KEYS
 
+    @abstractmethod
     def parse(self, record: dict[str, Any]) -> Pair:
         """The record's prompt and responses (RecordError naming what is wrong)."""
-        raise NotImplementedError
 
     def process(self, record: dict[str, Any]) -> Sample | None:
         """The pair's aligned ids and labels (RecordError naming what is wrong)."""

@@ -20,6 +20,7 @@ from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.preprocess.manifest import read_manifest
 from tests.fixtures import records as fx
 from tokendata.arrow_shards import read_arrow_shards
+from tokendata.datasets.pairwise import PairSource, PairwiseDataset
 
 EOS = 2
 HH_PROMPT = "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke."
@@ -255,6 +256,27 @@ def test_pairwise_shards_mmap_and_arrow_hold_the_same_pairs(tmp_path, sentencepi
         assert rows[f"{side}_loss_mask"] == masks
     meta = json.loads(table.schema.metadata[b"meshline"])
     assert meta["handler"]["pairwise"] is True
+    # The training side reads either format into the same padded pairs.
+    from_mmap, from_arrow = PairSource(str(tmp_path / "m")), PairSource(str(tmp_path / "a"))
+    assert len(from_mmap) == len(from_arrow) == len(PAIRS)
+    for i, sample in enumerate(samples):
+        for key in PAIRWISE_KEYS:
+            assert (
+                from_mmap.pair(i)[key].tolist() == from_arrow.pair(i)[key].tolist() == sample[key]
+            )
+    pad = tok.pad_id
+    (padded,) = PairwiseDataset(from_arrow, (1, 2), 40, pad, None, seed=0)
+    n = len(samples[1]["chosen_input_ids"])
+    assert padded["chosen_input_ids"][:n].tolist() == samples[1]["chosen_input_ids"]
+    assert padded["chosen_input_ids"][n:].eq(pad).all()
+    assert padded["chosen_attention_mask"].sum() == n
+    assert padded["chosen_loss_mask"].tolist() == [
+        float(x != IGNORE_INDEX) for x in samples[1]["chosen_labels"]
+    ] + [0.0] * (40 - n)
+    with pytest.raises(
+        ValueError, match=r"pair 1 has a chosen side of \d+ tokens, longer than --seq-length 4"
+    ):
+        PairwiseDataset(from_mmap, (1, 2), 4, pad, None, seed=0)[0]
 
 
 def test_bad_pair_names_the_record_and_pack_is_refused(tmp_path, sentencepiece_model):

@@ -120,7 +120,12 @@ NON_DEFAULT = {
     "profile_with_memory": ("--profile-with-memory",),
     "profile_record_shapes": ("--profile-record-shapes",),
     "profile_save_path": ("--profile-save-path", "prof"),
-    "stage": (),  # sft, the default, is the only objective so far (tests/training)
+    "stage": ("--stage", "dpo"),
+    "dpo_beta": ("--dpo-beta", "0.3"),
+    "dpo_loss_type": ("--dpo-loss-type", "robust"),
+    "dpo_label_smoothing": ("--dpo-label-smoothing", "0.1"),
+    "simpo_beta": ("--simpo-beta", "2.0"),  # with --stage simpo: checked below on their own
+    "gamma_beta_ratio": ("--gamma-beta-ratio", "0.5"),
     "use_distributed_optimizer": ("--use-distributed-optimizer",),
     "zero_stage": None,  # set by --use-distributed-optimizer (checked below)
     "hsdp": ("--hsdp",),
@@ -163,6 +168,8 @@ def test_every_field_has_a_flag_and_parses():
         "hsdp_shard_size",
         "auto_recompute_device_size",
         "auto_recompute_profiling_step",
+        "simpo_beta",
+        "gamma_beta_ratio",
         *PER_SPLIT,
     }
     argv = [a for key, flags in NON_DEFAULT.items() if flags and key not in hsdp_ok for a in flags]
@@ -184,6 +191,8 @@ def test_every_field_has_a_flag_and_parses():
          "--zero3-prefetch-layers", "2"]
     )  # fmt: skip
     assert fsdp.parallel.zero3_prefetch_layers == 2
+    simpo = parse_args(["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5"])
+    assert (simpo.run.simpo_beta, simpo.run.gamma_beta_ratio) == (2.0, 0.5)
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (
         3,
         True,

@@ -1,0 +1,71 @@
+"""What each objective has been run under: a combination outside it is refused before any worker.
+
+`TrainingConfig.validate` calls `check_stage` (the CLI calls it before launching workers, the
+service before starting a job). `sft` runs under every layout the loop has. The preference stages
+(`rm`, `dpo`, `simpo`) have been run and checked in one process on full weights (tests/training/
+test_alignment_train.py); data/tensor/pipeline/context parallelism, adapters, recompute and
+torch.compile are refused by flag until a test shows them equal to one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from training.objectives.dpo import DPOLoss
+from training.objectives.simpo import SimPOLoss
+
+if TYPE_CHECKING:
+    from training.config import TrainingConfig
+
+PREFERENCE_STAGES = ("rm", "dpo", "simpo")
+"""Stages that train on preference pairs."""
+
+
+def check_stage(config: TrainingConfig, world_size: int) -> None:
+    """Refuse a --stage the rest of the configuration cannot run with, naming the flag."""
+    stage = config.run.stage
+    if stage not in PREFERENCE_STAGES:
+        return
+    where = f"--stage {stage}"
+    if world_size > 1:
+        raise ValueError(
+            f"{where} runs in one process so far; this job has {world_size} (--nproc-per-node / "
+            "--nnodes, or the parallel sizes they imply): data, tensor, pipeline and context "
+            "parallelism are not checked for the preference stages yet; run one process"
+        )
+    refused = {
+        "--peft-method": config.peft.peft_method is not None,
+        "--recompute-granularity": config.parallel.recompute_granularity is not None,
+        "--compile": config.parallel.compile,
+        "--mock-data": config.data.mock_data,
+        "--is-instruction-dataset": config.data.is_instruction_dataset,
+        "--pack": config.data.pack,
+        # Token-stream options that pairs, padded per side, have no use for:
+        "--variable-seq-lengths": config.data.variable_seq_lengths,
+        "--reset-position-ids": config.data.reset_position_ids,
+        "--reset-attention-mask": config.data.reset_attention_mask,
+        "--eod-mask-loss": config.data.eod_mask_loss,
+        "--data-cache-path": config.data.data_cache_path is not None,
+        "--test-data-path": bool(config.data.test_data_path),
+    }
+    for flag, given in refused.items():
+        if given:
+            raise ValueError(
+                f"{flag} with {where}: not supported for the preference stages yet (they train "
+                "full weights on pairwise shards padded per side, without recompute or compile); "
+                f"drop {flag} (docs/alignment.md)"
+            )
+    if stage == "rm" and config.run.load and config.run.finetune:
+        raise ValueError(
+            "--finetune with --stage rm: starting a reward model from saved causal-LM weights "
+            "(dropping their vocabulary head for the value head) is not built yet; train it from "
+            "the registry initialisation, or resume an rm checkpoint (--load without --finetune)"
+        )
+    if stage == DPOLoss.name:  # the settings' ranges, before any worker builds the objective
+        DPOLoss(
+            beta=config.run.dpo_beta,
+            loss_type=config.run.dpo_loss_type,
+            label_smoothing=config.run.dpo_label_smoothing,
+        )
+    if stage == SimPOLoss.name:
+        SimPOLoss(beta=config.run.simpo_beta, gamma_beta_ratio=config.run.gamma_beta_ratio)

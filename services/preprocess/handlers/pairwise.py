@@ -99,7 +99,9 @@ class PairwiseHandler(Handler):
         sides: Sample = {}
         for side, text in (("chosen", chosen), ("rejected", rejected)):
             reply = Segment(template.assistant_format.format(content=text), True)
-            reply_ids = encode_segments(self, [reply])["packed_input_ids"]
+            # The sample's framing (BOS where the tokenizer adds one) comes with the prompt only.
+            framing = len(self.tokenizer.prefix_ids)
+            reply_ids = encode_segments(self, [reply])["packed_input_ids"][framing:]
             ids = prompt_ids + reply_ids
             labels = [IGNORE_INDEX] * len(prompt_ids) + reply_ids
             limit = self.options.seq_length

@@ -23,6 +23,8 @@ from tokendata.arrow_shards import read_arrow_shards
 from tokendata.datasets.pairwise import PairSource, PairwiseDataset
 
 EOS = 2
+BOS = 1
+"""The bare SentencePiece model frames a text as LlamaTokenizer does: BOS first, no EOS."""
 HH_PROMPT = "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke."
 HH_CHOSEN = " Why did the chicken cross the road? To get to the other side."
 HH_REJECTED = " No."
@@ -43,8 +45,9 @@ def handler(tok, name, **options):
 
 
 def expected_side(sp, prompt_parts, reply):
-    """(ids, labels): prompt parts (text, eos after) carry no loss; the reply and its EOS do."""
-    ids = []
+    """(ids, labels): the tokenizer's BOS and the prompt parts (text, eos after) carry no loss;
+    the reply and its EOS do."""
+    ids = [BOS]
     for text, eos in prompt_parts:
         ids += sp.encode(text) + ([EOS] if eos else [])
     reply_ids = [*sp.encode(reply), EOS]

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from checkpoints.registry import GGUF_TYPES
+from checkpoints.registry import DEFAULT_INT4_GROUP, GGUF_TYPES, QUANTIZE_CHOICES
 from checkpoints.units import DTYPES
 from services.converter import modellink_flags
 from services.converter.job import (
@@ -214,6 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
         "stay F32; default: F32/F16/BF16 by --dtype); Q8_0 and Q4_0 round the weights, so the "
         "automatic parity check is skipped for them",
     )
+    p(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="with --save-format quantized: weight-only round-to-nearest quantization of the "
+        "decoder layers' Linear weights (embedding, norms and output head kept): int8 one "
+        "symmetric scale per output channel, int4 one per --group-size inputs; the checkpoint "
+        "records its scheme and every stage reads it dequantized",
+    )
+    p(
+        "--group-size",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"inputs sharing one scale (default: per output channel for int8, "
+        f"{DEFAULT_INT4_GROUP} for int4)",
+    )
+    p(
+        "--quantize-affine",
+        action="store_true",
+        help="affine codes (a zero point per group over [min, max]) instead of symmetric ones",
+    )
     modellink_flags.add_flags(parser)
     return parser
 
@@ -251,6 +273,9 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_shard_bytes=args.max_shard_size_mb * 1024**2,
         gguf_type=args.gguf_type,
+        quantize=args.quantize,
+        group_size=args.group_size,
+        quantize_affine=args.quantize_affine,
     )
 
 

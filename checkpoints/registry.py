@@ -191,8 +191,10 @@ def _gguf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: Sink
 
 
 def _gguf_check(source: Source, layout: SinkOptions) -> None:
+    from checkpoints.gguf_quants import require_gguf
     from checkpoints.gguf_writer import check_config, tokenizer_metadata
 
+    require_gguf()
     check_config(source.config)
     tokenizer_metadata(source.tokenizer_files, source.config.vocab_size)
 

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshline convert",
         description=(
             "Convert a checkpoint between HF (config.json + safetensors), Meshline native (DCP "
-            "step directories) and Megatron legacy (iter_*/mp_rank_*/model_optim_rng.pt) "
-            "layouts (and from DeepSpeed ZeRO checkpoints), resharding Megatron outputs to any "
+            "step directories), Megatron legacy (iter_*/mp_rank_*/model_optim_rng.pt) and "
+            "llama.cpp GGUF layouts (and from DeepSpeed ZeRO / FSDP checkpoints; to weight-only "
+            "int8/int4 quantized checkpoints), resharding Megatron outputs to any "
             "TP/PP size, optionally merging a LoRA "
             "adapter and checking logit parity. Works one layer at a time; the output appears "
             "only when complete."

@@ -31,6 +31,7 @@ from checkpoints.gguf_metadata import field_values, hf_config_dict, write_tokeni
 from checkpoints.gguf_quants import (
     NAMES,
     dequantize,
+    require_gguf,
     row_bytes,
     supported_list,
     type_name,
@@ -124,6 +125,7 @@ class GGUFSource:
     """A GGUF file opened for per-unit reads (see the module doc)."""
 
     def __init__(self, path: Path, config: ModelConfig | None = None) -> None:
+        require_gguf()
         from gguf import GGUFReader
 
         self.path = find_gguf(path)

@@ -50,6 +50,17 @@ WRITE_TYPES = {"F32": F32, "F16": F16, "BF16": BF16, "Q8_0": Q8_0, "Q4_0": Q4_0}
 """Types the GGUF writer quantizes to (`--gguf-type`; checkpoints/registry.py GGUF_TYPES)."""
 
 
+def require_gguf() -> None:
+    """Raises ValueError naming the package when `gguf` (llama.cpp's Python reader/writer, used
+    to parse and write the container) is not installed."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            "GGUF files need the `gguf` package (llama.cpp's gguf-py): pip install 'gguf>=0.10'"
+        ) from exc
+
+
 def type_name(type_id: int) -> str:
     """llama.cpp's name of a ggml type id (the gguf package's enum for unsupported ones)."""
     if type_id in NAMES:

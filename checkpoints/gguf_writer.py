@@ -37,6 +37,7 @@ from checkpoints.gguf_quants import (
     Q8_0,
     WRITE_TYPES,
     quantize,
+    require_gguf,
 )
 from checkpoints.units import Tensors, Unit, expected_shapes, unit_of, units
 from models.config import ModelConfig
@@ -171,6 +172,7 @@ class GGUFSink:
     def __init__(
         self, directory: Path, source: Any, dtype: torch.dtype, gguf_type: str | None
     ) -> None:
+        require_gguf()
         from gguf import GGMLQuantizationType, GGUFWriter
 
         config: ModelConfig = source.config

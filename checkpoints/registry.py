@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from checkpoints.units import Sink, Source
+    from kernels.quantization import WeightScheme
     from models.config import ModelConfig
 
 AUTO = "auto"
@@ -50,6 +51,12 @@ class SinkOptions:
     """Largest HF safetensors shard (None: the HF writer's default)."""
     gguf_type: str | None = None
     """ggml type of a GGUF output's matrices (F32, F16, BF16, Q8_0, Q4_0; None: from the dtype)."""
+    quantize: str | None = None
+    """Weight quantization of a quantized output ("int8", "int4"); None: not quantized."""
+    group_size: int | None = None
+    """Inputs per scale of a quantized output (None: one scale per output channel)."""
+    quantize_affine: bool = False
+    """Affine (zero point) rather than symmetric codes for a quantized output."""
 
 
 OpenSource = Callable[["Path", "ModelConfig | None", "int | None"], "Source"]
@@ -184,8 +191,10 @@ def _gguf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: Sink
 
 
 def _gguf_check(source: Source, layout: SinkOptions) -> None:
+    from checkpoints.gguf_quants import require_gguf
     from checkpoints.gguf_writer import check_config, tokenizer_metadata
 
+    require_gguf()
     check_config(source.config)
     tokenizer_metadata(source.tokenizer_files, source.config.vocab_size)
 
@@ -194,6 +203,57 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 """`--gguf-type` choices: the ggml types a GGUF output's matrices are written in."""
 GGUF_QUANTIZED = ("Q8_0", "Q4_0")
 """The `GGUF_TYPES` that round weights (a parity check at float tolerance would fail)."""
+
+QUANTIZE_CHOICES = ("int8", "int4")
+"""`--quantize` choices: weight-only round-to-nearest int8 (per channel) / int4 (per group)."""
+DEFAULT_INT4_GROUP = 128
+"""`--group-size` of `--quantize int4` when none is given."""
+
+
+def _weight_scheme(layout: SinkOptions) -> WeightScheme:
+    from kernels.quantization import WeightScheme
+
+    if layout.quantize not in QUANTIZE_CHOICES:
+        raise ValueError(
+            f"--save-format quantized needs --quantize {'|'.join(QUANTIZE_CHOICES)} (the scheme "
+            "the checkpoint records)"
+        )
+    bits = 8 if layout.quantize == "int8" else 4
+    group = layout.group_size
+    if group is None and bits == 4:
+        group = DEFAULT_INT4_GROUP
+    return WeightScheme(bits, group, not layout.quantize_affine)
+
+
+def _quantized_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    from checkpoints.quantized_format import QuantizedSource
+
+    return QuantizedSource(directory, named)
+
+
+def _quantized_sink(
+    directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions
+) -> Sink:
+    from checkpoints.quantized_format import QuantizedSink
+
+    return QuantizedSink(
+        directory, source.config, dtype, source.tokenizer_files, _weight_scheme(layout)
+    )
+
+
+def _quantized_check(source: Source, layout: SinkOptions) -> None:
+    from checkpoints.quantized_format import check_plan
+
+    check_plan(source.config, _weight_scheme(layout))
+
+
+QUANTIZED_SCHEME = "quantization.json"
+"""The file that marks a quantized checkpoint (checkpoints/quantized_format.py SCHEME_FILE)."""
+
+
+def _is_quantized(directory: Path) -> bool:
+    return (directory / QUANTIZED_SCHEME).is_file()
+
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's file naming the saved iteration (checkpoints/megatron_format.py TRACKER)."""
@@ -265,6 +325,17 @@ _ENTRIES = (
         open_sink=_gguf_sink,
         single_file=True,
         check_target=_gguf_check,
+    ),
+    FormatSpec(
+        key="quantized",
+        label="quantized native",
+        layout="quantization.json + config.json + model.safetensors",
+        open_source=_quantized_source,
+        open_sink=_quantized_sink,
+        serves=True,
+        detect=_is_quantized,
+        detect_rank=0,
+        check_target=_quantized_check,
     ),
 )
 

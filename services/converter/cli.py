@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from checkpoints.registry import GGUF_TYPES
+from checkpoints.registry import DEFAULT_INT4_GROUP, GGUF_TYPES, QUANTIZE_CHOICES
 from checkpoints.units import DTYPES
 from services.converter import modellink_flags
 from services.converter.job import (
@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshline convert",
         description=(
             "Convert a checkpoint between HF (config.json + safetensors), Meshline native (DCP "
-            "step directories) and Megatron legacy (iter_*/mp_rank_*/model_optim_rng.pt) "
-            "layouts (and from DeepSpeed ZeRO checkpoints), resharding Megatron outputs to any "
+            "step directories), Megatron legacy (iter_*/mp_rank_*/model_optim_rng.pt) and "
+            "llama.cpp GGUF layouts (and from DeepSpeed ZeRO / FSDP checkpoints; to weight-only "
+            "int8/int4 quantized checkpoints), resharding Megatron outputs to any "
             "TP/PP size, optionally merging a LoRA "
             "adapter and checking logit parity. Works one layer at a time; the output appears "
             "only when complete."
@@ -214,6 +215,28 @@ def build_parser() -> argparse.ArgumentParser:
         "stay F32; default: F32/F16/BF16 by --dtype); Q8_0 and Q4_0 round the weights, so the "
         "automatic parity check is skipped for them",
     )
+    p(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="with --save-format quantized: weight-only round-to-nearest quantization of the "
+        "decoder layers' Linear weights (embedding, norms and output head kept): int8 one "
+        "symmetric scale per output channel, int4 one per --group-size inputs; the checkpoint "
+        "records its scheme and every stage reads it dequantized",
+    )
+    p(
+        "--group-size",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"inputs sharing one scale (default: per output channel for int8, "
+        f"{DEFAULT_INT4_GROUP} for int4)",
+    )
+    p(
+        "--quantize-affine",
+        action="store_true",
+        help="affine codes (a zero point per group over [min, max]) instead of symmetric ones",
+    )
     modellink_flags.add_flags(parser)
     return parser
 
@@ -251,6 +274,9 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_shard_bytes=args.max_shard_size_mb * 1024**2,
         gguf_type=args.gguf_type,
+        quantize=args.quantize,
+        group_size=args.group_size,
+        quantize_affine=args.quantize_affine,
     )
 
 

@@ -90,6 +90,9 @@ def sink_options(options: ConvertOptions) -> SinkOptions:
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         max_shard_bytes=options.max_shard_bytes,
         gguf_type=options.gguf_type,
+        quantize=options.quantize,
+        group_size=options.group_size,
+        quantize_affine=options.quantize_affine,
     )
 
 
@@ -156,10 +159,15 @@ def convert(
     sink: Sink | None = None
     try:
         verify, skipped = options.verify, None
-        if verify is None and options.gguf_type in GGUF_QUANTIZED:
+        rounding = (
+            f"--gguf-type {options.gguf_type}"
+            if options.gguf_type in GGUF_QUANTIZED
+            else (f"--quantize {options.quantize}" if options.quantize else None)
+        )
+        if verify is None and rounding is not None:
             skipped = (
-                f"--gguf-type {options.gguf_type} rounds the weights; pass --verify with a "
-                "--verify-tolerance to compare logits"
+                f"{rounding} rounds the weights; pass --verify with a --verify-tolerance to "
+                "compare logits"
             )
             verify = False
         if verify is None:

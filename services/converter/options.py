@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES
-from checkpoints.registry import GGUF_TYPES, READ_FORMATS, WRITE_FORMATS, get_format
+from checkpoints.registry import (
+    GGUF_TYPES,
+    QUANTIZE_CHOICES,
+    READ_FORMATS,
+    WRITE_FORMATS,
+    get_format,
+)
 from checkpoints.units import DTYPES
 from services.converter.verify import VerifyReport
 
@@ -79,6 +85,13 @@ class ConvertOptions:
     """Largest HF safetensors shard before the output is split with an index."""
     gguf_type: str | None = None
     """ggml type of a GGUF output's matrices (GGUF_TYPES); None: F32/F16/BF16 by the dtype."""
+    quantize: str | None = None
+    """Weight-only quantization of a `quantized` output: "int8" (per output channel) or "int4"
+    (per group); required by and only valid with --save-format quantized."""
+    group_size: int | None = None
+    """Inputs sharing a scale (default: per channel for int8, 128 for int4)."""
+    quantize_affine: bool = False
+    """Affine codes with a zero point per group instead of symmetric ones."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form notes (ignored by the conversion)."""
 
@@ -120,6 +133,22 @@ class ConvertOptions:
                 f"--gguf-type {self.gguf_type!r} needs --save-format gguf and one of "
                 f"{list(GGUF_TYPES)}"
             )
+        if (self.quantize is not None) != (self.save_format == "quantized"):
+            raise ValueError(
+                f"--quantize {self.quantize} and --save-format quantized go together (got "
+                f"--save-format {self.save_format}); choose --quantize one of "
+                f"{list(QUANTIZE_CHOICES)} with --save-format quantized"
+            )
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(
+                f"--quantize {self.quantize!r}: expected one of {list(QUANTIZE_CHOICES)}"
+            )
+        if self.group_size is not None and (self.group_size < 1 or self.quantize is None):
+            raise ValueError(
+                f"--group-size needs a value >= 1 and --quantize, got {self.group_size}"
+            )
+        if self.quantize_affine and self.quantize is None:
+            raise ValueError("--quantize-affine needs --quantize")
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:

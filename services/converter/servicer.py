@@ -120,6 +120,12 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
         "merge_lora" if request.merge_lora else "lora_load_dir",
         "merge_lora and lora_load_dir go together (the adapter is folded into the weights)",
     )
+    check.require(
+        WRITTEN_KEYS.get(request.save_format) != "quantized",
+        "save_format",
+        "QUANTIZED outputs need a quantization scheme, which ConvertRequest does not carry; "
+        "use `meshline convert --save-format quantized --quantize int8|int4`",
+    )
     check.require(request.dtype in converter_pb2.Dtype.values(), "dtype", "unknown value")
     if request.HasField("verify_tolerance"):
         check.require(request.verify_tolerance > 0, "verify_tolerance", "must be > 0")

@@ -73,6 +73,7 @@ def test_enum_numbers_keep_the_converter_and_evaluator_wire_format():
         "CHECKPOINT_FORMAT_DEEPSPEED": 4,
         "CHECKPOINT_FORMAT_FSDP": 5,
         "CHECKPOINT_FORMAT_GGUF": 6,
+        "CHECKPOINT_FORMAT_QUANTIZED": 7,
     }
     assert list(FORMATS) == [KEYS[n] for n in sorted(KEYS)], "registry order is enum order"
 
@@ -111,9 +112,10 @@ def test_cli_choices_come_from_the_registry():
     assert (
         _choices(convert_parser(), "--save-format")
         == WRITE_FORMATS
-        == ("hf", "native", "megatron", "gguf")
+        == ("hf", "native", "megatron", "gguf", "quantized")
     )
-    assert SERVE_FORMATS == ("hf", "native", "megatron") and SERVE_CHOICES[0] == "auto"
+    assert SERVE_FORMATS == ("hf", "native", "megatron", "quantized")
+    assert SERVE_CHOICES[0] == "auto"
     serve = argparse.ArgumentParser()
     serve_flags(serve)
     for parser in (generate_parser(), evaluate_parser(), serve):
@@ -135,7 +137,7 @@ def test_converter_servicer_maps_follow_the_registry(tmp_path):
     assert {VALUES[key]: key for key in WRITE_FORMATS} == WRITTEN_KEYS
     config = ConverterServiceConfig(data_roots=(tmp_path,))
     hf = checkpoint_pb2.CHECKPOINT_FORMAT_HF
-    for number in [*Enum.values(), 7, -1]:
+    for number in [*Enum.values(), 8, -1]:
         request = converter_pb2.ConvertRequest(
             load_format=number, save_format=hf, load_dir="a", save_dir="b", dtype=1
         )
@@ -148,7 +150,8 @@ def test_converter_servicer_maps_follow_the_registry(tmp_path):
         request = converter_pb2.ConvertRequest(
             load_format=hf, save_format=number, load_dir="a", save_dir="b", dtype=1
         )
-        if read and FORMATS[KEYS[number]].writes:
+        # a quantized output needs a scheme, which ConvertRequest does not carry
+        if read and FORMATS[KEYS[number]].writes and KEYS[number] != "quantized":
             check_fields(request, config)
         else:
             with pytest.raises(InvalidArgument, match="save_format"):
@@ -160,7 +163,7 @@ def test_evaluator_accepts_exactly_the_served_formats(tmp_path):
     from services.evaluator.servicer import check_fields
 
     config = EvaluatorServiceConfig(data_roots=(tmp_path,))
-    for number in [*Enum.values(), 7, -1]:
+    for number in [*Enum.values(), 8, -1]:
         request = evaluator_pb2.StartEvaluationRequest(
             tasks=["boolq"],
             task_data_path="data",
@@ -171,7 +174,7 @@ def test_evaluator_accepts_exactly_the_served_formats(tmp_path):
         else:
             with pytest.raises(InvalidArgument, match=r"local\.load_format") as caught:
                 check_fields(request, config)
-            assert "HF, NATIVE or MEGATRON" in str(caught.value)
+            assert "HF, NATIVE, MEGATRON or QUANTIZED" in str(caught.value)
 
 
 def test_get_format_names_the_flag_and_the_choices():
@@ -197,6 +200,9 @@ def test_detection_follows_the_registry_in_rank_order(tmp_path):
     assert detect_format(_touch(tmp_path / "native", "latest")) == "native"
     assert detect_format(_touch(tmp_path / "dcp", ".metadata")) == "native"
     assert detect_format(_touch(tmp_path / "mg", TRACKER)) == "megatron"
+    assert detect_format(_touch(tmp_path / "q", "quantization.json", "config.json")) == (
+        "quantized"
+    )
     # a directory some tool filled with several formats' files: the lowest rank wins
     mixed = _touch(tmp_path / "mixed", TRACKER, "latest", "config.json", "model.safetensors")
     assert detect_format(mixed) == "megatron"

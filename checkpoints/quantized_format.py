@@ -1,0 +1,247 @@
+"""Quantized native checkpoints: weight-only round-to-nearest int8 / int4 of the decoder's Linear
+weights (`meshline convert --save-format quantized --quantize int8|int4`).
+
+A directory holds:
+
+- `quantization.json`: the scheme — `{"format": "meshline-quantized-1", "method": "rtn",
+  "bits": 8|4, "group_size": N|null (null: one scale per output channel), "symmetric": bool,
+  "dtype": the dtype of the kept tensors and of dequantized weights}`;
+- `config.json`: the ModelConfig dict (as a native step's);
+- `model.safetensors`: every 2-D weight of a decoder layer (`layers.N.*.weight`: attention and MLP
+  projections, fused or not) as `<name>.codes` (int8 [out, in]) for int8 or `<name>.packed`
+  (uint8 [out, in/2], two codes a byte) for int4, `<name>.scale` (float32 [out, groups]) and, when
+  affine, `<name>.zero` (int8 [out, groups]); every other tensor — the token embedding, norms,
+  the output head, 3-D MoE expert stacks — as it is;
+- `tokenizer/`: the source's tokenizer files.
+
+Reading dequantizes ((codes − zero) · scale per group, `kernels.quantization`) into the recorded
+dtype, so every stage that loads checkpoints through the format registry (convert, serve,
+evaluate) reads it as an ordinary float model; nothing in Meshline computes on the codes yet.
+Every expected tensor and part is checked against the config's shapes (and the header against
+the file's size) before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints.safetensors_stream import StreamingWriter, TensorSpec, read_header, read_tensors
+from checkpoints.units import Tensors, Unit, expected_shapes, reconcile, unit_of, units
+from kernels.quantization import (
+    QuantizedWeight,
+    WeightScheme,
+    dequantize_weight,
+    pack_int4,
+    quantize_weight,
+    unpack_int4,
+)
+from models.config import ModelConfig
+
+FORMAT = "meshline-quantized-1"
+SCHEME_FILE = "quantization.json"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_STORED = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+           torch.uint8: "U8"}  # fmt: skip
+
+
+def quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a Meshline tensor is stored quantized: a 2-D weight inside a decoder layer."""
+    return name.startswith("layers.") and name.endswith(".weight") and len(shape) == 2
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A quantized checkpoint's `quantization.json`."""
+
+    weights: WeightScheme
+    """Bits, group size, symmetric or affine."""
+    dtype: torch.dtype
+    """Dtype of kept tensors and of dequantized weights."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The `quantization.json` object."""
+        return {
+            "format": FORMAT,
+            "method": "rtn",
+            "bits": self.weights.bits,
+            "group_size": self.weights.group_size,
+            "symmetric": self.weights.symmetric,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> Scheme:
+        """The scheme a `quantization.json` records (ValueError naming `where` otherwise)."""
+        try:
+            assert isinstance(data, dict)
+            if data["format"] != FORMAT or data.get("method") != "rtn":
+                raise ValueError(f"format {data['format']!r} / method {data.get('method')!r}")
+            group = data["group_size"]
+            if group is not None and (type(group) is not int or group < 1):
+                raise ValueError(f"group_size {group!r}")
+            if type(data["symmetric"]) is not bool:
+                raise ValueError(f"symmetric {data['symmetric']!r}")
+            bits = data["bits"]
+            if type(bits) is not int:
+                raise ValueError(f"bits {bits!r}")
+            return cls(WeightScheme(bits, group, data["symmetric"]), _DTYPES[data["dtype"]])
+        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{where} is not a Meshline quantization scheme ({exc}); expected {FORMAT} with "
+                f"bits 8|4, group_size, symmetric and dtype one of {list(_DTYPES)}"
+            ) from exc
+
+
+def part_specs(name: str, shape: tuple[int, ...], scheme: WeightScheme) -> list[TensorSpec]:
+    """The stored parts of a quantized weight `name` of `shape` [out, in]."""
+    out, columns = shape
+    groups = scheme.groups(columns)
+    if scheme.bits == 4:
+        if columns % 2:
+            raise ValueError(f"{name}: int4 packs two codes a byte; {columns} inputs is odd")
+        specs = [TensorSpec(f"{name}.packed", torch.uint8, (out, columns // 2))]
+    else:
+        specs = [TensorSpec(f"{name}.codes", torch.int8, (out, columns))]
+    specs.append(TensorSpec(f"{name}.scale", torch.float32, (out, groups)))
+    if not scheme.symmetric:
+        specs.append(TensorSpec(f"{name}.zero", torch.int8, (out, groups)))
+    return specs
+
+
+def plan(config: ModelConfig, scheme: Scheme) -> dict[Unit, list[tuple[str, list[TensorSpec]]]]:
+    """Per unit, each Meshline tensor with the stored tensors it becomes (ValueError when a
+    weight's rows do not split into the scheme's groups)."""
+    out: dict[Unit, list[tuple[str, list[TensorSpec]]]] = {u: [] for u in units(config)}
+    for name, size in expected_shapes(config).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        shape = tuple(size)
+        if quantized(name, shape):
+            specs = part_specs(name, shape, scheme.weights)
+        else:
+            specs = [TensorSpec(name, scheme.dtype, shape)]
+        out[unit_of(name)].append((name, specs))
+    return out
+
+
+def check_plan(config: ModelConfig, scheme: WeightScheme) -> None:
+    """Refuses (ValueError naming the flag) a scheme the model's weights cannot take."""
+    try:
+        plan(config, Scheme(scheme, torch.float32))
+    except ValueError as exc:
+        raise ValueError(f"--group-size {scheme.group_size}: {exc}") from exc
+
+
+class QuantizedSource:
+    """A quantized checkpoint directory, dequantized unit by unit."""
+
+    def __init__(self, directory: Path, named: ModelConfig | None = None) -> None:
+        self.directory = directory
+        for name in (SCHEME_FILE, CONFIG, WEIGHTS):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(
+                    f"{directory} is not a quantized checkpoint: {name} is missing"
+                )
+        try:
+            raw_scheme = json.loads((directory / SCHEME_FILE).read_text())
+            own = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"{directory}: {SCHEME_FILE} / {CONFIG} are corrupted ({exc})"
+            ) from exc
+        self.scheme = Scheme.from_json(raw_scheme, str(directory / SCHEME_FILE))
+        """What quantization.json records."""
+        self.config = reconcile(own, named, str(directory / CONFIG))
+        tokenizer = directory / "tokenizer"
+        self.tokenizer_files = sorted(tokenizer.iterdir()) if tokenizer.is_dir() else []
+        self.iteration = 0
+        self._path = directory / WEIGHTS
+        header, _ = read_header(self._path)
+        self._plan = plan(self.config, self.scheme)
+        for entries in self._plan.values():
+            for _, specs in entries:
+                for spec in specs:
+                    entry = header.get(spec.name)
+                    want = (_STORED[spec.dtype], list(spec.shape))
+                    if entry is None or (entry["dtype"], list(entry["shape"])) != want:
+                        have = "missing" if entry is None else f"{entry['dtype']} {entry['shape']}"
+                        raise ValueError(
+                            f"{self._path}: tensor {spec.name} is {have}; the model in {CONFIG} "
+                            f"quantized as {SCHEME_FILE} says needs {want[0]} {want[1]}"
+                        )
+
+    def read_unit(self, unit: Unit) -> Tensors:
+        """The unit's tensors, quantized weights dequantized to the recorded dtype."""
+        entries = self._plan[unit]
+        raw = read_tensors(self._path, [s.name for _, specs in entries for s in specs])
+        out: Tensors = {}
+        for name, specs in entries:
+            if len(specs) == 1:
+                out[name] = raw[name].to(self.scheme.dtype)
+                continue
+            codes = raw.get(f"{name}.codes")
+            if codes is None:
+                codes = unpack_int4(raw[f"{name}.packed"])
+            weight = QuantizedWeight(
+                codes.to(torch.int8), raw[f"{name}.scale"].float(), raw.get(f"{name}.zero")
+            )
+            out[name] = dequantize_weight(weight, self.scheme.dtype)
+        return out
+
+
+class QuantizedSink:
+    """Writes a quantized checkpoint into `directory` (a temporary one the job renames)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        tokenizer: list[Path],
+        weights: WeightScheme,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheme = Scheme(weights, dtype)
+        self._plan = plan(config, self.scheme)
+        specs = [s for unit in units(config) for _, parts in self._plan[unit] for s in parts]
+        self._writer = StreamingWriter(directory / WEIGHTS, specs, {"format": FORMAT})
+
+    def write_unit(self, unit: Unit, tensors: Tensors) -> None:
+        """Quantizes the unit's decoder weights and streams every stored tensor."""
+        for name, specs in self._plan[unit]:
+            tensor = tensors[name]
+            if len(specs) == 1:
+                self._writer.write(name, tensor.to(self.scheme.dtype))
+                continue
+            q = quantize_weight(tensor, self.scheme.weights)
+            codes = pack_int4(q.codes) if self.scheme.weights.bits == 4 else q.codes
+            self._writer.write(specs[0].name, codes)
+            self._writer.write(f"{name}.scale", q.scale.float())
+            if q.zero_point is not None:
+                self._writer.write(f"{name}.zero", q.zero_point)
+
+    def abort(self) -> None:
+        """Closes the weights file (incomplete; the caller removes the directory)."""
+        self._writer.abandon()
+
+    def finish(self) -> list[str]:
+        """Closes the weights, writes quantization.json, config.json and tokenizer/."""
+        self._writer.close()
+        (self.directory / SCHEME_FILE).write_text(json.dumps(self.scheme.to_json(), indent=2))
+        (self.directory / CONFIG).write_text(json.dumps(self.config.to_dict(), indent=2))
+        files = [WEIGHTS, SCHEME_FILE, CONFIG]
+        if self.tokenizer:
+            (self.directory / "tokenizer").mkdir()
+            for path in self.tokenizer:
+                (self.directory / "tokenizer" / path.name).write_bytes(path.read_bytes())
+                files.append(f"tokenizer/{path.name}")
+        return sorted(files)

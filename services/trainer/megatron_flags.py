@@ -9,13 +9,13 @@ either a training field (`arguments.field_index()`, same name and meaning) or on
 - `refuse`: an error of one line naming the Meshline equivalent.
 
 `apply(given)` turns the parsed compat flags into field values (a mapped value that contradicts
-an explicit flag is an error naming both) and returns the warnings to print.
+an explicit flag is an error naming both). No row is accepted without effect (the decisions:
+docs/decisions.md, "DeepSpeed configurations key by key; no Megatron/ModelLink flag without
+effect").
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -313,10 +313,8 @@ def add_flags(parser: Any) -> None:
             group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
 
 
-def apply(
-    given: dict[str, Any], *, read_files: bool = False
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Resolve compat flags in parsed `given` values: (field values, no-effect notes).
+def apply(given: dict[str, Any], *, read_files: bool = False) -> dict[str, Any]:
+    """Resolve compat flags in parsed `given` values into field values.
 
     `given` holds field values plus `megatron__*` entries; the latter are removed, refused flags
     raise ValueError naming the equivalent, and a mapped value that contradicts an explicit flag
@@ -326,7 +324,6 @@ def apply(
     rows = {row.dest: row for row in TABLE}
     values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
     explicit = dict(values)
-    notes: list[tuple[str, str]] = []
     origin: dict[str, str] = {}  # field -> the compat flag that set it
     for dest in [k for k in given if k.startswith(DEST_PREFIX)]:
         row, value = rows[dest], given[dest]
@@ -355,23 +352,4 @@ def apply(
             f"the adaptive recompute chooses the layers itself; drop "
             f"{origin['recompute_granularity']}"
         )
-    return values, notes
-
-
-_WARNED: set[str] = set()
-# Set by `meshline train` before torchrun: the launcher already printed the warning.
-WARNED_ENV = "MESHLINE_MEGATRON_FLAGS_WARNED"
-
-
-def warn_once(notes: list[tuple[str, str]], prog: str = "meshline train") -> None:
-    """Print one warning line for the no-effect (flag, reason) pairs not yet reported (rank 0
-    only); flags sharing a reason are listed together."""
-    fresh = [(flag, why) for flag, why in notes if flag not in _WARNED]
-    if not fresh or os.environ.get("RANK", "0") != "0" or os.environ.get(WARNED_ENV):
-        return
-    _WARNED.update(flag for flag, _ in fresh)
-    by_reason: dict[str, list[str]] = {}
-    for flag, why in fresh:
-        by_reason.setdefault(why, []).append(flag)
-    parts = [f"{', '.join(flags)} ({why})" for why, flags in by_reason.items()]
-    print(f"{prog}: warning: accepted without effect: {'; '.join(parts)}", file=sys.stderr)
+    return values

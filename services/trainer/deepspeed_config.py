@@ -85,14 +85,27 @@ def _leaves(path: str, value: Any) -> list[tuple[str, Any]]:
 class _Ctx:
     """The mapping under construction."""
 
-    def __init__(self, given: dict[str, Any]) -> None:
+    def __init__(self, ds: dict[str, Any], given: dict[str, Any]) -> None:
+        self.ds = ds
         self.given = given
         self.out = Mapping()
+        self.origin: dict[str, tuple[str, Any]] = {}  # field -> (first key setting it, value)
 
     def set(self, path: str, value: Any, name: str, new: Any, note: str = "") -> None:
+        self.claim(path, name, new)
         self.out.fields[name] = new
         text = f"{_flag(name)} {new}" + (f" ({note})" if note else "")
         self.out.rows.append(Row(path, value, "applied", text, (name,)))
+
+    def claim(self, path: str, name: str, new: Any) -> None:
+        """Two keys of the file that set one field to different values are an error."""
+        before = self.origin.get(name)
+        if before is not None and self.out.fields[name] != new:
+            raise ValueError(
+                f"{path} means {_flag(name)} {new} but {before[0]} means {_flag(name)} "
+                f"{before[1]}; make them agree"
+            )
+        self.origin.setdefault(name, (path, new))
 
     def auto(self, path: str, *names: str) -> None:
         flags = ", ".join(_flag(n) for n in names)
@@ -166,8 +179,10 @@ def _only(default: Any, same: str, use: str, *, allow_auto: bool = True) -> Hand
         if isinstance(default, bool):
             _bool(path, value)
         elif isinstance(default, (int, float)):
-            _number(path, value)
-        if value == default:
+            _number(path, value, lo=float("-inf"))
+        if value == default or (
+            isinstance(default, str) and isinstance(value, str) and value.lower() == default.lower()
+        ):
             ctx.same(path, value, same)
         else:
             ctx.refuse(path, value, use)
@@ -335,6 +350,8 @@ def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
             b1, b2 = (_number(at, b) for b in val)
             if not (b1 < 1 and b2 < 1):
                 raise ValueError(f"{at}: betas must be in [0, 1), got {val!r}")
+            ctx.claim(at, "adam_beta1", b1)
+            ctx.claim(at, "adam_beta2", b2)
             ctx.out.fields.update(adam_beta1=b1, adam_beta2=b2)
             ctx.out.rows.append(
                 Row(
@@ -389,10 +406,16 @@ def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
         else:
             ctx.refuse(at, val, f"not a parameter of Meshline's {name}; remove it")
     # DeepSpeed's Adam/AdamW defaults where Meshline's differ (unless a flag sets them).
-    if name in _ADAM:
-        for key, fname, ds_default in (("weight_decay", "weight_decay", 0.0), ("lr", "lr", 1e-3)):
-            if key not in params and fname not in ctx.given:
-                ctx.set(f"{p}.{key}", "(absent)", fname, ds_default, "DeepSpeed's default")
+    defaults = [("weight_decay", "weight_decay", 0.0), ("lr", "lr", 1e-3)]
+    if name == "sgd":  # torch.optim.SGD's default; Meshline's --sgd-momentum defaults to 0.9
+        defaults.append(("momentum", "sgd_momentum", 0.0))
+    scheduler = ctx.ds.get("scheduler")
+    sched_params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    if isinstance(sched_params, dict) and "warmup_max_lr" in sched_params:
+        defaults.remove(("lr", "lr", 1e-3))  # the scheduler's peak is the learning rate
+    for key, fname, ds_default in defaults:
+        if key not in params and fname not in ctx.given:
+            ctx.set(f"{p}.{key}", "(absent)", fname, ds_default, "DeepSpeed's default")
 
 
 # --- scheduler
@@ -451,6 +474,11 @@ def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
                 ctx.auto(at, "lr_decay_iters")
             else:
                 ctx.set(at, val, "lr_decay_iters", _number(at, val, lo=1, integer=True))
+        elif key == "warmup_min_lr" and style == "linear":
+            if not (_is_auto(val) or _number(at, val) == 0):
+                ctx.refuse(at, val, "Meshline's warmup starts at lr 0; set it to 0")
+            else:
+                ctx.set(at, val, "min_lr", 0.0, "warmup starts at 0 and the decay ends there")
         elif key in ("warmup_min_lr", "warmup_min_ratio") and not (
             cosine and key == "warmup_min_lr"
         ):
@@ -494,6 +522,8 @@ def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
                 1e-4 * float(lr),
                 "DeepSpeed's default ratio 0.0001 x lr",
             )
+    if style == "linear" and "warmup_min_lr" not in params and "min_lr" not in ctx.given:
+        ctx.set(f"{p}.warmup_min_lr", "(absent)", "min_lr", 0.0, "DeepSpeed decays to 0")
     if style != "constant" and "total_num_steps" not in params:
         ctx.same(
             f"{p}.total_num_steps",
@@ -1116,10 +1146,13 @@ def map_config(ds: dict[str, Any], given: dict[str, Any] | None = None) -> Mappi
     """Map a parsed DeepSpeed configuration; `given`: the field values already set by flags
     (DeepSpeed defaults that differ from Meshline's are applied only where no flag is given).
     Invalid values raise ValueError naming the key path; refusals are rows (see `refused`)."""
-    ctx = _Ctx(dict(given or {}))
     _dict("the DeepSpeed configuration", ds)
+    ctx = _Ctx(ds, dict(given or {}))
     _batch(ctx, ds)
-    for key, val in ds.items():
+    # The optimizer first: the scheduler's cos_min_ratio is a fraction of its learning rate.
+    order = sorted(ds, key=lambda k: k != "optimizer")
+    for key in order:
+        val = ds[key]
         if key in _BATCH_KEYS:
             continue
         handler = _TOP.get(key)

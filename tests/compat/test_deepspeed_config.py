@@ -213,6 +213,38 @@ def test_disabled_feature_blocks_and_defaults_are_the_same(tmp_path):
     assert {r.key for r in mapping.rows} >= set(_leaves("", ds))
 
 
+def test_two_keys_setting_one_field_differently_name_both(tmp_path):
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4,
+                                                       "warmup_type": "linear"}}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"scheduler\.params\.warmup_max_lr means --lr 0\.0003 "
+                       r"but optimizer\.params\.lr means --lr 0\.001"):  # fmt: skip
+        deepspeed_config.map_config(ds, {})
+
+
+def test_deepspeed_defaults_where_meshline_differs_and_key_order(tmp_path):
+    # The scheduler before the optimizer: cos_min_ratio still scales the optimizer's lr.
+    ds = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_type": "linear",
+                                                             "cos_min_ratio": 0.5}},
+          "optimizer": {"type": "SGD", "params": {"lr": 0.2}},
+          "zero_optimization": {"mics_shard_size": -1}, "checkpoint": {"tag_validation": "WARN"},
+          "fp16": {"enabled": True}}  # fmt: skip
+    mapping = deepspeed_config.map_config(ds, {})
+    assert not mapping.refused(), mapping.refused()
+    f = mapping.fields
+    assert f["min_lr"] == pytest.approx(0.1) and f["optimizer"] == "sgd"
+    assert f["sgd_momentum"] == 0.0 and f["weight_decay"] == 0.0  # torch SGD's defaults
+    assert f["initial_loss_scale"] == 2.0**16  # DeepSpeed's initial_scale_power 16
+    # An explicit flag wins over DeepSpeed's default for an absent key.
+    assert "sgd_momentum" not in deepspeed_config.map_config(ds, {"sgd_momentum": 0.9}).fields
+    # WarmupDecayLR decays to 0: an explicit --min-lr that differs is a contradiction.
+    decay = tmp_path / "decay.json"
+    decay.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_type": "linear", "warmup_min_lr": 0, "total_num_steps": 50}}}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"--min-lr 0\.0 but --min-lr 1e-05"):
+        parse_args([*BASE, "--min-lr", "1e-5", "--deepspeed_config", str(decay)], read_files=True)
+
+
 def test_a_mapped_key_contradicting_a_flag_names_both():
     with pytest.raises(
         ValueError, match=r"--deepspeed-config means --zero-stage 2 but --zero-stage 1"

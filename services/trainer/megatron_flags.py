@@ -116,7 +116,10 @@ def _virtual_stages(value: Any, given: dict[str, Any]) -> dict[str, Any]:
 
 
 _SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
-_NO_FUSION = "kernel fusion is chosen per device by kernels/; results are the same"
+_NO_FUSION = (
+    "kernel fusion is chosen per device by kernels/; fused and reference kernels agree within "
+    "rounding (MESHLINE_KERNELS=reference forces the reference ones)"
+)
 _LOGGING = "Meshline logs loss, lr, grad norm and tokens/s to --log-dir (metrics.csv, TensorBoard)"
 
 TABLE: tuple[CompatFlag, ...] = (

@@ -56,11 +56,16 @@ def _strip(ds: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 
 
 def test_the_notes_examples_are_all_here():
+    # 001: ZeRO-1, ZeRO-2 and ZeRO-3 (+ CPU offload) for HF; 004: ZeRO-2 with optimizer offload,
+    # ZeRO-3 with CPU offload, DeepSpeed-Chat's ZeRO-3; ZeRO-Infinity (NVMe) from DeepSpeed's
+    # docs; an fp16 run with every loss-scale key, and a ZeRO-2 run with concrete values.
     assert EXAMPLES == [
         "fp16_loss_scale.json",
+        "zero1.json",
         "zero2.json",
         "zero2_cpu_offload_optimizer.json",
         "zero3_cpu_offload.json",
+        "zero3_deepspeed_chat.json",
         "zero3_nvme.json",
     ]
 

@@ -266,13 +266,11 @@ def config_from_values(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**{name: SECTIONS[name](**vals) for name, vals in per_section.items()})
 
 
-def parse_args(
-    argv: list[str] | None = None, *, warn: bool = True, read_files: bool = False
-) -> TrainConfig:
+def parse_args(argv: list[str] | None = None, *, read_files: bool = False) -> TrainConfig:
     """Parse flags (and `--config FILE`) into a TrainConfig; bad values raise ValueError naming the flag.
 
-    Megatron/ModelLink flags that are not fields are resolved by `megatron_flags.apply`; with
-    `warn`, the ones accepted without effect are reported once on stderr; `read_files` lets
+    Megatron/ModelLink flags that are not fields are resolved by `megatron_flags.apply`
+    (mapped, accepted or refused; none without effect); `read_files` lets
     flags whose value is a file to read at parse time (--deepspeed-config) through (the command
     line does; a service request's paths are untrusted). The result is checked
     section by section; call `config.validate(world_size)` once the job size is known for the
@@ -285,10 +283,8 @@ def parse_args(
     values = load_config_file(config_path) if config_path else {}
     check_types(values, f"--config {config_path}")
     values.update(given)
-    values, notes = megatron_flags.apply(values, read_files=read_files)
+    values = megatron_flags.apply(values, read_files=read_files)
     config = config_from_values(values)
-    if warn:
-        megatron_flags.warn_once(notes)
     return config
 
 

@@ -20,14 +20,12 @@ the launched run would (`--hsdp` without `--hsdp-shard-size` shards within a nod
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from services.trainer import dry_run
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launch_checks import check_inputs, check_model_layout, check_paths
 from services.trainer.launcher import launch
-from services.trainer.megatron_flags import WARNED_ENV
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -83,18 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         check_paths(config)  # one line before any worker starts
         check_inputs(config)
         check_model_layout(config, world_size)
-        os.environ[WARNED_ENV] = "1"  # the workers need not repeat the no-effect flag warning
-        try:
-            return launch(
-                train_argv,
-                launch_args.nproc_per_node or 1,
-                nnodes=launch_args.nnodes,
-                node_rank=launch_args.node_rank,
-                rdzv_endpoint=launch_args.rdzv_endpoint,
-                max_restarts=launch_args.max_restarts,
-            )
-        finally:
-            os.environ.pop(WARNED_ENV, None)
+        return launch(
+            train_argv,
+            launch_args.nproc_per_node or 1,
+            nnodes=launch_args.nnodes,
+            node_rank=launch_args.node_rank,
+            rdzv_endpoint=launch_args.rdzv_endpoint,
+            max_restarts=launch_args.max_restarts,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshline train: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ from kernels.activation import trains_fused_swiglu
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
-from services.trainer.train_config import TrainConfig
+from services.trainer import deepspeed_config
+from services.trainer.train_config import SECTIONS, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -380,8 +381,13 @@ def main(
     """Entry point from `meshline train --dry-run` (`nproc_per_node`: the launcher's flag)."""
     from services.trainer.arguments import parse_args
 
+    mapping = _deepspeed_mapping(train_argv)
     try:
         config = parse_args(train_argv, read_files=True)
+        if mapping is not None:
+            print(f"DeepSpeed configuration {deepspeed_config.path_in_argv(train_argv)}:")
+            print(deepspeed_config.format_table(mapping, lambda f: _resolved(config, f)))
+            deepspeed_config.check_world(mapping, config.dp_size(world_size))
         memory = parse_bytes(device_memory) if device_memory else None
         if nproc_per_node is not None and (nproc_per_node < 1 or world_size % nproc_per_node):
             raise ValueError(
@@ -390,6 +396,9 @@ def main(
             )
         report = dry_run(config, world_size, memory, nproc_per_node)
     except ValueError as exc:
+        if mapping is not None and mapping.refused():
+            print(f"DeepSpeed configuration {deepspeed_config.path_in_argv(train_argv)}:")
+            print(deepspeed_config.format_table(mapping))
         print(f"meshline train --dry-run: {exc}", file=sys.stderr)
         return 2
     layout = report["layout"]
@@ -415,6 +424,30 @@ def main(
             out.write("\n")
         print(f"report written to {report_path}")
     return 0 if fits["ok"] in (None, True) else 1
+
+
+def _deepspeed_mapping(train_argv: list[str]) -> deepspeed_config.Mapping | None:
+    """The --deepspeed-config mapping report of a training command line (None without the
+    flag, or when the file itself is invalid: parsing reports that)."""
+    from services.trainer.arguments import build_parser
+
+    path = deepspeed_config.path_in_argv(train_argv)
+    if path is None:
+        return None
+    try:
+        given = dict(vars(build_parser().parse_args(train_argv)))
+        return deepspeed_config.read(path, given)
+    except (ValueError, SystemExit):
+        return None
+
+
+def _resolved(config: TrainConfig, field: str) -> Any:
+    """The run's resolved value of a training field."""
+    for name in SECTIONS:
+        section = getattr(config, name)
+        if hasattr(section, field):
+            return getattr(section, field)
+    raise KeyError(field)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -6,25 +6,23 @@ either a training field (`arguments.field_index()`, same name and meaning) or on
 - `map`: accepted and translated onto fields (`--checkpoint-activations` -> full recompute);
 - `same`: accepted, nothing to do: Meshline always behaves as the flag asks (fused kernels are
   chosen per device, the pipeline's send/recv are not overlapped, ...);
-- `ignore`: accepted without effect (logging, profiling, performance knobs of other runtimes);
-  one warning line lists them when the run starts;
 - `refuse`: an error of one line naming the Meshline equivalent.
 
 `apply(given)` turns the parsed compat flags into field values (a mapped value that contradicts
-an explicit flag is an error naming both) and returns the warnings to print.
+an explicit flag is an error naming both). No row is accepted without effect (the decisions:
+docs/decisions.md, "DeepSpeed configurations key by key; no Megatron/ModelLink flag without
+effect").
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["map", "same", "ignore", "refuse"]
+from services.trainer import deepspeed_config
+
+Kind = Literal["map", "same", "refuse"]
 DEST_PREFIX = "megatron__"
 
 
@@ -35,9 +33,9 @@ class CompatFlag:
     flag: str
     """Main spelling, e.g. --checkpoint-activations."""
     kind: Kind
-    """map, same, ignore or refuse (see the module docstring)."""
+    """map, same or refuse (see the module docstring)."""
     note: str
-    """map/same: what Meshline does; ignore: why it has no effect; refuse: the equivalent."""
+    """map/same: what Meshline does; refuse: the equivalent."""
     nargs: int | str = 0
     """0 for a switch, 1 for one value, "*"/"+" for a list."""
     sets: tuple[tuple[str, Any], ...] = ()
@@ -87,28 +85,15 @@ def _per_batch(flag: str, field: str) -> Callable[[Any, dict[str, Any]], dict[st
     return convert
 
 
-def _deepspeed_config(value: Any, given: dict[str, Any]) -> dict[str, Any]:
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"--deepspeed-config {value}: no such file")
-    try:
-        ds = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--deepspeed-config {value}: not valid JSON ({exc})") from None
-    if not isinstance(ds, dict):
-        raise ValueError(f"--deepspeed-config {value}: expected a JSON object")
-    out: dict[str, Any] = {}
-    stage = (ds.get("zero_optimization") or {}).get("stage")
-    if stage is not None:
-        out["zero_stage"] = int(stage)
-    for key in ("fp16", "bf16"):
-        if (ds.get(key) or {}).get("enabled") is True:
-            out[key] = True
-    if isinstance(ds.get("train_micro_batch_size_per_gpu"), int):
-        out["micro_batch_size"] = ds["train_micro_batch_size_per_gpu"]
-    if isinstance(ds.get("gradient_clipping"), (int, float)):
-        out["clip_grad"] = float(ds["gradient_clipping"])
-    return out
+def _zero_only(flag: str, use: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    """A value flag whose 0 is Meshline's behaviour; other values are refused."""
+
+    def convert(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+        if str(value) in ("0", "0.0"):
+            return {}
+        raise ValueError(f"{flag} {value} is not supported: {use}")
+
+    return convert
 
 
 def _rotary_percent(value: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -131,9 +116,11 @@ def _virtual_stages(value: Any, given: dict[str, Any]) -> dict[str, Any]:
 
 
 _SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
-_NO_FUSION = "kernel fusion is chosen per device by kernels/; results are the same"
+_NO_FUSION = (
+    "kernel fusion is chosen per device by kernels/; fused and reference kernels agree within "
+    "rounding (MESHLINE_KERNELS=reference forces the reference ones)"
+)
 _LOGGING = "Meshline logs loss, lr, grad norm and tokens/s to --log-dir (metrics.csv, TensorBoard)"
-_PERF = "a performance option of Ascend/DeepSpeed runtimes; training is the same without it"
 
 TABLE: tuple[CompatFlag, ...] = (
     # --- recompute and attention
@@ -193,63 +180,91 @@ TABLE: tuple[CompatFlag, ...] = (
     CompatFlag("--virtual-pipeline-model-parallel-size", "map", "--num-layers-per-virtual-"
                "pipeline-stage = layers / (pipeline x virtual)", nargs=1, convert=_virtual_stages),
     # --- DeepSpeed (ModelLink's deepspeed branch)
-    CompatFlag("--deepspeed", "ignore", "ZeRO is built in: --zero-stage N or --deepspeed-config"),
-    CompatFlag("--deepspeed-config", "map", "zero_optimization.stage -> --zero-stage, "
-               "fp16/bf16.enabled, train_micro_batch_size_per_gpu, gradient_clipping", nargs=1,
-               convert=_deepspeed_config, aliases=("--deepspeed_config",), reads_file=True),
-    CompatFlag("--deepspeed-activation-checkpointing", "ignore", "use --checkpoint-activations "
-               "(recompute is built in)"),
-    CompatFlag("--partition-activations", "ignore", "use --sequence-parallel to shard "
-               "activations"),
-    # --- performance knobs with no effect here
-    CompatFlag("--optimized-pipeline", "ignore", _PERF),
-    CompatFlag("--manual-mbs", "ignore", _PERF, nargs=1),
-    CompatFlag("--fold-mode", "ignore", _PERF, nargs=1),
-    CompatFlag("--use-mc2", "ignore", _PERF),
-    CompatFlag("--reuse-fp32-param", "ignore", _PERF),
-    CompatFlag("--jit-compile", "ignore", _PERF),
-    CompatFlag("--overlap-param-gather", "ignore", "parameter all-gathers follow FSDP2's "
-               "prefetch (--zero3-prefetch-layers)"),
-    CompatFlag("--overlap-p2p-communication", "ignore", "pipeline send/recv are not overlapped"),
-    CompatFlag("--grad-reduce-in-bf16", "ignore", "gradients are reduced in fp32"),
-    CompatFlag("--no-masked-softmax-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-bias-gelu-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-bias-swiglu-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-bias-dropout-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-rope-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-gradient-accumulation-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--cross-entropy-loss-fusion", "ignore", _NO_FUSION),
-    CompatFlag("--no-async-tensor-model-parallel-allreduce", "ignore", _NO_FUSION),
-    CompatFlag("--fp16-lm-cross-entropy", "ignore", "the cross entropy is computed in fp32"),
-    CompatFlag("--calculate-per-token-loss", "ignore", "the loss is already the mean over "
+    CompatFlag("--deepspeed", "same", "ZeRO is built in: --zero-stage N, or --deepspeed-config "
+               "whose keys are mapped one by one"),
+    CompatFlag("--deepspeed-config", "map", "every key mapped or refused by name "
+               "(docs/training.md, DeepSpeed configurations)", nargs=1,
+               convert=deepspeed_config.convert, aliases=("--deepspeed_config",),
+               reads_file=True),
+    CompatFlag("--deepspeed-activation-checkpointing", "same", "recompute uses Meshline's "
+               "checkpointing; --checkpoint-activations turns it on"),
+    CompatFlag("--partition-activations", "refuse", "use --sequence-parallel to shard "
+               "activations over tensor-parallel ranks"),
+    # --- performance options of other runtimes
+    CompatFlag("--optimized-pipeline", "refuse", "per-stage micro-batch sizes are not "
+               "implemented; use --micro-batch-size (one size for every stage)"),
+    CompatFlag("--manual-mbs", "refuse", "per-stage micro-batch sizes are not implemented; use "
+               "--micro-batch-size", nargs=1),
+    CompatFlag("--fold-mode", "refuse", "Fold3D is not implemented; use --overlap-grad-reduce "
+               "(a stage's gradient reduction overlaps the rest of the schedule)", nargs=1),
+    CompatFlag("--use-mc2", "refuse", "Ascend's fused matmul + collective is not used; drop "
+               "the flag"),
+    CompatFlag("--reuse-fp32-param", "refuse", "use --release-fp32-grad to drop the persistent "
+               "fp32 gradient copy"),
+    CompatFlag("--jit-compile", "refuse", "use --compile (torch.compile per decoder layer)"),
+    CompatFlag("--overlap-param-gather", "refuse", "use --zero-stage 3 --zero3-prefetch-layers "
+               "N (FSDP2 gathers parameters ahead of use)"),
+    CompatFlag("--overlap-p2p-communication", "refuse", "pipeline send/recv are not "
+               "overlapped; drop the flag"),
+    CompatFlag("--grad-reduce-in-bf16", "refuse", "gradients are reduced in fp32; drop the "
+               "flag"),
+    CompatFlag("--no-masked-softmax-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-bias-gelu-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-bias-dropout-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-rope-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", "same", _NO_FUSION),
+    CompatFlag("--cross-entropy-loss-fusion", "same", _NO_FUSION),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", "same", _NO_FUSION),
+    CompatFlag("--fp16-lm-cross-entropy", "refuse", "the cross entropy is computed in fp32; "
+               "drop the flag"),
+    CompatFlag("--calculate-per-token-loss", "same", "the loss is already the mean over "
                "every counted token of the global batch"),
-    CompatFlag("--no-shared-storage", "ignore", "each node builds its own index cache"),
-    CompatFlag("--num-workers", "ignore", "samples come from memory-mapped shards in-process",
-               nargs=1),
-    CompatFlag("--manual-gc", "ignore", _PERF),
-    CompatFlag("--manual-gc-interval", "ignore", _PERF, nargs=1),
-    CompatFlag("--empty-unused-memory-level", "ignore", _PERF, nargs=1),
-    CompatFlag("--distributed-timeout-minutes", "ignore", "torchrun's default timeout applies",
-               nargs=1),
-    CompatFlag("--no-check-for-nan-in-loss-and-grad", "ignore", "NaN handling is --nan-policy"),
+    CompatFlag("--no-shared-storage", "same", "each node builds its own index cache"),
+    CompatFlag("--num-workers", "map", "0 only: samples are read in the training process "
+               "from memory-mapped shards", nargs=1,
+               convert=_zero_only("--num-workers", "samples are read in the training process "
+                                  "from memory-mapped shards; drop the flag")),
+    CompatFlag("--manual-gc", "refuse", "Python's automatic garbage collection runs; drop "
+               "the flag"),
+    CompatFlag("--manual-gc-interval", "map", "0 only (automatic garbage collection)", nargs=1,
+               convert=_zero_only("--manual-gc-interval", "Python's automatic garbage "
+                                  "collection runs; drop the flag")),
+    CompatFlag("--empty-unused-memory-level", "map", "0 only: the caching allocator keeps "
+               "freed blocks", nargs=1,
+               convert=_zero_only("--empty-unused-memory-level", "the caching allocator keeps "
+                                  "freed blocks; drop the flag")),
+    CompatFlag("--distributed-timeout-minutes", "refuse", "the process group uses PyTorch's "
+               "default timeout; drop the flag", nargs=1),
+    CompatFlag("--no-check-for-nan-in-loss-and-grad", "refuse", "a non-finite loss stops the "
+               "run (--nan-policy stop) or skips the step: use --nan-policy skip"),
     # --- logging and profiling
-    CompatFlag("--log-params-norm", "ignore", _LOGGING),
-    CompatFlag("--log-num-zeros-in-grad", "ignore", _LOGGING),
-    CompatFlag("--log-timers-to-tensorboard", "ignore", _LOGGING),
-    CompatFlag("--log-validation-ppl-to-tensorboard", "ignore", _LOGGING),
-    CompatFlag("--log-memory-to-tensorboard", "ignore", _LOGGING),
-    CompatFlag("--log-batch-size-to-tensorboard", "ignore", _LOGGING),
-    CompatFlag("--timing-log-level", "ignore", _LOGGING, nargs=1),
-    CompatFlag("--tensorboard-log-interval", "ignore", "TensorBoard is written every "
-               "--log-interval", nargs=1),
-    CompatFlag("--tensorboard-queue-size", "ignore", _LOGGING, nargs=1),
-    CompatFlag("--wandb-project", "ignore", _LOGGING, nargs=1),
-    CompatFlag("--wandb-exp-name", "ignore", _LOGGING, nargs=1),
+    CompatFlag("--log-params-norm", "refuse", _LOGGING),
+    CompatFlag("--log-num-zeros-in-grad", "refuse", _LOGGING),
+    CompatFlag("--log-timers-to-tensorboard", "refuse", "use --profile (a torch.profiler "
+               "trace); " + _LOGGING),
+    CompatFlag("--log-validation-ppl-to-tensorboard", "same", "validation loss and perplexity "
+               "are written to TensorBoard (val/loss, val/ppl) under --log-dir"),
+    CompatFlag("--log-memory-to-tensorboard", "refuse", "use --profile --profile-with-memory; "
+               + _LOGGING),
+    CompatFlag("--log-batch-size-to-tensorboard", "refuse", _LOGGING),
+    CompatFlag("--timing-log-level", "map", "0 only: the metrics line has the step time",
+               nargs=1, convert=_zero_only("--timing-log-level", "use --profile for per-op "
+                                           "timings; " + _LOGGING)),
+    CompatFlag("--tensorboard-log-interval", "map", "--log-interval (TensorBoard is written "
+               "with every metrics line)", nargs=1,
+               convert=lambda v, g: {"log_interval": int(v)}),
+    CompatFlag("--tensorboard-queue-size", "refuse", "TensorBoard's writer queue is not "
+               "configurable; drop the flag", nargs=1),
+    CompatFlag("--wandb-project", "refuse", "Weights & Biases is not supported; " + _LOGGING,
+               nargs=1),
+    CompatFlag("--wandb-exp-name", "refuse", "Weights & Biases is not supported; " + _LOGGING,
+               nargs=1),
     CompatFlag("--use-pytorch-profiler", "same", "--profile always runs torch.profiler "
                "(torch_npu's on Ascend); on CUDA it also opens the cudaProfilerApi range nsys "
                "captures"),
-    CompatFlag("--use-checkpoint-args", "ignore", "the model comes from the flags; checkpoints "
-               "hold model_config.json for `meshline convert` and `generate`"),
+    CompatFlag("--use-checkpoint-args", "refuse", "the model comes from the flags or --model; "
+               "give them (checkpoints hold model_config.json for `meshline convert`)"),
     # --- refused: no equivalent behaviour
     CompatFlag("--vocab-file", "refuse", "use --tokenizer-type PretrainedFromHF "
                "--tokenizer-name-or-path DIR (a HF tokenizer directory)", nargs=1),
@@ -301,10 +316,8 @@ def add_flags(parser: Any) -> None:
             group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
 
 
-def apply(
-    given: dict[str, Any], *, read_files: bool = False
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Resolve compat flags in parsed `given` values: (field values, no-effect notes).
+def apply(given: dict[str, Any], *, read_files: bool = False) -> dict[str, Any]:
+    """Resolve compat flags in parsed `given` values into field values.
 
     `given` holds field values plus `megatron__*` entries; the latter are removed, refused flags
     raise ValueError naming the equivalent, and a mapped value that contradicts an explicit flag
@@ -314,15 +327,11 @@ def apply(
     rows = {row.dest: row for row in TABLE}
     values = {k: v for k, v in given.items() if not k.startswith(DEST_PREFIX)}
     explicit = dict(values)
-    notes: list[tuple[str, str]] = []
     origin: dict[str, str] = {}  # field -> the compat flag that set it
     for dest in [k for k in given if k.startswith(DEST_PREFIX)]:
         row, value = rows[dest], given[dest]
         if row.kind == "refuse":
             raise ValueError(f"{row.flag} is not supported: {row.note}")
-        if row.kind == "ignore":
-            notes.append((row.flag, row.note))
-            continue
         if row.kind == "same":
             continue
         if row.reads_file and not read_files:
@@ -346,23 +355,4 @@ def apply(
             f"the adaptive recompute chooses the layers itself; drop "
             f"{origin['recompute_granularity']}"
         )
-    return values, notes
-
-
-_WARNED: set[str] = set()
-# Set by `meshline train` before torchrun: the launcher already printed the warning.
-WARNED_ENV = "MESHLINE_MEGATRON_FLAGS_WARNED"
-
-
-def warn_once(notes: list[tuple[str, str]], prog: str = "meshline train") -> None:
-    """Print one warning line for the no-effect (flag, reason) pairs not yet reported (rank 0
-    only); flags sharing a reason are listed together."""
-    fresh = [(flag, why) for flag, why in notes if flag not in _WARNED]
-    if not fresh or os.environ.get("RANK", "0") != "0" or os.environ.get(WARNED_ENV):
-        return
-    _WARNED.update(flag for flag, _ in fresh)
-    by_reason: dict[str, list[str]] = {}
-    for flag, why in fresh:
-        by_reason.setdefault(why, []).append(flag)
-    parts = [f"{', '.join(flags)} ({why})" for why, flags in by_reason.items()]
-    print(f"{prog}: warning: accepted without effect: {'; '.join(parts)}", file=sys.stderr)
+    return values

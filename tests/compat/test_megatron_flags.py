@@ -144,6 +144,9 @@ NEEDS = {
     "--lora-modules-to-save": ["--lora-target-modules", "dense"],
 }  # fmt: skip
 SKIP_BASE = {"--mock-data", "--data-path", "--lora-load"}  # conflict with --mock-data / need data
+# Value flags accepted at Meshline's behaviour (0) and refused, naming the flag, at the
+# scripts' other values.
+VALUE_REFUSED = {"--empty-unused-memory-level", "--num-workers", "--manual-gc-interval"}
 
 
 @pytest.mark.parametrize("flag", sorted(SCRIPT_FLAGS))
@@ -151,20 +154,19 @@ def test_every_script_flag_is_accepted_mapped_or_refused(flag, capsys):
     kind = _classify(flag)
     base = [a for a in BASE if a != "--mock-data"] if flag in SKIP_BASE else BASE
     argv = [*base, *NEEDS.get(flag, []), flag, *SCRIPT_FLAGS[flag]]
-    megatron_flags._WARNED.clear()
-    if kind == "refuse":
+    if kind == "refuse" or flag in VALUE_REFUSED:
         with pytest.raises(ValueError) as caught:
             parse_args(argv)
         row = megatron_flags.by_flag()[flag]
         message = str(caught.value)
-        assert flag in message and row.note in message and "\n" not in message
+        assert flag in message and "\n" not in message
+        assert row.note in message or "drop the flag" in message
+        if flag in VALUE_REFUSED:
+            assert parse_args([*base, *NEEDS.get(flag, []), flag, "0"]) is not None
         return
     config = parse_args(argv)
     err = capsys.readouterr().err
-    if kind == "ignore":
-        assert "accepted without effect" in err and flag in err, err
-    else:
-        assert "accepted without effect" not in err, err
+    assert "accepted without effect" not in err, err
     assert config is not None
 
 
@@ -174,7 +176,7 @@ def test_the_table_is_data_with_one_row_per_flag_and_a_reason():
     for row in megatron_flags.TABLE:
         assert row.note.strip(), row.flag
         assert row.flag not in fields, f"{row.flag} is a field flag and a table row"
-        assert row.kind in ("map", "same", "ignore", "refuse")
+        assert row.kind in ("map", "same", "refuse"), f"{row.flag}: {row.kind}"
         if row.kind == "map":
             assert row.sets or row.convert, row.flag
     assert len(table) >= len(megatron_flags.TABLE)
@@ -229,13 +231,53 @@ def test_checkpoint_activations_with_adaptive_recompute_names_the_flag_to_drop()
         parse_args([*BASE, "--checkpoint-activations", "--auto-recompute-device-size", "1024"])
 
 
-def test_no_effect_flags_warn_once(capsys):
-    megatron_flags._WARNED.clear()
-    parse_args([*BASE, "--no-masked-softmax-fusion", "--optimized-pipeline"])
-    parse_args([*BASE, "--no-masked-softmax-fusion", "--optimized-pipeline"])
-    err = capsys.readouterr().err
-    assert err.count("accepted without effect") == 1
-    assert "--no-masked-softmax-fusion" in err and "--optimized-pipeline" in err
+# Every row that was "accepted without effect" before and its decision (docs/decisions.md,
+# "Megatron/ModelLink compat rows: no flag without effect"): same (Meshline behaves so), a
+# mapped value, or refused naming the equivalent.
+FORMER_NO_EFFECT = {
+    "--deepspeed": "same", "--deepspeed-activation-checkpointing": "same",
+    "--partition-activations": "refuse", "--optimized-pipeline": "refuse",
+    "--manual-mbs": "refuse", "--fold-mode": "refuse", "--use-mc2": "refuse",
+    "--reuse-fp32-param": "refuse", "--jit-compile": "refuse",
+    "--overlap-param-gather": "refuse", "--overlap-p2p-communication": "refuse",
+    "--grad-reduce-in-bf16": "refuse", "--no-masked-softmax-fusion": "same",
+    "--no-bias-gelu-fusion": "same", "--no-bias-swiglu-fusion": "same",
+    "--no-bias-dropout-fusion": "same", "--no-rope-fusion": "same",
+    "--no-gradient-accumulation-fusion": "same", "--cross-entropy-loss-fusion": "same",
+    "--no-async-tensor-model-parallel-allreduce": "same", "--fp16-lm-cross-entropy": "refuse",
+    "--calculate-per-token-loss": "same", "--no-shared-storage": "same", "--num-workers": "map",
+    "--manual-gc": "refuse", "--manual-gc-interval": "map",
+    "--empty-unused-memory-level": "map", "--distributed-timeout-minutes": "refuse",
+    "--no-check-for-nan-in-loss-and-grad": "refuse", "--log-params-norm": "refuse",
+    "--log-num-zeros-in-grad": "refuse", "--log-timers-to-tensorboard": "refuse",
+    "--log-validation-ppl-to-tensorboard": "same", "--log-memory-to-tensorboard": "refuse",
+    "--log-batch-size-to-tensorboard": "refuse", "--timing-log-level": "map",
+    "--tensorboard-log-interval": "map", "--tensorboard-queue-size": "refuse",
+    "--wandb-project": "refuse", "--wandb-exp-name": "refuse", "--use-checkpoint-args": "refuse",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", sorted(FORMER_NO_EFFECT))
+def test_no_compat_row_is_accepted_without_effect(flag, capsys):
+    row = megatron_flags.by_flag()[flag]
+    assert row.kind == FORMER_NO_EFFECT[flag]
+    values = {0: [], 1: ["0" if row.convert else "x"]}.get(row.nargs, ["x"])  # type: ignore[call-overload]
+    if flag == "--tensorboard-log-interval":
+        values = ["5"]
+    argv = [*BASE, flag, *values]
+    if row.kind == "refuse":
+        with pytest.raises(ValueError, match="^" + flag + " .*not supported: "):
+            parse_args(argv)
+        return
+    config = parse_args(argv)
+    assert "accepted without effect" not in capsys.readouterr().err
+    if flag == "--tensorboard-log-interval":
+        assert config.run.log_interval == 5
+        with pytest.raises(ValueError, match=r"--tensorboard-log-interval.*--log-interval"):
+            parse_args([*argv, "--log-interval", "7"])
+    if row.kind == "map" and row.convert and flag != "--tensorboard-log-interval":
+        with pytest.raises(ValueError, match=f"{flag} 3 is not supported: .*(use|drop)"):
+            parse_args([*BASE, flag, "3"])
 
 
 def test_megatron_architecture_flags_define_the_model_without_model():

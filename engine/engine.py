@@ -231,7 +231,7 @@ class Engine:
             raise InvalidRequest(problems)
 
     def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether prompt + new tokens fit the cache (callers answer OUT_OF_RANGE otherwise)."""
+        """Whether prompt + new tokens fit --max-model-len (engine.validation.fit_problems says why)."""
         return prompt_len + max_new_tokens <= self.max_seq_len
 
     # -- the loop ----------------------------------------------------------------------------

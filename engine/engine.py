@@ -8,6 +8,12 @@ waiting requests that fit are prefilled into free rows, then every row picks its
 greedy or sampled rows together, beam-search requests per request. Finished sequences leave and
 the pool packs the surviving rows. Everything is synchronous and single-threaded; `submit` and
 `cancel` are the only calls safe from other threads (the async front end uses them).
+
+The engine is the loop around two parts, each in its own module, as vLLM v1's: the scheduler
+(engine/scheduler.py: which waiting requests take rows) and the model runner
+(engine/model_runner.py: weight layout, decode path, KV-cache pool, CUDA graphs, forwards).
+What stays here is the requests' life: inbox, rows, token picking (sampling, beams, stop
+strings), cancellation and per-request failure.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
-from engine.cache_plan import plan_cache
+from engine.cache_plan import CachePlan
 from engine.config import EngineConfig
-from engine.cuda_graphs import GraphedDecode
-from engine.decode_step import DecodeStep
 from engine.detokenize import TextTracker
-from engine.linear_choice import choose_cpu_linear, to_column_major
-from engine.native_step import C_ROWS, NativeStep
+from engine.model_runner import ModelRunner
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -47,13 +50,11 @@ from engine.sampling import (
     sample_rows,
     warp,
 )
+from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest, RequestLimits, request_problems
-from kernels import registry
-from kernels.cpu.hugepages import move_to_huge_pages
-from kernels.packed_linear import pack_linears
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -123,51 +124,15 @@ class Engine:
         tokens: TokenizerInfo,
         config: EngineConfig | None = None,
     ) -> None:
-        self.model = model.eval()
         self.tokens = tokens
         self.config = config or EngineConfig()
-        # max_position_embeddings, longer under dynamic RoPE scaling (ModelConfig.context_length)
-        self.context_length = int(
-            getattr(model.config, "context_length", model.config.max_position_embeddings)
+        self.runner = ModelRunner(
+            model, self.config, own_forward=self.runs_own_forward, agree_rows=self._agree_rows
         )
-        self.device = next(model.parameters()).device
-        if self.device.type == "cpu":  # before any layout or step takes views of the weights
-            log.info("weights: %s", move_to_huge_pages(model).why)
-        if self.config.compile_decode and self.device.type != "cpu":
-            raise ValueError(
-                f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
-                f"{self.device.type}"
-            )
-        plan = plan_cache(model, self.config, self.context_length, self.device)
-        self.cache_plan = plan
-        """The KV cache's size and why (engine.cache_plan); its summary is logged once."""
-        log.info("%s", plan.summary)
-        self.max_seq_len = plan.max_model_len
-        """Tokens per sequence, prompt + new (--max-model-len)."""
-        self.pool = SlotPool(model, self._agree_rows(plan.rows), self.max_seq_len)
-        shared_head = model.config.tie_word_embeddings or model.config.norm_head
-        skip = ("lm_head",) if shared_head else ()
-        self.cpu_linear = self.config.cpu_linear
-        """The layout in use ("auto" resolved to "dense", "packed", "colmajor" or
-        "packed+gemv")."""
-        if self.cpu_linear == "auto":
-            on_cpu = self.device.type == "cpu"
-            # Steps of up to C_ROWS rows in C read row-major weights: the layout runs the rest.
-            c_rows = C_ROWS if on_cpu and self._native_planned() else 0
-            self.cpu_linear = choose_cpu_linear(model, skip, c_rows=c_rows) if on_cpu else "dense"
-        if self.cpu_linear == "colmajor":
-            to_column_major(model, skip)
-            log.info("column-major weights: %s", move_to_huge_pages(model).why)
-        elif self.cpu_linear != "dense":
-            pack_linears(model, skip, gemv_copy=self.cpu_linear == "packed+gemv")
-        # The decode forward (one token per row) captured by torch.compile, or None (eager).
-        if self.config.compile_decode:
-            registry.preload()  # backend choices made eagerly, outside the traced graph
-        self._compiled_model: Any = torch.compile(model) if self.config.compile_decode else None
-        self._decode_step = self._build_decode_step()
-        self._graphs = self._build_graphs()
+        """Runs the model: weight layout, decode path, KV-cache pool, CUDA graphs."""
+        self.scheduler = Scheduler()
+        """Which waiting requests take cache rows next."""
         self._rows: list[_Row] = []
-        self._waiting: deque[GenerationRequest] = deque()
         # Filled by other threads, drained at the start of each step (under the lock).
         self._inbox: list[GenerationRequest] = []
         self._cancel_inbox: set[int] = set()
@@ -181,50 +146,48 @@ class Engine:
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
 
-    def _agree_rows(self, rows: int) -> int:
+    runs_own_forward = False
+    """Whether `_last_logits` / `_full_logits` are this engine's own (a pipeline stage sends
+    hidden states between processes): the runner then keeps every fast decode path off."""
+
+    def _agree_rows(self, rows: int, device: torch.device) -> int:
         """Cache rows every process of this engine allocates (one process: its own plan)."""
         return rows
 
-    def _build_decode_step(self) -> DecodeStep | NativeStep | None:
-        """The lean decode step, with steps in C where that applies (see
-        EngineConfig.decode_step), or None: the module forward."""
-        if self.config.decode_step == "module" or self._compiled_model is not None:
-            return None
-        if type(self)._last_logits is not Engine._last_logits:
-            return None  # a subclass runs its own forward (a pipeline stage)
-        step, why = DecodeStep.build(self.model)
-        log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
-        if step is None or self.config.decode_step != "auto" or self.device.type != "cpu":
-            return step
-        native, why = NativeStep.build(step)
-        log.info(
-            "decode steps in C: %s (%s)",
-            f"up to {native.max_rows} row(s)" if native else "none, the lean step",
-            why,
-        )
-        return native or step
+    @property
+    def model(self) -> CausalLM:
+        """The served model (owned by the runner)."""
+        return self.runner.model
 
-    def _native_planned(self) -> bool:
-        """Whether steps will run in C (engine.native_step) with the weights as loaded: decided
-        before the linear layout, which must then keep row-major weights."""
-        if self.config.decode_step != "auto" or self.config.compile_decode:
-            return False
-        if type(self)._last_logits is not Engine._last_logits:
-            return False
-        lean, _ = DecodeStep.build(self.model)
-        native, _ = NativeStep.build(lean)
-        return native is not None
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return self.runner.device
 
-    def _build_graphs(self) -> GraphedDecode | None:
-        """CUDA graphs of the lean decode step, or None (eager steps)."""
-        if not isinstance(self._decode_step, DecodeStep):  # none, or the C step (CPU only)
-            return None
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        if self.pool.cache.is_ring:
-            log.info("decode: eager steps (sliding-window rings are not graphed)")
-            return None
-        return GraphedDecode(self._decode_step, self.pool.cache)
+    @property
+    def context_length(self) -> int:
+        """The model's context length (max_position_embeddings, longer under dynamic RoPE)."""
+        return self.runner.context_length
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens per sequence, prompt + new (--max-model-len)."""
+        return self.runner.max_model_len
+
+    @property
+    def pool(self) -> SlotPool:
+        """The KV-cache rows."""
+        return self.runner.pool
+
+    @property
+    def cache_plan(self) -> CachePlan:
+        """The KV cache's size and why."""
+        return self.runner.cache_plan
+
+    @property
+    def cpu_linear(self) -> str:
+        """The CPU weight layout in use (--cpu-linear "auto" resolved)."""
+        return self.runner.cpu_linear
 
     # -- thread-safe entry points -------------------------------------------------------------
 
@@ -245,7 +208,7 @@ class Engine:
 
     def load(self) -> tuple[int, int]:
         """(active cache rows, requests waiting for rows); read on the engine thread."""
-        return len(self._rows), len(self._waiting)
+        return len(self._rows), len(self.scheduler)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -268,7 +231,7 @@ class Engine:
             raise InvalidRequest(problems)
 
     def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether prompt + new tokens fit the cache (callers answer OUT_OF_RANGE otherwise)."""
+        """Whether prompt + new tokens fit --max-model-len (engine.validation.fit_problems says why)."""
         return prompt_len + max_new_tokens <= self.max_seq_len
 
     # -- the loop ----------------------------------------------------------------------------
@@ -283,7 +246,7 @@ class Engine:
         inbox, cancelled = self._sync_inbox(inbox, cancelled)
         with self._lock:
             self._live.update(r.request_id for r in inbox)
-        self._waiting.extend(inbox)
+        self.scheduler.add(inbox)
         if cancelled:
             self._drop_cancelled(cancelled, events)
         # Whatever goes wrong with one request's part of the step lands here; it fails alone.
@@ -343,26 +306,8 @@ class Engine:
         self, ids_B1: torch.Tensor, start: int, stop: int, compiled: bool = False
     ) -> torch.Tensor:
         """Logits [B, V] of rows [start, stop) fed `ids_B1` (when `compiled`: the compiled forward,
-        or the CUDA graphs for all active rows)."""
-        if self._graphs is not None and compiled and start == 0 and stop == self.pool.num_rows:
-            # Every active row at once, from a CUDA graph (it commits the rows itself).
-            return self._graphs(ids_B1, self.pool.lengths())
-        view = self.pool.view(start, stop)
-        if self._decode_step is not None:
-            step = view.begin(1, None)
-            logits_BV = self._decode_step(ids_B1, view, step)
-            view.commit(step)
-        elif self._compiled_model is None or not compiled:
-            logits_BV = self._last_logits(ids_B1, view)
-        else:
-            # The cache's host-side planning (begin/commit) stays outside the compiled graph.
-            step = view.begin(1, None)
-            logits_BV = self._compiled_model(
-                ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
-            )[:, -1]
-            view.commit(step)
-        self.pool.sync(view, start)
-        return logits_BV
+        or the CUDA graphs for all active rows; see ModelRunner.decode)."""
+        return self.runner.decode(ids_B1, start, stop, self._last_logits, compiled)
 
     def _decode_row_by_row(
         self, ids_B1: torch.Tensor, failed: dict[int, RequestError]
@@ -388,14 +333,8 @@ class Engine:
             self.tokens_computed.popitem(last=False)
 
     def _last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
-        """Logits [B, V] of each row's last position only: the final norm and head run on B
-        vectors, not B·S (a prefill's other positions need no logits). A bf16 prefill runs in
-        C where the decode steps do (`NativeStep.prefill`)."""
-        if isinstance(self._decode_step, NativeStep):
-            logits = self._decode_step.prefill(ids_BS, view)
-            if logits is not None:
-                return logits
-        return self.model(ids_BS, kv_cache=view, logits_to_keep=1)[:, -1]
+        """Logits [B, V] of each row's last position (ModelRunner.last_logits)."""
+        return self.runner.last_logits(ids_BS, view)
 
     def _admit(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
         """Prefill waiting requests while rows are free; their first-token logits.
@@ -405,14 +344,9 @@ class Engine:
         When a shared prefill fails, each request of it runs alone; a request whose prefill or
         set-up (seeding, stop strings, beam state) fails leaves, and its rows are freed.
         """
-        admitted: list[tuple[GenerationRequest, int]] = []
-        while self._waiting:
-            rows = self._rows_needed(self._waiting[0].config)
-            if rows > self.pool.free_rows:
-                break
-            request = self._waiting.popleft()
+        admitted = self.scheduler.admit(self.pool.free_rows)
+        for _, rows in admitted:
             self.pool.allocate(rows)
-            admitted.append((request, rows))
         if not admitted:
             return []
         placed: list[tuple[GenerationRequest, int, int, torch.Tensor | None]] = []
@@ -455,10 +389,7 @@ class Engine:
     def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
         """First-token logits of same-length prompts prefilled together from pool row `start`."""
         prompts = [r.prompt_ids for r, rows in members for _ in range(rows)]
-        view = self.pool.view(start, start + len(prompts))
-        logits = self._last_logits(torch.tensor(prompts, device=self.device), view)
-        self.pool.sync(view, start)
-        return logits
+        return self.runner.prefill(prompts, start, self._last_logits)
 
     def _prefill_alone(
         self, request: GenerationRequest, rows: int, start: int, failed: dict[int, RequestError]
@@ -469,10 +400,6 @@ class Engine:
             rid = request.request_id
             failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)
             return None
-
-    @staticmethod
-    def _rows_needed(config: SamplingConfig) -> int:
-        return config.num_beams if config.num_beams > 1 else config.num_return_sequences
 
     def _new_rows(self, request: GenerationRequest, rows: int) -> list[_Row]:
         cfg = request.config
@@ -687,15 +614,11 @@ class Engine:
 
     def _drop_cancelled(self, cancelled: set[int], events: list[StepEvent]) -> None:
         """Remove cancelled requests (waiting or running); their open sequences end CANCELLED."""
-        for request in self._waiting:
-            if request.request_id in cancelled:
-                events += [
-                    StepEvent(
-                        request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED
-                    )
-                    for i in range(request.config.num_return_sequences)
-                ]
-        self._waiting = deque(r for r in self._waiting if r.request_id not in cancelled)
+        for request in self.scheduler.drop(cancelled):
+            events += [
+                StepEvent(request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED)
+                for i in range(request.config.num_return_sequences)
+            ]
         keep, kept_rows, seen_beams = [], [], set()
         for i, row in enumerate(self._rows):
             rid = row.request.request_id
@@ -733,7 +656,7 @@ class Engine:
     def _finish_requests(self, events: list[StepEvent]) -> None:
         """Forget requests that hold no row and wait for nothing."""
         running = {row.request.request_id for row in self._rows}
-        waiting = {r.request_id for r in self._waiting}
+        waiting = self.scheduler.waiting_ids()
         done = {e.request_id for e in events if e.finish is not None}
         with self._lock:
             self._live -= done - running - waiting
@@ -757,11 +680,11 @@ class Engine:
         self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, kv_cache: KVCache | None
     ) -> torch.Tensor:
         """Logits [B, S, V] of every position (scoring), appended to `kv_cache` when given."""
-        return self.model(ids_BS, key_padding_mask_BS=mask_BS, kv_cache=kv_cache)
+        return self.runner.full_logits(ids_BS, mask_BS, kv_cache)
 
     def _scoring_cache(self, rows: int, slots: int) -> KVCache:
         """A cache apart from the generation pool (scoring runs between steps, beside it)."""
-        return SlotPool(self.model, rows, slots).cache
+        return self.runner.scoring_cache(rows, slots)
 
     def reset(self) -> set[int]:
         """Forget every request (after a failed step); the cache rows become free. Returns the
@@ -771,7 +694,7 @@ class Engine:
             self._inbox.clear()
             self._cancel_inbox.clear()
             self._live.clear()
-        self._waiting.clear()
+        self.scheduler.clear()
         self._rows = []
         self.pool.gather([])
         return forgotten

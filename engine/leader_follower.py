@@ -42,12 +42,12 @@ class LeaderFollowerEngine(Engine):
         self._received: tuple[list[GenerationRequest], set[int]] = ([], set())
         super().__init__(model, tokens, config)
 
-    def _agree_rows(self, rows: int) -> int:
+    def _agree_rows(self, rows: int, device: torch.device) -> int:
         """The fewest rows any rank's budget allows (pipeline stages hold different layers, so
         their plans differ; every rank must run the same rows)."""
         agreed = torch.tensor([rows], dtype=torch.long)
-        if dist.get_backend(self.group) == "nccl":
-            agreed = agreed.to(self.device)
+        if device.type != "cpu":  # the accelerator's backend (NCCL, HCCL) reduces there
+            agreed = agreed.to(device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return int(agreed.item())
 

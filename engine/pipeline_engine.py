@@ -43,6 +43,8 @@ def keep_stage(model: CausalLM, rank: int, pp_size: int) -> tuple[StageRange, in
 class PipelineEngine(LeaderFollowerEngine):
     """The engine of one pipeline stage (rank 0 = first stage, leads)."""
 
+    runs_own_forward = True
+
     def __init__(
         self,
         model: CausalLM,

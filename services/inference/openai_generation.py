@@ -42,7 +42,7 @@ from services.inference.openai_protocol import (
     SamplingFields,
     invalid,
 )
-from services.inference.serving import ServingEngine
+from services.inference.serving import ServingEngine, request_limits
 
 FINISH_REASONS = {
     Finish.LENGTH: "length",
@@ -227,21 +227,6 @@ def api_problems(problems: list[Problem], prompt_param: str = "prompt") -> ApiEr
     return ApiError(400, message, param=names[0], code=code)
 
 
-def http_limits(engine: ServingEngine, limits: InferenceServiceConfig) -> RequestLimits:
-    """The service's per-request flags with the engine's capacity."""
-    fit = engine.engine.request_limits()
-    return RequestLimits(
-        max_new_tokens=limits.max_new_tokens_limit,
-        max_num_beams=limits.max_num_beams,
-        max_stop_strings=limits.max_stop_strings,
-        max_stop_string_chars=limits.max_stop_string_chars,
-        max_prompt_chars=limits.max_text_chars,
-        max_model_len=fit.max_model_len,
-        max_rows=fit.max_rows,
-        vocab_size=fit.vocab_size,
-    )
-
-
 def _checked(
     result: Plan,
     prompt_lengths: list[int],
@@ -249,7 +234,7 @@ def _checked(
     limits: InferenceServiceConfig,
 ) -> Plan:
     """The plan, or ApiError(400) listing what engine.validation finds in it."""
-    bounds = http_limits(engine, limits)
+    bounds = request_limits(limits, engine)
     problems = sampling_problems(result.config, bounds)
     if not problems:
         problems = fit_problems(max(prompt_lengths), result.config, bounds)

@@ -20,7 +20,6 @@ from engine.sampling import SamplingConfig
 from engine.validation import (
     MAX_LOGPROBS,
     Problem,
-    RequestLimits,
     prompt_problems,
     prompt_text_problems,
     request_problems,
@@ -40,7 +39,7 @@ from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
 from services.inference.off_loop import off_loop
-from services.inference.serving import ServingEngine, build_serving_engine
+from services.inference.serving import ServingEngine, build_serving_engine, request_limits
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 FINISH_REASONS = {
@@ -78,23 +77,6 @@ def load_engine(config: InferenceServiceConfig) -> ServingEngine | None:
 
         return launch_parallel(config)
     return build_serving_engine(config)
-
-
-def request_limits(
-    config: InferenceServiceConfig, engine: ServingEngine | None = None
-) -> RequestLimits:
-    """The limits one request meets: the service's flags, and the engine's capacity if loaded."""
-    fit = engine.engine.request_limits() if engine is not None else RequestLimits()
-    return RequestLimits(
-        max_new_tokens=config.max_new_tokens_limit,
-        max_num_beams=config.max_num_beams,
-        max_stop_strings=config.max_stop_strings,
-        max_stop_string_chars=config.max_stop_string_chars,
-        max_prompt_chars=config.max_text_chars,
-        max_model_len=fit.max_model_len,
-        max_rows=fit.max_rows,
-        vocab_size=fit.vocab_size,
-    )
 
 
 def raise_problems(problems: list[Problem], prompt_field: str) -> None:

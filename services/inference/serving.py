@@ -11,6 +11,7 @@ from engine.engine import Engine
 from engine.engine_thread import EngineThread
 from engine.loading import LoadedModel
 from engine.tokens import TokenizerInfo
+from engine.validation import RequestLimits
 from kernels import device as devices
 from models.accounting import count_parameters
 from services.inference.config import InferenceServiceConfig
@@ -84,4 +85,21 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
 def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
     return build_engine(
         config.load_spec(), config.engine_config(), device=devices.current().torch_device()
+    )
+
+
+def request_limits(
+    config: InferenceServiceConfig, engine: ServingEngine | None = None
+) -> RequestLimits:
+    """The limits one request meets: the service's flags, and the engine's capacity if loaded."""
+    fit = engine.engine.request_limits() if engine is not None else RequestLimits()
+    return RequestLimits(
+        max_new_tokens=config.max_new_tokens_limit,
+        max_num_beams=config.max_num_beams,
+        max_stop_strings=config.max_stop_strings,
+        max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_chars=config.max_text_chars,
+        max_model_len=fit.max_model_len,
+        max_rows=fit.max_rows,
+        vocab_size=fit.vocab_size,
     )

@@ -86,13 +86,15 @@ def test_engine_with_uncaptured_graph_steps_decodes_as_the_eager_engine(
     prompts, configs = _requests()
     eager = _engine(_model())
     graphed = _engine(_model())
-    assert graphed._decode_step is not None
-    graphed._graphs = GraphedDecode(graphed._decode_step, graphed.pool.cache, capture=False)
+    assert graphed.runner.decode_step is not None
+    graphed.runner.graphs = GraphedDecode(
+        graphed.runner.decode_step, graphed.pool.cache, capture=False
+    )
     want = eager.generate(prompts, configs)
     got = graphed.generate(prompts, configs)
     assert [r[0].token_ids for r in got] == [r[0].token_ids for r in want]
-    assert {slots for _, slots in graphed._graphs.graphs} == {32, 64}
-    assert len({rows for rows, _ in graphed._graphs.graphs}) > 1
+    assert {slots for _, slots in graphed.runner.graphs.graphs} == {32, 64}
+    assert len({rows for rows, _ in graphed.runner.graphs.graphs}) > 1
 
 
 def test_graphs_are_bounded_least_recently_used_first_out() -> None:
@@ -125,10 +127,10 @@ def test_captured_graphs_decode_as_the_eager_engine_on_cuda(
     prompts, configs = _requests()
     eager = _engine(_model("cuda").to(dtype), enforce_eager=True)
     graphed = _engine(_model("cuda").to(dtype))
-    assert eager._graphs is None and graphed._graphs is not None
+    assert eager.runner.graphs is None and graphed.runner.graphs is not None
     want = [r[0].token_ids for r in eager.generate(prompts, configs)]
     got = [r[0].token_ids for r in graphed.generate(prompts, configs)]
-    assert graphed._graphs.captures >= 4
+    assert graphed.runner.graphs.captures >= 4
     if dtype == torch.float32:
         assert got == want
     else:

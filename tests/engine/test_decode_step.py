@@ -164,7 +164,7 @@ def test_engine_outputs_equal_with_either_decode_step(cpu_linear):
         model = _model()
         config = EngineConfig(max_batch_rows=3, cpu_linear=cpu_linear, decode_step=decode_step)
         engine = Engine(model, TokenizerInfo(VOCAB), config)
-        assert isinstance(engine._decode_step, DecodeStep) == (decode_step == "lean")
+        assert isinstance(engine.runner.decode_step, DecodeStep) == (decode_step == "lean")
         results.append(engine.generate(prompts, configs))
     for lean, module in zip(*results, strict=True):
         assert [(r.token_ids, r.cumulative_logprob) for r in lean] == [

@@ -234,7 +234,7 @@ def test_cpu_linear_choice_is_checked():
 
 @hugepage_tests.needs_thp
 def test_cpu_engine_serves_weights_from_huge_pages_with_the_same_tokens(monkeypatch):
-    import engine.engine as engine_module
+    import engine.model_runner as runner_module
     from kernels.cpu.hugepages import Moved
 
     model = hugepage_tests._model()
@@ -246,7 +246,7 @@ def test_cpu_engine_serves_weights_from_huge_pages_with_the_same_tokens(monkeypa
     served = Engine(model, tokens, dense)
     advised = hugepage_tests._mapping(model.lm_head.weight.data_ptr())["VmFlags"].split()
     assert "hg" in advised
-    monkeypatch.setattr(engine_module, "move_to_huge_pages", lambda m: Moved(0, 0, "off"))
+    monkeypatch.setattr(runner_module, "move_to_huge_pages", lambda m: Moved(0, 0, "off"))
     reference = Engine(plain, tokens, dense)
     assert "hg" not in hugepage_tests._mapping(plain.lm_head.weight.data_ptr())["VmFlags"].split()
     got = served.generate([ids], [cfg])[0][0].token_ids

@@ -291,8 +291,8 @@ def test_16_bit_engine_steps_in_c_with_the_upcast_models_tokens(half):
     tokens = {}
     for name, weights in ((half, narrow), ("fp32", copy.deepcopy(narrow).float())):
         engine = Engine(weights, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=3))
-        assert isinstance(engine._decode_step, NativeStep)
-        assert engine._decode_step.dtype == weights.embed_tokens.weight.dtype
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        assert engine.runner.decode_step.dtype == weights.embed_tokens.weight.dtype
         batch = [[r.token_ids for r in req] for req in engine.generate(prompts, configs)]
         alone = [
             engine.generate([p], [c])[0][0].token_ids for p, c in zip(prompts, configs, strict=True)
@@ -329,7 +329,7 @@ def test_without_the_build_the_lean_step_runs(monkeypatch):
     native, why = NativeStep.build(DecodeStep(_model()))
     assert native is None and "not built" in why
     engine = Engine(_model(), TokenizerInfo(VOCAB), EngineConfig(cpu_linear="dense"))
-    assert type(engine._decode_step) is DecodeStep
+    assert type(engine.runner.decode_step) is DecodeStep
 
 
 @needs_build
@@ -382,7 +382,7 @@ def test_engine_default_runs_steps_in_c_with_the_lean_steps_tokens(cpu_linear):
     for decode_step in ("auto", "lean"):
         config = EngineConfig(max_batch_rows=3, cpu_linear=cpu_linear, decode_step=decode_step)
         engine = Engine(_model(), TokenizerInfo(VOCAB), config)
-        assert isinstance(engine._decode_step, NativeStep) == (decode_step == "auto")
+        assert isinstance(engine.runner.decode_step, NativeStep) == (decode_step == "auto")
         if decode_step == cpu_linear == "auto":  # a layout that keeps row-major weights
             assert engine.cpu_linear in ("dense", "packed+gemv")
         alone = [engine.generate([p], [c])[0] for p, c in zip(prompts, configs, strict=True)]

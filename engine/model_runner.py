@@ -1,0 +1,203 @@
+"""The model runner: everything about running the model for an engine, nothing about requests.
+
+It owns the model and the KV-cache pool and decides, once at start, how the model runs: the CPU
+weight layout (`--cpu-linear`, engine/linear_choice.py), the one-token decode path (the module
+forward, the lean `DecodeStep`, one C call per step `NativeStep`, or the torch.compile'd
+forward), CUDA graphs of the lean step, and the cache's size (engine/cache_plan.py). The engine's
+scheduler (engine/scheduler.py) decides which requests run; the engine asks the runner for logits.
+
+The decode path is chosen from the configuration and from what the model and this build can do
+(each builder logs why it declines), and from one explicit capability of the caller:
+`own_forward`, set by an engine whose forward is not the model's (a pipeline stage sends hidden
+states between processes), which keeps every fast path off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.cache_plan import CachePlan, plan_cache
+from engine.config import EngineConfig
+from engine.cuda_graphs import GraphedDecode
+from engine.decode_step import DecodeStep
+from engine.linear_choice import choose_cpu_linear, to_column_major
+from engine.native_step import C_ROWS, NativeStep
+from engine.slots import SlotPool
+from kernels import registry
+from kernels.cpu.hugepages import move_to_huge_pages
+from kernels.packed_linear import pack_linears
+from models.kv_cache import KVCache
+from models.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+Forward = Callable[[torch.Tensor, KVCache], torch.Tensor]
+"""Logits [B, V] of each row's last position, given ids [B, S] and a cache view."""
+
+
+def _same_rows(rows: int, device: torch.device) -> int:
+    return rows
+
+
+class ModelRunner:
+    """Runs one model's forwards over a pre-allocated KV-cache pool."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        *,
+        own_forward: bool = False,
+        agree_rows: Callable[[int, torch.device], int] = _same_rows,
+    ) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.own_forward = own_forward
+        """The engine runs its own forward (a pipeline stage): the module path only."""
+        # max_position_embeddings, longer under dynamic RoPE scaling (ModelConfig.context_length)
+        self.context_length = int(
+            getattr(model.config, "context_length", model.config.max_position_embeddings)
+        )
+        self.device = next(model.parameters()).device
+        if self.device.type == "cpu":  # before any layout or step takes views of the weights
+            log.info("weights: %s", move_to_huge_pages(model).why)
+        if config.compile_decode and self.device.type != "cpu":
+            raise ValueError(
+                f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
+                f"{self.device.type}"
+            )
+        self.cache_plan: CachePlan = plan_cache(model, config, self.context_length, self.device)
+        """The KV cache's size and why (engine.cache_plan); its summary is logged once."""
+        log.info("%s", self.cache_plan.summary)
+        self.max_model_len = self.cache_plan.max_model_len
+        """Tokens per sequence, prompt + new (--max-model-len)."""
+        self.pool = SlotPool(
+            model, agree_rows(self.cache_plan.rows, self.device), self.max_model_len
+        )
+        self.cpu_linear = self._apply_layout()
+        """The layout in use ("auto" resolved to "dense", "packed", "colmajor" or
+        "packed+gemv")."""
+        # The decode forward (one token per row) captured by torch.compile, or None (eager).
+        if config.compile_decode:
+            registry.preload()  # backend choices made eagerly, outside the traced graph
+        self.compiled_model: Any = torch.compile(model) if config.compile_decode else None
+        self.decode_step = self._build_decode_step()
+        """The lean or C decode step, or None: the module (or compiled) forward."""
+        self.graphs = self._build_graphs()
+        """CUDA graphs of the lean step, or None: eager steps."""
+
+    def _apply_layout(self) -> str:
+        model = self.model
+        shared_head = model.config.tie_word_embeddings or model.config.norm_head
+        skip = ("lm_head",) if shared_head else ()
+        layout = self.config.cpu_linear
+        if layout == "auto":
+            on_cpu = self.device.type == "cpu"
+            # Steps of up to C_ROWS rows in C read row-major weights: the layout runs the rest.
+            c_rows = C_ROWS if on_cpu and self._native_planned() else 0
+            layout = choose_cpu_linear(model, skip, c_rows=c_rows) if on_cpu else "dense"
+        if layout == "colmajor":
+            to_column_major(model, skip)
+            log.info("column-major weights: %s", move_to_huge_pages(model).why)
+        elif layout != "dense":
+            pack_linears(model, skip, gemv_copy=layout == "packed+gemv")
+        return layout
+
+    def _build_decode_step(self) -> DecodeStep | NativeStep | None:
+        """The lean decode step, with steps in C where that applies (see
+        EngineConfig.decode_step), or None: the module forward."""
+        if self.config.decode_step == "module" or self.compiled_model is not None:
+            return None
+        if self.own_forward:
+            return None
+        step, why = DecodeStep.build(self.model)
+        log.info("decode step: %s (%s)", "lean" if step is not None else "module forward", why)
+        if step is None or self.config.decode_step != "auto" or self.device.type != "cpu":
+            return step
+        native, why = NativeStep.build(step)
+        log.info(
+            "decode steps in C: %s (%s)",
+            f"up to {native.max_rows} row(s)" if native else "none, the lean step",
+            why,
+        )
+        return native or step
+
+    def _native_planned(self) -> bool:
+        """Whether steps will run in C (engine.native_step) with the weights as loaded: decided
+        before the linear layout, which must then keep row-major weights."""
+        if self.config.decode_step != "auto" or self.config.compile_decode or self.own_forward:
+            return False
+        lean, _ = DecodeStep.build(self.model)
+        native, _ = NativeStep.build(lean)
+        return native is not None
+
+    def _build_graphs(self) -> GraphedDecode | None:
+        """CUDA graphs of the lean decode step, or None (eager steps)."""
+        if not isinstance(self.decode_step, DecodeStep):  # none, or the C step (CPU only)
+            return None
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.pool.cache.is_ring:
+            log.info("decode: eager steps (sliding-window rings are not graphed)")
+            return None
+        return GraphedDecode(self.decode_step, self.pool.cache)
+
+    def decode(
+        self,
+        ids_B1: torch.Tensor,
+        start: int,
+        stop: int,
+        forward: Forward,
+        compiled: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, V] of pool rows [start, stop) fed `ids_B1`: the CUDA graphs for all active
+        rows, the lean or C step, the compiled forward (when `compiled`), else `forward`."""
+        if self.graphs is not None and compiled and start == 0 and stop == self.pool.num_rows:
+            # Every active row at once, from a CUDA graph (it commits the rows itself).
+            return self.graphs(ids_B1, self.pool.lengths())
+        view = self.pool.view(start, stop)
+        if self.decode_step is not None:
+            step = view.begin(1, None)
+            logits_BV = self.decode_step(ids_B1, view, step)
+            view.commit(step)
+        elif self.compiled_model is None or not compiled:
+            logits_BV = forward(ids_B1, view)
+        else:
+            # The cache's host-side planning (begin/commit) stays outside the compiled graph.
+            step = view.begin(1, None)
+            logits_BV = self.compiled_model(
+                ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
+            )[:, -1]
+            view.commit(step)
+        self.pool.sync(view, start)
+        return logits_BV
+
+    def prefill(self, prompts: list[list[int]], start: int, forward: Forward) -> torch.Tensor:
+        """First-token logits of same-length prompts prefilled together from pool row `start`."""
+        view = self.pool.view(start, start + len(prompts))
+        logits = forward(torch.tensor(prompts, device=self.device), view)
+        self.pool.sync(view, start)
+        return logits
+
+    def last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
+        """Logits [B, V] of each row's last position only: the final norm and head run on B
+        vectors, not B·S (a prefill's other positions need no logits). A bf16 prefill runs in
+        C where the decode steps do (`NativeStep.prefill`)."""
+        if isinstance(self.decode_step, NativeStep):
+            logits = self.decode_step.prefill(ids_BS, view)
+            if logits is not None:
+                return logits
+        return self.model(ids_BS, kv_cache=view, logits_to_keep=1)[:, -1]
+
+    def full_logits(
+        self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """Logits [B, S, V] of every position (scoring), appended to `kv_cache` when given."""
+        return self.model(ids_BS, key_padding_mask_BS=mask_BS, kv_cache=kv_cache)
+
+    def scoring_cache(self, rows: int, slots: int) -> KVCache:
+        """A cache apart from the generation pool (scoring runs between steps, beside it)."""
+        return SlotPool(self.model, rows, slots).cache

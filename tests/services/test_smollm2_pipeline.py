@@ -251,7 +251,7 @@ def test_evaluate_against_the_server_equals_lm_evals_hf_model(served_native, hf_
         json.loads(line) for line in (tmp_path / "samples_boolq.jsonl").read_text().splitlines()
     ]
     pairs = [tuple(args) for sample in samples for args in sample["arguments"]]
-    assert len(samples) == 3 and len(pairs) == 6  # yes / no per item
+    assert len(samples) == 3 and len(pairs) == 6  # " no" and " yes" per item
     model, tokenizer = hf_base
     reference = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2, max_length=MAX_MODEL_LEN)
     theirs = reference.loglikelihood(

@@ -7,30 +7,13 @@ reaches every engine (tests/test_layering.py checks that services build engines 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LoadSpec
 from engine.engine import Engine
 from engine.loading import LoadedModel, load_checkpoint
 from engine.parallel_engine import build_parallel_engine
 from engine.tokens import TokenizerInfo
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Which checkpoint to serve and how to read it."""
-
-    path: Path
-    """Checkpoint directory (--load)."""
-    load_format: str = "auto"
-    """Layout of `path` (--load-format): auto (detect), hf, native or megatron."""
-    tokenizer: Path | None = None
-    """Tokenizer directory or sentencepiece .model when the checkpoint holds none (--tokenizer)."""
-    lora: Path | None = None
-    """PEFT LoRA adapter merged into the weights at load time (--lora-load)."""
 
 
 def build_engine(

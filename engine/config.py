@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
 DECODE_STEPS = ("auto", "lean", "module")
@@ -126,3 +127,17 @@ class EngineConfig:
             raise ValueError(
                 f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
             )
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Which checkpoint to serve and how to read it (torch-free, so the CLIs import it cheaply)."""
+
+    path: Path
+    """Checkpoint directory (--load)."""
+    load_format: str = "auto"
+    """Layout of `path` (--load-format): auto (detect), hf, native or megatron."""
+    tokenizer: Path | None = None
+    """Tokenizer directory or sentencepiece .model when the checkpoint holds none (--tokenizer)."""
+    lora: Path | None = None
+    """PEFT LoRA adapter merged into the weights at load time (--lora-load)."""

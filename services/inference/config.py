@@ -7,8 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
-from engine.build import LoadSpec
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, format_size, parse_size
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    EngineConfig,
+    LoadSpec,
+    format_size,
+    parse_size,
+)
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES

@@ -267,12 +267,14 @@ def test_kv_usage_gauge_counts_ring_slots_not_positions():
         ours, TokenizerInfo(config.vocab_size), EngineConfig(max_batch_rows=2, max_model_len=64)
     )
     assert engine.pool.cache.is_ring and engine.pool.slot_capacity == 2 * window
+    # The gauges are read at scrape time from the last step's values while the engine has work
+    # (issue 37): instrument the engine so its step records them, as the service does.
+    metrics.instrument(engine)
     engine.submit(prompt(3 * window, config.vocab_size), SamplingConfig(max_new_tokens=8))
     engine.submit(prompt(3, config.vocab_size, seed=1), SamplingConfig(max_new_tokens=8))
     engine.step()
     lengths = engine.pool.lengths()
-    assert lengths[0] > window and lengths[1] < window
-    metrics._observe_step(engine)
+    assert lengths[0] > window and lengths[1] < window and engine.has_work()
     expected = (window + lengths[1]) / (2 * window)
     gauge = REGISTRY.get_sample_value("meshline_inference_kv_cache_tokens_usage_ratio")
     assert gauge == pytest.approx(expected)

@@ -119,23 +119,31 @@ def _check_save_dir(options: ConvertOptions) -> None:
     check_replaceable(options.save_dir, options.overwrite)
 
 
+def open_checked_source(options: ConvertOptions) -> Source:
+    """The source of `options`, opened and checked against the output: every refusal a
+    conversion makes before it reads a weight. The service runs it before it claims save_dir,
+    so a refused request leaves no trace (not even a claim lock file)."""
+    from models.registry import get_config
+
+    _check_save_dir(options)
+    named = get_config(options.model) if options.model else None
+    source = open_source(options, named)
+    check_target_layout(options, source.config)
+    target = get_format(options.save_format)
+    if target.check_target is not None:
+        target.check_target(source, sink_options(options))
+    return source
+
+
 def convert(
     options: ConvertOptions,
     on_progress: Callable[[Progress], None] | None = None,
     cancel: threading.Event | None = None,
 ) -> ConvertReport:
     """Runs the conversion `options` describes; see the module doc for the guarantees."""
-    from models.registry import get_config
-
     fix_mmap_threshold()
-    _check_save_dir(options)
-    named = get_config(options.model) if options.model else None
-    source = open_source(options, named)
+    source = open_checked_source(options)
     config = source.config
-    check_target_layout(options, config)
-    target = get_format(options.save_format)
-    if target.check_target is not None:
-        target.check_target(source, sink_options(options))
     adapter = (
         open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
         if options.lora_dir is not None

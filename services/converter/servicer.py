@@ -2,17 +2,22 @@
 
 Checks run in the order a user fixes things: malformed or contradictory fields
 (INVALID_ARGUMENT), paths outside the data roots (PERMISSION_DENIED), a missing source
-(NOT_FOUND), an existing output without `overwrite` (FAILED_PRECONDITION). The job itself
+(NOT_FOUND), an existing output without `overwrite` (FAILED_PRECONDITION), then the source's
+config against `model` and the output layout (INVALID_ARGUMENT naming the field) — all before
+save_dir is claimed, so a refused request leaves nothing behind. The job itself
 (services/converter/job.py) runs as an operation in a worker thread: its metadata reports the
 stage and the tensors/layers done; a failed parity check fails it with FAILED_PRECONDITION, a
-source that cannot be read or does not match `model` with INVALID_ARGUMENT naming the field.
+tensor that cannot be read with INVALID_ARGUMENT naming the field.
 Nothing is published unless the whole conversion succeeded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -42,6 +47,7 @@ from services.converter.job import (
     Progress,
     VerificationFailed,
     convert,
+    open_checked_source,
 )
 from services.converter.output_dir import (
     UnsafeSaveDir,
@@ -283,10 +289,15 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
         """Validates the request, then starts the conversion and returns its operation."""
         check_fields(request, self._config)
         check_paths(request, self._config)
-        return self._start_job(request)
-
-    def _start_job(self, request: converter_pb2.ConvertRequest) -> converter_pb2.ConvertResponse:
         options = job_options(request, self._config)
+        # The source's config and the output layout are checked before save_dir is claimed:
+        # a claim leaves a lock file next to the output for good (services/common/claims.py).
+        await asyncio.to_thread(_check_source, request, options)
+        return self._start_job(request, options)
+
+    def _start_job(
+        self, request: converter_pb2.ConvertRequest, options: ConvertOptions
+    ) -> converter_pb2.ConvertResponse:
 
         def job(handle: OperationHandle) -> converter_pb2.ConvertResult:
             return self._run(request, options, handle)
@@ -321,22 +332,35 @@ class ConverterServicer(converter_pb2_grpc.ConverterServiceServicer):
                 metadata=metadata,
             )
 
-        try:
+        with _service_errors(request):
             report = convert(options, on_progress, handle.cancel_requested)
-        except ConversionCancelled as exc:
-            raise Cancelled(str(exc)) from exc
-        except VerificationFailed as exc:
-            raise FailedPrecondition(f"verify: {exc}") from exc
-        except FileExistsError as exc:
-            raise FailedPrecondition(f"save_dir: {exc}") from exc
-        except UnsafeSaveDir as exc:
-            raise InvalidArgument("save_dir", str(exc)) from exc
-        except FileNotFoundError as exc:
-            raise NotFound(f"load_dir: {exc}") from exc
-        except ValueError as exc:
-            field = "model" if "--model" in str(exc) and request.model else "load_dir"
-            raise InvalidArgument(field, str(exc)) from exc
         return result_message(report)
+
+
+def _check_source(request: converter_pb2.ConvertRequest, options: ConvertOptions) -> None:
+    """The job's checks before any weight is read, as the service's errors."""
+    with _service_errors(request):
+        open_checked_source(options)
+
+
+@contextmanager
+def _service_errors(request: converter_pb2.ConvertRequest) -> Iterator[None]:
+    """A conversion's errors as the service's, naming the request field at fault."""
+    try:
+        yield
+    except ConversionCancelled as exc:
+        raise Cancelled(str(exc)) from exc
+    except VerificationFailed as exc:
+        raise FailedPrecondition(f"verify: {exc}") from exc
+    except FileExistsError as exc:
+        raise FailedPrecondition(f"save_dir: {exc}") from exc
+    except UnsafeSaveDir as exc:
+        raise InvalidArgument("save_dir", str(exc)) from exc
+    except FileNotFoundError as exc:
+        raise NotFound(f"load_dir: {exc}") from exc
+    except ValueError as exc:
+        field = "model" if "--model" in str(exc) and request.model else "load_dir"
+        raise InvalidArgument(field, str(exc)) from exc
 
 
 def bindings(config: ConverterServiceConfig, store: OperationsStore) -> list[ServiceBinding]:

@@ -109,10 +109,13 @@ def test_mismatched_model_is_invalid_argument(llama_dir, tmp_path):
         save_dir=str(tmp_path / "native"),
         model="tiny-bloom",
     )
-    operation, _ = arun(_convert(tmp_path, request), timeout=120)
-    assert operation.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "model" in operation.error.message and "family" in operation.error.message
-    assert not (tmp_path / "native").exists()
+    # Refused by the RPC itself, before save_dir is claimed: no operation, no claim lock file.
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        arun(_convert(tmp_path, request), timeout=120)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model" in caught.value.details() and "family" in caught.value.details()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("field", ["load_dir", "save_dir", "lora_load_dir"])

@@ -220,27 +220,3 @@ def pad_vocab(vocab: int, multiple: int, tensor_parallel: int = 1) -> int:
     """Megatron's padded vocabulary: `vocab` rounded up to `multiple x tensor_parallel`."""
     step = multiple * tensor_parallel
     return -(-vocab // step) * step
-
-
-def apply_attention_backend(model: Any, backend: str | None) -> int:
-    """Point every attention layer of `model` at `backend` (None: the device's default).
-
-    Returns how many layers were set. The name is checked against the registered backends so a
-    typo fails before the first step.
-    """
-    if backend is None:
-        return 0
-    from kernels.attention import ATTENTION
-    from models.transformer import Attention
-
-    if backend not in ATTENTION.candidates():
-        raise ValueError(
-            f"--attention-backend {backend}: this device has no such attention kernel; choose "
-            f"one of {ATTENTION.candidates()} (or drop the flag for the device's default)"
-        )
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.attention_backend = backend
-            count += 1
-    return count

@@ -40,9 +40,9 @@ def _rss(pid: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
-def test_default_flags_serve_smollm2_under_2gb(smollm2_hf_dir):
+def test_default_flags_serve_smollm2_under_2gb(smollm2_dir):
     command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
-    command += ["--load", str(smollm2_hf_dir), "--http-port", "0", "--grace-period", "5"]
+    command += ["--load", str(smollm2_dir), "--http-port", "0", "--grace-period", "5"]
     process = subprocess.Popen(
         command,
         cwd=ROOT,

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from checkpoints.registry import SERVE_CHOICES
-from engine.build import LoadSpec
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, format_size, parse_size
+
+if TYPE_CHECKING:
+    # engine.build imports torch: the CLIs import this module for their flags, torch-free.
+    from engine.build import LoadSpec
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
@@ -97,6 +101,8 @@ class InferenceServiceConfig:
 
     def load_spec(self) -> LoadSpec:
         """The checkpoint to serve (needs --load)."""
+        from engine.build import LoadSpec
+
         assert self.load is not None
         return LoadSpec(self.load, self.load_format, self.tokenizer, self.lora_load)
 

@@ -24,13 +24,16 @@ LayerNorm and learned absolute positions: a config without them raises naming th
 from __future__ import annotations
 
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from models.config import ModelConfig
 
-StateDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+# Torch only in the weight mappings: the config mapping is read by the torch-free layout checks
+# that refuse a parallel size before the CLIs import torch.
+StateDict = dict[str, "torch.Tensor"]
 
 ACTIVATION_FROM_HF = {
     "gelu_new": "gelu",
@@ -144,6 +147,8 @@ def gpt2_config(config: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
 
 def gpt2_to_hf(canon: StateDict, config: ModelConfig) -> StateDict:
     """Meshline names (q/k/v unfused) → GPT-2 names, Conv1D weights transposed."""
+    import torch
+
     out: StateDict = {}
     for name, tensor in canon.items():
         if name.startswith("lm_head."):

@@ -19,6 +19,9 @@ class Subcommand:
     module: str
     summary: str
     issue: int
+    precheck: str | None = None
+    """Torch-free module whose `precheck(argv) -> exit code | None` runs before `module` is
+    imported: a parallel layout the model's config rules out is refused in well under a second."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -28,10 +31,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         4,
     ),
     "train": Subcommand(
-        "services.trainer.cli", "train or fine-tune a model (single or multi-process)", 5
+        "services.trainer.cli",
+        "train or fine-tune a model (single or multi-process)",
+        5,
+        "services.trainer.precheck",
     ),
     "convert": Subcommand(
-        "services.converter.cli", "convert and reshard checkpoints (HF, native, Megatron, GGUF)", 7
+        "services.converter.cli",
+        "convert and reshard checkpoints (HF, native, Megatron, GGUF)",
+        7,
+        "services.converter.precheck",
     ),
     "generate": Subcommand(
         "services.inference.cli", "generate text from a checkpoint (or --chat)", 8
@@ -72,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         print(f"meshline: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if sub.precheck is not None:
+        code = importlib.import_module(sub.precheck).precheck(rest)
+        if code is not None:
+            return int(code)
     try:
         module = importlib.import_module(sub.module)
     except ModuleNotFoundError as exc:

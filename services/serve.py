@@ -29,6 +29,9 @@ DEFAULT_BASE_PORT = 50051
 CHILD_STOP_TIMEOUT_S = 60.0
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
+# Torch-free checks a service runs on its flags before it is imported: module with
+# `precheck(argv) -> exit code | None`.
+PRECHECKS = {"inference": "services.inference.precheck"}
 
 
 def _all_parser() -> argparse.ArgumentParser:
@@ -198,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SERVICES:
         print(f"meshline serve: unknown service {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in PRECHECKS:
+        # Before the service's import (torch, for inference): a layout its config rules out is
+        # refused in well under a second.
+        code = importlib.import_module(PRECHECKS[name]).precheck(rest)
+        if code is not None:
+            return int(code)
     module = importlib.import_module(f"services.{name}.__main__")
     return int(module.main(["serve", *rest]))
 

@@ -12,7 +12,8 @@ default `add_bos_token=None`) does:
 - log-likelihood: trailing whitespace of a context moves to the front of its continuation; the
   continuation is what encoding context + continuation adds after the context's tokens; an empty
   context is the prefix token (BOS, else EOS) before the continuation's own ids, or the
-  continuation's first token when that already is the prefix token;
+  continuation's first token when that already is the prefix token (a tokenizer with neither BOS
+  nor EOS fails only such requests: generation and non-empty contexts need no prefix);
 - contexts too long for the model are cut from the left (log-likelihood: context +
   continuation fit the context length; generation: the prompt leaves room for
   `max_new_tokens`).

@@ -188,7 +188,7 @@ def test_fuzz_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     launched: list[trainer_pb2.StartTrainingRequest] = []
 
-    def no_launch(launcher, request, run, handle, metadata, nproc, nnodes):
+    def no_launch(launcher, request, run, handle, metadata, nproc, nnodes, *, on_started, lock_fds):
         launched.append(request)
         raise Unavailable("fuzz test: jobs are not launched")
 

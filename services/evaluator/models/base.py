@@ -12,7 +12,8 @@ default `add_bos_token=None`) does:
 - log-likelihood: trailing whitespace of a context moves to the front of its continuation; the
   continuation is what encoding context + continuation adds after the context's tokens; an empty
   context is the prefix token (BOS, else EOS) before the continuation's own ids, or the
-  continuation's first token when that already is the prefix token;
+  continuation's first token when that already is the prefix token (a tokenizer with neither BOS
+  nor EOS fails only such requests: generation and non-empty contexts need no prefix);
 - contexts too long for the model are cut from the left (log-likelihood: context +
   continuation fit the context length; generation: the prompt leaves room for
   `max_new_tokens`).
@@ -32,9 +33,10 @@ class SpecialTokens:
     """BOS id (None: the tokenizer has none)."""
     bos_text: str | None
     """BOS as text (`<s>`); a generation prompt starting with it gets no special tokens."""
-    prefix_id: int
-    """lm-eval's prefix token: BOS, else EOS; an empty context is scored after it."""
-    prefix_text: str
+    prefix_id: int | None
+    """lm-eval's prefix token: BOS, else EOS; an empty context is scored after it (None: the
+    tokenizer has neither, so only requests that need no prefix can run)."""
+    prefix_text: str | None
     """The prefix token as text; a context starting with it gets no special tokens."""
 
 
@@ -59,6 +61,8 @@ class LanguageModel(ABC):
 
     name: str = ""
     """What is evaluated (endpoint or checkpoint path), for the results."""
+    flag: str = ""
+    """The command-line flag that named `name` (`--endpoint`, `--load`), for errors."""
     add_bos_token: bool | None = None
     """lm-eval's `add_bos_token`: None follows the tokenizer's own settings; True puts BOS
     before every text, False encodes texts without special tokens."""
@@ -144,6 +148,14 @@ class LanguageModel(ABC):
                 cont = ids[whole][len(ctx) :]
             else:
                 cont = alone_ids[continuation]
+                if special.prefix_id is None:
+                    # lm-eval needs the prefix only here, so tasks without an empty context
+                    # (generation, most multiple choice) run on such tokenizers
+                    raise ValueError(
+                        f"{self.flag} {self.name}: a log-likelihood request has an empty context, "
+                        "which is scored after the tokenizer's BOS (else EOS) token, and the "
+                        "tokenizer has neither; use a model whose tokenizer defines one"
+                    )
                 if cont and cont[0] == special.prefix_id:
                     ctx, cont = cont[:1], cont[1:]
                 else:

@@ -31,6 +31,7 @@ class GrpcLanguageModel(LanguageModel):
         add_bos_token: bool | None = None,
     ) -> None:
         self.name = endpoint
+        self.flag = "--endpoint"
         self.add_bos_token = add_bos_token
         self._channel = channel or grpc.insecure_channel(
             endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -85,9 +86,7 @@ class GrpcLanguageModel(LanguageModel):
             info = self.info
             bos = info.bos_token_id if info.HasField("bos_token_id") else None
             eos = info.eos_token_id if info.HasField("eos_token_id") else None
-            prefix = bos if bos is not None else eos
-            if prefix is None:
-                raise ValueError(f"--endpoint {self.name}: the served tokenizer has no BOS or EOS")
+            prefix = bos if bos is not None else eos  # None: only empty contexts fail
 
             def text(token_id: int | None) -> str | None:
                 if token_id is None:
@@ -97,7 +96,7 @@ class GrpcLanguageModel(LanguageModel):
                 )
                 return self._stub.Detokenize(request, timeout=self._timeout).text
 
-            self._special = SpecialTokens(bos, text(bos), prefix, text(prefix) or "")
+            self._special = SpecialTokens(bos, text(bos), prefix, text(prefix))
         return self._special
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

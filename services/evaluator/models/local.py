@@ -30,6 +30,7 @@ class LocalLanguageModel(LanguageModel):
         from kernels import device as devices
 
         self.name = str(load_dir)
+        self.flag = "--load"
         self.add_bos_token = add_bos_token
         self._loaded, self._engine = build_engine(
             LoadSpec(Path(load_dir), load_format, tokenizer),
@@ -57,14 +58,12 @@ class LocalLanguageModel(LanguageModel):
     def special_tokens(self) -> SpecialTokens:
         """BOS and lm-eval's prefix token of the checkpoint's tokenizer."""
         tokens = self._engine.tokens
-        prefix = tokens.prefix_id
-        if prefix is None:
-            raise ValueError(f"--load {self.name}: the tokenizer has neither BOS nor EOS")
+        prefix = tokens.prefix_id  # None: only empty contexts fail
 
         def text(token_id: int | None) -> str | None:
             return None if token_id is None else tokens.detokenize([token_id], skip_special=False)
 
-        return SpecialTokens(tokens.bos_id, text(tokens.bos_id), prefix, text(prefix) or "")
+        return SpecialTokens(tokens.bos_id, text(tokens.bos_id), prefix, text(prefix))
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """The engine's `score` (the service's Score path) over all items at once: choices

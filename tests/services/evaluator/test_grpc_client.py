@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 
 import grpc
+import pytest
 
+from services.evaluator.models.base import GenerationRequest
 from services.evaluator.models.grpc_client import GrpcLanguageModel
+from tests.security.fake_inference import serve_fake
 
 
 class RecordScoreCalls(grpc.UnaryUnaryClientInterceptor):
@@ -84,3 +87,20 @@ def test_add_bos_token_sets_what_contexts_are_scored_after(served):
     assert sent[None] == sent[True] != sent[False]
     args = build_parser().parse_args(["--endpoint", server.address, "--add-bos-token", "false"])
     assert open_model(args).add_bos_token is False
+
+
+def test_no_bos_or_eos_fails_only_an_empty_context():
+    """lm-eval needs the prefix token (BOS, else EOS) only to score an empty context: generation
+    and non-empty contexts run on a tokenizer with neither, an empty context is refused by name."""
+    inference, fake = serve_fake(lambda prompt: f"<{prompt}>")
+    model = GrpcLanguageModel(inference.address)
+    try:
+        assert model.special_tokens.prefix_id is None
+        request = GenerationRequest(context="ab", until=(), max_new_tokens=4)
+        assert model.generate_until([request]) == ["<ab>"]
+        assert fake.generated == 1
+        with pytest.raises(ValueError, match=rf"--endpoint {inference.address}: .*empty context"):
+            model.loglikelihood([("", "x")])
+    finally:
+        model.close()
+        inference.stop()

@@ -38,6 +38,8 @@ NON_DEFAULT = {
     "normalization": ("--normalization", "LayerNorm"),
     "norm_epsilon": ("--norm-epsilon", "1e-5"),
     "swiglu": ("--swiglu",),
+    "no_position_embedding": ("--no-position-embedding",),
+    "openai_gelu": ("--openai-gelu",),
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",),
     "disable_bias_linear": ("--disable-bias-linear",),
     "add_qkv_bias": ("--add-qkv-bias",),
@@ -170,6 +172,7 @@ def test_every_field_has_a_flag_and_parses():
         "auto_recompute_profiling_step",
         "simpo_beta",
         "gamma_beta_ratio",
+        "openai_gelu",  # the other MLP activation than --swiglu
         *PER_SPLIT,
     }
     argv = [a for key, flags in NON_DEFAULT.items() if flags and key not in hsdp_ok for a in flags]
@@ -193,6 +196,7 @@ def test_every_field_has_a_flag_and_parses():
     assert fsdp.parallel.zero3_prefetch_layers == 2
     simpo = parse_args(["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5"])
     assert (simpo.run.simpo_beta, simpo.run.gamma_beta_ratio) == (2.0, 0.5)
+    assert _values(parse_args(["--openai-gelu"]))["openai_gelu"] is True
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (
         3,
         True,

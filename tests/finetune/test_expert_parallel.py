@@ -426,9 +426,12 @@ def _bf16_losses(rank, world_size, flags):
 @pytest.mark.dist
 def test_autocast_moe_under_expert_parallelism():
     """--bf16 with ZeRO-1 runs the experts under autocast: their bf16 outputs travel back through
-    the all-to-all and are summed into the fp32 stream. EP2 gives one process's losses
-    (measured: first step identical, second 3e-7 relative)."""
+    the all-to-all and are summed into the fp32 stream. EP2 gives one process's losses: the first
+    step identical, the second within bf16's rounding of the expert outputs (measured 3e-7
+    relative on one CPU, 1.2e-5 on a 2-core AMD EPYC whose bf16 kernels round differently; the
+    bound is a tenth of bf16's 2^-8 step, so it holds on any CPU)."""
     one = run_distributed(_bf16_losses, 1, [])[0]
     ep2 = run_distributed(_bf16_losses, 2, ["--expert-model-parallel-size", "2"])
     for losses in ep2:
-        assert losses == pytest.approx(one, rel=1e-5)
+        assert losses[0] == pytest.approx(one[0], rel=1e-6)
+        assert losses == pytest.approx(one, rel=4e-4)

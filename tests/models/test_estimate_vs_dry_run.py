@@ -33,12 +33,29 @@ def _flags(name: str, layout: list[str]) -> list[str]:
     flags = ["--model", name, "--mock-data", "--seq-length", "64", "--micro-batch-size", "1"]
     if config.embedding_layernorm and "--tensor-model-parallel-size" in layout:
         flags.append("--sequence-parallel")  # such models need SP under TP
+    if "--tensor-model-parallel-size" in layout and config.vocab_size % 2:
+        # GPT-2's 50257 tokens do not split over TP 2 (refused by name); Megatron pads the
+        # vocabulary to a multiple of 128 x TP, which --vocab-size states here.
+        flags += ["--vocab-size", str(-(-config.vocab_size // 256) * 256)]
     return [*flags, *layout]
 
 
+def _splits(name: str, layout: str) -> bool:
+    """Whether the layout's TP size divides the model's heads (gpt2-1.5B's 25 heads do not: that
+    layout is refused by name, tests/services/test_layout_checks_first.py)."""
+    flags = GRID[layout][1]
+    tp = (
+        int(flags[flags.index("--tensor-model-parallel-size") + 1])
+        if "--tensor-model-parallel-size" in flags
+        else 1
+    )
+    return get_config(name).num_attention_heads % tp == 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(GRID))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(
+    ("name", "layout"), [(n, layout) for n in MODELS for layout in GRID if _splits(n, layout)]
+)
 def test_estimate_equals_dry_run(name: str, layout: str) -> None:
     world_size, flags = GRID[layout]
     config = parse_args(_flags(name, flags))

@@ -21,7 +21,10 @@ SEED = 37
 KILLS = 2
 
 
-def make_corpus(folder: Path, files: int = 4, docs: int = 4000) -> None:
+FILES, DOCS = 4, 40000
+
+
+def make_corpus(folder: Path, files: int = FILES, docs: int = DOCS) -> None:
     """JSON-lines files big enough that a job runs for a few seconds."""
     folder.mkdir()
     rng = random.Random(SEED)
@@ -70,6 +73,21 @@ def get(service: Service, name: str) -> operations_pb2.Operation:
         return ops.GetOperation(operations_pb2.GetOperationRequest(name=name), timeout=30).operation
 
 
+def kill_at_progress(service: Service, name: str, fraction: float, kill: int) -> None:
+    """Waits until the job has done `fraction` of the corpus's documents (its progress counts
+    them), a random point of the run that does not depend on how fast this machine is; fails if
+    the job ends first."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        operation = get(service, name)
+        if operation.done:
+            pytest.fail(f"kill {kill}: the job ended ({operation.state}) before the kill point")
+        if operation.progress.completed >= fraction * FILES * DOCS:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"kill {kill}: the job reached {fraction:.0%} of its input within 120 s")
+
+
 def test_preprocess_survives_random_kills(tmp_path: Path, sentencepiece_model: Path) -> None:
     rng = random.Random(SEED)
     data, state = tmp_path / "data", tmp_path / "state"
@@ -85,7 +103,7 @@ def test_preprocess_survives_random_kills(tmp_path: Path, sentencepiece_model: P
     try:
         for kill in range(KILLS):
             name = start_job(service, req)
-            time.sleep(rng.uniform(0.5, 4.0))
+            kill_at_progress(service, name, rng.uniform(0.05, 0.6), kill)
             workers = service.kill9()
             wait_for(lambda w=workers: not alive(w), 60, f"kill {kill}: the job's workers to end")
             service = start_service("preprocess", data, state)

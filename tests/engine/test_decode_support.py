@@ -102,7 +102,7 @@ def test_each_row_declines_or_matches_the_module_forward(field, overrides, caplo
     step, why = DecodeStep.build(model)
     if not lean_ok:
         assert step is None and f"ModelConfig.{field}=" in why, why
-        with caplog.at_level(logging.INFO, logger="engine.engine"):
+        with caplog.at_level(logging.INFO, logger="engine.model_runner"):
             Engine(model, TokenizerInfo(model.config.vocab_size))
         assert f"decode step: module forward (ModelConfig.{field}=" in caplog.text
         return

@@ -277,7 +277,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     "prompt: this server has no tokenizer; send prompt_token_ids or restart it "
                     "with --tokenizer PATH"
                 )
-            prompt_ids = await off_loop(lambda: tokens.encode_prompt(request.prompt))
+            add = not request.HasField("add_special_tokens") or request.add_special_tokens
+            prompt_ids = await off_loop(lambda: tokens.encode_prompt(request.prompt, add))
             field = "prompt"
         else:
             prompt_ids = list(request.prompt_token_ids)

@@ -83,6 +83,18 @@ def test_grpc_tokenize_and_generate(served):
         eos = tokenizer.eos_token_id
         expected = hf_generate(server.hf, ids, max_new_tokens=4, eos_token_id=eos, pad_token_id=eos)
         assert list(reply.sequences[0].token_ids) == expected[0, len(ids) :].tolist(), text
+    # add_special_tokens=false (vLLM's field): the text's ids without the tokenizer's framing.
+    text = TEXTS[0]
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    reply = server.grpc_stub.Generate(
+        pb.GenerateRequest(
+            prompt=text, add_special_tokens=False, params=pb.SamplingParams(max_new_tokens=4)
+        ),
+        timeout=60,
+    )
+    eos = tokenizer.eos_token_id
+    expected = hf_generate(server.hf, plain, max_new_tokens=4, eos_token_id=eos, pad_token_id=eos)
+    assert list(reply.sequences[0].token_ids) == expected[0, len(plain) :].tolist(), text
 
 
 def test_tokenizer_info_names_the_tokenizers_special_tokens(served):

@@ -262,7 +262,7 @@ CASES = [
     (
         "inference",
         "Generate",
-        {"prompt": "hi", "params": {"temperature": 0.0}},
+        {"prompt": "hi", "params": {"temperature": -0.5}},
         "INVALID_ARGUMENT",
         "params.temperature",
     ),
@@ -566,7 +566,10 @@ def test_preprocess_server_runs_a_real_job(
         dataset = IndexedDataset(shard.path_prefix)
         assert len(dataset) == len(texts)
         for i, text in enumerate(texts):
-            assert list(dataset[i]) == [*tokenizer.encode(text), tokenizer.eod_id]
+            # A document is framed as the tokenizer frames a text (BOS first for this bare
+            # sentencepiece model, as LlamaTokenizer does), then the EOD.
+            framed = tokenizer.encode(text, add_special_tokens=True)
+            assert list(dataset[i]) == [*framed, tokenizer.eod_id]
         assert result.tokens == shard.tokens == sum(len(dataset[i]) for i in range(len(texts)))
 
         # The same prefix again without overwrite: refused before anything runs.

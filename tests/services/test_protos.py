@@ -74,6 +74,7 @@ ISSUE_FIELDS = {
         "prompt": ("string", False, False),
         "prompt_token_ids": ("int32", True, False),
         "params": ("SamplingParams", False, False),
+        "add_special_tokens": ("bool", False, True),
     },
     "SamplingParams": {
         "max_new_tokens": ("int32", False, True),

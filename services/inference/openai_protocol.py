@@ -64,7 +64,9 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused by name (400), never dropped: a field Meshline does not apply
+    # (`tools`, `response_format`, ...) must not look accepted.
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):

@@ -187,3 +187,20 @@ def test_every_problem_is_listed_and_the_server_still_serves(served):
         timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_fields_without_effect_are_refused_by_name(served, field, value):
+    """A field Meshline does not apply is a 400 naming it, never silently dropped."""
+    short = {"role": "user", "content": "hi"}
+    body = {"model": served.model_name, "messages": [short], "max_tokens": 2, field: value}
+    url = f"{served.http_url}/v1/chat/completions"
+    response = requests.post(url, json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert field in response.text

@@ -12,8 +12,10 @@ python -m meshline_client.lm_eval_cli run --model meshline \\
 Log-likelihoods come from the server's Score RPC (one forward per context, `is_greedy` computed
 on the server from the full distribution); generation from Generate with lm-eval's `until` as
 stop strings. model_args: endpoint (host:port, required), token, tls_ca, client_cert,
-client_key, max_gen_toks (default 256), timeout_s (per call, default 600); lm-eval's
---batch_size sets the requests in flight (default 16).
+client_key, max_gen_toks (default 256), timeout_s (per call, default 600), add_bos_token
+(default False: texts are encoded without the tokenizer's special tokens, as lm-eval's API models
+such as `local-completions` encode them; True adds them as the served tokenizer defines, lm-eval's
+`add_bos_token=True`); lm-eval's --batch_size sets the requests in flight (default 16).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class MeshlineLM(TemplateLM):
         batch_size: int | str = 16,
         max_gen_toks: int = 256,
         timeout_s: float = 600.0,
+        add_bos_token: bool | str = False,
         **_: Any,
     ) -> None:
         super().__init__()
@@ -62,6 +65,7 @@ class MeshlineLM(TemplateLM):
         self.info = self.client.model_info()
         self.batch_size = max(1, int(batch_size)) if str(batch_size) != "auto" else 16
         self.max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = _flag("add_bos_token", add_bos_token)
 
     @property
     def eot_token_id(self) -> int:
@@ -83,8 +87,11 @@ class MeshlineLM(TemplateLM):
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **_: Any
     ) -> list[int]:
-        """Token ids from the server's tokenizer (no BOS: lm-eval adds its prefix itself)."""
-        return self.client.tokenize(string, add_special_tokens=bool(add_special_tokens))
+        """Token ids from the server's tokenizer: its special tokens only when the caller asks
+        or add_bos_token is set (lm-eval's API models' rule; lm-eval adds its own prefix token
+        to empty contexts)."""
+        add = bool(add_special_tokens) or self.add_bos_token
+        return self.client.tokenize(string, add_special_tokens=add)
 
     def _score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         out: list[tuple[float, bool]] = []
@@ -156,3 +163,15 @@ class MeshlineLM(TemplateLM):
 
         with ThreadPoolExecutor(self.batch_size) as pool:
             return list(pool.map(run, requests))
+
+
+def _flag(name: str, value: bool | str) -> bool:
+    """A boolean model_arg as lm-eval passes it (a bool, or the text of one)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"model_args {name}={value!r}: give True or False")

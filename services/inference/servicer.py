@@ -292,12 +292,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, engine: ServingEngine, request: inference_pb2.ScoreRequest
     ) -> inference_pb2.ScoreResponse:
         items = await off_loop(lambda: self._score_items(engine, request))
-        limit = engine.engine.context_length
+        limit = engine.engine.max_seq_len  # --max-model-len, else the model's context length
         for i, (context, continuation) in enumerate(items):
             if len(context) + len(continuation) > limit:
                 raise OutOfRange(
                     f"items[{i}]: context + continuation is {len(context) + len(continuation)} "
-                    f"tokens, over the context length {limit}"
+                    f"tokens, over the server's model length {limit} (--max-model-len)"
                 )
         total = sum(len(c) + len(x) for c, x in items)
         if total > self._config.max_score_tokens:
@@ -395,7 +395,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             model_name=loaded.name,
             family=loaded.config.family,
             vocab_size=loaded.config.vocab_size,
-            context_length=engine.engine.context_length,
+            context_length=engine.engine.max_seq_len,
             dtype=engine.dtype_name,
             parallel_layout=inference_pb2.ParallelLayout(
                 tensor_parallel_size=engine.tensor_parallel_size,

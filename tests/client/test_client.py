@@ -141,3 +141,20 @@ def test_lm_eval_meshline_model(served):
         rows = torch.log_softmax(served.hf(torch.tensor([full])).logits[0].float(), -1)
     expected = sum(float(rows[t, full[t + 1]]) for t in range(len(full) - 1))
     assert rolling == pytest.approx(expected, abs=1e-4)
+
+
+def test_lm_eval_meshline_model_add_bos_token(served):
+    """add_bos_token=True encodes as the served tokenizer defines (BOS first for this Llama-style
+    sentencepiece tokenizer), as lm-eval's add_bos_token does; the default encodes without it."""
+    from lm_eval.api.registry import get_model
+
+    import meshline_client.lm_eval_model  # noqa: F401  (registers "meshline")
+
+    endpoint = f"endpoint=127.0.0.1:{served.grpc_port}"
+    plain = get_model("meshline").create_from_arg_string(endpoint)
+    with_bos = get_model("meshline").create_from_arg_string(f"{endpoint},add_bos_token=True")
+    ids = served.engine.tokens.require().encode("the cat sat on")
+    assert plain.tok_encode("the cat sat on") == ids
+    assert with_bos.tok_encode("the cat sat on") == [served.engine.tokens.bos_id, *ids]
+    with pytest.raises(ValueError, match="add_bos_token='maybe'"):
+        get_model("meshline").create_from_arg_string(f"{endpoint},add_bos_token=maybe")

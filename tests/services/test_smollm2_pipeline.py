@@ -213,11 +213,16 @@ def served_native(native) -> Iterator[Server]:
 
 def check_greedy(server: Server, model, tokenizer) -> None:
     """gRPC Generate of PROMPT and the OpenAI chat of CHAT equal HF `generate` on `model`."""
+    import grpc
+
     expected = hf_greedy(model, tokenizer.encode(PROMPT))
-    reply = server.stub().Generate(
-        pb.GenerateRequest(prompt=PROMPT, params=pb.SamplingParams(max_new_tokens=NEW_TOKENS)),
-        timeout=120,
-    )
+    try:
+        reply = server.stub().Generate(
+            pb.GenerateRequest(prompt=PROMPT, params=pb.SamplingParams(max_new_tokens=NEW_TOKENS)),
+            timeout=120,
+        )
+    except grpc.RpcError as exc:  # the server's log says why
+        raise AssertionError(f"{exc}\n--- server log ---\n{''.join(server.lines[-80:])}") from exc
     assert list(reply.sequences[0].token_ids) == expected
     ids = chat_ids(tokenizer, CHAT)
     expected_chat = hf_greedy(model, ids)
@@ -233,6 +238,8 @@ def check_greedy(server: Server, model, tokenizer) -> None:
 
 def test_served_native_checkpoint_equals_hf_generate(served_native, hf_base):
     model, tokenizer = hf_base
+    info = served_native.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.context_length == MAX_MODEL_LEN  # --max-model-len, not the model's 8192
     check_greedy(served_native, model, tokenizer)
 
 
@@ -269,7 +276,7 @@ def test_evaluate_against_the_server_equals_lm_evals_hf_model(served_native, hf_
     assert results["results"]["boolq"]["acc,none"] == pytest.approx(sum(right) / len(right))
 
 
-def test_lora_finetune_and_merge_equal_peft(native, smollm2_dir, tmp_path):
+def test_lora_finetune_merge_and_serve_equal_peft_and_hf(native, smollm2_dir, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -322,6 +329,5 @@ def test_lora_finetune_and_merge_equal_peft(native, smollm2_dir, tmp_path):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     assert (ours - base_logits).abs().max() > 1e-3  # the adapter is not a no-op
 
-    # Serving the merged model (greedy == HF generate) passed alone and as this module, but once
-    # answered Generate with INTERNAL (a ValueError in the server) in a full-suite run on 2 busy
-    # cores; left out of the suite until that is found (the closing note of this session).
+    with serve(merged_dir, "hf") as server:
+        check_greedy(server, merged, tokenizer)

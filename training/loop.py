@@ -126,7 +126,7 @@ class Trainer(TrainerState):
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
-        self.objective = build_objective(config.run.stage, config.run)
+        self.objective = build_objective(config.run.stage, config.run, path_guard)
         if self.dims.pp > 1 and not self.objective.pipeline_loss:
             raise ValueError(
                 f"--stage {config.run.stage} under --pipeline-model-parallel-size "

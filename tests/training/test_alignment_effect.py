@@ -19,6 +19,7 @@ from services.converter.job import convert
 from services.converter.options import ConvertOptions
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.trainer.arguments import parse_args
+from services.trainer.launch_checks import check_paths
 from tests.fixtures import records as fx
 from tests.training.test_alignment_train import COLOURS, _flags
 from tokendata.datasets.pairwise import PairSource
@@ -92,7 +93,7 @@ def test_dpo_policy_exported_to_hf_prefers_the_chosen_replies_on_held_out_pairs(
 
 
 def _reward_run(tmp_path, sentencepiece_model, iters: str):
-    """(trainer, HF export directory) of a --stage rm run on the colour preference."""
+    """(trainer, HF export directory, resume flags) of a --stage rm run on the colour preference."""
     train = _preprocess(tmp_path, sentencepiece_model, range(0, 64))
     flags = _flags(sentencepiece_model, train, "rm", "--split", "100,0,0", "--train-iters", iters)
     save = tmp_path / "rm"
@@ -100,7 +101,7 @@ def _reward_run(tmp_path, sentencepiece_model, iters: str):
     trainer.fit()
     exported = tmp_path / "hf-rm"
     convert(ConvertOptions("native", "hf", save, exported, dtype="fp32"))
-    return trainer, exported
+    return trainer, exported, [*flags, "--load", str(save)]
 
 
 def test_reward_model_exported_to_hf_scores_as_meshline(sentencepiece_model, tmp_path):
@@ -111,7 +112,15 @@ def test_reward_model_exported_to_hf_scores_as_meshline(sentencepiece_model, tmp
     from training.objectives.base import ForwardContext
     from training.objectives.rm import pair_rewards
 
-    trainer, exported = _reward_run(tmp_path, sentencepiece_model, "2")
+    trainer, exported, resume = _reward_run(tmp_path, sentencepiece_model, "2")
+    saved = json.loads((tmp_path / "rm" / "step-000002" / "config.json").read_text())
+    assert saved["value_head"] is True and saved["tie_word_embeddings"] is False
+    check_paths(parse_args([*resume, "--train-iters", "3"]))  # the rm run resumes
+    with pytest.raises(ValueError, match="the source is a reward model"):
+        convert(ConvertOptions("native", "megatron", tmp_path / "rm", tmp_path / "mg"))
+    back = tmp_path / "native-again"  # HF -> native keeps the head
+    convert(ConvertOptions("hf", "native", exported, back, dtype="fp32"))
+    assert json.loads((back / "step-000000" / "config.json").read_text())["value_head"] is True
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     hf = AutoModelForSequenceClassification.from_pretrained(exported).eval()
@@ -144,7 +153,7 @@ def test_reward_model_exported_to_hf_ranks_held_out_pairs(sentencepiece_model, t
     of held-out pairs (prompts it never saw) correctly."""
     from transformers import AutoModelForSequenceClassification
 
-    _, exported = _reward_run(tmp_path, sentencepiece_model, "12")
+    _, exported, _ = _reward_run(tmp_path, sentencepiece_model, "12")
     hf = AutoModelForSequenceClassification.from_pretrained(exported).eval()
     held_out = PairSource(_preprocess(tmp_path, sentencepiece_model, range(400, 440)))
     right = 0

@@ -121,6 +121,10 @@ def test_reward_model_exported_to_hf_scores_as_meshline(sentencepiece_model, tmp
     back = tmp_path / "native-again"  # HF -> native keeps the head
     convert(ConvertOptions("hf", "native", exported, back, dtype="fp32"))
     assert json.loads((back / "step-000000" / "config.json").read_text())["value_head"] is True
+    from engine.loading import load_checkpoint
+
+    with pytest.raises(ValueError, match=r"a reward model .* cannot generate"):
+        load_checkpoint(exported)  # the engine refuses it before reading a weight
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     hf = AutoModelForSequenceClassification.from_pretrained(exported).eval()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,28 @@ def test_dpo_with_lora_takes_the_base_as_its_reference(sentencepiece_model, pair
     lora_rm = _flags(sentencepiece_model, pair_prefix, "rm", "--lora-target-modules", "dense")
     with pytest.raises(ValueError, match="--peft-method with --stage rm"):
         parse_args(lora_rm).validate(1)
+
+
+def test_a_requests_ref_model_is_confined_to_the_data_roots(
+    sentencepiece_model,
+    pair_prefix,  # noqa: F811
+    start_weights,
+    tmp_path,
+):
+    """StartTraining's args: --ref-model is a path setting like --load (resolved under the data
+    roots, every file inside checked), so a request cannot make workers read weights elsewhere."""
+    from services.common.paths import PermissionDenied
+    from services.trainer.request_paths import confine_config
+
+    roots = [start_weights, Path(pair_prefix).parent, sentencepiece_model.parent]
+    inside = parse_args(
+        _flags(sentencepiece_model, pair_prefix, "dpo", "--ref-model", str(start_weights))
+    )
+    assert confine_config(inside, roots).run.ref_model == str(start_weights.resolve())
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(start_weights, outside)
+    leaving = parse_args(
+        _flags(sentencepiece_model, pair_prefix, "dpo", "--ref-model", str(outside))
+    )
+    with pytest.raises(PermissionDenied, match="--ref-model"):
+        confine_config(leaving, roots)

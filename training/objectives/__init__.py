@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["OBJECTIVES", "ForwardContext", "Objective", "ObjectiveOutput", "build_objective"]
 
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (NextTokenLoss, RewardLoss, DPOLoss, SimPOLoss)
+    cls.name: cls for cls in (NextTokenLoss, RewardLoss, DPOLoss, SimPOLoss, ORPOLoss)
 }
-OBJECTIVES[ORPOLoss.name] = ORPOLoss
 """Objective classes by name."""
 
 

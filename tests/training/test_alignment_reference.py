@@ -106,6 +106,7 @@ def test_orpo_run_learns_the_preference_without_a_reference(sentencepiece_model,
         parse_args(_flags(sentencepiece_model, pair_prefix, "dpo", "--orpo-beta", "0.2"))
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_takes_the_base_as_its_reference(sentencepiece_model, pair_prefix):  # noqa: F811
     from models.lora import adapters_disabled
 

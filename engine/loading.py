@@ -52,6 +52,13 @@ def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfi
         source = get_format(fmt, "--load-format", SERVE_FORMATS).open_source(directory, None, None)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
+    if source.config.value_head:  # its forward gives one score per position, not logits
+        raise ValueError(
+            f"--load {directory}: a reward model (a scalar value head, `meshline train --stage "
+            "rm`) cannot generate and is not served yet; serve a causal LM, or score with the "
+            "reward model's HF export (`meshline convert --save-format hf`, read by "
+            "transformers' AutoModelForSequenceClassification)"
+        )
     try:
         adapter = LoraAdapter(lora) if lora is not None else None
     except KeyError as exc:

@@ -110,6 +110,10 @@ class ModelConfig:
     """Normalise token embeddings before the first layer (Bloom's word_embeddings_layernorm)."""
     norm_head: bool = False
     """L2-normalise the output head's rows before the logits (Baichuan2's NormHead)."""
+    value_head: bool = False
+    """The output head is a scalar value head (a reward model): `lm_head` maps the hidden state to
+    one score per position (transformers' `...ForSequenceClassification.score`, num_labels=1),
+    untied from the embedding (models/value_head.py)."""
     fused_qkv: bool = True
     """One qkv_proj GEMM laid out [q; k; v] instead of q_proj, k_proj, v_proj."""
     fused_gate_up: bool = True
@@ -166,6 +170,12 @@ class ModelConfig:
             raise ValueError(
                 'ModelConfig.extra["moe"] is no longer read: pass the MoE settings as '
                 "ModelConfig(moe=MoEConfig(...)) (ModelConfig.from_dict converts old files)"
+            )
+        if self.value_head and (self.tie_word_embeddings or self.norm_head):
+            raise ValueError(
+                "ModelConfig: a value head (value_head=True) is a [1, hidden] matrix of its own; "
+                "it cannot be tied to the embedding or row-normalised (set tie_word_embeddings "
+                "and norm_head to False)"
             )
         _choice("norm_type", self.norm_type, NORM_TYPES)
         _choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)

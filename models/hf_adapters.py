@@ -39,6 +39,9 @@ from models.families import MOE_EXPORT_FAMILY, MoEFacts, family_facts
 from models.hf_config import HF_ARCH, config_from_hf, hf_config
 from models.hf_gpt2 import gpt2_from_hf, gpt2_to_hf
 
+HF_SCORE = "score.weight"
+"""transformers' name for a sequence-classification head (a reward model's value head)."""
+
 __all__ = ["HF_ARCH", "config_from_hf", "from_hf", "hf_config", "to_hf"]
 
 StateDict = dict[str, torch.Tensor]
@@ -181,7 +184,15 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
     """Meshline state dict → the HF layout of `config.family` (tied head omitted, as HF saves).
 
     `per_expert` writes MoE experts one tensor each, as `save_pretrained` stores them on disk.
+    A value head (`config.value_head`) is written as `score.weight`, the name transformers'
+    `...ForSequenceClassification` gives it.
     """
+    if config.value_head:
+        body = {name: t for name, t in state.items() if name != "lm_head.weight"}
+        out = to_hf(body, config.replace(value_head=False), per_expert=per_expert)
+        if "lm_head.weight" in state:
+            out[HF_SCORE] = state["lm_head.weight"]
+        return out
     canon = _unfuse(state, config)
     facts = family_facts(config.family)
     if facts.layout == "gpt2":
@@ -231,6 +242,12 @@ def to_hf(state: StateDict, config: ModelConfig, *, per_expert: bool = False) ->
 
 def from_hf(hf_state: StateDict, config: ModelConfig) -> StateDict:
     """HF state dict of `config.family` → Meshline names and fusions (inverse of `to_hf`)."""
+    if config.value_head:
+        body = {name: t for name, t in hf_state.items() if name != HF_SCORE}
+        out = from_hf(body, config.replace(value_head=False))
+        if HF_SCORE in hf_state:
+            out["lm_head.weight"] = hf_state[HF_SCORE]
+        return out
     facts = family_facts(config.family)
     if facts.layout == "gpt2":
         return gpt2_from_hf(hf_state, config)

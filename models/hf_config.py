@@ -23,6 +23,9 @@ from models.families import (
 from models.hf_gpt2 import config_from_gpt2, gpt2_config
 from models.hf_moe import moe_fields_from_hf, moe_fields_to_hf, unsupported_field
 
+CAUSAL_LM, SEQ_CLS = "ForCausalLM", "ForSequenceClassification"
+"""Suffixes of transformers' class names: a causal LM, and the same body with a `score` head."""
+
 HF_ARCH: dict[str, tuple[str, str]] = {
     name: (facts.hf_architecture, facts.hf_model_type) for name, facts in FAMILY_FACTS.items()
 }
@@ -91,7 +94,20 @@ def _window(hf: dict[str, Any], facts: Family) -> int | None:
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """A ModelConfig from an HF `config.json` dict (any family of HF_ARCH)."""
+    """A ModelConfig from an HF `config.json` dict (any family of HF_ARCH; a
+    `...ForSequenceClassification` with one label is a reward model: `value_head`)."""
+    architectures = hf.get("architectures") or [""]
+    arch = str(architectures[0])
+    if arch.endswith(SEQ_CLS):
+        labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
+        if labels != 1:
+            raise unsupported_field(
+                "id2label", labels, "has more than one label; only a scalar reward head reads"
+            )
+        causal = {**hf, "architectures": [arch.removesuffix(SEQ_CLS) + CAUSAL_LM]}
+        causal["tie_word_embeddings"] = False
+        own = config_from_hf(causal, **overrides)
+        return own.replace(tie_word_embeddings=False, norm_head=False, value_head=True)
     model_type = str(hf.get("model_type"))
     family = family_of_model_type(model_type)
     if family is None:
@@ -206,7 +222,19 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """The HF `config.json` content that describes `config`'s network (and its token ids)."""
+    """The HF `config.json` content that describes `config`'s network (and its token ids); a
+    value head is written as transformers' `...ForSequenceClassification` with one label."""
+    if config.value_head:
+        out = hf_config(config.replace(value_head=False))
+        arch = out["architectures"][0]
+        if not arch.endswith(CAUSAL_LM):
+            raise ValueError(
+                f"hf_config: family {config.family!r} ({arch}) has no known sequence-"
+                "classification class to hold a value head"
+            )
+        out["architectures"] = [arch.removesuffix(CAUSAL_LM) + SEQ_CLS]
+        out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        return out
     family = config.family
     facts = family_facts(family)
     moe = config.moe

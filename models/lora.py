@@ -13,8 +13,10 @@ peft-format import/export lives in `models/lora_io.py`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +111,8 @@ class LoraLinear(nn.Linear):
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=dev, dtype=dtype)
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.r, self.scaling = r, alpha / r
+        self.adapter_enabled = True
+        """False inside `adapters_disabled`: the layer computes with its base weight only."""
         self.reset_lora_parameters()
 
     @torch.no_grad()
@@ -121,6 +125,8 @@ class LoraLinear(nn.Linear):
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
         """W x + b + B(A(dropout(x))) · scaling."""
         out_NO = F.linear(x_NI, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out_NO
         x_NI = x_NI.to(self.lora_A.weight.dtype)
         return out_NO + self.lora_B(self.lora_A(self.lora_dropout(x_NI))) * self.scaling
 
@@ -132,6 +138,20 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its frozen base: every `LoraLinear` skips its adapter inside the block
+    (peft's `disable_adapter`; DPO's reference for a LoRA policy is the base this way)."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
 
 
 def resolve_targets(model: nn.Module, targets: list[str]) -> list[str]:

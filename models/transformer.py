@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
         )
         self.norm: nn.Module | None = build_norm(config)
         self.lm_head: nn.Linear | None = nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False
+            config.hidden_size, 1 if config.value_head else config.vocab_size, bias=False
         )
         self.tie_weights()
         self.rotary = self._build_rotary(config)

@@ -126,7 +126,7 @@ class Trainer(TrainerState):
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
-        self.objective = build_objective(config.run.stage, config.run)
+        self.objective = build_objective(config.run.stage, config.run, path_guard)
         if self.dims.pp > 1 and not self.objective.pipeline_loss:
             raise ValueError(
                 f"--stage {config.run.stage} under --pipeline-model-parallel-size "
@@ -150,6 +150,8 @@ class Trainer(TrainerState):
             model = self.objective.prepare_model(
                 create_model(self.model_config, self.device, config.run.seed)
             )
+            # The network trained, as checkpoints record it (a reward model's value head).
+            self.model_config = getattr(model, "config", self.model_config)
         model = model.to(self.plan.model_dtype)
         apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)

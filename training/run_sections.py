@@ -137,12 +137,12 @@ class RunSection:
     profile_save_path: str | None = None
     """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
     TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
-    stage: Literal["sft", "rm", "dpo", "simpo"] = "sft"
+    stage: Literal["sft", "rm", "dpo", "simpo", "orpo"] = "sft"
     """Training objective (MindSpeed-LLM's --stage; `training.objectives`): sft = next-token cross
     entropy over the unmasked labels, for pretraining and instruction tuning alike; rm = a reward
     model (scalar value head, pairwise loss), dpo = direct preference optimisation against the
-    starting weights and simpo = reference-free SimPO, all on pairwise shards
-    (docs/alignment.md)."""
+    starting weights (or --ref-model), simpo = reference-free SimPO and orpo = ORPO (NLL plus
+    odds ratio, no reference), all on pairwise shards (docs/alignment.md)."""
     dpo_beta: float = 0.1
     """--stage dpo: β, the strength of the pull towards the reference (IPO's τ for ipo)."""
     dpo_loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
@@ -150,10 +150,15 @@ class RunSection:
     dpo_label_smoothing: float = 0.0
     """--stage dpo: ε in [0, 0.5), the assumed share of flipped labels (sigmoid: conservative
     DPO; robust: rDPO)."""
+    ref_model: str | None = None
+    """--stage dpo: the reference's checkpoint directory (a trainer --save directory or a step in
+    it; default: the weights the run starts from, or a LoRA policy's base)."""
     simpo_beta: float = 2.5
     """--stage simpo: β, the scale of the length-normalised log-probability margin."""
     gamma_beta_ratio: float = 1.4
     """--stage simpo: γ/β, the target margin γ as a multiple of --simpo-beta."""
+    orpo_beta: float = 0.1
+    """--stage orpo: β (the paper's λ), the weight of the odds-ratio term beside the NLL."""
 
     def __post_init__(self) -> None:
         if self.train_iters <= 0:
@@ -170,6 +175,7 @@ class RunSection:
                     ("--dpo-beta", self.dpo_beta, 0.1),
                     ("--dpo-loss-type", self.dpo_loss_type, "sigmoid"),
                     ("--dpo-label-smoothing", self.dpo_label_smoothing, 0.0),
+                    ("--ref-model", self.ref_model, None),
                 ),
             ),
             (
@@ -179,6 +185,7 @@ class RunSection:
                     ("--gamma-beta-ratio", self.gamma_beta_ratio, 1.4),
                 ),
             ),
+            ("orpo", (("--orpo-beta", self.orpo_beta, 0.1),)),
         ):
             changed = [flag for flag, value, default in settings if value != default]
             if changed and self.stage != stage:

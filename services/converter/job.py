@@ -60,6 +60,9 @@ from services.converter.verify import (
     skip_reason,
 )
 
+VALUE_HEAD_FORMATS = ("hf", "native")
+"""Output formats that hold a reward model's value head (HF: `...ForSequenceClassification`)."""
+
 _GGUF_FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -129,6 +132,17 @@ def open_checked_source(options: ConvertOptions) -> Source:
     named = get_config(options.model) if options.model else None
     source = open_source(options, named)
     check_target_layout(options, source.config)
+    if source.config.value_head and options.save_format not in VALUE_HEAD_FORMATS:
+        raise ValueError(
+            f"--save-format {options.save_format}: the source is a reward model (a scalar value "
+            f"head), which only {' and '.join(VALUE_HEAD_FORMATS)} outputs hold so far; write "
+            "one of those"
+        )
+    if source.config.value_head and options.lora_dir is not None:
+        raise ValueError(
+            "--lora-load with a reward model source: merging adapters into a value-head model "
+            "is not built; convert the reward model without --lora-load"
+        )
     target = get_format(options.save_format)
     if target.check_target is not None:
         target.check_target(source, sink_options(options))

@@ -11,7 +11,8 @@ starts or weight is read (the one such module; `meshline train` and the trainer 
   on a fresh directory keeps working.
 - `check_model_layout(config, world_size)`: the model the flags define (registry or Megatron
   architecture flags, the tokenizer's vocabulary) against the TP/PP/EP layout, with the check the
-  workers run (`parallel.parallelize.check_model`, i.e. `models.parallel_plan.check_split`).
+  workers run (`parallel.parallelize.check_model`, i.e. `models.parallel_plan.check_split`), and
+  against DPO's `--ref-model` (same vocabulary and architecture).
 """
 
 from __future__ import annotations
@@ -174,13 +175,29 @@ def check_paths(config: TrainConfig) -> None:
                     _check_dataset(flag, prefix, data.is_instruction_dataset)
     _check_tokenizer(config)
     action = load_action(config)
-    if action == "resume" and config.run.stage == "dpo" and not config.run.finetune:
-        raise ValueError(
-            f"--stage dpo with --load {config.run.load}: resuming is not supported (the reference "
-            "is the run's starting weights, which a checkpoint does not hold); start from the "
-            "SFT weights with --load DIR --finetune"
-        )
     run = config.run
+    if (
+        action == "resume"
+        and run.stage == "dpo"
+        and not run.finetune
+        and run.ref_model is None
+        and config.peft.peft_method is None
+    ):
+        raise ValueError(
+            f"--stage dpo with --load {run.load}: resuming needs the reference, which is the "
+            "run's starting weights and not in the checkpoint; pass them as --ref-model DIR "
+            "(e.g. the SFT checkpoint the run started from), or start anew from the saved "
+            "weights with --finetune"
+        )
+    if run.ref_model is not None:
+        from training.objectives.reference import reference_step_dir
+
+        if not Path(run.ref_model).is_dir():
+            raise ValueError(
+                f"--ref-model {run.ref_model}: no such directory; pass the reference's trainer "
+                "--save directory (or a step-XXXXXX in it)"
+            )
+        reference_step_dir(run.ref_model)
     for flag, value in (
         ("--save", run.save),
         ("--log-dir", run.log_dir),
@@ -249,6 +266,9 @@ def check_checkpoints(config: TrainConfig) -> None:
     lora = config.peft.lora_load
     if lora and not Path(lora).is_dir():
         raise FileNotFoundError(f"--lora-load {lora}: no such checkpoint folder")
+    ref = config.run.ref_model
+    if ref and not Path(ref).is_dir():
+        raise FileNotFoundError(f"--ref-model {ref}: no such checkpoint folder")
 
 
 def check_inputs(config: TrainConfig) -> None:
@@ -274,6 +294,11 @@ def check_model_layout(config: TrainConfig, world_size: int) -> None:
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
     check_model(dims, model_config, config.parallel_config())
+    if config.run.ref_model is not None:  # DPO's reference: the policy's vocabulary and model
+        from training.objectives.reference import check_reference_config, read_reference_config
+
+        reference = read_reference_config(config.run.ref_model)
+        check_reference_config(reference, model_config, config.run.ref_model)
 
 
 def _tokenizer_vocab(config: TrainConfig) -> int | None:

@@ -28,6 +28,7 @@ ARCHITECTURE_FLAGS = {
     "position_embedding": "--position-embedding-type",
     "activation": "--swiglu",
     "tie_word_embeddings": "--untie-embeddings-and-output-weights",
+    "value_head": "--stage",
 }
 """Model fields that define the weights' shapes and meaning, and the flag setting each."""
 
@@ -50,6 +51,10 @@ def check_same_model(config: TrainConfig, checkpoint: Path) -> None:
     from training.setup import build_model_config
 
     ours = build_model_config(config)
+    if config.run.stage == "rm":  # a reward model saves its value head's config
+        from models.value_head import value_head_config
+
+        ours = value_head_config(ours)
     for name, flag in ARCHITECTURE_FLAGS.items():
         if name not in saved:
             continue

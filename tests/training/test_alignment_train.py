@@ -81,10 +81,10 @@ def test_dpo_run_starts_at_ln2_and_learns_the_preference(
     }
     assert abs(first["rewards/margins"]) < 1e-5
     assert last["rewards/accuracies"] == 1.0 and last["rewards/margins"] > 0.5
-    # Resuming would take the trained weights for the reference: refused before any worker,
-    # and by the objective itself should a worker be started anyway.
+    # Resuming without --ref-model would take the trained weights for the reference: refused
+    # before any worker, and by the objective itself should a worker be started anyway.
     resumed = parse_args([*flags, "--load", str(tmp_path), "--train-iters", "14"])
-    with pytest.raises(ValueError, match=r"--stage dpo with --load .*resuming is not supported"):
+    with pytest.raises(ValueError, match=r"--stage dpo with --load .*resuming needs the reference"):
         check_paths(resumed)
     worker = Trainer(resumed)
     worker.load()
@@ -130,7 +130,12 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
 @pytest.mark.parametrize(
     ("extra", "world", "message"),
     [
-        ((), 2, "--stage dpo runs in one process so far; this job has 2"),
+        (
+            ("--tensor-model-parallel-size", "2"),
+            2,
+            "--tensor-model-parallel-size 2 with --stage dpo",
+        ),
+        (("--zero-stage", "3"), 2, "--zero-stage 3 with --stage dpo"),
         (("--peft-method", "bitfit"), 1, "--peft-method with --stage dpo"),
         (("--recompute-granularity", "full"), 1, "--recompute-granularity with --stage dpo"),
         (("--dpo-beta", "0"), 1, "--dpo-beta must be > 0"),

@@ -331,3 +331,81 @@ def test_simpo_loss_rewards_and_gradients_equal_trl_cpo_trainer() -> None:
     expected = from_hf({name: p.grad for name, p in hf.named_parameters()}, config)
     for name, param in ours.named_parameters():
         assert (param.grad - expected[name]).abs().max().item() <= ATOL, name
+
+
+def _trl_orpo(hf, batch, beta: float):
+    """trl's ORPO loss and metrics: its `get_batch_loss_metrics` (concatenated forward, NLL over
+    the chosen sequences, `odds_ratio_loss`) on a stand-in for the trainer instance."""
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    trainer = SimpleNamespace(
+        beta=beta,
+        is_encoder_decoder=False,
+        padding_value=0,
+        aux_loss_enabled=False,
+        accelerator=_Accelerator(),
+        concatenated_inputs=ORPOTrainer.concatenated_inputs,
+        get_batch_logps=ORPOTrainer.get_batch_logps,
+    )
+    trainer.concatenated_forward = lambda model, inputs: ORPOTrainer.concatenated_forward(
+        trainer, model, inputs
+    )
+    trainer.odds_ratio_loss = lambda c, r: ORPOTrainer.odds_ratio_loss(trainer, c, r)
+    inputs = {}
+    for side in ("chosen", "rejected"):
+        inputs[f"{side}_input_ids"] = batch[f"{side}_input_ids"]
+        inputs[f"{side}_attention_mask"] = batch[f"{side}_attention_mask"]
+        labels = batch[f"{side}_input_ids"].masked_fill(batch[f"{side}_loss_mask"] == 0, -100)
+        inputs[f"{side}_labels"] = labels
+    return ORPOTrainer.get_batch_loss_metrics(trainer, hf, inputs)
+
+
+def test_orpo_loss_metrics_and_gradients_equal_trl_orpo_trainer() -> None:
+    from training.objectives.orpo import ORPOLoss
+
+    hf, ours, config = _llama_pair(seed=0)
+    batch = _pairwise_batch(config.vocab_size, pad=config.vocab_size - 1)
+    beta = 0.25
+    hf.train()
+    trl_loss, trl_metrics = _trl_orpo(hf, batch, beta)
+    trl_loss.backward()
+
+    objective = ORPOLoss(beta=beta)
+    ours.train()
+    out = objective.compute(ours, batch, CTX)
+    pairs = objective.count(batch)
+    (out.loss_sum / pairs).backward()
+    assert abs(out.loss_sum.item() / pairs - trl_loss.item()) <= ATOL
+    logged = objective.summarize(out.metrics)
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "nll_loss",
+        "log_odds_ratio",
+        "log_odds_chosen",
+    ):
+        assert abs(logged[name] - trl_metrics[name]) <= ATOL, name
+    assert trl_metrics["log_odds_chosen"] != 0.0
+    expected = from_hf({name: p.grad for name, p in hf.named_parameters()}, config)
+    for name, param in ours.named_parameters():
+        assert (param.grad - expected[name]).abs().max().item() <= ATOL, name
+
+
+def test_orpo_odds_ratio_is_the_papers_formula() -> None:
+    """log odds(y) = log p − log(1 − p) with p = exp(avg log-prob), checked in float64 by hand."""
+    from training.objectives.preference_losses import orpo_odds_ratio
+
+    chosen = torch.tensor([-0.2, -1.5, -3.0], dtype=torch.float64)
+    rejected = torch.tensor([-0.9, -0.4, -3.5], dtype=torch.float64)
+    terms, _, log_odds = orpo_odds_ratio(chosen, rejected, beta=0.5)
+
+    def odds(x):
+        return torch.log(torch.exp(x) / (1 - torch.exp(x)))
+
+    expected = odds(chosen.float()) - odds(rejected.float())
+    assert torch.allclose(log_odds, expected, atol=1e-5)
+    assert torch.allclose(terms.losses, -0.5 * torch.nn.functional.logsigmoid(expected), atol=1e-5)

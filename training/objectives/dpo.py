@@ -2,19 +2,25 @@
 
 Shapes: B pairs, S sequence, V vocab. The policy scores chosen and rejected in one forward
 (`pairs.concatenated`); the reference's log-probabilities come from the batch when precomputed
-(`ref_chosen_logps` / `ref_rejected_logps`) and otherwise from a frozen `reference` model run
-under no_grad (by default a copy of the starting weights). The loss is `preference_losses.dpo_loss`;
-the logged sums are trl's quantities (divide by `pairs` for trl's means).
+(`ref_chosen_logps` / `ref_rejected_logps`) and otherwise from a frozen reference run under
+no_grad: the model given as `reference`, or one read from `--ref-model DIR` (`reference.py`), or
+for a LoRA policy the policy itself with its adapters disabled (trl's choice under peft: no second
+copy of the base), or else a copy of the weights the run starts from. The loss is
+`preference_losses.dpo_loss`; the logged sums are trl's quantities (divide by `pairs` for trl's
+means).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from models.config import ModelConfig
+from models.lora import LoraLinear, adapters_disabled
 from training.objectives.base import ForwardContext, ObjectiveOutput
 from training.objectives.pairs import (
     check_pairwise,
@@ -37,6 +43,7 @@ class DPOLoss(PairwiseObjective):
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         reference: nn.Module | None = None,
+        reference_loader: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"--dpo-loss-type {loss_type!r}: choose one of {list(DPO_LOSS_TYPES)}")
@@ -55,6 +62,9 @@ class DPOLoss(PairwiseObjective):
         self.reference = reference
         if reference is not None:
             reference.requires_grad_(False).eval()
+        # Reads the reference (--ref-model) given the policy; called once, in `begin`.
+        self.reference_loader = reference_loader
+        self._policy_as_reference: nn.Module | None = None
 
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
@@ -86,16 +96,23 @@ class DPOLoss(PairwiseObjective):
         return ObjectiveOutput(terms.losses.sum(), metrics)
 
     def begin(self, model: nn.Module, step: int) -> None:
-        """Without a given reference, freeze a copy of the starting weights as the reference."""
+        """Set up the reference: --ref-model's, else the LoRA policy's base, else a frozen copy
+        of the starting weights (which a resumed run no longer has: refused)."""
         if self.reference is not None:
+            return
+        if self.reference_loader is not None:
+            self.reference = self.reference_loader(model)
+            return
+        if any(isinstance(m, LoraLinear) for m in model.modules()):
+            self._policy_as_reference = model  # the frozen base weights are the reference
             return
         if step > 0:
             raise ValueError(
                 f"--stage dpo resumed at step {step}: the reference is the run's starting weights, "
-                "which a checkpoint does not hold; start from the SFT weights (--load DIR "
-                "--finetune) instead of resuming"
+                "which a checkpoint does not hold; pass them as --ref-model DIR (e.g. the SFT "
+                "checkpoint the run started from) to resume"
             )
-        self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+        self.reference = frozen_copy(model)
 
     @torch.no_grad()
     def _reference_logps(
@@ -107,12 +124,42 @@ class DPOLoss(PairwiseObjective):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
             return batch["ref_chosen_logps"].float(), batch["ref_rejected_logps"].float()
-        if self.reference is None:
+        reference, disabled = self.reference, contextlib.nullcontext()
+        if reference is None and self._policy_as_reference is not None:
+            reference = self._policy_as_reference
+            disabled = adapters_disabled(reference)
+        if reference is None:
             raise ValueError(
                 "--stage dpo needs a reference: a reference model (the starting weights or "
                 "--ref-model DIR) or precomputed ref_chosen_logps/ref_rejected_logps in the data"
             )
-        with ctx.autocast():
-            logits = self.reference(ids)
+        with ctx.autocast(), disabled:
+            logits = reference(ids)
         ref_chosen, ref_rejected = sequence_logps(logits, ids, mask).chunk(2)
         return ref_chosen, ref_rejected
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen, unwrapped copy of `model`'s current weights (a registry `CausalLM`, possibly under
+    data-parallel `replicate`, whose hooks must not be copied): built anew, loaded from
+    the state dict, with the same attention kernels."""
+    from models import build_model
+
+    config = model.config
+    assert isinstance(config, ModelConfig), "the registry builds CausalLM models"
+    first = next(model.parameters())
+    copy = build_model(config, device="meta").to(dtype=first.dtype)
+    copy.to_empty(device=first.device)
+    copy.init_weights(seed=0)  # ties the head where the config does; the load overwrites all
+    copy.load_state_dict(
+        {name: value.detach() for name, value in model.state_dict().items()}, strict=True
+    )
+    backends = {
+        name: module.attention_backend
+        for name, module in model.named_modules()
+        if hasattr(module, "attention_backend")
+    }
+    for name, module in copy.named_modules():
+        if name in backends:
+            module.attention_backend = backends[name]
+    return copy.requires_grad_(False).eval()

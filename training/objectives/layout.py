@@ -2,9 +2,12 @@
 
 `TrainingConfig.validate` calls `check_stage` (the CLI calls it before launching workers, the
 service before starting a job). `sft` runs under every layout the loop has. The preference stages
-(`rm`, `dpo`, `simpo`) have been run and checked in one process on full weights (tests/training/
-test_alignment_train.py); data/tensor/pipeline/context parallelism, adapters, recompute and
-torch.compile are refused by flag until a test shows them equal to one process.
+(`rm`, `dpo`, `simpo`, `orpo`) have been run and checked in one process on full weights
+(tests/training/test_alignment_train.py), under data parallelism with replicated weights
+(ZeRO-0/1: tests/training/test_alignment_dist.py) and, for `dpo`, with LoRA adapters (the
+reference is the base: adapters disabled); tensor/pipeline/context/expert parallelism, sharded
+weights (ZeRO-2/3), other adapters, recompute and torch.compile are refused by flag until a test
+shows them equal to one process.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from training.objectives.dpo import DPOLoss
+from training.objectives.orpo import ORPOLoss
 from training.objectives.simpo import SimPOLoss
 
 if TYPE_CHECKING:
     from training.config import TrainingConfig
 
-PREFERENCE_STAGES = ("rm", "dpo", "simpo")
+PREFERENCE_STAGES = ("rm", "dpo", "simpo", "orpo")
 """Stages that train on preference pairs."""
 
 
@@ -27,14 +31,29 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
     if stage not in PREFERENCE_STAGES:
         return
     where = f"--stage {stage}"
-    if world_size > 1:
+    par = config.parallel
+    for flag, size in (
+        ("--tensor-model-parallel-size", par.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
+        ("--context-parallel-size", par.context_parallel_size),
+        ("--expert-model-parallel-size", par.expert_model_parallel_size),
+    ):
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size} with {where}: the preference stages run under data parallelism "
+                f"only so far (not checked against one process under model parallelism); use "
+                f"{flag} 1"
+            )
+    if world_size > 1 and par.zero_stage > 1:
         raise ValueError(
-            f"{where} runs in one process so far; this job has {world_size} (--nproc-per-node / "
-            "--nnodes, or the parallel sizes they imply): data, tensor, pipeline and context "
-            "parallelism are not checked for the preference stages yet; run one process"
+            f"--zero-stage {par.zero_stage} with {where}: the preference stages run with "
+            "replicated weights (--zero-stage 0 or 1) so far; sharded weights are not checked "
+            "against one process yet"
         )
+    peft = config.peft.peft_method
     refused = {
-        "--peft-method": config.peft.peft_method is not None,
+        "--peft-method": peft is not None and not (peft == "lora" and stage == DPOLoss.name),
+        "--lora-modules-to-save": bool(config.peft.lora_modules_to_save),
         "--recompute-granularity": config.parallel.recompute_granularity is not None,
         "--compile": config.parallel.compile,
         "--mock-data": config.data.mock_data,
@@ -51,9 +70,9 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
     for flag, given in refused.items():
         if given:
             raise ValueError(
-                f"{flag} with {where}: not supported for the preference stages yet (they train "
-                "full weights on pairwise shards padded per side, without recompute or compile); "
-                f"drop {flag} (docs/alignment.md)"
+                f"{flag} with {where}: not supported for this stage yet (the preference stages "
+                "train full weights, or LoRA adapters under dpo, on pairwise shards padded per "
+                f"side, without recompute or compile); drop {flag} (docs/alignment.md)"
             )
     if stage == "rm" and config.run.load and config.run.finetune:
         raise ValueError(
@@ -67,5 +86,7 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
             loss_type=config.run.dpo_loss_type,
             label_smoothing=config.run.dpo_label_smoothing,
         )
+    if stage == ORPOLoss.name:
+        ORPOLoss(beta=config.run.orpo_beta)
     if stage == SimPOLoss.name:
         SimPOLoss(beta=config.run.simpo_beta, gamma_beta_ratio=config.run.gamma_beta_ratio)

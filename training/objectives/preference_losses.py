@@ -111,3 +111,34 @@ def reward_pair_loss(
     """The reward model's pairwise (Bradley-Terry) loss −log σ(r(x,y_w) − r(x,y_l) − m) per pair,
     m an optional margin (Llama 2's; trl's `margin` column)."""
     return -F.logsigmoid(chosen_rewards - rejected_rewards - margin)
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x ≤ 0, without the cancellation of either form alone (branch at
+    −ln 2, Mächler 2012)."""
+    return torch.where(
+        x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x))
+    )
+
+
+def orpo_odds_ratio(
+    policy_chosen_avg_logps: torch.Tensor,
+    policy_rejected_avg_logps: torch.Tensor,
+    *,
+    beta: float,
+) -> tuple[PairTerms, torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term (Hong et al. 2024, eqs. 4 and 7; trl's `odds_ratio_loss`).
+
+    With p = exp(avg log π_θ(y|x)) and odds(y) = p / (1 − p), the per-pair loss is
+    −β log σ(log odds(y_w) − log odds(y_l)); the objective adds the chosen responses' NLL.
+    Returns the terms (rewards β × the averaged log-probabilities, as trl logs them), log σ(·)
+    and the log odds ratio, per pair (trl's `log_odds_ratio` and `log_odds_chosen`)."""
+    chosen, rejected = policy_chosen_avg_logps.float(), policy_rejected_avg_logps.float()
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    terms = PairTerms(
+        losses=-beta * ratio,
+        chosen_rewards=beta * chosen.detach(),
+        rejected_rewards=beta * rejected.detach(),
+    )
+    return terms, ratio.detach(), log_odds.detach()

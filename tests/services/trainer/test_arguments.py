@@ -126,6 +126,8 @@ NON_DEFAULT = {
     "dpo_beta": ("--dpo-beta", "0.3"),
     "dpo_loss_type": ("--dpo-loss-type", "robust"),
     "dpo_label_smoothing": ("--dpo-label-smoothing", "0.1"),
+    "ref_model": ("--ref-model", "sft"),
+    "orpo_beta": ("--orpo-beta", "0.2"),  # with --stage orpo: checked below on its own
     "simpo_beta": ("--simpo-beta", "2.0"),  # with --stage simpo: checked below on their own
     "gamma_beta_ratio": ("--gamma-beta-ratio", "0.5"),
     "use_distributed_optimizer": ("--use-distributed-optimizer",),
@@ -172,6 +174,7 @@ def test_every_field_has_a_flag_and_parses():
         "auto_recompute_profiling_step",
         "simpo_beta",
         "gamma_beta_ratio",
+        "orpo_beta",
         "openai_gelu",  # the other MLP activation than --swiglu
         *PER_SPLIT,
     }
@@ -196,6 +199,7 @@ def test_every_field_has_a_flag_and_parses():
     assert fsdp.parallel.zero3_prefetch_layers == 2
     simpo = parse_args(["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5"])
     assert (simpo.run.simpo_beta, simpo.run.gamma_beta_ratio) == (2.0, 0.5)
+    assert parse_args(["--stage", "orpo", "--orpo-beta", "0.2"]).run.orpo_beta == 0.2
     assert _values(parse_args(["--openai-gelu"]))["openai_gelu"] is True
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (
         3,

@@ -1,0 +1,68 @@
+"""`orpo`: ORPO, odds-ratio preference optimisation, with no reference model (trl's ORPOTrainer).
+
+Shapes: B pairs, S sequence, V vocab. One forward scores chosen and rejected; the loss is the
+chosen sequences' next-token NLL plus β times the odds-ratio term
+(`preference_losses.orpo_odds_ratio`, on log-probabilities averaged over each response's
+tokens). As in trl, the NLL covers every real token of the chosen sequences (prompt and
+response) and is their token mean over the micro-batch: the micro-batch's sum counts it once per
+pair, so a step's loss is trl's on one micro-batch and the pair-weighted mean of micro-batch
+means under accumulation (as trl's own accumulation averages them).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.objectives.base import ForwardContext, ObjectiveOutput
+from training.objectives.pairs import check_pairwise, concatenated, sequence_logps
+from training.objectives.preference import PairwiseObjective, reward_metrics
+from training.objectives.preference_losses import orpo_odds_ratio
+
+
+class ORPOLoss(PairwiseObjective):
+    """Summed per-pair ORPO loss, normalised by the pair count."""
+
+    name: ClassVar[str] = "orpo"
+
+    def __init__(self, *, beta: float = 0.1) -> None:
+        if not beta > 0:
+            raise ValueError(f"--orpo-beta must be > 0, got {beta}")
+        self.beta = beta
+
+    def compute(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """Policy forward under the run's precision; log-probabilities and the loss in fp32."""
+        check_pairwise(batch, self.name)
+        if ctx.feed is not None:
+            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        ids = concatenated(batch, "input_ids")
+        mask = concatenated(batch, "loss_mask")
+        with ctx.autocast():
+            logits_BSV = model(ids)
+        pairs = batch["chosen_input_ids"].shape[0]
+        tokens = mask[:, 1:].sum(dim=1).clamp(min=1).float()
+        chosen, rejected = (sequence_logps(logits_BSV, ids, mask) / tokens).chunk(2)
+        terms, ratio, log_odds = orpo_odds_ratio(chosen, rejected, beta=self.beta)
+        nll = chosen_nll(
+            logits_BSV[:pairs], batch["chosen_input_ids"], batch["chosen_attention_mask"]
+        )
+        metrics = reward_metrics(terms, chosen, rejected) | {
+            "nll_loss": float(nll.detach()) * pairs,
+            "log_odds_ratio": float(ratio.sum()),
+            "log_odds_chosen": float(log_odds.sum()),
+        }
+        return ObjectiveOutput(terms.losses.sum() + nll * pairs, metrics)
+
+
+def chosen_nll(
+    logits_BSV: torch.Tensor, ids_BS: torch.Tensor, attention_BS: torch.Tensor
+) -> torch.Tensor:
+    """Mean next-token cross entropy over every real token after the first (fp32)."""
+    labels_BS = ids_BS[:, 1:].masked_fill(attention_BS[:, 1:] == 0, -100)
+    logits = logits_BSV[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))

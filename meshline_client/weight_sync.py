@@ -1,0 +1,218 @@
+"""The trainer's side of disaggregated RL: push policy weights to rollout servers, ask for rollouts.
+
+```
+from meshline_client import Connection
+from meshline_client.weight_sync import RolloutClient
+
+servers = RolloutClient([Connection("10.0.0.5:50054", token=...), ...])
+servers.push(policy, version=step)          # every endpoint, concurrently; timings per endpoint
+groups = servers.rollouts(prompts, n=8, do_sample=True, temperature=1.0, max_new_tokens=128)
+```
+
+Weights travel as `InferenceService.UpdateWeights` streams: a header (version, full or partial),
+then each tensor's raw little-endian bytes in chunks under the gRPC message limit, the first
+chunk carrying dtype and shape. Names are the model's `named_parameters()` (a tied head once,
+under its embedding's name), the served model's own names when trainer and server both run
+Meshline's CausalLM. A server answers only once the update is swapped in, so rollouts asked for
+after `push` returns come from the new weights.
+
+This module imports torch (the client's other modules do not); import it by its path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshline.inference.v1 import inference_pb2 as pb
+from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+from meshline_client.connection import Connection
+from meshline_client.inference import Completion, InferenceClient
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+"""Bytes per chunk message: well under the server's --max-request-mb (16 MiB by default)."""
+MAX_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """One endpoint's answer to a push."""
+
+    address: str
+    """The endpoint ("host:port")."""
+    version: int
+    """The version it now serves."""
+    num_tensors: int
+    """Tensors it replaced."""
+    num_bytes: int
+    """Bytes it replaced."""
+    seconds: float
+    """Wall time of the push to it, from the first byte sent to the answer (weight-sync time)."""
+    receive_seconds: float
+    """The server's time from the header to the last byte staged."""
+    swap_seconds: float
+    """The server's time to swap the staged weights in."""
+
+
+def named_tensors(
+    weights: nn.Module | Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs to send: a module's `named_parameters()`, or the mapping as given."""
+    if isinstance(weights, nn.Module):
+        return [(name, p.detach()) for name, p in weights.named_parameters()]
+    return [(name, t.detach()) for name, t in weights.items()]
+
+
+def update_messages(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    version: int,
+    *,
+    partial: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[pb.UpdateWeightsRequest]:
+    """The UpdateWeights stream for `tensors`: header, then each tensor's chunks in order."""
+    kind = pb.WEIGHT_UPDATE_KIND_PARTIAL if partial else pb.WEIGHT_UPDATE_KIND_FULL
+    yield pb.UpdateWeightsRequest(
+        header=pb.WeightUpdateHeader(version=version, kind=kind, num_tensors=len(tensors))
+    )
+    for name, tensor in tensors:
+        flat = tensor.contiguous().cpu().reshape(-1).view(torch.uint8)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        total = flat.numel()
+        offset = 0
+        while True:
+            end = min(offset + chunk_bytes, total)
+            chunk = pb.WeightChunk(
+                name=name, offset=offset, data=flat[offset:end].numpy().tobytes()
+            )
+            if offset == 0:
+                chunk.dtype = dtype
+                chunk.shape.extend(tensor.shape)
+            yield pb.UpdateWeightsRequest(chunk=chunk)
+            offset = end
+            if offset >= total:
+                break
+
+
+class RolloutClient:
+    """Pushes weights to, and asks rollouts of, one or more inference endpoints."""
+
+    def __init__(
+        self, connections: Sequence[Connection], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
+        if not connections:
+            raise ValueError("connections: give at least one inference endpoint")
+        if not 1024 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be in [1024, {MAX_CHUNK_BYTES}] and under the servers' "
+                f"--max-request-mb, got {chunk_bytes}"
+            )
+        self.chunk_bytes = chunk_bytes
+        self.clients = [InferenceClient(c) for c in connections]
+        self._channels = [c.channel() for c in connections]
+        self._stubs = [pb_grpc.InferenceServiceStub(channel) for channel in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(connections)))
+
+    def close(self) -> None:
+        """Close every channel."""
+        self._pool.shutdown()
+        for client, channel in zip(self.clients, self._channels, strict=True):
+            client.close()
+            channel.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def push(
+        self,
+        weights: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        partial: bool = False,
+        dtype: torch.dtype | None = None,
+        timeout_s: float | None = None,
+    ) -> list[SyncResult]:
+        """Send `weights` as `version` to every endpoint at once; one result per endpoint.
+
+        `partial`: only some parameters (the rest stay); `dtype`: cast before sending (say the
+        trainer's fp32 master weights to the servers' bf16). Raises the first endpoint's
+        grpc.RpcError (an endpoint that refused keeps serving its previous weights)."""
+        if isinstance(weights, (nn.Module, Mapping)):
+            tensors = named_tensors(weights)
+        else:
+            tensors = [(name, t.detach()) for name, t in weights]
+        if dtype is not None:
+            tensors = [(name, t.to(dtype)) for name, t in tensors]
+        futures = [
+            self._pool.submit(self._push_one, i, tensors, version, partial, timeout_s)
+            for i in range(len(self.clients))
+        ]
+        return [f.result() for f in futures]
+
+    def _push_one(
+        self,
+        index: int,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        version: int,
+        partial: bool,
+        timeout_s: float | None,
+    ) -> SyncResult:
+        client = self.clients[index]
+        timeout = client.connection.timeout_s if timeout_s is None else timeout_s
+        began = time.perf_counter()
+        reply = self._stubs[index].UpdateWeights(
+            update_messages(tensors, version, partial=partial, chunk_bytes=self.chunk_bytes),
+            timeout=timeout,
+        )
+        return SyncResult(
+            client.connection.address,
+            reply.version,
+            reply.num_tensors,
+            reply.num_bytes,
+            time.perf_counter() - began,
+            reply.receive_seconds,
+            reply.swap_seconds,
+        )
+
+    def versions(self, *, timeout_s: float | None = None) -> list[int]:
+        """The weights version each endpoint serves."""
+        return [
+            stub.GetWeightsVersion(
+                pb.GetWeightsVersionRequest(),
+                timeout=client.connection.timeout_s if timeout_s is None else timeout_s,
+            ).version
+            for stub, client in zip(self._stubs, self.clients, strict=True)
+        ]
+
+    def rollouts(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        n: int = 1,
+        *,
+        timeout_s: float | None = None,
+        **params: object,
+    ) -> list[list[Completion]]:
+        """`n` completions of each prompt (Generate with num_return_sequences=n), the prompts
+        spread over the endpoints in turn and sent concurrently so that each server batches
+        them; sampling keywords as `InferenceClient.generate_all` (HF names)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        futures = [
+            self._pool.submit(
+                self.clients[i % len(self.clients)].generate_all,
+                prompt,
+                timeout_s=timeout_s,
+                num_return_sequences=n,
+                **params,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        return [f.result() for f in futures]

@@ -2,16 +2,17 @@
 
 ```
 from meshline_client import Connection
-from meshline_client.weight_sync import RolloutClient
+from meshline_client.weight_sync import RolloutClient, lora_factors
 
 servers = RolloutClient([Connection("10.0.0.5:50054", token=...), ...])
 servers.push(policy, version=step)          # every endpoint, concurrently; timings per endpoint
+servers.push(lora_factors(policy), version=step, lora_scaling=alpha / r)   # LoRA runs
 groups = servers.rollouts(prompts, n=8, do_sample=True, temperature=1.0, max_new_tokens=128)
 ```
 
-Weights travel as `InferenceService.UpdateWeights` streams: a header (version, full or partial),
-then each tensor's raw little-endian bytes in chunks under the gRPC message limit, the first
-chunk carrying dtype and shape. Names are the model's `named_parameters()` (a tied head once,
+Weights travel as `InferenceService.UpdateWeights` streams: a header (version; full, partial or
+LoRA factors), then each tensor's raw little-endian bytes in chunks under the gRPC message
+limit, the first chunk carrying dtype and shape. Names are the model's `named_parameters()` (a tied head once,
 under its embedding's name), the served model's own names when trainer and server both run
 Meshline's CausalLM. A server answers only once the update is swapped in, so rollouts asked for
 after `push` returns come from the new weights.
@@ -37,6 +38,7 @@ from meshline_client.inference import Completion, InferenceClient
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 """Bytes per chunk message: well under the server's --max-request-mb (16 MiB by default)."""
 MAX_CHUNK_BYTES = 64 * 2**20
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 @dataclass(frozen=True)
@@ -68,18 +70,33 @@ def named_tensors(
     return [(name, t.detach()) for name, t in weights.items()]
 
 
+def lora_factors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA factors of a model with adapters (`models.lora.apply_lora`, peft's names):
+    `<module>.lora_A.weight` and `<module>.lora_B.weight`, to push with `lora_scaling`."""
+    return {
+        name: p.detach() for name, p in model.named_parameters() if name.endswith(LORA_SUFFIXES)
+    }
+
+
 def update_messages(
     tensors: Sequence[tuple[str, torch.Tensor]],
     version: int,
     *,
     partial: bool = False,
+    lora_scaling: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[pb.UpdateWeightsRequest]:
-    """The UpdateWeights stream for `tensors`: header, then each tensor's chunks in order."""
-    kind = pb.WEIGHT_UPDATE_KIND_PARTIAL if partial else pb.WEIGHT_UPDATE_KIND_FULL
-    yield pb.UpdateWeightsRequest(
-        header=pb.WeightUpdateHeader(version=version, kind=kind, num_tensors=len(tensors))
-    )
+    """The UpdateWeights stream for `tensors`: header, then each tensor's chunks in order.
+    With `lora_scaling` the tensors are LoRA factors (a lora update), else weights (full, or
+    partial)."""
+    if lora_scaling is not None:
+        kind = pb.WEIGHT_UPDATE_KIND_LORA
+    else:
+        kind = pb.WEIGHT_UPDATE_KIND_PARTIAL if partial else pb.WEIGHT_UPDATE_KIND_FULL
+    header = pb.WeightUpdateHeader(version=version, kind=kind, num_tensors=len(tensors))
+    if lora_scaling is not None:
+        header.lora_scaling = lora_scaling
+    yield pb.UpdateWeightsRequest(header=header)
     for name, tensor in tensors:
         flat = tensor.contiguous().cpu().reshape(-1).view(torch.uint8)
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -137,14 +154,17 @@ class RolloutClient:
         version: int,
         *,
         partial: bool = False,
+        lora_scaling: float | None = None,
         dtype: torch.dtype | None = None,
         timeout_s: float | None = None,
     ) -> list[SyncResult]:
         """Send `weights` as `version` to every endpoint at once; one result per endpoint.
 
-        `partial`: only some parameters (the rest stay); `dtype`: cast before sending (say the
-        trainer's fp32 master weights to the servers' bf16). Raises the first endpoint's
-        grpc.RpcError (an endpoint that refused keeps serving its previous weights)."""
+        `partial`: only some parameters (the rest stay); `lora_scaling` (alpha / r): `weights`
+        are LoRA factors (`lora_factors(model)`) and each adapted weight serves as its base +
+        lora_scaling · B·A; `dtype`: cast before sending (say the trainer's fp32 master weights
+        to the servers' bf16). Raises the first endpoint's grpc.RpcError (an endpoint that
+        refused keeps serving its previous weights)."""
         if isinstance(weights, (nn.Module, Mapping)):
             tensors = named_tensors(weights)
         else:
@@ -152,7 +172,7 @@ class RolloutClient:
         if dtype is not None:
             tensors = [(name, t.to(dtype)) for name, t in tensors]
         futures = [
-            self._pool.submit(self._push_one, i, tensors, version, partial, timeout_s)
+            self._pool.submit(self._push_one, i, tensors, version, partial, lora_scaling, timeout_s)
             for i in range(len(self.clients))
         ]
         return [f.result() for f in futures]
@@ -163,13 +183,20 @@ class RolloutClient:
         tensors: Sequence[tuple[str, torch.Tensor]],
         version: int,
         partial: bool,
+        lora_scaling: float | None,
         timeout_s: float | None,
     ) -> SyncResult:
         client = self.clients[index]
         timeout = client.connection.timeout_s if timeout_s is None else timeout_s
         began = time.perf_counter()
         reply = self._stubs[index].UpdateWeights(
-            update_messages(tensors, version, partial=partial, chunk_bytes=self.chunk_bytes),
+            update_messages(
+                tensors,
+                version,
+                partial=partial,
+                lora_scaling=lora_scaling,
+                chunk_bytes=self.chunk_bytes,
+            ),
             timeout=timeout,
         )
         return SyncResult(

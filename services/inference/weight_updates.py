@@ -9,6 +9,7 @@ engine thread between two steps, so a refused update leaves the previous weights
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,10 +27,11 @@ from services.inference.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 KINDS = {
-    inference_pb2.WEIGHT_UPDATE_KIND_FULL: True,
-    inference_pb2.WEIGHT_UPDATE_KIND_PARTIAL: False,
+    inference_pb2.WEIGHT_UPDATE_KIND_FULL: "full",
+    inference_pb2.WEIGHT_UPDATE_KIND_PARTIAL: "partial",
+    inference_pb2.WEIGHT_UPDATE_KIND_LORA: "lora",
 }
-"""Header kind -> whether the update must carry every parameter."""
+"""Header kind -> engine.weight_update's kind."""
 
 
 def refusal(error: WeightUpdateError) -> MeshlineError:
@@ -83,10 +85,15 @@ def _start(
     header = message.header
     if header.kind not in KINDS:
         raise InvalidArgument(
-            "header.kind", "give WEIGHT_UPDATE_KIND_FULL or WEIGHT_UPDATE_KIND_PARTIAL"
+            "header.kind",
+            "give WEIGHT_UPDATE_KIND_FULL, WEIGHT_UPDATE_KIND_PARTIAL or WEIGHT_UPDATE_KIND_LORA",
         )
     return WeightUpdate(
-        served, header.version, full=KINDS[header.kind], num_tensors=header.num_tensors
+        served,
+        header.version,
+        kind=KINDS[header.kind],
+        num_tensors=header.num_tensors,
+        lora_scaling=header.lora_scaling,
     )
 
 
@@ -104,6 +111,7 @@ async def update_weights(
     try:
         began = time.perf_counter()
         update = await receive_update(served, requests)
+        await asyncio.to_thread(update.prepare)  # lora: the merges, off the engine thread
         received = time.perf_counter()
         try:
             applied = await engine.front.run(update.apply)

@@ -1,6 +1,7 @@
 """UpdateWeights on a real localhost server, pushed by the trainer's client (meshline_client).
 
-The server loads HF model A; the client pushes other models' weights as new versions, and the
+The server loads HF model A; the client pushes other models' weights as new versions (full,
+partial, or LoRA factors merged as `models.lora.LoraLinear.merged_weight` merges them), and the
 served greedy tokens must then be exactly HF `generate`'s on those weights. Every refused
 update (wrong shape — the bad tensor sent last, after the valid ones were staged — wrong dtype,
 stale version, unknown name, missing or extra bytes, no token, no --allow-weight-updates) must
@@ -10,6 +11,7 @@ leave the previous weights serving: same tokens, same version.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import subprocess
 import sys
@@ -23,8 +25,14 @@ import torch
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 from meshline_client import Connection
-from meshline_client.weight_sync import RolloutClient, named_tensors, update_messages
+from meshline_client.weight_sync import (
+    RolloutClient,
+    lora_factors,
+    named_tensors,
+    update_messages,
+)
 from models.hf_adapters import to_hf
+from models.lora import LoraConfig, LoraLinear, apply_lora
 from services.common.config import ServerConfig
 from services.common.server import create_server
 from services.inference.config import InferenceServiceConfig, check_weight_update_auth
@@ -126,6 +134,102 @@ def test_partial_update_replaces_only_the_named_tensors(served, others):
     reference, _, _ = hf_reference("llama-gqa", seed=0, vocab_size=512)
     reference.load_state_dict(to_hf({n: t.detach() for n, t in mixed.items()}, config))
     assert _served_tokens(client) == _hf_tokens(reference)
+
+
+def _with_adapters(base, targets: list[str], seed: int):
+    """A copy of `base` with LoRA adapters (r 4, alpha 8) on `targets`, B random (not zero)."""
+    model = copy.deepcopy(base)
+    apply_lora(model, LoraConfig(r=4, alpha=8.0, target_modules=targets), seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLinear):
+                module.lora_B.weight.copy_(
+                    0.5 * torch.randn(module.lora_B.weight.shape, generator=gen)
+                )
+    return model
+
+
+def _hf_of(meshline_state: dict, config):
+    reference, _, _ = hf_reference("llama-gqa", seed=0, vocab_size=512)
+    reference.load_state_dict(to_hf({n: t.detach() for n, t in meshline_state.items()}, config))
+    return reference
+
+
+def _merged(base, adapted) -> dict:
+    """`base`'s parameters with each adapted layer's weight merged (LoraLinear.merged_weight)."""
+    state = dict(base.named_parameters())
+    for name, module in adapted.named_modules():
+        if isinstance(module, LoraLinear):
+            state[f"{name}.weight"] = module.merged_weight()
+    return state
+
+
+def test_lora_update_serves_base_plus_adapter_and_replaces_the_adapter(served, others):
+    client, port, _, _, config = served
+    _, ours_b = others[0]
+    client.push(ours_b, next(_versions))
+    first = _with_adapters(ours_b, ["qkv_proj", "o_proj"], seed=11)
+    factors = lora_factors(first)
+    assert len(factors) == 8  # 2 layers x 2 modules x (A, B)
+    version = next(_versions)
+    [result] = client.push(factors, version, lora_scaling=8.0 / 4)
+    assert (result.version, result.num_tensors) == (version, 8)
+    assert _served_tokens(client) == _hf_tokens(_hf_of(_merged(ours_b, first), config))
+    # A new adapter on o_proj only: qkv_proj goes back to its base, o_proj = base + new delta.
+    second = _with_adapters(ours_b, ["o_proj"], seed=12)
+    client.push(lora_factors(second), next(_versions), lora_scaling=2.0)
+    assert _served_tokens(client) == _hf_tokens(_hf_of(_merged(ours_b, second), config))
+    # Refused: a rank past the weight's, A without B, a factor of no served layer, no scaling.
+    stub, served_version = _stub(port), client.versions()[0]
+    a_name = "layers.0.self_attn.o_proj.lora_A.weight"
+    b_name = "layers.0.self_attn.o_proj.lora_B.weight"
+    cases = {
+        "rank 40": (
+            [(a_name, torch.zeros(40, 64)), (b_name, torch.zeros(64, 40))],
+            2.0,
+            f"tensor '{a_name}': rank 40",
+        ),
+        "A alone": (
+            [(a_name, torch.zeros(4, 64))],
+            2.0,
+            "num_tensors: a lora update sends A and B",
+        ),
+        "A, A": (
+            [
+                (a_name, torch.zeros(4, 64)),
+                ("layers.1.self_attn.o_proj.lora_A.weight", torch.zeros(4, 64)),
+            ],
+            2.0,
+            f"tensor '{b_name}': missing",
+        ),
+        "ranks differ": (
+            [(a_name, torch.zeros(4, 64)), (b_name, torch.zeros(64, 8))],
+            2.0,
+            f"tensor '{b_name}': shape [64, 8] differs from the [64, 4]",
+        ),
+        "no layer": (
+            [("layers.0.input_layernorm.lora_A.weight", torch.zeros(4, 64))] * 2,
+            2.0,
+            "of linear layers whose",
+        ),
+        "no scaling": (
+            [(a_name, torch.zeros(4, 64)), (b_name, torch.zeros(64, 4))],
+            0.0,
+            "lora_scaling",
+        ),
+    }
+    for case, (tensors, scaling, words) in cases.items():
+        messages = update_messages(tensors, served_version + 1, lora_scaling=scaling)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.UpdateWeights(messages, metadata=AUTH, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert words in refused.value.details(), (case, refused.value.details())
+    assert client.versions() == [served_version]
+    assert _served_tokens(client) == _hf_tokens(_hf_of(_merged(ours_b, second), config))
+    # A full update after adapters: the new weights alone (no adapter left on top).
+    client.push(ours_b, next(_versions))
+    assert _served_tokens(client) == _hf_tokens(others[0][0])
 
 
 def _bad_updates(ours_b, served: int) -> dict[str, tuple[list, grpc.StatusCode, str]]:

@@ -22,6 +22,7 @@ This module imports torch (the client's other modules do not); import it by its 
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,16 @@ class SyncResult:
     """The server's time from the header to the last byte staged."""
     swap_seconds: float
     """The server's time to swap the staged weights in."""
+
+
+def resolve_endpoints(address: str) -> list[str]:
+    """Every "ip:port" a "host:port" resolves to (IPv4): a Kubernetes headless Service
+    (k8s/rollout) gives one address per ready replica, each of which needs the weights."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+    return sorted({f"{info[4][0]}:{port}" for info in infos})
 
 
 def named_tensors(

@@ -29,6 +29,7 @@ from meshline_client.weight_sync import (
     RolloutClient,
     lora_factors,
     named_tensors,
+    resolve_endpoints,
     update_messages,
 )
 from models.hf_adapters import to_hf
@@ -67,7 +68,8 @@ def served(tmp_path_factory, sentencepiece_model):
     server, port = start(allowed)
     # The same engine behind a second server started without --allow-weight-updates.
     plain_server, plain_port = start(InferenceServiceConfig(load=directory, max_batch_rows=8))
-    client = RolloutClient([Connection(f"127.0.0.1:{port}", token=TOKEN, timeout_s=120)])
+    [address] = resolve_endpoints(f"localhost:{port}")  # as a headless Service resolves
+    client = RolloutClient([Connection(address, token=TOKEN, timeout_s=120)])
     yield client, port, plain_port, hf, config
     client.close()
     for s in (server, plain_server):

@@ -23,6 +23,7 @@ from services.common.errors import (
     MeshlineError,
     PermissionDenied,
 )
+from services.inference.metrics import WEIGHT_UPDATE_SECONDS, WEIGHTS_VERSION
 from services.inference.serving import ServingEngine
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ async def update_weights(
         swapped = time.perf_counter()
     finally:
         served.busy.release()
+    WEIGHTS_VERSION.set(applied.version)
+    WEIGHT_UPDATE_SECONDS.labels("receive").observe(received - began)
+    WEIGHT_UPDATE_SECONDS.labels("swap").observe(swapped - received)
     log.info(
         "weights version %d: %d tensors, %d bytes (received in %.3f s, swapped in %.3f s)",
         applied.version,

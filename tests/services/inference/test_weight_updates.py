@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -118,6 +119,9 @@ def test_push_full_update_serves_exactly_the_new_weights(served, others):
     assert result.num_bytes == sum(p.numel() * 4 for p in ours_b.parameters())
     assert result.seconds > 0 and result.swap_seconds >= 0
     assert client.versions() == [version]
+    assert REGISTRY.get_sample_value("meshline_inference_weights_version") == version
+    swaps = "meshline_inference_weight_update_seconds_count"
+    assert REGISTRY.get_sample_value(swaps, {"phase": "swap"}) >= 1
     assert _served_tokens(client) == expected
     # Sampled rollouts: n completions per prompt over gRPC.
     groups = client.rollouts(PROMPTS, n=3, do_sample=True, seed=7, max_new_tokens=4, logprobs=1)

@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from google.protobuf.message import DecodeError
+
 from engine.weight_update import StaleVersion, WeightUpdate, WeightUpdateError, WeightVersion
 from meshline.inference.v1 import inference_pb2
 from services.common.errors import (
@@ -59,7 +61,7 @@ async def receive_update(
     """The update the stream carries, complete and checked (raises the refusal's status)."""
     update: WeightUpdate | None = None
     try:
-        async for message in requests:
+        async for message in _decoded(requests):
             part = message.WhichOneof("part")
             if update is None:
                 update = _start(served, message, part)
@@ -76,6 +78,22 @@ async def receive_update(
     except WeightUpdateError as exc:
         raise refusal(exc) from None
     return update
+
+
+async def _decoded(
+    requests: AsyncIterator[inference_pb2.UpdateWeightsRequest],
+) -> AsyncIterator[inference_pb2.UpdateWeightsRequest]:
+    """The stream's messages; one whose bytes do not parse is INVALID_ARGUMENT (grpc would
+    report the deserializer's exception as INTERNAL)."""
+    try:
+        async for message in requests:
+            yield message
+    except DecodeError as exc:
+        raise InvalidArgument(
+            "request body",
+            f"a message of the stream is not a valid UpdateWeightsRequest ({exc}); send "
+            "serialized UpdateWeightsRequest messages",
+        ) from None
 
 
 def _start(

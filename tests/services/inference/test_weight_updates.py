@@ -31,6 +31,7 @@ from meshline_client.weight_sync import (
     lora_factors,
     named_tensors,
     resolve_endpoints,
+    update_bodies,
     update_messages,
 )
 from models.hf_adapters import to_hf
@@ -354,3 +355,24 @@ def test_serve_refuses_weight_updates_without_a_token(tmp_path):
     )
     assert result.returncode == 2
     assert "--allow-weight-updates needs --auth-token-file" in result.stderr
+
+
+def test_fast_encoding_is_the_protobuf_message():
+    tensors = [("a", torch.arange(10.0)), ("b", torch.randn(3, 700).to(torch.bfloat16))]
+    bodies = list(update_bodies(tensors, 3, partial=True, chunk_bytes=1024))
+    expected = [
+        pb.UpdateWeightsRequest(
+            header=pb.WeightUpdateHeader(
+                version=3, kind=pb.WEIGHT_UPDATE_KIND_PARTIAL, num_tensors=2
+            )
+        )
+    ]
+    for name, tensor in tensors:
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        for offset in range(0, len(raw), 1024):
+            chunk = pb.WeightChunk(name=name, offset=offset, data=raw[offset : offset + 1024])
+            if offset == 0:
+                chunk.dtype = str(tensor.dtype).removeprefix("torch.")
+                chunk.shape.extend(tensor.shape)
+            expected.append(pb.UpdateWeightsRequest(chunk=chunk))
+    assert [pb.UpdateWeightsRequest.FromString(b) for b in bodies] == expected

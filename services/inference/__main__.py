@@ -12,7 +12,12 @@ import sys
 from services.common.config import ServerConfig
 from services.common.server import ServiceBinding
 from services.common.service_cli import ServiceCli, service_main
-from services.inference.config import DEFAULT_PORT, add_flags, from_args
+from services.inference.config import (
+    DEFAULT_PORT,
+    add_flags,
+    check_weight_update_auth,
+    from_args,
+)
 from services.inference.http_config import add_http_flags, http_config_from_args
 from services.inference.servicer import bindings, load_engine
 
@@ -25,6 +30,7 @@ DESCRIPTION = (
 def build(args: argparse.Namespace, server_config: ServerConfig) -> list[ServiceBinding]:
     """The server's bindings from the parsed flags; loads the model when --load is given."""
     config = from_args(args)
+    check_weight_update_auth(config, server_config.auth_token_file)
     http = http_config_from_args(args)
     return bindings(config, load_engine(config), http)
 

@@ -85,6 +85,9 @@ class InferenceServiceConfig:
     """Most tokens (contexts + continuations) one Score request may carry."""
     max_request_mb: int = 16
     """Largest request message in MiB (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
+    allow_weight_updates: bool = False
+    """Accept UpdateWeights (a trainer pushing new weights; needs --auth-token-file, one process,
+    dense or column-major CPU weights: `--cpu-linear auto` then means dense)."""
 
     def engine_config(self) -> EngineConfig:
         """The engine these flags shape (every rank of a parallel server builds the same)."""
@@ -94,7 +97,10 @@ class InferenceServiceConfig:
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             dtype=self.dtype,
-            cpu_linear=self.cpu_linear,
+            # An update copies into the weights in place; a packed copy would not see it.
+            cpu_linear="dense"
+            if self.allow_weight_updates and self.cpu_linear == "auto"
+            else self.cpu_linear,
             compile_decode=self.compile_decode,
             decode_step=self.decode_step,
             enforce_eager=self.enforce_eager,
@@ -153,11 +159,36 @@ class InferenceServiceConfig:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.allow_weight_updates:
+            self._check_weight_updates()
         if self.compile_decode and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError(
                 "--compile-decode serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
+
+    def _check_weight_updates(self) -> None:
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--allow-weight-updates serves from one process; drop it or use "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
+        if self.cpu_linear in ("packed", "packed+gemv"):
+            raise ValueError(
+                f"--allow-weight-updates updates the weights in place, and --cpu-linear "
+                f"{self.cpu_linear} serves a packed copy of them; use --cpu-linear dense, "
+                "colmajor or auto (dense)"
+            )
+
+
+def check_weight_update_auth(config: InferenceServiceConfig, auth_token_file: str | None) -> None:
+    """ValueError when weight updates are allowed without authentication: replacing the served
+    weights is the most powerful call a server takes, never open to anyone who can reach it."""
+    if config.allow_weight_updates and auth_token_file is None:
+        raise ValueError(
+            "--allow-weight-updates needs --auth-token-file (UpdateWeights replaces the served "
+            "model; only a client holding the token may call it)"
+        )
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -328,6 +359,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help=f"largest request message in MiB (default {d.max_request_mb}; "
         "--max-message-mb still bounds it)",
     )
+    group.add_argument(
+        "--allow-weight-updates",
+        action="store_true",
+        help="accept UpdateWeights: a trainer replacing the served weights with a newer version "
+        "(needs --auth-token-file; one process; --cpu-linear auto then keeps dense weights)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
@@ -357,4 +394,5 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         max_text_chars=args.max_text_chars,
         max_score_tokens=args.max_score_tokens,
         max_request_mb=args.max_request_mb,
+        allow_weight_updates=args.allow_weight_updates,
     )

@@ -3,7 +3,8 @@
 `metered(front, prompt_ids, config, protocol)` wraps one request's event stream: it counts
 requests, prompt and generated tokens, and observes time to first token and inter-token latency.
 `instrument(engine)` records, after every model step, the batch size (active cache rows), the
-queue depth (requests waiting for rows) and KV-cache use (rows and token slots held).
+queue depth (requests waiting for rows) and KV-cache use (rows and token slots held). Weight
+updates (issue #41) set the served version and observe their receive and swap seconds.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ KV_CACHE_TOKENS_USAGE = Gauge(
     "for sliding-window models, whose rows are rings.",
 )
 STEPS = Counter("meshline_inference_engine_steps_total", "Engine steps that ran the model.")
+WEIGHTS_VERSION = Gauge(
+    "meshline_inference_weights_version",
+    "Version of the served weights (0: as loaded; raised by each applied UpdateWeights).",
+)
+WEIGHT_UPDATE_SECONDS = Histogram(
+    "meshline_inference_weight_update_seconds",
+    "Applied UpdateWeights calls: receive (the stream received, checked, staged and prepared) "
+    "and swap (the copy into the served weights, between two engine steps).",
+    ["phase"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
 
 
 _last_step: dict[str, float] = {"queue": 0.0, "rows": 0.0, "kv_rows": 0.0, "kv_tokens": 0.0}

@@ -25,6 +25,7 @@ from engine.validation import (
     request_problems,
     sampling_problems,
 )
+from engine.weight_update import WeightVersion, updatable_parameters
 from meshline.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.common.checkpoint_formats import VALUES
 from services.common.errors import (
@@ -40,6 +41,7 @@ from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
 from services.inference.off_loop import off_loop
 from services.inference.serving import ServingEngine, build_serving_engine, request_limits
+from services.inference.weight_updates import require_updates, update_weights
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 FINISH_REASONS = {
@@ -170,6 +172,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, config: InferenceServiceConfig, engine: ServingEngine | None) -> None:
         self._config = config
         self._engine = engine
+        self._weights: WeightVersion | None = None
+        """The served weights' version; None: UpdateWeights is refused (no
+        --allow-weight-updates, or no model)."""
+        if engine is not None and config.allow_weight_updates:
+            self._weights = WeightVersion(updatable_parameters(engine.engine.model))
 
     def _require_engine(self) -> ServingEngine:
         if self._engine is None:
@@ -234,6 +241,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.GetModelInfoResponse:
         """Name, architecture, vocabulary, context length, dtype and layout of the loaded model."""
         return await self._run_model_info(self._require_engine())
+
+    async def UpdateWeights(
+        self,
+        request_iterator: AsyncIterator[inference_pb2.UpdateWeightsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> inference_pb2.UpdateWeightsResponse:
+        """Replaces the served weights with the streamed, newer version (all or nothing)."""
+        engine = self._require_engine()
+        served = require_updates(self._weights)
+        return await update_weights(served, engine, request_iterator)
+
+    async def GetWeightsVersion(
+        self, request: inference_pb2.GetWeightsVersionRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetWeightsVersionResponse:
+        """The version of the served weights (0: as loaded)."""
+        self._require_engine()
+        return inference_pb2.GetWeightsVersionResponse(
+            version=0 if self._weights is None else self._weights.version,
+            updates_allowed=self._weights is not None,
+        )
 
     async def _run_generate(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest

@@ -24,7 +24,9 @@ SCHEMAS = Path(__file__).resolve().parent / "schemas"
 # Oldest Kubernetes the manifests target (podFailurePolicy is GA from 1.31) and the newest the
 # pinned kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
-BUILTIN_GROUPS = re.compile(r"^(v1|(apps|batch|rbac\.authorization\.k8s\.io|policy)/v1)$")
+BUILTIN_GROUPS = re.compile(
+    r"^(v1|(apps|batch|rbac\.authorization\.k8s\.io|policy)/v1|autoscaling/v2)$"
+)
 CRD_SCHEMAS = {
     ("batch.volcano.sh/v1alpha1", "Job"): "volcano-job.json",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",

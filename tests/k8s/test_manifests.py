@@ -32,6 +32,7 @@ def test_every_expected_kustomization_exists():
         "base",
         "storage",
         "pipeline",
+        "rollout",
         "training/indexed",
         "training/volcano",
         "training/pytorchjob",
@@ -349,3 +350,36 @@ def test_pipeline_train_config_is_valid_for_the_trainer():
          "--tokenizer-model", "/d/t.model"]
     ).validate(2)  # fmt: skip
     assert config.run.train_iters == 300 and config.batch.global_batch_size == 16
+
+
+def test_rollout_servers_take_weight_updates_and_scale_with_an_hpa():
+    objects = render("rollout")
+    (deployment,) = find(objects, "Deployment", "meshline-rollout")
+    (service,) = find(objects, "Service", "meshline-rollout")
+    (hpa,) = find(objects, "HorizontalPodAutoscaler", "meshline-rollout")
+    (config,) = find(objects, "ConfigMap")
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "meshline-rollout")
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert "cpu" in container["resources"]["requests"], "utilisation needs a CPU request"
+    args = container["args"]
+    assert args[0] == "inference" and "--allow-weight-updates" in args
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert f"--auth-token-file={mounts['auth']}/token" in args
+    assert pod["spec"]["volumes"][2]["secret"]["secretName"] == "meshline-auth"
+    for arg in args:
+        for var in arg.split("$(")[1:]:
+            assert var.split(")")[0] in config["data"], arg
+    assert container["envFrom"][0]["configMapRef"]["name"] == config["metadata"]["name"]
+    # Headless: every ready replica has its own DNS record, so a push reaches each one.
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == 50054
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True

@@ -146,6 +146,8 @@ def test_inference_rpcs_match_issue() -> None:
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False),
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
+        "UpdateWeights": ("UpdateWeightsRequest", "UpdateWeightsResponse", False),
+        "GetWeightsVersion": ("GetWeightsVersionRequest", "GetWeightsVersionResponse", False),
     }
 
 

@@ -28,14 +28,13 @@ ROLLOUT_KEYS = ("input_ids", "completion_mask")
 PROMPT_KEYS = ("prompt_ids", "prompt_length", "prompt_index", "seed")
 
 
-@dataclass(frozen=True)
-class Completion:
-    """One generated continuation."""
+class Completion(Protocol):
+    """One generated continuation (the engine's `SequenceResult` is one)."""
 
     token_ids: list[int]
     """New tokens (EOS included when produced)."""
     text: str
-    """Their text (without a stop string)."""
+    """Their text (empty without a tokenizer)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from engine.requests import SequenceResult
 from engine.sampling import SamplingConfig
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
+from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
 
 
@@ -141,3 +142,20 @@ class ColocatedEngine:
             self.engine.reset()
             self.sleep()
             model.train(was_training)
+
+
+def colocated_engine(
+    model: CausalLM,
+    tokenizer: Tokenizer | None,
+    *,
+    max_model_len: int,
+    max_batch_rows: int = 32,
+    sampling: RolloutSampling | None = None,
+) -> ColocatedEngine:
+    """The colocated engine a trainer builds over its policy: dense weights, rows of at most
+    `max_model_len` tokens (prompt + completion), the tokenizer's EOS ending completions."""
+    tokens = TokenizerInfo.from_tokenizer(tokenizer, model.config.vocab_size)
+    config = EngineConfig(
+        cpu_linear="dense", max_model_len=max_model_len, max_batch_rows=max_batch_rows
+    )
+    return ColocatedEngine(model, tokens, config, sampling)

@@ -177,6 +177,26 @@ def build_reward(
     pad_id: int = 0,
 ) -> RewardFn:
     """The weighted sum of the named reward functions; ValueError naming the flag at fault."""
+    check_reward_flags(names, weights, regex, reward_model is not None)
+    funcs: list[RewardFn] = []
+    for name in names:
+        if name == "exact_match":
+            funcs.append(exact_match)
+        elif name == "gsm8k":
+            funcs.append(gsm8k)
+        elif name == "regex":
+            assert regex is not None
+            funcs.append(regex_reward(regex))
+        else:
+            assert reward_model is not None
+            funcs.append(reward_model_reward(reward_model(), pad_id))
+    return combine(funcs, list(weights) if weights else [1.0] * len(funcs))
+
+
+def check_reward_flags(
+    names: Sequence[str], weights: Sequence[float], regex: str | None, reward_model: bool
+) -> None:
+    """Refuse reward settings that cannot work, naming the flag (reads no weights)."""
     if not names:
         raise ValueError(f"--reward-funcs: name at least one of {list(REWARD_FUNCS)}")
     unknown = [n for n in names if n not in REWARD_FUNCS]
@@ -186,22 +206,17 @@ def build_reward(
         raise ValueError(f"--reward-funcs {list(names)} names one function twice")
     if regex is not None and "regex" not in names:
         raise ValueError("--reward-regex applies to --reward-funcs regex; add it or drop the flag")
-    if reward_model is not None and "reward_model" not in names:
+    if reward_model and "reward_model" not in names:
         raise ValueError(
             "--reward-model applies to --reward-funcs reward_model; add it or drop the flag"
         )
-    funcs: list[RewardFn] = []
-    for name in names:
-        if name == "exact_match":
-            funcs.append(exact_match)
-        elif name == "gsm8k":
-            funcs.append(gsm8k)
-        elif name == "regex":
-            if regex is None:
-                raise ValueError("--reward-funcs regex needs --reward-regex PATTERN")
-            funcs.append(regex_reward(regex))
-        else:
-            if reward_model is None:
-                raise ValueError("--reward-funcs reward_model needs --reward-model DIR")
-            funcs.append(reward_model_reward(reward_model(), pad_id))
-    return combine(funcs, list(weights) if weights else [1.0] * len(funcs))
+    if "regex" in names:
+        if regex is None:
+            raise ValueError("--reward-funcs regex needs --reward-regex PATTERN")
+        regex_reward(regex)
+    if "reward_model" in names and not reward_model:
+        raise ValueError("--reward-funcs reward_model needs --reward-model DIR")
+    if weights and len(weights) != len(names):
+        raise ValueError(
+            f"--reward-weights has {len(weights)} value(s) for {len(names)} --reward-funcs"
+        )

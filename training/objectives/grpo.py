@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -101,11 +101,14 @@ class GRPOLoss(Objective):
         self.reward = reward
         self.records = records
         self.pad_id = pad_id
+        self.rollout_factory: Callable[[nn.Module], RolloutSource] | None = None
+        """Builds `rollouts` over the policy when the run begins (training/rl_setup.py)."""
         self._model: nn.Module | None = None
-        # Rollouts of this step's prompt batches, by the batch object's id (`count` makes them,
-        # `compute` uses them once), and their generation sums.
-        self._pending: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
-        self._rollout_metrics: dict[int, dict[str, float]] = {}
+        # Rollouts of this step's prompt batches, by their samples' seeds (`count` makes them,
+        # `compute` uses them once: the loop moves the batch to the device in between), and
+        # their generation sums.
+        self._pending: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        self._rollout_metrics: dict[tuple[int, ...], dict[str, float]] = {}
 
     # ------------------------------------------------------------------ counting
 
@@ -136,6 +139,8 @@ class GRPOLoss(Objective):
         """Keep the policy for rollouts; with β > 0 and no given reference, freeze a copy of the
         starting weights."""
         self._model = model
+        if self.rollouts is None and self.rollout_factory is not None:
+            self.rollouts = self.rollout_factory(model)
         if self.beta == 0.0 or self.reference is not None:
             return
         if step > 0:
@@ -154,8 +159,9 @@ class GRPOLoss(Objective):
             raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
         metrics: dict[str, float] = {}
         if not is_rollout_batch(batch):
-            key = id(batch)
-            batch = self._rollout_of(batch, model)
+            key = _batch_key(batch)
+            device = next(model.parameters()).device  # made on the host by `count`
+            batch = {k: v.to(device) for k, v in self._rollout_of(batch, model).items()}
             metrics = self._rollout_metrics.pop(key, {})
             self._pending.pop(key, None)
         ids, mask = batch["input_ids"], batch["completion_mask"]
@@ -220,9 +226,9 @@ class GRPOLoss(Objective):
     def _rollout_of(
         self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
     ) -> dict[str, torch.Tensor]:
-        key = id(batch)
-        if key in self._pending and self._pending[key][0] is batch:
-            return self._pending[key][1]
+        key = _batch_key(batch)
+        if key in self._pending:
+            return self._pending[key]
         model = model if model is not None else self._model
         if model is None:
             raise ValueError(f"--stage {self.name}: prompts before the objective began (no policy)")
@@ -231,7 +237,7 @@ class GRPOLoss(Objective):
             oldest = next(iter(self._pending))
             self._pending.pop(oldest)
             self._rollout_metrics.pop(oldest, None)
-        self._pending[key] = (batch, rollout)
+        self._pending[key] = rollout
         self._rollout_metrics[key] = sums
         return rollout
 
@@ -281,3 +287,8 @@ class GRPOLoss(Objective):
         with ctx.autocast():
             logits = self.reference(batch["input_ids"])
         return token_logps(logits, batch["input_ids"])
+
+
+def _batch_key(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """A prompt batch's identity: its samples' seeds (unique per sample of the run)."""
+    return tuple(int(s) for s in batch["seed"].tolist())

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -132,6 +132,8 @@ class PPOLoss(Objective):
         self.reward = reward
         self.records = records
         self.pad_id = pad_id
+        self.rollout_factory: Callable[[nn.Module], RolloutSource] | None = None
+        """Builds `rollouts` over the policy when the run begins (training/rl_setup.py)."""
         self.seed = seed
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -141,7 +143,10 @@ class PPOLoss(Objective):
         return PolicyAndCritic(model, critic)
 
     def begin(self, model: nn.Module, step: int) -> None:
-        """Without a given reference, freeze a copy of the starting policy."""
+        """Build the rollout source over the policy; without a given reference, freeze a copy
+        of the starting policy."""
+        if self.rollouts is None and self.rollout_factory is not None:
+            self.rollouts = self.rollout_factory(_parts(model)[0])
         if self.reference is not None:
             return
         if step > 0:

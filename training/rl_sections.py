@@ -94,6 +94,6 @@ class RLSection:
         if wrong:
             names = ", ".join(flag_name(n) for n in wrong)
             raise ValueError(
-                f"{names} do not apply to --stage {stage}; drop them (docs/alignment.md says "
+                f"{names}: not read by --stage {stage}; drop them (docs/alignment.md says "
                 "which stage reads which)"
             )

@@ -186,6 +186,14 @@ def check_paths(config: TrainConfig) -> None:
             "is the run's starting weights, which a checkpoint does not hold); start from the "
             "SFT weights with --load DIR --finetune"
         )
+    rl_reference = config.run.stage == "ppo" or (config.run.stage == "grpo" and config.rl.beta)
+    if action == "resume" and rl_reference and not config.run.finetune:
+        raise ValueError(
+            f"--stage {config.run.stage} with --load {config.run.load}: resuming is not supported "
+            "(the reference is the run's starting weights, which a checkpoint does not hold); "
+            "start again from the weights with --load DIR --finetune"
+            + (", or resume with --beta 0" if config.run.stage == "grpo" else "")
+        )
     run = config.run
     for flag, value in (
         ("--save", run.save),

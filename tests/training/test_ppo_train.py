@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
+from services.trainer.launch_checks import check_paths
 from services.trainer.rollouts import colocated_rollouts
 from tests.training.test_grpo_train import _flags, digit_task  # noqa: F401  (a fixture)
 from training.loop import Trainer
@@ -51,5 +52,12 @@ def test_ppo_trains_policy_and_critic_on_its_rollouts(digit_task, tmp_path) -> N
         "value/clipfrac", "rollout_tokens_per_s",
     } <= set(records[-1]["objective"])  # fmt: skip
     assert trainer.objective.rollouts.weight_bytes_copied() == 0
-    with pytest.raises(ValueError, match="--stage ppo with --load"):
-        Trainer(parse_args([*flags, "--load", str(tmp_path)]), rollouts=colocated_rollouts)
+    # Resuming would take the trained policy for the reference: refused before any worker,
+    # and by the objective itself should a worker be started anyway.
+    resumed = parse_args([*flags, "--load", str(tmp_path), "--train-iters", "3"])
+    with pytest.raises(ValueError, match=r"--stage ppo with --load .*resuming is not supported"):
+        check_paths(resumed)
+    worker = Trainer(resumed, rollouts=colocated_rollouts)
+    worker.load()
+    with pytest.raises(ValueError, match="resumed at step 2"):
+        worker.train_step()

@@ -89,11 +89,6 @@ def check_rl_stage(config: TrainingConfig, world_size: int) -> None:
             f"{rl.max_completion_length} = {total} is over --seq-length "
             f"{config.model.seq_length}, the longest rollout row; raise --seq-length"
         )
-    if config.run.load and stage == PPOLoss.name and not config.run.finetune:
-        raise ValueError(
-            "--stage ppo with --load: resuming is not supported (the reference is the run's "
-            "starting policy, which a checkpoint does not hold)"
-        )
     if rl.reward_model is not None and not Path(rl.reward_model).is_dir():
         raise ValueError(
             f"--reward-model {rl.reward_model}: no such directory; pass a --stage rm run's --save"

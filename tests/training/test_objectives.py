@@ -36,9 +36,11 @@ class CountingNextToken(NextTokenLoss):
 
 def test_registry_is_keyed_by_the_stage_name_and_refuses_others_by_flag() -> None:
     assert isinstance(build_objective("sft"), NextTokenLoss)
-    assert set(OBJECTIVES) == {"sft", "rm", "dpo", "simpo"}
-    with pytest.raises(ValueError, match=r"--stage 'ppo'.*known: \['dpo', 'rm', 'sft', 'simpo'\]"):
-        build_objective("ppo")
+    assert set(OBJECTIVES) == {"sft", "rm", "dpo", "simpo", "grpo", "ppo"}
+    with pytest.raises(
+        ValueError, match=r"--stage 'kto'.*known: \['dpo', 'grpo', 'ppo', 'rm', 'sft', 'simpo'\]"
+    ):
+        build_objective("kto")
 
 
 def test_stage_flag_defaults_to_sft_and_refuses_unbuilt_objectives(
@@ -48,8 +50,8 @@ def test_stage_flag_defaults_to_sft_and_refuses_unbuilt_objectives(
     assert parse_args(flags).run.stage == "sft"
     assert parse_args([*flags, "--stage", "sft"]).run.stage == "sft"
     with pytest.raises(SystemExit):
-        parse_args([*flags, "--stage", "ppo"])
-    assert "argument --stage: invalid choice: 'ppo'" in capsys.readouterr().err
+        parse_args([*flags, "--stage", "kto"])
+    assert "argument --stage: invalid choice: 'kto'" in capsys.readouterr().err
 
 
 def test_the_library_trains_without_the_service_and_a_plugged_objective_logs_metrics() -> None:

@@ -19,6 +19,7 @@ from training.config_sections import BatchSection, DataSection, ModelSection, Op
 from training.finetune import PeftSection, check
 from training.model_config import registry_model_config
 from training.objectives.layout import check_stage
+from training.rl_sections import RLSection
 from training.run_sections import ParallelSection, PrecisionSection, RunSection
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "ParallelSection",
     "PeftSection",
     "PrecisionSection",
+    "RLSection",
     "RunSection",
     "TrainingConfig",
 ]
@@ -57,6 +59,8 @@ class TrainingConfig:
     """Data and model parallelism, activation recompute."""
     peft: PeftSection = field(default_factory=PeftSection)
     """Parameter-efficient fine-tuning (LoRA, BitFit, prefix)."""
+    rl: RLSection = field(default_factory=RLSection)
+    """Online RL: rollouts, rewards, GRPO and PPO settings (--stage grpo|ppo)."""
 
     def model_config(self, tokenizer_vocab: int | None = None) -> ModelConfig:
         """The `models` config to train: --model from the registry with the shape flags, its

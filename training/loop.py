@@ -41,9 +41,13 @@ from training.metrics import (
 )
 from training.model_config import apply_attention_backend
 from training.objectives import ForwardContext, ObjectiveOutput, build_objective
+from training.objectives.grpo import GRPOLoss
+from training.objectives.layout import RL_STAGES
+from training.objectives.ppo import PPOLoss
 from training.optimizer import build_training_optimizer
 from training.precision import plan_precision
 from training.profiling import StepProfiler
+from training.rl_setup import RolloutFactory, attach_rl
 from training.setup import (
     build_data,
     build_model_config,
@@ -105,6 +109,7 @@ class Trainer(TrainerState):
         datasets: tuple[Any, Any] | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
         path_guard: PathGuard | None = None,
+        rollouts: RolloutFactory | None = None,
     ) -> None:
         self._started = time.monotonic()  # --exit-duration-in-mins counts the set-up too
         self.config = config
@@ -126,7 +131,7 @@ class Trainer(TrainerState):
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
-        self.objective = build_objective(config.run.stage, config.run, path_guard)
+        self.objective = build_objective(config.run.stage, config.run, path_guard, config)
         if self.dims.pp > 1 and not self.objective.pipeline_loss:
             raise ValueError(
                 f"--stage {config.run.stage} under --pipeline-model-parallel-size "
@@ -145,6 +150,9 @@ class Trainer(TrainerState):
         )
         if datasets is None:
             datasets, vocab_hint, self.collate = build_data(config, self.dp_size)
+        if config.run.stage in RL_STAGES and rollouts is not None:  # online: prompts, rewards
+            assert isinstance(self.objective, GRPOLoss | PPOLoss)
+            attach_rl(self.objective, config, datasets[0], rollouts, self.device)
         self.model_config = build_model_config(config, vocab_hint)
         if model is None:
             model = self.objective.prepare_model(

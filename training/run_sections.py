@@ -137,12 +137,13 @@ class RunSection:
     profile_save_path: str | None = None
     """Directory for the traces (default: `profile/` in --log-dir/--tensorboard-dir, where
     TensorBoard's profiler plugin finds them; without a log dir ./profile_dir)."""
-    stage: Literal["sft", "rm", "dpo", "simpo", "orpo"] = "sft"
+    stage: Literal["sft", "rm", "dpo", "simpo", "orpo", "grpo", "ppo"] = "sft"
     """Training objective (MindSpeed-LLM's --stage; `training.objectives`): sft = next-token cross
     entropy over the unmasked labels, for pretraining and instruction tuning alike; rm = a reward
     model (scalar value head, pairwise loss), dpo = direct preference optimisation against the
     starting weights (or --ref-model), simpo = reference-free SimPO and orpo = ORPO (NLL plus
-    odds ratio, no reference), all on pairwise shards (docs/alignment.md)."""
+    odds ratio, no reference), all on pairwise shards; grpo and ppo = online RL on a prompt file,
+    rollouts from the engine (docs/alignment.md)."""
     dpo_beta: float = 0.1
     """--stage dpo: β, the strength of the pull towards the reference (IPO's τ for ipo)."""
     dpo_loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"

@@ -15,7 +15,7 @@ from training.checkpoint import CheckpointManager
 from training.ckpt.state import TrainState, tensor_tree
 from training.config import TrainingConfig
 from training.mock_data import MockDataset
-from training.objectives.layout import PREFERENCE_STAGES
+from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
 from training.precision import PrecisionPlan
 from training.trainer_state import TrainerState
 
@@ -38,6 +38,10 @@ def create_model(model_config: ModelConfig, device: torch.device, seed: int) -> 
 
 def build_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], int | None, Any]:
     """(train, valid) datasets, the tokenizer's vocabulary size (None for --mock-data), collate fn."""
+    if config.run.stage in RL_STAGES:
+        from training.rl_setup import build_prompt_data
+
+        return build_prompt_data(config, dp_size)
     if config.run.stage in PREFERENCE_STAGES:
         from training.pairwise_data import build_pairwise_data
 

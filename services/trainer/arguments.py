@@ -26,7 +26,7 @@ import yaml
 
 from services.trainer import megatron_flags, model_arch
 from services.trainer.train_config import SECTIONS, TrainConfig
-from training import config_sections, finetune, run_sections
+from training import config_sections, finetune, rl_sections, run_sections
 
 # Older spellings that scripts still use, mapped to the field they set.
 ALIASES: dict[str, str] = megatron_flags.FIELD_ALIASES
@@ -38,7 +38,7 @@ def field_docs() -> dict[str, str]:
     docs: dict[str, str] = {}
     body = [
         node
-        for m in (config_sections, run_sections, finetune, model_arch)
+        for m in (config_sections, run_sections, finetune, model_arch, rl_sections)
         for node in ast.parse(inspect.getsource(m)).body
     ]
     for node in body:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from services.trainer.resume_check import check_same_model
 from services.trainer.train_config import TrainConfig
-from training.objectives.layout import PREFERENCE_STAGES
+from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -169,12 +169,26 @@ def check_paths(config: TrainConfig) -> None:
             ("--test-data-path", data.test_data_path),
         ):
             for prefix in _prefixes(paths):
-                if config.run.stage in PREFERENCE_STAGES:
+                if config.run.stage in RL_STAGES:
+                    if not Path(prefix).is_file():
+                        raise ValueError(
+                            f"{flag} {prefix}: no such file; --stage {config.run.stage} reads a "
+                            'JSON-lines prompt file (one {"prompt": ..., "answer": ...} a line)'
+                        )
+                elif config.run.stage in PREFERENCE_STAGES:
                     _check_pairs(flag, prefix, data.data_format)
                 else:
                     _check_dataset(flag, prefix, data.is_instruction_dataset)
     _check_tokenizer(config)
     action = load_action(config)
+    rl_reference = config.run.stage == "ppo" or (config.run.stage == "grpo" and config.rl.beta)
+    if action == "resume" and rl_reference and not config.run.finetune:
+        raise ValueError(
+            f"--stage {config.run.stage} with --load {config.run.load}: resuming is not supported "
+            "(the reference is the run's starting weights, which a checkpoint does not hold); "
+            "start again from the weights with --load DIR --finetune"
+            + (", or resume with --beta 0" if config.run.stage == "grpo" else "")
+        )
     run = config.run
     if (
         action == "resume"

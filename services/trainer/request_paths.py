@@ -35,11 +35,14 @@ PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("run", "log_dir", "--log-dir/--tensorboard-dir"),
     ("run", "profile_save_path", "--profile-save-path"),
     ("peft", "lora_load", "--lora-load"),
+    ("rl", "reward_model", "--reward-model"),
 )
 """(section, field, flag) of every training setting that names a file or directory."""
 
 # Folders whose every file the workers read: a symlink inside must not lead outside the roots.
-_FOLDERS_READ_WHOLE = frozenset({"tokenizer_name_or_path", "load", "ref_model", "lora_load"})
+_FOLDERS_READ_WHOLE = frozenset(
+    {"tokenizer_name_or_path", "load", "ref_model", "lora_load", "reward_model"}
+)
 
 PERMISSION_DENIED_TAG = "PERMISSION_DENIED"
 """A worker's message for a path refused at use time starts with this (the job's status)."""

@@ -25,8 +25,10 @@ from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
 from services.trainer.launch_checks import check_paths, load_action
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
+from services.trainer.rollouts import colocated_rollouts
 from training.ckpt.signals import LastGasp
 from training.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
+from training.objectives.layout import RL_STAGES
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     last_gasp = LastGasp().install()
     try:
-        trainer = Trainer(config, path_guard=check_at_use)
+        rollouts = colocated_rollouts if config.run.stage in RL_STAGES else None
+        trainer = Trainer(config, path_guard=check_at_use, rollouts=rollouts)
         if load == "resume":
             trainer.load()
         # The launch-time policy ($MESHLINE_SAVE_ON_STOP), then the signal that stopped the run.

@@ -27,6 +27,7 @@ from training.config import (
     ParallelSection,
     PeftSection,
     PrecisionSection,
+    RLSection,
     RunSection,
     TrainingConfig,
 )
@@ -56,6 +57,7 @@ SECTIONS: dict[str, type] = {
     "run": RunSection,
     "parallel": ParallelSection,
     "peft": PeftSection,
+    "rl": RLSection,
 }
 
 

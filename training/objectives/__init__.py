@@ -2,7 +2,9 @@
 
 `sft` (next-token cross entropy), `rm` (a reward model: a scalar value head scored on
 chosen/rejected pairs), `dpo` (chosen/rejected against a frozen reference), `simpo`
-(reference-free, length-normalised) and `orpo` (NLL plus an odds-ratio term, reference-free). Each is an
+(reference-free, length-normalised), `orpo` (NLL plus an odds-ratio term, reference-free); `grpo`
+and `ppo` (online RL on rollouts, settings from the config's `rl` section,
+training/objectives/rl_layout.py). Each is an
 `Objective` subclass in its own file, registered here: it reads its batch, says what it counts
 (tokens, pairs) and returns the summed loss with any extra metrics. Adding one also adds its name
 to `RunSection.stage`'s choices, which is what lets `--stage NAME` through, and to
@@ -15,34 +17,45 @@ from typing import TYPE_CHECKING
 
 from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
 from training.objectives.dpo import DPOLoss
+from training.objectives.grpo import GRPOLoss
 from training.objectives.orpo import ORPOLoss
+from training.objectives.ppo import PPOLoss
 from training.objectives.rm import RewardLoss
 from training.objectives.sft import NextTokenLoss
 from training.objectives.simpo import SimPOLoss
 
 if TYPE_CHECKING:
     from training.checkpoint import PathGuard
+    from training.config import TrainingConfig
     from training.run_sections import RunSection
 
 __all__ = ["OBJECTIVES", "ForwardContext", "Objective", "ObjectiveOutput", "build_objective"]
 
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (NextTokenLoss, RewardLoss, DPOLoss, SimPOLoss, ORPOLoss)
+    cls.name: cls
+    for cls in (NextTokenLoss, RewardLoss, DPOLoss, SimPOLoss, ORPOLoss, GRPOLoss, PPOLoss)
 }
 """Objective classes by name."""
 
 
 def build_objective(
-    name: str, run: RunSection | None = None, path_guard: PathGuard | None = None
+    name: str,
+    run: RunSection | None = None,
+    path_guard: PathGuard | None = None,
+    config: TrainingConfig | None = None,
 ) -> Objective:
     """The registered objective `name` with the run's settings (--dpo-*, --ref-model,
     --simpo-beta, --gamma-beta-ratio, --orpo-beta, --seed; defaults without `run`; `path_guard`
-    checks the reference's path when read); ValueError naming --stage and the known ones for an
-    unknown name."""
+    checks the reference's path when read; grpo/ppo from `config`'s rl section); ValueError
+    naming --stage and the known ones for an unknown name."""
     if name not in OBJECTIVES:
         raise ValueError(
             f"--stage {name!r} is not a training objective; known: {sorted(OBJECTIVES)}"
         )
+    if name in (GRPOLoss.name, PPOLoss.name) and config is not None:
+        from training.objectives.rl_layout import build_rl_objective
+
+        return build_rl_objective(config)
     if run is None:
         return OBJECTIVES[name]()
     if name == DPOLoss.name:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from training.objectives.dpo import DPOLoss
 from training.objectives.orpo import ORPOLoss
+from training.objectives.rl_layout import check_rl_stage
 from training.objectives.simpo import SimPOLoss
 
 if TYPE_CHECKING:
@@ -23,11 +24,17 @@ if TYPE_CHECKING:
 
 PREFERENCE_STAGES = ("rm", "dpo", "simpo", "orpo")
 """Stages that train on preference pairs."""
+RL_STAGES = ("grpo", "ppo")
+"""Stages that train on their own rollouts of a prompt file (training/objectives/rl_layout.py)."""
 
 
 def check_stage(config: TrainingConfig, world_size: int) -> None:
     """Refuse a --stage the rest of the configuration cannot run with, naming the flag."""
     stage = config.run.stage
+    config.rl.check_stage(stage)
+    if stage in RL_STAGES:
+        check_rl_stage(config, world_size)
+        return
     if stage not in PREFERENCE_STAGES:
         return
     where = f"--stage {stage}"

@@ -153,6 +153,27 @@ NON_DEFAULT = {
     "recompute_method": ("--recompute-method", "block"),
     "recompute_num_layers": ("--recompute-num-layers", "2"),
     "compile": ("--compile",),
+    "max_prompt_length": ("--max-prompt-length", "64"),
+    "max_completion_length": ("--max-completion-length", "32"),
+    "temperature": ("--temperature", "0.7"),
+    "top_p": ("--top-p", "0.9"),
+    "top_k": ("--top-k", "5"),
+    "reward_funcs": ("--reward-funcs", "gsm8k", "regex"),  # lists: checked below on their own
+    "reward_weights": ("--reward-weights", "0.5", "2"),
+    "reward_regex": ("--reward-regex", "x+"),
+    "reward_model": ("--reward-model", "rm/"),
+    "num_generations": ("--num-generations", "4"),
+    "beta": ("--beta", "0.04"),
+    "epsilon": ("--epsilon", "0.1"),
+    "epsilon_high": ("--epsilon-high", "0.28"),
+    "loss_type": ("--loss-type", "grpo"),
+    "scale_rewards": ("--scale-rewards", "batch"),
+    "kl_coef": ("--kl-coef", "0.1"),
+    "gamma": ("--gamma", "0.99"),
+    "lam": ("--lam", "0.9"),
+    "cliprange": ("--cliprange", "0.1"),
+    "cliprange_value": ("--cliprange-value", "0.3"),
+    "vf_coef": ("--vf-coef", "0.2"),
 }
 
 
@@ -176,6 +197,8 @@ def test_every_field_has_a_flag_and_parses():
         "gamma_beta_ratio",
         "orpo_beta",
         "openai_gelu",  # the other MLP activation than --swiglu
+        "reward_funcs",
+        "reward_weights",
         *PER_SPLIT,
     }
     argv = [a for key, flags in NON_DEFAULT.items() if flags and key not in hsdp_ok for a in flags]
@@ -201,6 +224,8 @@ def test_every_field_has_a_flag_and_parses():
     assert (simpo.run.simpo_beta, simpo.run.gamma_beta_ratio) == (2.0, 0.5)
     assert parse_args(["--stage", "orpo", "--orpo-beta", "0.2"]).run.orpo_beta == 0.2
     assert _values(parse_args(["--openai-gelu"]))["openai_gelu"] is True
+    rl = parse_args([*NON_DEFAULT["reward_funcs"], *NON_DEFAULT["reward_weights"]]).rl
+    assert (rl.reward_funcs, rl.reward_weights) == (["gsm8k", "regex"], [0.5, 2.0])
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (
         3,
         True,

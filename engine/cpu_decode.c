@@ -47,6 +47,12 @@ typedef struct {
     const void *w, *b; /* W [out, in] at w[o * rs + i * cs] (row-major: cs = 1, column-major:
                           rs = 1); bias or NULL */
     long out, in, rs, cs;
+    /* Weight-only quantized (cpu_decode_quant.h): qbits 8 or 4, else 0 (w is of the model's
+     * type). Then w holds row-major codes, rs bytes a row, with `scale` fp32 [out, in / group]
+     * and, affine, `zero` int8 [out, in / group]; the bias stays of the model's type. */
+    long qbits, group;
+    const float *scale;
+    const int8_t *zero;
 } Lin;
 
 typedef struct {
@@ -103,6 +109,8 @@ static inline __m256 bf16_load8(const uint16_t *p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+#include "cpu_decode_quant.h"
 
 #define CACHE_ROW(b) (crows ? crows[b] : (b))
 #define CAT_(a, b) a##b

@@ -19,7 +19,12 @@ from models.hf_adapters import to_hf
 from models.lora import LoraConfig, LoraLinear, apply_lora
 from models.lora_io import PEFT_PREFIX, save_lora, to_peft
 from models.qlora import QLoraLinear, quantize_lora_base
+from services.trainer.arguments import parse_args
 from tests.finetune.test_lora_peft import _base_pair, _randomise_lora, _tokens
+from tests.finetune.test_trainer_peft import BASE, LORA
+from tests.finetune.test_trainer_peft import base_ckpt as _base_ckpt
+from training import finetune
+from training.loop import Trainer
 
 ATOL = 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -107,3 +112,45 @@ def test_base_quant_needs_lora_layers():
     _, ours = _base_pair(get_config("tiny-llama"))
     with pytest.raises(ValueError, match="--base-quant nf4: the model has no LoRA layer"):
         quantize_lora_base(ours, "nf4")
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+base_ckpt = _base_ckpt  # the fixture: a briefly trained tiny Llama checkpoint
+
+
+def test_trainer_base_quant_trains_adapters_over_an_nf4_base(base_ckpt):
+    """`--base-quant nf4` through the trainer: the loaded float base becomes NF4 before the first
+    step (the held bytes drop by what the float weights took less their NF4 form), the loss
+    falls, and only adapters change."""
+    base, _ = base_ckpt
+    flags = [*BASE, *LORA, "--load", str(base), "--finetune", "--base-quant", "nf4"]
+    trainer = Trainer(parse_args([*flags, "--train-iters", "8"]))
+    trainer.load()
+    loaded_bytes = _held_bytes(trainer.model)
+    losses = [trainer.train_step().loss for _ in range(8)]
+    layers = [m for m in trainer.model.modules() if isinstance(m, QLoraLinear)]
+    assert layers and not any(type(m) is LoraLinear for m in trainer.model.modules())
+    float_bytes = sum(m.in_features * m.out_features * 4 for m in layers)
+    nf4_bytes = sum(m.base.weight_bytes() for m in layers)
+    assert nf4_bytes == pytest.approx(float_bytes * (0.5 + 4 / BLOCK) / 4)
+    assert _held_bytes(trainer.model) == loaded_bytes - float_bytes + nf4_bytes
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "--base-quant nf4 quantizes the frozen base under LoRA adapters"),
+        ([*LORA, "--tensor-model-parallel-size", "2"], "does not combine with --tensor-model"),
+        ([*LORA, "--zero-stage", "3"], "does not combine with --zero-stage 2/3"),
+    ],
+    ids=["no-lora", "tp", "zero3"],
+)
+def test_trainer_refuses_base_quant_where_it_cannot_apply(extra, message):
+    with pytest.raises(ValueError) as info:
+        finetune.check(parse_args([*BASE, *extra, "--base-quant", "nf4"]))
+    assert message in str(info.value)

@@ -98,6 +98,14 @@ def _is_run_checkpoint(path: str | None) -> bool:
 def check(config: TrainingConfig) -> None:
     """Cross-section checks (ValueError naming the flags)."""
     peft = config.peft
+    qat = config.precision.qat
+    if qat is not None:
+        if peft.peft_method is not None:
+            raise ValueError(
+                f"--qat {qat} fake-quantizes the weights being trained; with --peft-method "
+                f"{peft.peft_method} the base is frozen: drop one (QLoRA: --base-quant)"
+            )
+        _check_whole_model_swap(config, f"--qat {qat}", "fake-quantizes the decoder linears")
     if peft.peft_method is None:
         return
     if config.run.load and not config.run.finetune:
@@ -105,28 +113,52 @@ def check(config: TrainingConfig) -> None:
             f"--peft-method {peft.peft_method} with --load: the base checkpoint loads weights only; "
             "add --finetune (resume a fine-tuning run with --lora-load SAVE_DIR)"
         )
-    par = config.parallel
     if peft.base_quant is not None:
-        layout = {
-            "--tensor-model-parallel-size": par.tensor_model_parallel_size > 1,
-            "--pipeline-model-parallel-size": par.pipeline_model_parallel_size > 1,
-            "--context-parallel-size": par.context_parallel_size > 1,
-            "--zero-stage 2/3 (sharded parameters)": par.zero_stage >= 2,
-            "--hsdp": par.hsdp,
-            "--compile": par.compile,
-        }
-        bad = [flag for flag, on in layout.items() if on]
-        if bad:
-            raise ValueError(
-                f"--base-quant {peft.base_quant} swaps the frozen base weights of one process's "
-                f"whole model after loading; it does not combine with {', '.join(bad)} (use "
-                "data parallelism with --zero-stage 0 or 1, or drop --base-quant)"
-            )
+        _check_whole_model_swap(
+            config,
+            f"--base-quant {peft.base_quant}",
+            "swaps the frozen base weights of one process's whole model after loading",
+        )
     if _is_run_checkpoint(peft.lora_load) and not config.run.load:
         raise ValueError(
             f"--lora-load {peft.lora_load} is a training checkpoint; resume it with the base "
             "weights it was trained on: --load BASE --finetune"
         )
+
+
+def _check_whole_model_swap(config: TrainingConfig, flag: str, what: str) -> None:
+    """Refuse the layouts that shard or wrap the linears a quantized-training flag swaps."""
+    par = config.parallel
+    layout = {
+        "--tensor-model-parallel-size": par.tensor_model_parallel_size > 1,
+        "--pipeline-model-parallel-size": par.pipeline_model_parallel_size > 1,
+        "--context-parallel-size": par.context_parallel_size > 1,
+        "--zero-stage 2/3 (sharded parameters)": par.zero_stage >= 2,
+        "--hsdp": par.hsdp,
+        "--compile": par.compile,
+    }
+    bad = [name for name, on in layout.items() if on]
+    if bad:
+        raise ValueError(
+            f"{flag} {what}; it does not combine with {', '.join(bad)} (use data parallelism "
+            f"with --zero-stage 0 or 1, or drop {flag.split()[0]})"
+        )
+
+
+def apply_qat(model: nn.Module, config: TrainingConfig) -> nn.Module:
+    """--qat: fake-quantize the freshly built model's decoder linears (models/qat.py)."""
+    scheme = config.precision.qat_scheme()
+    if scheme is None:
+        return model
+    from models.qat import apply_qat as fake_quantize_linears
+
+    try:
+        fake_quantize_linears(model, scheme)
+    except ValueError as exc:
+        raise ValueError(
+            f"--qat {config.precision.qat} --qat-group-size {scheme.group_size}: {exc}"
+        ) from exc
+    return model
 
 
 def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:

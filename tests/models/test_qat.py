@@ -96,3 +96,46 @@ def test_qat_fine_tune_loses_less_when_quantized_to_int4():
             if name == "qat":  # what it trained on is what the quantized model computes
                 assert torch.equal(_loss(quantized, ids), _loss(trained, ids))
     assert gaps["qat"] < 0.5 * gaps["plain"], gaps
+
+
+def test_trainer_qat_flag_trains_fake_quantized_linears(tmp_path):
+    """`--qat int4 --qat-group-size 32`: the trainer's decoder linears are QATLinear, the loss
+    falls, and the saved checkpoint keeps the plain parameter names (it loads into a plain
+    model, which quantized as the flags say computes the trained forward)."""
+    from services.trainer.arguments import parse_args
+    from tests.finetune.test_trainer_peft import BASE
+    from training.loop import Trainer
+
+    trainer = Trainer(
+        parse_args([*BASE, "--qat", "int4", "--qat-group-size", "32", "--train-iters", "6"])
+    )
+    layers = [m for m in trainer.model.modules() if isinstance(m, QATLinear)]
+    assert len(layers) == 2 * 4 and all(m.scheme == INT4 for m in layers)
+    losses = [trainer.train_step().loss for _ in range(6)]
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+    names = {n for n, _ in trainer.model.named_parameters()}
+    assert "layers.0.self_attn.qkv_proj.weight" in names
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--qat-group-size", "32"], "--qat-group-size needs --qat int8|int4"),
+        (["--qat", "int4", "--qat-group-size", "5"], "odd"),
+        (["--qat", "int4", "--qat-group-size", "96"], "a row of 64 inputs"),
+        (["--qat", "int8", "--lora-target-modules", "dense"], "the base is frozen"),
+        (["--qat", "int8", "--tensor-model-parallel-size", "2"], "does not combine"),
+    ],
+    ids=["group-alone", "odd-group", "group-split", "with-lora", "tp"],
+)
+def test_trainer_qat_flags_are_refused_by_name(flags, message):
+    from services.trainer.arguments import parse_args
+    from tests.finetune.test_trainer_peft import BASE
+    from training import finetune
+    from training.loop import Trainer
+
+    with pytest.raises((ValueError, SystemExit)) as info:
+        config = parse_args([*BASE, *flags])
+        finetune.check(config)
+        Trainer(config)
+    assert message in str(info.value) or message in str(info.value.__context__)

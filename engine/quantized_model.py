@@ -56,9 +56,10 @@ def swap_in_quant_linears(
         parent = model.get_submodule(parent_path)
         linear = getattr(parent, leaf)
         if type(linear) is not nn.Linear or tuple(linear.weight.shape) != tuple(q.codes.shape):
+            have = getattr(getattr(linear, "weight", None), "shape", None)
             raise ValueError(
                 f"{name}: the checkpoint quantizes a {tuple(q.codes.shape)} weight where the "
-                f"model has {type(linear).__name__} {getattr(linear, 'weight', None)!r:.60}"
+                f"model has a {type(linear).__name__} with weight {have}"
             )
         out, columns = q.codes.shape
         layer = QuantLinear(

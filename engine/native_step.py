@@ -440,6 +440,10 @@ def _quantized(linear: QuantLinear, dtype: torch.dtype) -> Parts | None:
     tensors = [codes, linear.scale] + ([] if linear.zero is None else [linear.zero])
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
+    kinds = (codes.dtype, linear.scale.dtype, None if linear.zero is None else linear.zero.dtype)
+    expected = (torch.int8 if linear.bits == 8 else torch.uint8, torch.float32)
+    if kinds[:2] != expected or kinds[2] not in (None, torch.int8):
+        return None  # e.g. scales cast by a model-wide .to(dtype): the torch forward copes
     if linear.group_size % 8:
         return None
     bias = linear.bias

@@ -94,6 +94,40 @@ def test_groups_the_c_step_cannot_read_run_in_the_lean_step():
     assert torch.equal(got, want)
 
 
+@needs_build
+def test_bf16_model_on_codes_steps_in_c_with_the_upcast_models_tokens():
+    """bf16 kept tensors (embedding, norms, cache) around int8 codes: the C step reads both;
+    greedy tokens are those of the dequantized weights in fp32 (peaked logits)."""
+    quant, floats = _quantized_and_dequantized(WeightScheme(8, None, True))
+    with torch.no_grad():
+        for model in (quant, floats):
+            model.lm_head.weight.mul_(10.0)
+    for param in quant.parameters():
+        param.data = param.data.to(torch.bfloat16)  # kept tensors only: the codes are buffers
+    for name, param in floats.named_parameters():  # the fp32 twin holds the same bf16 values
+        if not isinstance(floats.get_submodule(name.rpartition(".")[0]), torch.nn.Linear) or (
+            "lm_head" in name
+        ):
+            param.data = param.data.to(torch.bfloat16).float()
+    prompts = [[5, 9, 11], [7] * 8]
+    configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
+    tokens = []
+    for model in (quant, floats):
+        engine = Engine(
+            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
+        )
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
+    assert tokens[0] == tokens[1]
+
+
+def test_scales_of_another_dtype_leave_the_layer_to_torch():
+    quant, _ = _quantized_and_dequantized(WeightScheme(8, None, True))
+    quant.layers["0"].mlp.down_proj.scale.data = quant.layers["0"].mlp.down_proj.scale.half()
+    native, why = NativeStep.build(DecodeStep(quant))
+    assert native is None and "not a plain" in why
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny HF Llama (GQA) whose layer inputs (64, 96) split into groups of 32."""

@@ -206,7 +206,12 @@ static PyObject *simd(PyObject *self, PyObject *args) {
                            __builtin_cpu_supports("f16c"));
 }
 
+/* sizeof(Lin): engine/native_step.py checks it against its ctypes mirror, so a build older
+ * than the Python tables (another Lin layout) is never called. */
+static PyObject *lin_bytes(PyObject *self, PyObject *args) { return PyLong_FromSize_t(sizeof(Lin)); }
+
 static PyMethodDef methods[] = {
+    {"lin_bytes", lin_bytes, METH_NOARGS, "sizeof(Lin), the layout this build reads."},
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2, FMA and F16C units the build uses."},
     {NULL, NULL, 0, NULL},

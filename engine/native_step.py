@@ -131,6 +131,12 @@ def available() -> tuple[bool, str]:
         return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
     if not _compiled.simd():
         return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
+    lin_bytes = getattr(_compiled, "lin_bytes", None)
+    if lin_bytes is None or lin_bytes() != ctypes.sizeof(_Lin):
+        return False, (
+            "engine.cpu_decode was built from an older cpu_decode.c (another table layout); "
+            "rebuild it (build_ext --inplace)"
+        )
     return True, "built"
 
 

@@ -15,8 +15,9 @@ A directory holds:
 - `tokenizer/`: the source's tokenizer files.
 
 Reading dequantizes ((codes − zero) · scale per group, `kernels.quantization`) into the recorded
-dtype, so every stage that loads checkpoints through the format registry (convert, serve,
-evaluate) reads it as an ordinary float model; nothing in Meshline computes on the codes yet.
+dtype, so every stage that loads checkpoints through the format registry (convert, evaluate)
+reads it as an ordinary float model; serving keeps the codes (`read_unit_quantized`,
+engine/quantized_model.py: the engine computes on them, kernels/quant_linear.py).
 Every expected tensor and part is checked against the config's shapes (and the header against
 the file's size) before anything is read.
 """
@@ -179,21 +180,29 @@ class QuantizedSource:
 
     def read_unit(self, unit: Unit) -> Tensors:
         """The unit's tensors, quantized weights dequantized to the recorded dtype."""
+        kept, weights = self.read_unit_quantized(unit)
+        for name, weight in weights.items():
+            kept[name] = dequantize_weight(weight, self.scheme.dtype)
+        return kept
+
+    def read_unit_quantized(self, unit: Unit) -> tuple[Tensors, dict[str, QuantizedWeight]]:
+        """The unit's kept tensors (in the recorded dtype) and its quantized weights as stored
+        (int4 codes unpacked), by Meshline name: what serving on the codes needs."""
         entries = self._plan[unit]
         raw = read_tensors(self._path, [s.name for _, specs in entries for s in specs])
-        out: Tensors = {}
+        kept: Tensors = {}
+        weights: dict[str, QuantizedWeight] = {}
         for name, specs in entries:
             if len(specs) == 1:
-                out[name] = raw[name].to(self.scheme.dtype)
+                kept[name] = raw[name].to(self.scheme.dtype)
                 continue
             codes = raw.get(f"{name}.codes")
             if codes is None:
                 codes = unpack_int4(raw[f"{name}.packed"])
-            weight = QuantizedWeight(
+            weights[name] = QuantizedWeight(
                 codes.to(torch.int8), raw[f"{name}.scale"].float(), raw.get(f"{name}.zero")
             )
-            out[name] = dequantize_weight(weight, self.scheme.dtype)
-        return out
+        return kept, weights
 
 
 class QuantizedSink:

@@ -37,6 +37,9 @@ def build_engine(
         tokenizer=spec.tokenizer,
         lora=spec.lora,
         device=device,
+        # tensor/pipeline parallel engines reshard float weights: a quantized checkpoint is
+        # dequantized for them
+        quantized_weights=tensor_parallel_size * pipeline_parallel_size == 1,
     )
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
     if tensor_parallel_size * pipeline_parallel_size > 1:

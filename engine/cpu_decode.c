@@ -47,6 +47,12 @@ typedef struct {
     const void *w, *b; /* W [out, in] at w[o * rs + i * cs] (row-major: cs = 1, column-major:
                           rs = 1); bias or NULL */
     long out, in, rs, cs;
+    /* Weight-only quantized (cpu_decode_quant.h): qbits 8 or 4, else 0 (w is of the model's
+     * type). Then w holds row-major codes, rs bytes a row, with `scale` fp32 [out, in / group]
+     * and, affine, `zero` int8 [out, in / group]; the bias stays of the model's type. */
+    long qbits, group;
+    const float *scale;
+    const int8_t *zero;
 } Lin;
 
 typedef struct {
@@ -103,6 +109,8 @@ static inline __m256 bf16_load8(const uint16_t *p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+#include "cpu_decode_quant.h"
 
 #define CACHE_ROW(b) (crows ? crows[b] : (b))
 #define CAT_(a, b) a##b
@@ -198,7 +206,12 @@ static PyObject *simd(PyObject *self, PyObject *args) {
                            __builtin_cpu_supports("f16c"));
 }
 
+/* sizeof(Lin): engine/native_step.py checks it against its ctypes mirror, so a build older
+ * than the Python tables (another Lin layout) is never called. */
+static PyObject *lin_bytes(PyObject *self, PyObject *args) { return PyLong_FromSize_t(sizeof(Lin)); }
+
 static PyMethodDef methods[] = {
+    {"lin_bytes", lin_bytes, METH_NOARGS, "sizeof(Lin), the layout this build reads."},
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2, FMA and F16C units the build uses."},
     {NULL, NULL, 0, NULL},

@@ -122,7 +122,9 @@ static void NAME(lin)(const Lin *l, long B, const float *X, long xs, float *Y, l
     per = (per + 15) & ~15L;
     const long o0 = t * per, o1 = o0 + per < l->out ? o0 + per : l->out;
     if (o0 < o1) {
-        if (l->cs == 1)
+        if (l->qbits)
+            lin_quant(l, B, X, xs, Y, ys, o0, o1);
+        else if (l->cs == 1)
             NAME(lin_rows)(l, B, X, xs, Y, ys, o0, o1);
         else
             NAME(lin_columns)(l, B, X, xs, Y, ys, o0, o1);

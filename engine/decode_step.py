@@ -14,9 +14,10 @@ kernels is gone.
 It covers the decoder the common families share: token embedding, pre-norm RMSNorm layers,
 RoPE without "dynamic" scaling, fused or separate q/k/v (biases and Qwen3's q/k norms
 included), SwiGLU MLP (fused or not), a final RMSNorm and an untied or tied plain head, with the
-SDPA attention backend and plain (or oneDNN-packed) linear layers. `DecodeStep.build` returns
-None with the reason for anything else (ALiBi, sliding windows, MoE, LoRA, tensor-parallel
-shards, hooks, another attention backend...), and the engine keeps the module forward.
+SDPA attention backend and plain (oneDNN-packed, or weight-only quantized) linear layers.
+`DecodeStep.build` returns None with the reason for anything else (ALiBi, sliding windows,
+MoE, LoRA, tensor-parallel shards, hooks, another attention backend...), and the engine keeps
+the module forward.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kernels.attention import ATTENTION
 from kernels.attention.sdpa import folds_query_groups, grouped_single_query
 from kernels.norm import RMS_NORM, RMSNorm, rms_norm_reference
 from kernels.packed_linear import PackedLinear
+from kernels.quant_linear import QuantLinear
 from kernels.rotary import APPLY_ROTARY, apply_rotary_reference, inverse_frequencies
 from models.kv_cache import CacheStep, KVCache
 from models.transformer import MLP, Attention, CausalLM, DecoderLayer
@@ -364,9 +366,10 @@ class DenseLinear:
 
 
 def _linear(module: nn.Module) -> Linear:
-    """The layer as a call: F.linear on a plain nn.Linear's parameters, a packed layer itself."""
-    if isinstance(module, PackedLinear):
-        return module
+    """The layer as a call: F.linear on a plain nn.Linear's parameters, a packed or quantized
+    layer itself."""
+    if isinstance(module, (PackedLinear, QuantLinear)):
+        return module  # a quantized layer's forward; NativeStep reads its codes
     if type(module) is not nn.Linear:
         raise Unsupported(f"a {type(module).__name__} linear layer (LoRA, quantised or sharded)")
     return DenseLinear(module.weight, module.bias)

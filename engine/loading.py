@@ -10,6 +10,10 @@ as peft's `merge_and_unload` would. The whole model is
 then built on the serving device; tensor-parallel serving reshards it afterwards, so the saved
 layout never has to match the serving one.
 
+A quantized checkpoint (`quantization.json`) is served on its int8 / int4 codes
+(engine/quantized_model.py), dequantized only where a LoRA adapter is merged into it or the
+caller asks for float weights (tensor-/pipeline-parallel serving reshards float weights).
+
 The tokenizer comes from `--tokenizer` or the checkpoint (`tokenizer.model`, `tokenizer.json`,
 or a `tokenizer/` folder holding either).
 """
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 from checkpoints.registry import AUTO, SERVE_CHOICES, SERVE_FORMATS, detect_format, get_format
+from engine.quantized_model import read_quantized_state, swap_in_quant_linears
 from models import build_model
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer, build_tokenizer
@@ -115,18 +120,31 @@ def load_checkpoint(
     tokenizer: Path | None = None,
     lora: Path | None = None,
     device: torch.device | str = "cpu",
+    quantized_weights: bool = True,
 ) -> LoadedModel:
-    """Build the served model from a checkpoint directory (ValueError naming the bad flag)."""
+    """Build the served model from a checkpoint directory (ValueError naming the bad flag).
+
+    A quantized checkpoint is served on its codes (`QuantLinear` layers) unless
+    `quantized_weights` is False or a LoRA adapter is merged: then dequantized."""
     if load_format not in SERVE_CHOICES:
         raise ValueError(f"--load-format {load_format!r}: choose one of {list(SERVE_CHOICES)}")
     fmt = detect_format(directory) if load_format == AUTO else load_format
-    config, state, tokenizer_dir = read_state(directory, fmt, lora)
+    on_codes = fmt == "quantized" and quantized_weights and lora is None
+    if on_codes:  # the engine computes on the codes (engine/quantized_model.py)
+        try:
+            config, state, weights, scheme, _, tokenizer_dir = read_quantized_state(directory)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
+    else:
+        config, state, tokenizer_dir = read_state(directory, fmt, lora)
     if dtype == "auto":
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
         torch_dtype = floats[0] if floats else torch.float32
     else:
         torch_dtype = DTYPES[dtype]
     model = build_model(config, device="meta", dtype=torch_dtype)
+    if on_codes:
+        state.update(swap_in_quant_linears(model, weights, scheme))
     model.to_empty(device=device)
     model.init_weights(seed=0)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -19,8 +19,9 @@ fused gate|up SwiGLU, no q/k norms, plain weights, row- or column-major (nn.Line
 layer's one-row copy), a cache that is not a sliding-window ring; the lean step keeps the rest.
 The sums run in another order than torch's, so logits agree with the lean step to fp32 rounding
 (tested), not bit for bit; greedy tokens are HF's in the parity tests. `--decode-step lean`
-keeps the bit-identical step. For bf16 models the prefill runs in C too
-(`NativeStep.prefill`).
+keeps the bit-identical step. Weight-only quantized layers (kernels/quant_linear.py: int8 or
+int4 codes, groups of a multiple of 8 inputs) are read as codes (engine/cpu_decode_quant.h).
+For bf16 models the prefill runs in C too (`NativeStep.prefill`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from engine.config_support import FieldSupport, declined, every, only
 from engine.decode_step import LEAN_SUPPORT, DecodeStep, DenseLinear, StepLayer
 from kernels.packed_linear import PackedLinear
+from kernels.quant_linear import QuantLinear
 from models.kv_cache import CacheStep, KVCache
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ class _Lin(ctypes.Structure):
         ("in_", ctypes.c_long),
         ("rs", ctypes.c_long),
         ("cs", ctypes.c_long),
+        ("qbits", ctypes.c_long),
+        ("group", ctypes.c_long),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
     ]
 
 
@@ -125,6 +131,12 @@ def available() -> tuple[bool, str]:
         return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
     if not _compiled.simd():
         return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
+    lin_bytes = getattr(_compiled, "lin_bytes", None)
+    if lin_bytes is None or lin_bytes() != ctypes.sizeof(_Lin):
+        return False, (
+            "engine.cpu_decode was built from an older cpu_decode.c (another table layout); "
+            "rebuild it (build_ext --inplace)"
+        )
     return True, "built"
 
 
@@ -158,7 +170,7 @@ class NativeStep:
         first = lean.layers[0]
         heads = first.q_size // lean.head_dim
         kv_heads = first.kv_size // lean.head_dim
-        ffn = layers[0][2][0].shape[0] // 2
+        ffn = _shape(layers[0][2][0])[0] // 2
         hidden = embedding.shape[1]
         if heads * lean.head_dim != first.q_size or heads % max(kv_heads, 1) or lean.head_dim % 2:
             raise Unsupported("heads that do not split into whole kv-head groups of even size")
@@ -334,7 +346,21 @@ class NativeStep:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def _lin(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Lin:
+    def _lin(self, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None) -> _Lin:
+        if isinstance(weight, QuantLinear):  # codes read by cpu_decode_quant.h
+            codes = weight.codes if weight.bits == 8 else weight.packed
+            return _Lin(
+                w=self._ptr(codes),
+                b=0 if bias is None else self._ptr(bias),
+                out=weight.out_features,
+                in_=weight.in_features,
+                rs=codes.stride(0),
+                cs=1,
+                qbits=weight.bits,
+                group=weight.group_size,
+                scale=self._ptr(weight.scale),
+                zero=0 if weight.zero is None else self._ptr(weight.zero),
+            )
         return _Lin(
             w=self._ptr(weight),
             b=0 if bias is None else self._ptr(bias),
@@ -345,7 +371,7 @@ class NativeStep:
         )
 
 
-Parts = tuple[torch.Tensor, torch.Tensor | None]
+Parts = tuple[torch.Tensor | QuantLinear, torch.Tensor | None]
 
 
 def _layer_parts(layer: StepLayer, dtype: torch.dtype) -> tuple[Parts, Parts, Parts, Parts]:
@@ -368,14 +394,23 @@ def _layer_parts(layer: StepLayer, dtype: torch.dtype) -> tuple[Parts, Parts, Pa
 
 def _expect(parts: Parts, out: int, in_: int, name: str) -> None:
     weight, bias = parts
-    if tuple(weight.shape) != (out, in_) or (bias is not None and tuple(bias.shape) != (out,)):
-        raise Unsupported(f"{name}: weight {tuple(weight.shape)}, expected ({out}, {in_})")
+    shape = _shape(weight)
+    if shape != (out, in_) or (bias is not None and tuple(bias.shape) != (out,)):
+        raise Unsupported(f"{name}: weight {shape}, expected ({out}, {in_})")
+
+
+def _shape(weight: torch.Tensor | QuantLinear) -> tuple[int, int]:
+    """[out, in] of a weight matrix or a quantized layer's weight."""
+    if isinstance(weight, QuantLinear):
+        return weight.out_features, weight.in_features
+    return weight.shape[0], weight.shape[1]
 
 
 def _row_major(linear: object, dtype: torch.dtype) -> bool:
-    """Whether the weight the C step reads for `linear` is row-major."""
+    """Whether the weight the C step reads for `linear` is row-major (a quantized layer's
+    codes are)."""
     parts = _plain(linear, dtype)
-    return parts is not None and parts[0].stride(-1) == 1
+    return parts is not None and (isinstance(parts[0], QuantLinear) or parts[0].stride(-1) == 1)
 
 
 def _plain(linear: object, dtype: torch.dtype) -> Parts | None:
@@ -384,6 +419,8 @@ def _plain(linear: object, dtype: torch.dtype) -> Parts | None:
     loaded or `--cpu-linear colmajor`) or a packed layer's one-row copy."""
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+    if isinstance(linear, QuantLinear):
+        return _quantized(linear, dtype)
     if isinstance(linear, PackedLinear):
         weight, bias = linear.gemv_weight, linear.bias
     elif isinstance(linear, DenseLinear):
@@ -400,3 +437,22 @@ def _plain(linear: object, dtype: torch.dtype) -> Parts | None:
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     return weight, bias
+
+
+def _quantized(linear: QuantLinear, dtype: torch.dtype) -> Parts | None:
+    """(the layer, its bias) when cpu_decode_quant.h reads it: CPU codes, scales and zero points
+    as QuantLinear makes them, groups of a multiple of 8 inputs, a `dtype` bias; else None."""
+    codes = linear.codes if linear.bits == 8 else linear.packed
+    tensors = [codes, linear.scale] + ([] if linear.zero is None else [linear.zero])
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    kinds = (codes.dtype, linear.scale.dtype, None if linear.zero is None else linear.zero.dtype)
+    expected = (torch.int8 if linear.bits == 8 else torch.uint8, torch.float32)
+    if kinds[:2] != expected or kinds[2] not in (None, torch.int8):
+        return None  # e.g. scales cast by a model-wide .to(dtype): the torch forward copes
+    if linear.group_size % 8:
+        return None
+    bias = linear.bias
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    return linear, bias

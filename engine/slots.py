@@ -12,7 +12,9 @@ rows to the front, copying only the slots in use.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from kernels.quant_linear import QuantLinear
 from models.kv_cache import KVCache
 from models.transformer import CausalLM, DecoderLayer
 
@@ -24,10 +26,17 @@ def local_kv_heads(model: CausalLM) -> int:
     assert isinstance(layer, DecoderLayer)
     attn = layer.self_attn
     if attn.fused:
-        width = attn.qkv_proj.weight.shape[0]
+        width = _rows(attn.qkv_proj)
         full = (config.num_attention_heads + 2 * config.kv_heads) * config.head_dim
         return config.kv_heads * width // full
-    return attn.k_proj.weight.shape[0] // config.head_dim
+    return _rows(attn.k_proj) // config.head_dim
+
+
+def _rows(linear: nn.Module) -> int:
+    """Output rows this process holds of a linear layer (a quantized one keeps no float weight)."""
+    if isinstance(linear, QuantLinear):
+        return linear.out_features
+    return linear.weight.shape[0]
 
 
 class SlotPool:

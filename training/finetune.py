@@ -51,6 +51,9 @@ class PeftSection:
     """Adapter directory (Meshline or peft), or a fine-tuning run's --save dir to resume."""
     num_virtual_tokens: int = 8
     """Prefix length per layer for --peft-method prefix."""
+    base_quant: Literal["nf4", "int4", "int8"] | None = None
+    """QLoRA: hold the frozen base of the LoRA layers as NF4, int4 (groups of 64) or int8 (per
+    channel) from the first step on (models/qlora.py); needs --lora-target-modules."""
 
     def __post_init__(self) -> None:
         if (self.lora_target_modules or self.lora_load) and self.peft_method is None:
@@ -61,6 +64,11 @@ class PeftSection:
             raise ValueError(
                 f"--lora-* flags are set but --peft-method is {self.peft_method}; drop them or "
                 "use --peft-method lora"
+            )
+        if self.base_quant is not None and self.peft_method != "lora":
+            raise ValueError(
+                f"--base-quant {self.base_quant} quantizes the frozen base under LoRA adapters; "
+                "add --lora-target-modules (e.g. query_key_value dense), or drop --base-quant"
             )
         if self.num_virtual_tokens <= 0:
             raise ValueError(f"{flag_name('num_virtual_tokens')} must be positive")
@@ -90,6 +98,14 @@ def _is_run_checkpoint(path: str | None) -> bool:
 def check(config: TrainingConfig) -> None:
     """Cross-section checks (ValueError naming the flags)."""
     peft = config.peft
+    qat = config.precision.qat
+    if qat is not None:
+        if peft.peft_method is not None:
+            raise ValueError(
+                f"--qat {qat} fake-quantizes the weights being trained; with --peft-method "
+                f"{peft.peft_method} the base is frozen: drop one (QLoRA: --base-quant)"
+            )
+        _check_whole_model_swap(config, f"--qat {qat}", "fake-quantizes the decoder linears")
     if peft.peft_method is None:
         return
     if config.run.load and not config.run.finetune:
@@ -97,11 +113,52 @@ def check(config: TrainingConfig) -> None:
             f"--peft-method {peft.peft_method} with --load: the base checkpoint loads weights only; "
             "add --finetune (resume a fine-tuning run with --lora-load SAVE_DIR)"
         )
+    if peft.base_quant is not None:
+        _check_whole_model_swap(
+            config,
+            f"--base-quant {peft.base_quant}",
+            "swaps the frozen base weights of one process's whole model after loading",
+        )
     if _is_run_checkpoint(peft.lora_load) and not config.run.load:
         raise ValueError(
             f"--lora-load {peft.lora_load} is a training checkpoint; resume it with the base "
             "weights it was trained on: --load BASE --finetune"
         )
+
+
+def _check_whole_model_swap(config: TrainingConfig, flag: str, what: str) -> None:
+    """Refuse the layouts that shard or wrap the linears a quantized-training flag swaps."""
+    par = config.parallel
+    layout = {
+        "--tensor-model-parallel-size": par.tensor_model_parallel_size > 1,
+        "--pipeline-model-parallel-size": par.pipeline_model_parallel_size > 1,
+        "--context-parallel-size": par.context_parallel_size > 1,
+        "--zero-stage 2/3 (sharded parameters)": par.zero_stage >= 2,
+        "--hsdp": par.hsdp,
+        "--compile": par.compile,
+    }
+    bad = [name for name, on in layout.items() if on]
+    if bad:
+        raise ValueError(
+            f"{flag} {what}; it does not combine with {', '.join(bad)} (use data parallelism "
+            f"with --zero-stage 0 or 1, or drop {flag.split()[0]})"
+        )
+
+
+def apply_qat(model: nn.Module, config: TrainingConfig) -> nn.Module:
+    """--qat: fake-quantize the freshly built model's decoder linears (models/qat.py)."""
+    scheme = config.precision.qat_scheme()
+    if scheme is None:
+        return model
+    from models.qat import apply_qat as fake_quantize_linears
+
+    try:
+        fake_quantize_linears(model, scheme)
+    except ValueError as exc:
+        raise ValueError(
+            f"--qat {config.precision.qat} --qat-group-size {scheme.group_size}: {exc}"
+        ) from exc
+    return model
 
 
 def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:
@@ -241,3 +298,14 @@ def _effective_lora(model: nn.Module, tensors: dict[str, Any]) -> Any:
         target_modules=sorted(adapted),
         modules_to_save=saved,
     )
+
+
+def quantize_base(model: nn.Module, config: TrainingConfig) -> tuple[int, int] | None:
+    """QLoRA (--base-quant): hold the LoRA layers' frozen base weights quantized, once the base
+    is loaded; (float bytes, quantized bytes) of those weights, or None without the flag."""
+    kind = config.peft.base_quant
+    if kind is None:
+        return None
+    from models.qlora import quantize_lora_base
+
+    return quantize_lora_base(model, kind)

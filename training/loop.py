@@ -28,6 +28,7 @@ from models.accounting import flops_per_token
 from models.config import ModelConfig
 from parallel.parallel_dims import build_dims
 from parallel.tp_random import tp_seed_offset
+from training import finetune
 from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
 from training.checkpoint import PathGuard
 from training.config import TrainingConfig
@@ -203,6 +204,7 @@ class Trainer(TrainerState):
             log.info("MFU against %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
         self._loss_ema: float | None = None
         self._objective_begun = False
+        self._base_quantized = False
         self.checkpoints = None
         # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
         # ranks hold replicated activations (sharded regions fork their own: tp_random).
@@ -245,6 +247,7 @@ class Trainer(TrainerState):
         from models.moe import set_aux_loss_scale
         from parallel.data_parallel import no_sync
 
+        self._quantize_base()
         if not self._objective_begun:  # after any --load, before the first step of this process
             self.objective.begin(self.model, self.state.step)
             self._objective_begun = True
@@ -336,9 +339,25 @@ class Trainer(TrainerState):
             )
         self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
 
+    def _quantize_base(self) -> None:
+        """--base-quant: the frozen base goes quantized once, after any --load (the checkpoint
+        loads float weights), before the first step or evaluation."""
+        if self._base_quantized:
+            return
+        self._base_quantized = True
+        sizes = finetune.quantize_base(self.model, self.config)
+        if sizes is not None and self.rank == 0:
+            log.info(
+                "--base-quant %s: frozen base weights %.1f MiB -> %.1f MiB",
+                self.config.peft.base_quant,
+                sizes[0] / 2**20,
+                sizes[1] / 2**20,
+            )
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Token-weighted validation loss over --eval-iters micro-batches (the same ones each time)."""
+        self._quantize_base()
         stream = MicroBatchStream(
             self.valid_data,
             consumed_samples=0,

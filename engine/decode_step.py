@@ -74,6 +74,7 @@ LEAN_SUPPORT: dict[str, FieldSupport] = {
     "tie_word_embeddings": every("a tied head is the same plain linear layer"),
     "embedding_layernorm": only(False, why="no norm after the token embedding"),
     "norm_head": only(False, why="the head's rows are not normalised"),
+    "value_head": only(False, why="a reward model's scalar head is not a vocabulary head"),
     "fused_qkv": every("fused or separate q/k/v"),
     "fused_gate_up": every("fused or separate gate/up"),
     "init_std": every(_TRAINING),

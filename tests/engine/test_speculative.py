@@ -45,6 +45,16 @@ def _engine(model, config, spec=None, draft=None, rows=8):
     )
 
 
+def _perturbed(model, scale):
+    """A copy of `model` with Gaussian noise of std `scale` added to every weight."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=gen))
+    return draft
+
+
 def _ids(results):
     return [[r.token_ids for r in seqs] for seqs in results]
 
@@ -125,11 +135,7 @@ def test_greedy_ngram_equals_plain_and_hf_generate(tiny, k):
 
 def test_greedy_draft_model_equals_plain(tiny):
     _, ours, config = tiny
-    draft = copy.deepcopy(ours)
-    with torch.no_grad():  # a different model that agrees often: accepts and rejections
-        gen = torch.Generator().manual_seed(0)
-        for param in draft.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    draft = _perturbed(ours, 0.05)  # a different model that agrees often: accepts and rejections
     prompts = [prompt(n, VOCAB, seed=n) for n in (4, 7)]
     configs = [SamplingConfig(max_new_tokens=40), SamplingConfig(max_new_tokens=33, stop=())]
     plain = _engine(ours, config).generate(prompts, configs)
@@ -185,36 +191,40 @@ def _exact_joint(model, ids, top_k, steps):
 
 
 @pytest.mark.slow
-def test_sampled_speculation_matches_the_target_distribution(tiny):
-    """First 3 tokens of 1,500 sampled requests (different seeds), with one-token n-gram drafts
-    (token 2 accepted or resampled, token 3 the bonus after an acceptance) and without
-    speculation, against the exact top-4 distribution: chi-square, and TV distance."""
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model"])
+def test_sampled_speculation_matches_the_target_distribution(tiny, method):
+    """First 3 tokens of 1,500 sampled requests (different seeds) against the exact top-4
+    distribution (chi-square and TV distance): without speculation (the harness's control),
+    with one-token n-gram drafts (token 2 accepted or resampled, token 3 the bonus after an
+    acceptance), and with two-token drafts sampled from a perturbed copy of the model."""
     _, ours, config = tiny
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)).tolist()
     exact = _exact_joint(ours, ids, top_k=4, steps=3)
     n = 1500
     configs = [SamplingConfig(max_new_tokens=3, do_sample=True, top_k=4, seed=s) for s in range(n)]
-    results = {}
-    for name, spec in (("plain", None), ("spec", ngram(1, prompt_lookup_min=1))):
-        engine = _engine(ours, config, spec, rows=64)
-        counts: dict[tuple[int, ...], int] = {}
-        for start in range(0, n, 250):
-            batch = configs[start : start + 250]
-            for seqs in engine.generate([ids] * len(batch), batch):
-                key = tuple(seqs[0].token_ids[:3])
-                counts[key] = counts.get(key, 0) + 1
-        results[name] = counts
-        if spec is not None:
-            assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
+    spec, draft = None, None
+    if method == "ngram":
+        spec = ngram(1, prompt_lookup_min=1)
+    elif method == "draft_model":
+        spec = SpeculativeConfig("draft_model", 2, model=Path("."))
+        draft = _perturbed(ours, 0.3)
+    engine = _engine(ours, config, spec, draft=draft, rows=64)
+    counts: dict[tuple[int, ...], int] = {}
+    for start in range(0, n, 250):
+        batch = configs[start : start + 250]
+        for seqs in engine.generate([ids] * len(batch), batch):
+            key = tuple(seqs[0].token_ids[:3])
+            counts[key] = counts.get(key, 0) + 1
+    if spec is not None:
+        assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
     cells = sorted(exact)
-    for name, counts in results.items():
-        assert set(counts) <= set(exact), name
-        observed = [counts.get(c, 0) for c in cells]
-        expected = [exact[c] * n for c in cells]
-        scale = sum(observed) / sum(expected)  # float rounding of the enumerated probabilities
-        _, pvalue = stats.chisquare(observed, [e * scale for e in expected])
-        tv = 0.5 * sum(abs(o / n - exact[c]) for o, c in zip(observed, cells, strict=True))
-        assert pvalue > 1e-4 and tv < 0.08, (name, pvalue, tv)
+    assert set(counts) <= set(exact)
+    observed = [counts.get(c, 0) for c in cells]
+    expected = [exact[c] * n for c in cells]
+    scale = sum(observed) / sum(expected)  # float rounding of the enumerated probabilities
+    _, pvalue = stats.chisquare(observed, [e * scale for e in expected])
+    tv = 0.5 * sum(abs(o / n - exact[c]) for o, c in zip(observed, cells, strict=True))
+    assert pvalue > 1e-4 and tv < 0.08, (pvalue, tv)
 
 
 def test_sliding_window_model_is_refused():

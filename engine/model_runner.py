@@ -193,11 +193,17 @@ class ModelRunner:
 
     def forward_tokens(self, row: int, ids: list[int]) -> torch.Tensor:
         """Logits [S, V] of every position after feeding `ids` to pool row `row` at its length:
-        the module forward (the lean and C steps take one token per row)."""
+        in one C call where the C step runs and S fits its rows (`NativeStep.verify`), else the
+        module forward (the lean step takes one token per row)."""
         view = self.pool.view(row, row + 1)
-        logits_1SV = self.model(torch.tensor([ids], device=self.device), kv_cache=view)
+        ids_S = torch.tensor(ids, device=self.device)
+        logits_SV = None
+        if isinstance(self.decode_step, NativeStep):
+            logits_SV = self.decode_step.verify(ids_S, view)
+        if logits_SV is None:
+            logits_SV = self.model(ids_S[None], kv_cache=view)[0]
         self.pool.sync(view, row)
-        return logits_1SV[0]
+        return logits_SV
 
     def truncate(self, row: int, length: int) -> None:
         """Forget pool row `row`'s cached positions from `length` on."""

@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 
 from engine.engine import Engine, EngineConfig
+from engine.native_step import NativeStep
 from engine.sampling import SamplingConfig
 from engine.speculative import accept_or_resample, check_same_vocabulary, ngram_draft
 from engine.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -109,7 +110,7 @@ def test_ngram_draft_takes_latest_longest_match():
     assert ngram_draft([1, 2, 3], 0, 1, 2) == []
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [1, 4, 8])  # k + 1 = 9 tokens: past the C step, the module forward
 def test_greedy_ngram_equals_plain_and_hf_generate(tiny, k):
     hf, ours, config = tiny
     prompts = [prompt(n, VOCAB, seed=n) for n in (5, 9, 13)]
@@ -131,6 +132,32 @@ def test_greedy_ngram_equals_plain_and_hf_generate(tiny, k):
         hf_ids = hf_generate(hf, ids, max_new_tokens=cfg.max_new_tokens)[0, len(ids) :].tolist()
         assert got[0].token_ids == hf_ids
     assert spec_engine.pool.num_rows == 0 and not spec_engine.has_work()
+
+
+def test_verification_in_c_matches_the_module_forward(tiny):
+    """k+1 tokens of one row in one C call (NativeStep.verify): every position's logits and the
+    keys/values written equal the module forward's to fp32 rounding; lengths and mask equal."""
+    _, ours, config = tiny
+    runner = _engine(ours, config).runner
+    assert isinstance(runner.decode_step, NativeStep) and runner.decode_step.max_rows >= 5
+    pool = runner.pool
+    pool.allocate(2)
+    ids = prompt(7, VOCAB, seed=2)
+    runner.prefill([ids, ids], 0, runner.last_logits)
+    draft = [3, 9, 9, 4, 12]
+    c_logits = runner.forward_tokens(0, draft)
+    view = pool.view(1, 2)
+    module_logits = ours(torch.tensor([draft]), kv_cache=view)[0]
+    pool.sync(view, 1)
+    torch.testing.assert_close(c_logits, module_logits, rtol=1e-4, atol=1e-4)
+    cache = pool.cache
+    assert cache.lengths_B[:2].tolist() == [12, 12]
+    assert torch.equal(cache.key_mask_BS[0], cache.key_mask_BS[1])
+    for store in (cache.k_BSKD, cache.v_BSKD):
+        for buf in store.values():
+            torch.testing.assert_close(buf[0, :12], buf[1, :12], rtol=1e-5, atol=1e-5)
+    pool.truncate(0, 9)
+    assert cache.lengths_B[0] == 9 and not cache.key_mask_BS[0, 9:].any()
 
 
 def test_greedy_draft_model_equals_plain(tiny):

@@ -13,7 +13,9 @@ from engine.config import EngineConfig, LoadSpec
 from engine.engine import Engine
 from engine.loading import LoadedModel, load_checkpoint
 from engine.parallel_engine import build_parallel_engine
+from engine.speculative import check_same_vocabulary
 from engine.tokens import TokenizerInfo
+from models.transformer import CausalLM
 
 
 def build_engine(
@@ -43,9 +45,33 @@ def build_engine(
     )
     tokens = TokenizerInfo.from_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
     if tensor_parallel_size * pipeline_parallel_size > 1:
+        if config.speculative_config is not None:
+            raise ValueError(
+                "--speculative-config serves from one process; drop it or use "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
         engine: Engine = build_parallel_engine(
             loaded.model, tokens, config, tp=tensor_parallel_size, pp=pipeline_parallel_size
         )
     else:
-        engine = Engine(loaded.model, tokens, config)
+        draft = _load_draft(config, tokens, loaded.config.vocab_size, device)
+        engine = Engine(loaded.model, tokens, config, draft_model=draft)
     return loaded, engine
+
+
+def _load_draft(
+    config: EngineConfig, tokens: TokenizerInfo, vocab_size: int, device: torch.device | str
+) -> CausalLM | None:
+    """The draft model --speculative-config names (same dtype and device as the served one),
+    refused unless its vocabulary is the served model's."""
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    where = f"--speculative-config model {str(spec.model)!r}"
+    try:
+        draft = load_checkpoint(spec.model, dtype=config.dtype, device=device)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    draft_tokens = TokenizerInfo.from_tokenizer(draft.tokenizer, draft.config.vocab_size)
+    check_same_vocabulary(tokens, vocab_size, draft_tokens, draft.config.vocab_size, where)
+    return draft.model

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.speculative_config import SpeculativeConfig
+
 CPU_LINEAR = ("auto", "dense", "packed", "packed+gemv", "colmajor")
 DECODE_STEPS = ("auto", "lean", "module")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -103,6 +105,9 @@ class EngineConfig:
     enforce_eager: bool = False
     """CUDA: run every decode step eagerly. By default the lean decode step is replayed from
     CUDA graphs, one per active row count and slot bucket (engine/cuda_graphs.py)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (--speculative-config, engine/speculative.py): prompt-lookup or
+    draft-model drafts verified in one forward; None: one token per row per step."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:

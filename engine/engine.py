@@ -53,6 +53,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
+from engine.speculative import DraftModel, Speculator, accept_or_resample
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest, RequestLimits, request_problems
 from models.kv_cache import KVCache
@@ -123,6 +124,8 @@ class Engine:
         model: CausalLM,
         tokens: TokenizerInfo,
         config: EngineConfig | None = None,
+        *,
+        draft_model: CausalLM | None = None,
     ) -> None:
         self.tokens = tokens
         self.config = config or EngineConfig()
@@ -130,6 +133,8 @@ class Engine:
             model, self.config, own_forward=self.runs_own_forward, agree_rows=self._agree_rows
         )
         """Runs the model: weight layout, decode path, KV-cache pool, CUDA graphs."""
+        self.speculation = self._build_speculator(draft_model)
+        """Drafts and verifies several tokens per row and step (--speculative-config), or None."""
         self.scheduler = Scheduler()
         """Which waiting requests take cache rows next."""
         self._rows: list[_Row] = []
@@ -145,6 +150,33 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    def _build_speculator(self, draft_model: CausalLM | None) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            if draft_model is not None:
+                raise ValueError("Engine: a draft model needs --speculative-config")
+            return None
+        if self.runs_own_forward:
+            raise ValueError(
+                "--speculative-config is not supported with --pipeline-parallel-size > 1; drop "
+                "one of them"
+            )
+        if self.pool.cache.is_ring:
+            raise ValueError(
+                "--speculative-config: the model has a sliding window, whose KV cache rings "
+                "cannot roll back rejected draft tokens; serve it without speculation"
+            )
+        if (spec.method == "draft_model") != (draft_model is not None):
+            raise ValueError(
+                "Engine: --speculative-config method 'draft_model' needs its draft model "
+                "loaded (engine.build.build_engine loads it), and only that method takes one"
+            )
+        draft = None
+        if draft_model is not None:
+            draft = DraftModel(draft_model, self.max_seq_len, spec.num_speculative_tokens)
+        log.info("%s", spec.describe())
+        return Speculator(spec, draft)
 
     runs_own_forward = False
     """Whether `_last_logits` / `_full_logits` are this engine's own (a pipeline stage sends
@@ -252,8 +284,14 @@ class Engine:
         # Whatever goes wrong with one request's part of the step lands here; it fails alone.
         failed: dict[int, RequestError] = {}
         logits: list[torch.Tensor] = []
+        # Rows [0, first) picked their tokens while speculating (engine/speculative.py).
+        speculated: dict[int, int | None] = {}
         if self._rows:
-            logits += self._decode(failed)
+            if self._speculates():
+                speculated = self._speculate(events, failed)
+            else:
+                logits += self._decode(failed)
+        first = len(speculated)
         logits += self._admit(failed)
         if not self._rows:
             self._report_failures(failed, events)
@@ -261,9 +299,11 @@ class Engine:
         self.steps += 1
         if self.on_step is not None:
             self.on_step(self)
-        logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
-        plain = self._pick_plain(logits_BV, events, failed)
-        beams = self._pick_beams(logits_BV, events, failed)
+        plain, beams = dict(speculated), {}
+        if logits:
+            logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
+            plain.update(self._pick_plain(logits_BV, events, failed, first))
+            beams = self._pick_beams(logits_BV, events, failed, first)
         keep: list[int] = []
         kept_rows: list[_Row] = []
         for i, row in enumerate(self._rows):
@@ -325,6 +365,82 @@ class Engine:
         self.pool.gather(keep)
         self._rows = [self._rows[i] for i in keep]
         return [torch.cat([by_row[i] for i in keep])] if keep else []
+
+    def _speculates(self) -> bool:
+        """Whether this step's decode speculates: a speculative server, every active row a
+        greedy or sampled sequence (beam search does not speculate), and not too many rows."""
+        if self.speculation is None:
+            return False
+        self.speculation.retain({(r.request.request_id, r.seq.index) for r in self._rows if r.seq})
+        return all(r.seq is not None for r in self._rows) and self.speculation.applies(
+            len(self._rows)
+        )
+
+    def _speculate(
+        self, events: list[StepEvent], failed: dict[int, RequestError]
+    ) -> dict[int, int | None]:
+        """Each active row drafts, verifies and emits its tokens (engine/speculative.py); per
+        row the token it feeds next, or None when its sequence ended (or its request failed)."""
+        assert self.speculation is not None
+        picks: dict[int, int | None] = {}
+        for i, row in enumerate(self._rows):
+            seq = row.seq
+            assert seq is not None
+            rid = row.request.request_id
+            if rid in failed:
+                picks[i] = None
+                continue
+            done = len(seq.tokens)
+            context = seq.request.prompt_ids + seq.tokens
+            # Every token a step emits must fit the request and --max-model-len.
+            budget = min(
+                seq.request.config.max_new_tokens - done - 1, self.max_seq_len - len(context)
+            )
+
+            def pick(
+                logits_1V: torch.Tensor,
+                draft: int | None,
+                q_V: torch.Tensor | None,
+                seq: _Sequence = seq,
+            ) -> tuple[int, bool]:
+                return self._pick_verified(seq, logits_1V.float(), draft, q_V, events)
+
+            try:
+                picks[i] = self.speculation.step_row(
+                    self.runner,
+                    i,
+                    (rid, seq.index),
+                    context,
+                    budget,
+                    seq.request.config,
+                    seq.generator,
+                    pick,
+                )
+            except Exception as exc:  # this request fails, not the step
+                failed[rid] = RequestError(rid, "decoding speculatively (the model forward)", exc)
+                picks[i] = None
+            self._count_tokens(rid, len(seq.tokens) - done)
+        return picks
+
+    def _pick_verified(
+        self,
+        seq: _Sequence,
+        logits_1V: torch.Tensor,
+        draft: int | None,
+        q_V: torch.Tensor | None,
+        events: list[StepEvent],
+    ) -> tuple[int, bool]:
+        """The token a speculative step emits at one verified position, as `_choose` would
+        pick it, with the rejection rule where a sampled row has a draft token; emitted through
+        `_advance`. Returns (token, whether its sequence ended)."""
+        processed_1V, logprobs_1V = self._processed(logits_1V, [seq])
+        if draft is not None and seq.generator is not None:
+            token = accept_or_resample(processed_1V[0], draft, q_V, seq.generator)
+        else:
+            token = int(sample_rows(processed_1V, [seq.generator])[0])
+        logprob = float(logprobs_1V[0, token])
+        top = _top_logprobs(logprobs_1V, [seq.request.config.logprobs])[0]
+        return token, self._advance(seq, token, logprob, events, top) is not None
 
     def _count_tokens(self, request_id: int, count: int) -> None:
         self.tokens_computed[request_id] = self.tokens_computed.get(request_id, 0) + count
@@ -426,20 +542,26 @@ class Engine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _pick_plain(
-        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
+        self,
+        logits_BV: torch.Tensor,
+        events: list[StepEvent],
+        failed: dict[int, RequestError],
+        first: int = 0,
     ) -> dict[int, int | None]:
-        """Next token of every greedy/sampled row (batched) and its event; per row the token it
-        feeds next, or None when its sequence ended (or its request failed).
+        """Next token of every greedy/sampled row from `first` on (logits row b is active row
+        first + b; batched) and its event; per row the token it feeds next, or None when its
+        sequence ended (or its request failed).
 
         When the batched pick fails, each row picks alone and a row that fails again fails its
         request; a sequence whose text update (detokenisation, stop strings) fails does too.
         """
-        index = [i for i, row in enumerate(self._rows) if row.seq is not None]
+        rows = self._rows[first:]
+        index = [first + i for i, row in enumerate(rows) if row.seq is not None]
         picks: dict[int, int | None] = {}
         if not index:
             return picks
-        seqs = [row.seq for row in self._rows if row.seq is not None]
-        logits_PV = logits_BV if len(index) == len(self._rows) else logits_BV[index]
+        seqs = [row.seq for row in rows if row.seq is not None]
+        logits_PV = logits_BV if len(index) == len(rows) else logits_BV[[i - first for i in index]]
         next_P: list[int | None]
         tops: list[list[tuple[int, float]] | None]
         try:
@@ -479,6 +601,17 @@ class Engine:
         """Token, its log-probability and (when the request asks for logprobs) the top
         alternatives per row: repetition penalty, warping, then greedy or a draw. Raises before
         any generator draws when a sampled row has nothing to draw from."""
+        processed_PV, logprobs_PV = self._processed(logits_PV, seqs)
+        next_t = sample_rows(processed_PV, [s.generator for s in seqs])
+        picked_P = logprobs_PV.gather(1, next_t[:, None])[:, 0]
+        tops = _top_logprobs(logprobs_PV, [s.request.config.logprobs for s in seqs])
+        return next_t.tolist(), picked_P.tolist(), tops
+
+    def _processed(
+        self, logits_PV: torch.Tensor, seqs: list[_Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Logits after repetition penalty and warping, log-probabilities of the raw logits);
+        raises when a sampled row has nothing to draw from."""
         logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
         configs = [s.request.config for s in seqs]
         processed_PV = apply_repetition_penalty(
@@ -487,8 +620,7 @@ class Engine:
             [c.repetition_penalty for c in configs],
         )
         processed_PV = warp(processed_PV, configs)
-        generators = [s.generator for s in seqs]
-        sampled = [g is not None for g in generators]
+        sampled = [s.generator is not None for s in seqs]
         if any(sampled):
             rows_SV = processed_PV[torch.tensor(sampled, device=processed_PV.device)]
             drawable_S = (~rows_SV.isnan().any(-1) & (rows_SV < float("inf")).all(-1)) & (
@@ -496,10 +628,7 @@ class Engine:
             ).any(-1)
             if not bool(drawable_S.all()):
                 raise ValueError("the processed logits of a sampled row have no finite value")
-        next_t = sample_rows(processed_PV, generators)
-        picked_P = logprobs_PV.gather(1, next_t[:, None])[:, 0]
-        tops = _top_logprobs(logprobs_PV, [c.logprobs for c in configs])
-        return next_t.tolist(), picked_P.tolist(), tops
+        return processed_PV, logprobs_PV
 
     def _advance(
         self,
@@ -535,13 +664,18 @@ class Engine:
         return finish
 
     def _pick_beams(
-        self, logits_BV: torch.Tensor, events: list[StepEvent], failed: dict[int, RequestError]
+        self,
+        logits_BV: torch.Tensor,
+        events: list[StepEvent],
+        failed: dict[int, RequestError],
+        first: int = 0,
     ) -> dict[int, list[tuple[int, int]]]:
-        """One beam-search step per beam request. Per first row of a block: (source beam, token)
-        of each next beam, empty when the request finished (or failed: it is added to
-        `failed` and the other requests go on)."""
+        """One beam-search step per beam request from active row `first` on (logits row b is
+        active row first + b). Per first row of a block: (source beam, token) of each next
+        beam, empty when the request finished (or failed: it is added to `failed` and the
+        other requests go on)."""
         picks: dict[int, list[tuple[int, int]]] = {}
-        i = 0
+        i = first
         while i < len(self._rows):
             row = self._rows[i]
             if row.beam is None:
@@ -550,7 +684,8 @@ class Engine:
             beam, n = row.beam, row.beam.num_beams
             rid = row.request.request_id
             try:
-                picks[i] = self._beam_step(row.request, beam, logits_BV[i : i + n], events)
+                logits_NV = logits_BV[i - first : i - first + n]
+                picks[i] = self._beam_step(row.request, beam, logits_NV, events)
             except Exception as exc:  # this request fails, not the step
                 failed[rid] = RequestError(rid, "taking a beam-search step", exc)
                 picks[i] = []

@@ -182,6 +182,33 @@ class ModelRunner:
         self.pool.sync(view, start)
         return logits
 
+    def row_length(self, row: int) -> int:
+        """Tokens cached in active pool row `row` (speculative decoding's `TargetRows`)."""
+        return int(self.pool.cache.lengths_B[row])
+
+    def decode_one(self, row: int, token: int) -> torch.Tensor:
+        """Logits [1, V] after feeding `token` to pool row `row` alone (the lean or C step)."""
+        ids_11 = torch.tensor([[token]], device=self.device)
+        return self.decode(ids_11, row, row + 1, self.last_logits)
+
+    def forward_tokens(self, row: int, ids: list[int]) -> torch.Tensor:
+        """Logits [S, V] of every position after feeding `ids` to pool row `row` at its length:
+        in one C call where the C step runs and S fits its rows (`NativeStep.verify`), else the
+        module forward (the lean step takes one token per row)."""
+        view = self.pool.view(row, row + 1)
+        ids_S = torch.tensor(ids, device=self.device)
+        logits_SV = None
+        if isinstance(self.decode_step, NativeStep):
+            logits_SV = self.decode_step.verify(ids_S, view)
+        if logits_SV is None:
+            logits_SV = self.model(ids_S[None], kv_cache=view)[0]
+        self.pool.sync(view, row)
+        return logits_SV
+
+    def truncate(self, row: int, length: int) -> None:
+        """Forget pool row `row`'s cached positions from `length` on."""
+        self.pool.truncate(row, length)
+
     def last_logits(self, ids_BS: torch.Tensor, view: KVCache) -> torch.Tensor:
         """Logits [B, V] of each row's last position only: the final norm and head run on B
         vectors, not B·S (a prefill's other positions need no logits). A bf16 prefill runs in

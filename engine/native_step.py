@@ -289,6 +289,24 @@ class NativeStep:
         cache.commit(step)
         return last
 
+    def verify(self, ids_S: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """Logits [S, V] of every position after appending `ids_S` to a one-row `cache`, in one
+        C call (speculative decoding's verification: each token a row at its position over the
+        same cache row, as `prefill` runs a prompt, so the weights are read once for all S);
+        None (and the cache untouched) beyond `max_rows` tokens or on a ring, for the model
+        forward to run."""
+        count = ids_S.shape[0]
+        if count > self.max_rows or cache.is_ring or cache.batch_size != 1:
+            return None
+        step = cache.begin(count, None)
+        self._point_at(cache, 1, step.key_len)
+        tokens = ids_S.to(torch.long).contiguous()
+        positions = (step.start_B[0] + torch.arange(count)).contiguous()
+        logits_SV = torch.empty(count, self._model.V)
+        self._run(count, tokens, positions, torch.zeros(count, dtype=torch.long), step, logits_SV)
+        cache.commit(step)
+        return logits_SV
+
     def _run(
         self,
         rows: int,

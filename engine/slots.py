@@ -99,6 +99,15 @@ class SlotPool:
         """Tokens cached per active row."""
         return self.cache.lengths_B[: self.num_rows].tolist()
 
+    def truncate(self, row: int, length: int) -> None:
+        """Forget active row `row`'s cached positions from `length` on (speculative decoding
+        rolls back rejected draft tokens); its later slots are masked out, so a step over rows
+        of unequal length never reads them."""
+        assert 0 <= row < self.num_rows and not self.cache.is_ring
+        assert 0 <= length <= int(self.cache.lengths_B[row])
+        self.cache.lengths_B[row] = length
+        self.cache.key_mask_BS[row, length:] = False
+
     @property
     def slot_capacity(self) -> int:
         """Key/value slots of every row together (rows x max_seq_len, or x the window for rings)."""

@@ -14,6 +14,7 @@ from engine.config import (
     format_size,
     parse_size,
 )
+from engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
@@ -68,6 +69,9 @@ class InferenceServiceConfig:
     enforce_eager: bool = False
     """CUDA: no CUDA graphs; every decode step launches its kernels (see
     EngineConfig.enforce_eager)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (--speculative-config, vLLM's JSON): prompt-lookup or draft-model
+    drafts verified in one forward per step; one process only (see engine/speculative.py)."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -104,6 +108,7 @@ class InferenceServiceConfig:
             compile_decode=self.compile_decode,
             decode_step=self.decode_step,
             enforce_eager=self.enforce_eager,
+            speculative_config=self.speculative_config,
         )
 
     def load_spec(self) -> LoadSpec:
@@ -164,6 +169,12 @@ class InferenceServiceConfig:
         if self.compile_decode and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError(
                 "--compile-decode serves from one process; drop it or use "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
+        parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        if self.speculative_config is not None and parallel:
+            raise ValueError(
+                "--speculative-config serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
 
@@ -309,6 +320,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "as vLLM does; this flag is vLLM's name for turning that off)",
     )
     group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding, vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' drafts by prompt lookup, \'{"model": DIR, '
+        '"num_speculative_tokens": 4}\' by a draft model with the same tokenizer; '
+        '"disable_by_batch_size": N turns it off in steps of N or more rows. Greedy output is '
+        "unchanged, sampled output keeps its distribution; one process only (default: off)",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -386,6 +408,11 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         compile_decode=args.compile_decode,
         decode_step=args.decode_step,
         enforce_eager=args.enforce_eager,
+        speculative_config=(
+            None
+            if args.speculative_config is None
+            else parse_speculative_config(args.speculative_config)
+        ),
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

@@ -3,13 +3,15 @@
 `metered(front, prompt_ids, config, protocol)` wraps one request's event stream: it counts
 requests, prompt and generated tokens, and observes time to first token and inter-token latency.
 `instrument(engine)` records, after every model step, the batch size (active cache rows), the
-queue depth (requests waiting for rows) and KV-cache use (rows and token slots held). Weight
+queue depth (requests waiting for rows) and KV-cache use (rows and token slots held), and on a
+speculative server (--speculative-config) the draft tokens proposed and accepted. Weight
 updates (issue #41) set the served version and observe their receive and swap seconds.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -72,10 +74,45 @@ WEIGHT_UPDATE_SECONDS = Histogram(
     ["phase"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+SPEC_DRAFTS = Counter(
+    "meshline_inference_spec_decode_drafts_total",
+    "Speculative decoding: target forwards that verified a draft (vLLM's num_drafts).",
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "meshline_inference_spec_decode_draft_tokens_total",
+    "Speculative decoding: draft tokens proposed and verified.",
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "meshline_inference_spec_decode_accepted_tokens_total",
+    "Speculative decoding: draft tokens the served model accepted.",
+)
+SPEC_ACCEPTANCE_RATE = Gauge(
+    "meshline_inference_spec_decode_acceptance_rate",
+    "Speculative decoding: accepted / proposed draft tokens since start (0 before any draft).",
+)
 
 
 _last_step: dict[str, float] = {"queue": 0.0, "rows": 0.0, "kv_rows": 0.0, "kv_tokens": 0.0}
 """The load gauges' values as of the last model step (read at scrape time, see `instrument`)."""
+_spec_seen: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+"""Per engine, its speculation counts already added to the Prometheus counters."""
+
+
+def _observe_speculation(engine: Engine) -> None:
+    if engine.speculation is None:
+        return
+    counts = engine.speculation.stats
+    seen = _spec_seen.setdefault(engine, {"verifications": 0, "drafted": 0, "accepted": 0})
+    for counter, key in (
+        (SPEC_DRAFTS, "verifications"),
+        (SPEC_DRAFT_TOKENS, "drafted"),
+        (SPEC_ACCEPTED_TOKENS, "accepted"),
+    ):
+        now = getattr(counts, key)
+        counter.inc(now - seen[key])
+        seen[key] = now
+    if counts.drafted:
+        SPEC_ACCEPTANCE_RATE.set(counts.accepted / counts.drafted)
 
 
 def _observe_step(engine: Engine) -> None:
@@ -89,6 +126,7 @@ def _observe_step(engine: Engine) -> None:
         kv_tokens=pool.slots_used() / pool.slot_capacity,
     )
     STEPS.inc()
+    _observe_speculation(engine)
 
 
 def instrument(engine: Engine) -> None:

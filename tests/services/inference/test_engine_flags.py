@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.speculative_config import SpeculativeConfig
 from services.inference import parallel_serving, serving
 from services.inference.config import InferenceServiceConfig, add_flags, from_args
 
@@ -24,6 +25,11 @@ NON_DEFAULT = {
     "compile_decode": ("--compile-decode", None, True),
     "decode_step": ("--decode-step", "module", "module"),
     "enforce_eager": ("--enforce-eager", None, True),
+    "speculative_config": (
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 2}',
+        SpeculativeConfig("ngram", 2, 5, 5),
+    ),
 }
 
 

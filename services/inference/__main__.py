@@ -26,7 +26,8 @@ def build(args: argparse.Namespace, server_config: ServerConfig) -> list[Service
     """The server's bindings from the parsed flags; loads the model when --load is given."""
     config = from_args(args)
     http = http_config_from_args(args)
-    return bindings(config, load_engine(config), http)
+    runtime_lora = server_config.auth_token_file is not None
+    return bindings(config, load_engine(config), http, runtime_lora)
 
 
 def add_all_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.lora_adapters import check_adapter_config
+from engine.lora_files import check_adapter_config
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest

@@ -24,7 +24,12 @@ NON_DEFAULT = {
     "compile_decode": ("--compile-decode", None, True),
     "decode_step": ("--decode-step", "module", "module"),
     "enforce_eager": ("--enforce-eager", None, True),
+    "enable_lora": ("--enable-lora", None, True),
+    "max_loras": ("--max-loras", "3", 3),
+    "max_lora_rank": ("--max-lora-rank", "64", 64),
 }
+# Flags a case needs beside its own (a setting that only applies with another).
+NEEDS = {"max_loras": ["--enable-lora"], "max_lora_rank": ["--enable-lora"]}
 
 
 def test_every_served_engine_setting_has_a_case_here() -> None:
@@ -41,6 +46,7 @@ def test_flag_reaches_the_engine_config(
     parser = argparse.ArgumentParser()
     add_flags(parser)
     argv = ["--load", str(tmp_path), flag] + ([value] if value is not None else [])
+    argv += NEEDS.get(field, [])
     config = from_args(parser.parse_args(argv))
     assert getattr(config, field) == expected
     assert getattr(from_args(parser.parse_args(["--load", str(tmp_path)])), field) != expected

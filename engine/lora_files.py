@@ -12,6 +12,8 @@ from typing import Any
 
 MAX_ADAPTER_NAME = 128
 """Longest adapter name (a request's `model` field)."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+"""The files of a peft adapter directory that serving reads."""
 
 
 def check_adapter_name(name: str, label: str) -> None:

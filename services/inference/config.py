@@ -15,12 +15,13 @@ from engine.config import (
     format_size,
     parse_size,
 )
-from engine.lora_files import check_adapter_config, check_adapter_name
+from engine.lora_files import ADAPTER_FILES, check_adapter_config, check_adapter_name
 from services.common.data_roots import (
     DataRootsConfig,
     add_data_root_flag,
     data_roots_from_args,
 )
+from services.common.errors import PermissionDenied
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
@@ -145,6 +146,18 @@ class InferenceServiceConfig(DataRootsConfig):
     """Adapters held at once (vLLM's --max-loras); None: 1, or the number of --lora-modules."""
     max_lora_rank: int | None = None
     """Largest adapter rank (vLLM's --max-lora-rank); None: 16."""
+
+    def resolve_adapter(self, path: str, field_name: str) -> Path:
+        """The adapter directory a run-time load names, resolved under --data-root, whose
+        files do not link outside the roots either (PermissionDenied naming `field_name`)."""
+        directory = self.resolve(path, field_name)
+        for name in ADAPTER_FILES:
+            file = directory / name
+            if file.exists() and not self.under_roots(file.resolve()):
+                raise PermissionDenied(
+                    f"{field_name}: {name} of {path!r} links outside the --data-root directories"
+                )
+        return directory
 
     @property
     def lora(self) -> bool:

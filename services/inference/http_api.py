@@ -208,7 +208,7 @@ class _Api:
         if body.lora_name in adapters.names():
             raise invalid("lora_name", f"an adapter named {body.lora_name!r} is already loaded")
         try:
-            path = self.limits.resolve(body.lora_path, "lora_path")
+            path = self.limits.resolve_adapter(body.lora_path, "lora_path")
         except PermissionDenied as exc:
             raise ApiError(403, str(exc), param="lora_path", code="permission_denied") from None
         except MeshlineError as exc:

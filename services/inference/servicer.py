@@ -266,7 +266,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("lora_name", f"an adapter named {request.lora_name!r} is loaded")
         if request.lora_name == engine.loaded.name:
             raise InvalidArgument("lora_name", "is the base model's name")
-        path = self._config.resolve(request.lora_path, "lora_path")
+        path = self._config.resolve_adapter(request.lora_path, "lora_path")
         try:
             prepared = await off_loop(
                 lambda: adapters.prepare(request.lora_name, path, "lora_path")

@@ -147,6 +147,13 @@ def test_load_and_unload_at_run_time_leave_other_streams_untouched(served):
     assert load("late", adapters["late"], auth=False).status_code == 401
     refused = load("x", outside)
     assert refused.status_code == 403 and refused.json()["error"]["param"] == "lora_path"
+    linked = adapters["late"].parent / "linked"
+    linked.mkdir()
+    (linked / "adapter_config.json").write_text(
+        (adapters["late"] / "adapter_config.json").read_text()
+    )
+    (linked / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    assert load("linked", linked).status_code == 403
     big = load("big", adapters["big"])
     assert big.status_code == 400 and "--max-lora-rank 8" in big.json()["error"]["message"]
     head = load("head", adapters["head"])

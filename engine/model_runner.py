@@ -31,6 +31,7 @@ from kernels import registry
 from kernels.cpu.hugepages import move_to_huge_pages
 from kernels.packed_linear import pack_linears
 from models.kv_cache import KVCache
+from models.lora_batched import BatchedLora, find_targets
 from models.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class ModelRunner:
         self.pool = SlotPool(
             model, agree_rows(self.cache_plan.rows, self.device), self.max_model_len
         )
+        self.lora = self._lora_slots()
+        """Adapter slots in the model's projections (--enable-lora), or None."""
         self.cpu_linear = self._apply_layout()
         """The layout in use ("auto" resolved to "dense", "packed", "colmajor" or
         "packed+gemv")."""
@@ -88,6 +91,31 @@ class ModelRunner:
         """The lean or C decode step, or None: the module (or compiled) forward."""
         self.graphs = self._build_graphs()
         """CUDA graphs of the lean step, or None: eager steps."""
+        if self.lora is not None:  # after the fast paths, which read the plain layers
+            self.lora.attach(model)
+
+    def _lora_slots(self) -> BatchedLora | None:
+        """--enable-lora: slots for --max-loras adapters of rank --max-lora-rank in every
+        decoder-layer projection (found before the layout replaces any layer)."""
+        if not self.config.enable_lora:
+            return None
+        if self.own_forward:
+            raise ValueError("--enable-lora: LoRA adapters are not served by a pipeline stage")
+        targets = find_targets(self.model)
+        if not targets:
+            raise ValueError("--enable-lora: the model has no plain linear projections to adapt")
+        dtype = next(self.model.parameters()).dtype
+        lora = BatchedLora(
+            targets, self.config.max_loras, self.config.max_lora_rank, self.device, dtype
+        )
+        log.info(
+            "LoRA: %d adapter slot(s) of rank %d on %d layers (%.1f MiB)",
+            lora.slots,
+            lora.max_rank,
+            len(targets),
+            lora.nbytes() / 2**20,
+        )
+        return lora
 
     def _apply_layout(self) -> str:
         model = self.model
@@ -152,9 +180,19 @@ class ModelRunner:
         stop: int,
         forward: Forward,
         compiled: bool = False,
+        adapters_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] of pool rows [start, stop) fed `ids_B1`: the CUDA graphs for all active
-        rows, the lean or C step, the compiled forward (when `compiled`), else `forward`."""
+        rows, the lean or C step, the compiled forward (when `compiled`), else `forward`.
+        `adapters_B`, each row's LoRA slot (None: no row has one), runs `forward` (the module
+        forward, which the adapters hook) with those deltas: the fast paths know no LoRA."""
+        if adapters_B is not None:
+            assert self.lora is not None
+            view = self.pool.view(start, stop)
+            with self.lora.rows(adapters_B):
+                logits_BV = forward(ids_B1, view)
+            self.pool.sync(view, start)
+            return logits_BV
         if self.graphs is not None and compiled and start == 0 and stop == self.pool.num_rows:
             # Every active row at once, from a CUDA graph (it commits the rows itself).
             return self.graphs(ids_B1, self.pool.lengths())
@@ -175,10 +213,23 @@ class ModelRunner:
         self.pool.sync(view, start)
         return logits_BV
 
-    def prefill(self, prompts: list[list[int]], start: int, forward: Forward) -> torch.Tensor:
-        """First-token logits of same-length prompts prefilled together from pool row `start`."""
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        start: int,
+        forward: Forward,
+        adapters_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First-token logits of same-length prompts prefilled together from pool row `start`
+        (row b with LoRA slot `adapters_B[b]`; None: no adapter)."""
         view = self.pool.view(start, start + len(prompts))
-        logits = forward(torch.tensor(prompts, device=self.device), view)
+        ids_BS = torch.tensor(prompts, device=self.device)
+        if adapters_B is None:
+            logits = forward(ids_BS, view)
+        else:
+            assert self.lora is not None
+            with self.lora.rows(adapters_B):
+                logits = forward(ids_BS, view)
         self.pool.sync(view, start)
         return logits
 
@@ -213,7 +264,8 @@ class ModelRunner:
         """Logits [B, V] of each row's last position only: the final norm and head run on B
         vectors, not B·S (a prefill's other positions need no logits). A bf16 prefill runs in
         C where the decode steps do (`NativeStep.prefill`)."""
-        if isinstance(self.decode_step, NativeStep):
+        adapted = self.lora is not None and self.lora.index_B is not None
+        if isinstance(self.decode_step, NativeStep) and not adapted:
             logits = self.decode_step.prefill(ids_BS, view)
             if logits is not None:
                 return logits

@@ -40,6 +40,8 @@ class GenerationRequest:
     request_id: int
     prompt_ids: list[int]
     config: SamplingConfig
+    adapter: int = 0
+    """LoRA slot its rows compute with (engine/lora_adapters.py); 0: the base model."""
 
 
 @dataclass

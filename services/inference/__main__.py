@@ -32,7 +32,8 @@ def build(args: argparse.Namespace, server_config: ServerConfig) -> list[Service
     config = from_args(args)
     check_weight_update_auth(config, server_config.auth_token_file)
     http = http_config_from_args(args)
-    return bindings(config, load_engine(config), http)
+    runtime_lora = server_config.auth_token_file is not None
+    return bindings(config, load_engine(config), http, runtime_lora)
 
 
 def add_all_flags(parser: argparse.ArgumentParser) -> None:

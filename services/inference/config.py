@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
@@ -14,17 +15,68 @@ from engine.config import (
     format_size,
     parse_size,
 )
+from engine.lora_files import ADAPTER_FILES, check_adapter_config, check_adapter_name
 from engine.speculative_config import SpeculativeConfig, parse_speculative_config
+from services.common.data_roots import (
+    DataRootsConfig,
+    add_data_root_flag,
+    data_roots_from_args,
+)
+from services.common.errors import PermissionDenied
 
 DEFAULT_PORT = 50054
 LOAD_FORMATS = SERVE_CHOICES
 """`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCH_WAIT_MS = 1000.0
+DEFAULT_MAX_LORA_RANK = 16
+"""vLLM's default --max-lora-rank."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One `--lora-modules` entry: an adapter served from start-up."""
+
+    name: str
+    """The name requests pick it by (their `model` field)."""
+    path: Path
+    """Its peft adapter directory."""
+    base_model_name: str | None = None
+    """The model it adapts as /v1/models reports it (`parent`); None: the served model."""
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """A `--lora-modules` value: `name=DIR` or vLLM's JSON `{"name", "path", "base_model_name"}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules {text!r}: not valid JSON ({exc})") from None
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if (
+            unknown
+            or not isinstance(spec.get("name"), str)
+            or not isinstance(spec.get("path"), str)
+        ):
+            raise ValueError(
+                f'--lora-modules {text!r}: give a JSON object with string "name" and "path" '
+                f'(and optionally "base_model_name"){f"; unknown keys {unknown}" if unknown else ""}'
+            )
+        base = spec.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules {text!r}: base_model_name must be a string")
+        return LoraModule(spec["name"], Path(spec["path"]), base)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(
+            f"--lora-modules {text!r}: give name=DIR (or vLLM's JSON form "
+            '{"name": ..., "path": ...})'
+        )
+    return LoraModule(name, Path(path))
 
 
 @dataclass
-class InferenceServiceConfig:
+class InferenceServiceConfig(DataRootsConfig):
     """The model an inference server loads at start-up and the limits it puts on requests."""
 
     load: Path | None = None
@@ -92,6 +144,32 @@ class InferenceServiceConfig:
     allow_weight_updates: bool = False
     """Accept UpdateWeights (a trainer pushing new weights; needs --auth-token-file, one process,
     dense or column-major CPU weights: `--cpu-linear auto` then means dense)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (vLLM's --enable-lora; implied by --lora-modules): requests pick one
+    by `model` name, and authenticated clients load and unload them at run time."""
+    lora_modules: list[LoraModule] = field(default_factory=list)
+    """Adapters served from start-up (vLLM's --lora-modules name=DIR ...)."""
+    max_loras: int | None = None
+    """Adapters held at once (vLLM's --max-loras); None: 1, or the number of --lora-modules."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank (vLLM's --max-lora-rank); None: 16."""
+
+    def resolve_adapter(self, path: str, field_name: str) -> Path:
+        """The adapter directory a run-time load names, resolved under --data-root, whose
+        files do not link outside the roots either (PermissionDenied naming `field_name`)."""
+        directory = self.resolve(path, field_name)
+        for name in ADAPTER_FILES:
+            file = directory / name
+            if file.exists() and not self.under_roots(file.resolve()):
+                raise PermissionDenied(
+                    f"{field_name}: {name} of {path!r} links outside the --data-root directories"
+                )
+        return directory
+
+    @property
+    def lora(self) -> bool:
+        """Whether this server serves LoRA adapters."""
+        return self.enable_lora or bool(self.lora_modules)
 
     def engine_config(self) -> EngineConfig:
         """The engine these flags shape (every rank of a parallel server builds the same)."""
@@ -109,6 +187,9 @@ class InferenceServiceConfig:
             decode_step=self.decode_step,
             enforce_eager=self.enforce_eager,
             speculative_config=self.speculative_config,
+            enable_lora=self.lora,
+            max_loras=self.max_loras or max(1, len(self.lora_modules)),
+            max_lora_rank=self.max_lora_rank or DEFAULT_MAX_LORA_RANK,
         )
 
     def load_spec(self) -> LoadSpec:
@@ -117,6 +198,7 @@ class InferenceServiceConfig:
         return LoadSpec(self.load, self.load_format, self.tokenizer, self.lora_load)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.engine_config()  # ValueError naming the flag, before any weight is read
         if self.load is not None:
             self.load = Path(self.load).resolve()
@@ -177,6 +259,47 @@ class InferenceServiceConfig:
                 "--speculative-config serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
+        if self.speculative_config is not None and self.lora:
+            # Drafts are verified by the C step or the plain forward, neither of which adds an
+            # adapter's delta: an adapter row would be verified against the base model.
+            raise ValueError(
+                "--speculative-config does not serve LoRA adapters yet (drafts would be verified "
+                "against the base model); drop it or --enable-lora / --lora-modules"
+            )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The LoRA flags, and each --lora-modules directory's adapter_config.json (no weight
+        is read): a user error stops the server before the model loads."""
+        if not self.lora:
+            for flag, value in (
+                ("--max-loras", self.max_loras),
+                ("--max-lora-rank", self.max_lora_rank),
+            ):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --enable-lora or --lora-modules")
+            return
+        if self.load is None:
+            raise ValueError("--enable-lora / --lora-modules need --load (the base checkpoint)")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--enable-lora / --lora-modules serve from one process; drop them or use "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
+        engine = self.engine_config()
+        if len(self.lora_modules) > engine.max_loras:
+            raise ValueError(
+                f"--lora-modules names {len(self.lora_modules)} adapters but --max-loras is "
+                f"{engine.max_loras}; raise --max-loras"
+            )
+        seen: set[str] = set()
+        for module in self.lora_modules:
+            label = f"--lora-modules {module.name}"
+            check_adapter_name(module.name, "--lora-modules")
+            if module.name in seen:
+                raise ValueError(f"{label}: the name is given twice")
+            seen.add(module.name)
+            check_adapter_config(module.path.resolve(), engine.max_lora_rank, label)
 
     def _check_weight_updates(self) -> None:
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -233,6 +356,34 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="PEFT LoRA adapter directory merged into the weights at load time",
     )
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model: a request picks one by its model "
+        "name; authenticated clients load/unload them at run time (vLLM's flag)",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=DIR",
+        help="LoRA adapters (peft directories) served from start-up, as name=DIR or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; implies --enable-lora',
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters held at once, each with memory in every adapted layer (vLLM's flag; "
+        "default 1, or the number of --lora-modules)",
+    )
+    group.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help=f"largest LoRA rank served (vLLM's flag; default {DEFAULT_MAX_LORA_RANK})",
+    )
+    add_data_root_flag(group, "adapter directories loaded at run time (load_lora_adapter)")
     group.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -391,7 +542,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
+    if args.data_roots and not (args.enable_lora or args.lora_modules):
+        raise ValueError(
+            "--data-root bounds adapter directories loaded at run time; it needs --enable-lora "
+            "or --lora-modules"
+        )
     return InferenceServiceConfig(
+        data_roots=data_roots_from_args(args),
         load=Path(args.load) if args.load else None,
         load_format=args.load_format,
         tokenizer=Path(args.tokenizer) if args.tokenizer else None,
@@ -422,4 +579,8 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         max_score_tokens=args.max_score_tokens,
         max_request_mb=args.max_request_mb,
         allow_weight_updates=args.allow_weight_updates,
+        enable_lora=args.enable_lora,
+        lora_modules=[parse_lora_module(v) for v in args.lora_modules or []],
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )

@@ -2,7 +2,10 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream` as server-sent events), vLLM's `POST /tokenize`, `POST /detokenize` and
-`GET /tokenizer_info` (lm-eval's remote tokenizer), and `GET /health` (probes; no auth).
+`GET /tokenizer_info` (lm-eval's remote tokenizer), `GET /health` (probes; no auth), and with
+--enable-lora vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (only on a
+server with a bearer token: loading reads files on the server). A request's `model` picks the
+base model or a loaded LoRA adapter; an unknown name is a 400 on a LoRA server.
 Errors use OpenAI's JSON error object: 400 bad input, 401 missing/wrong bearer token, 404 unknown
 model or route, 413 body too large, 429 too many requests in flight, 503 no model loaded; 500
 only for a server bug (with an incident id in the log). A client that disconnects cancels its
@@ -20,9 +23,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.errors import MeshlineError, PermissionDenied
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_body import OffLoopBodyRoute
 from services.inference.http_config import HttpConfig
@@ -47,7 +51,9 @@ from services.inference.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     invalid,
 )
 from services.inference.openai_responses import (
@@ -72,7 +78,7 @@ def build_app(
     """The ASGI app serving `engine` (None: every model route answers 503)."""
     app = FastAPI(title="Meshline inference (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopBodyRoute  # bodies parsed off the loop shared with gRPC
-    api = _Api(engine, limits, http)
+    api = _Api(engine, limits, http, runtime_lora=auth_token is not None)
     app.add_middleware(GuardMiddleware, http=http, auth_token=auth_token)
     _add_error_handlers(app)
     app.get("/health")(api.health)
@@ -82,6 +88,8 @@ def build_app(
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/tokenizer_info")(api.tokenizer_info)
+    app.post("/v1/load_lora_adapter")(api.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter")(api.unload_lora_adapter)
     return app
 
 
@@ -130,9 +138,15 @@ class _Api:
     """The route handlers over one engine (None: no model loaded)."""
 
     def __init__(
-        self, engine: ServingEngine | None, limits: InferenceServiceConfig, http: HttpConfig
+        self,
+        engine: ServingEngine | None,
+        limits: InferenceServiceConfig,
+        http: HttpConfig,
+        runtime_lora: bool = False,
     ) -> None:
         self.engine = engine
+        self.runtime_lora = runtime_lora
+        """Whether clients may load/unload LoRA adapters (the server checks a bearer token)."""
         self.limits = limits
         self.http = http
         self.model_name = http.served_model_name or (
@@ -154,6 +168,73 @@ class _Api:
             )
         return self.engine
 
+    def _resolve(self, model: str | None) -> tuple[ServingEngine, str]:
+        """The engine and the LoRA adapter (or "" for the base model) a request's `model` picks;
+        on a LoRA server an unknown name is a 400 naming it."""
+        engine = self._require(None)
+        adapters = engine.engine.adapters
+        if model is None or model == self.model_name or adapters is None:
+            return self._require(model), ""
+        if model in adapters.names():
+            return engine, model
+        raise ApiError(
+            400,
+            f"model: no model or LoRA adapter {model[:128]!r} is served here; the base model is "
+            f"{self.model_name!r}, the adapters {sorted(adapters.names())}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _adapters(self, param: str) -> ServingEngine:
+        """The engine for a load/unload call: 400 without --enable-lora, 403 without a token."""
+        engine = self._require(None)
+        if engine.engine.adapters is None:
+            raise invalid(param, "this server serves no LoRA adapters; start it with --enable-lora")
+        if not self.runtime_lora:
+            raise ApiError(
+                403,
+                "loading and unloading LoRA adapters at run time needs an authenticated server; "
+                "start it with --auth-token-file (the adapters of --lora-modules need none)",
+                code="permission_denied",
+            )
+        return engine
+
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest) -> PlainTextResponse:
+        engine = self._adapters("lora_name")
+        adapters = engine.engine.adapters
+        assert adapters is not None
+        if body.lora_name == self.model_name:
+            raise invalid("lora_name", f"{body.lora_name!r} is the base model's name")
+        if body.lora_name in adapters.names():
+            raise invalid("lora_name", f"an adapter named {body.lora_name!r} is already loaded")
+        try:
+            path = self.limits.resolve_adapter(body.lora_path, "lora_path")
+        except PermissionDenied as exc:
+            raise ApiError(403, str(exc), param="lora_path", code="permission_denied") from None
+        except MeshlineError as exc:
+            raise invalid("lora_path", str(exc)) from None
+        try:
+            prepared = await off_loop(lambda: adapters.prepare(body.lora_name, path, "lora_path"))
+            await engine.front.run(lambda: engine.engine.install_adapter(prepared, "lora_name"))
+        except ValueError as exc:
+            param = str(exc).partition(":")[0]
+            raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+        log.info("LoRA adapter %r loaded from %s", body.lora_name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest) -> PlainTextResponse:
+        engine = self._adapters("lora_name")
+        if body.lora_int_id is not None:
+            raise invalid("lora_int_id", "Meshline names adapters only; send lora_name alone")
+        try:
+            await engine.front.run(
+                lambda: engine.engine.remove_adapter(body.lora_name, "lora_name")
+            )
+        except ValueError as exc:
+            raise ApiError(404, str(exc), param="lora_name", code="model_not_found") from None
+        log.info("LoRA adapter %r unloaded", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
     async def health(self) -> JSONResponse:
         if self.engine is None:
             return JSONResponse({"status": "no model loaded"}, status_code=503)
@@ -161,18 +242,21 @@ class _Api:
 
     async def models(self) -> dict[str, Any]:
         engine = self._require(None)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "meshline",
-                    "max_model_len": engine.engine.max_seq_len,
-                }
-            ],
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "meshline",
+            "max_model_len": engine.engine.max_seq_len,
         }
+        adapters = engine.engine.adapters
+        names = adapters.names() if adapters is not None else {}
+        parents = {m.name: m.base_model_name for m in self.limits.lora_modules}
+        # vLLM's listing: each adapter as a model whose `parent` is the base it adapts.
+        data = [base] + [
+            {**base, "id": name, "parent": parents.get(name) or self.model_name} for name in names
+        ]
+        return {"object": "list", "data": data}
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         engine = self._require(None)
@@ -213,9 +297,13 @@ class _Api:
         }
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        engine = self._require(body.model)
+        engine, adapter = self._resolve(body.model)
         if body.suffix:
             raise invalid("suffix", "not supported")
+        if adapter and body.echo and body.logprobs is not None:
+            raise invalid(
+                "echo", "prompt log-probabilities are scored by the base model, not a LoRA adapter"
+            )
         # Tokenising runs in a worker thread, as on the gRPC front: a long prompt must not stall
         # the event loop that serves every other stream and the health probes.
         prompts = await off_loop(
@@ -238,11 +326,12 @@ class _Api:
             engine=engine,
             limits=self.limits,
         )
+        current.adapter = adapter
         meta = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": adapter or self.model_name,
         }
         if body.stream:
             chunks = self._completion_chunks(engine, body, prompts, current, max_tokens, meta)
@@ -325,7 +414,7 @@ class _Api:
         completion_tokens = 0
         if max_tokens > 0:
             offsets = {(i, j): echo_lengths[i] for i in range(len(ids)) for j in range(current.n)}
-            async for i, event in merged(engine, ids, current.config):
+            async for i, event in merged(engine, ids, current.config, current.adapter):
                 completion_tokens += len(event.token_ids)
                 logprobs = None
                 if current.want_logprobs:
@@ -342,7 +431,7 @@ class _Api:
             yield {**meta, "choices": [], "usage": usage}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        engine = self._require(body.model)
+        engine, adapter = self._resolve(body.model)
         prompt = await off_loop(
             lambda: render_chat(engine, body, self.http.chat_template, self.limits.max_text_chars)
         )
@@ -359,10 +448,11 @@ class _Api:
             engine=engine,
             limits=self.limits,
         )
+        current.adapter = adapter
         meta = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": adapter or self.model_name,
         }
         if body.stream:
             return sse(self._chat_chunks(engine, body, prompt, current, meta))
@@ -394,7 +484,7 @@ class _Api:
             delta = {"role": "assistant", "content": ""}
             yield {**meta, "choices": [{"index": j, "delta": delta, "finish_reason": None}]}
         completion_tokens = 0
-        async for _, event in merged(engine, [prompt], current.config):
+        async for _, event in merged(engine, [prompt], current.config, current.adapter):
             completion_tokens += len(event.token_ids)
             choice: dict[str, Any] = {
                 "index": event.index,

@@ -27,6 +27,8 @@ ROUTES = frozenset(
         "/tokenize",
         "/detokenize",
         "/tokenizer_info",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
 )
 """Route labels of the metrics; any other path counts as "other" (bounded label values)."""

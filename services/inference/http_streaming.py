@@ -24,15 +24,15 @@ DISCONNECT_POLL_S = 0.25
 
 
 async def merged(
-    engine: ServingEngine, prompts: list[list[int]], config: Any
+    engine: ServingEngine, prompts: list[list[int]], config: Any, adapter: str = ""
 ) -> AsyncIterator[tuple[int, Any]]:
-    """Events of one engine request per prompt, interleaved as they come; leaving early (client
-    gone) cancels every request."""
+    """Events of one engine request per prompt (with LoRA adapter `adapter`, "" for none),
+    interleaved as they come; leaving early (client gone) cancels every request."""
     queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int]) -> None:
         try:
-            async for event in metered(engine.front, prompt, config, "http"):
+            async for event in metered(engine.front, prompt, config, "http", adapter=adapter):
                 queue.put_nowait((i, event))
         except ValueError as exc:
             queue.put_nowait(invalid("prompt", str(exc)))

@@ -154,15 +154,17 @@ async def metered(
     protocol: str,
     *,
     hold: bool = False,
+    adapter: str = "",
 ) -> AsyncIterator[StepEvent]:
-    """`front.stream(prompt_ids, config, hold=hold)`, measured (see the module docstring);
+    """`front.stream(prompt_ids, config, hold=hold, adapter=adapter)`, measured (see the module
+    docstring);
     latencies use the time the engine handed each event over, so held events count too."""
     PROMPT_TOKENS.inc(len(prompt_ids))
     start = last = time.perf_counter()
     first = True
     finish = "cancelled"
     try:
-        async for event in front.stream(prompt_ids, config, hold=hold):
+        async for event in front.stream(prompt_ids, config, hold=hold, adapter=adapter):
             if event.token_ids:
                 GENERATED_TOKENS.inc(len(event.token_ids))
                 if event.index == 0:

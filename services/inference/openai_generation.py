@@ -64,6 +64,8 @@ class Plan:
     """Alternatives per position to report (0 when none are asked for)."""
     want_logprobs: bool
     """Whether the answer carries log-probabilities at all."""
+    adapter: str = ""
+    """The LoRA adapter the request runs with (its `model`); "": the base model."""
 
 
 @dataclass
@@ -248,7 +250,9 @@ async def generate(engine: ServingEngine, prompt: list[int], current: Plan) -> l
     results = [ChoiceResult() for _ in range(current.config.num_return_sequences)]
     try:
         # Answered once, at the end: the engine posts this request's events once it finishes.
-        async for event in metered(engine.front, prompt, current.config, "http", hold=True):
+        async for event in metered(
+            engine.front, prompt, current.config, "http", hold=True, adapter=current.adapter
+        ):
             fold(results[event.index], event)
     except InvalidRequest as exc:
         raise api_problems(exc.problems) from None

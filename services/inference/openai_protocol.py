@@ -50,6 +50,7 @@ class ApiError(Exception):
 _KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -151,6 +152,23 @@ class TokenizeRequest(_Request):
 
     prompt: str
     add_special_tokens: bool = True
+
+
+class LoadLoraAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+
+    lora_name: str
+    """The name requests pick it by (their `model`)."""
+    lora_path: str
+    """Its peft adapter directory on the server, under a --data-root."""
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    """vLLM's numeric id; Meshline names adapters only, so it must be absent."""
 
 
 class DetokenizeRequest(_Request):

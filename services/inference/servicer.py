@@ -5,7 +5,9 @@ two stages, both INVALID_ARGUMENT naming every bad field: the fields on their ow
 anything else, then against the loaded model (token ids inside the vocabulary, prompt +
 max_new_tokens inside --max-model-len, cache rows). A Score item past the context is
 OUT_OF_RANGE. A server started without --load
-answers well-formed model calls with FAILED_PRECONDITION "no model loaded".
+answers well-formed model calls with FAILED_PRECONDITION "no model loaded". With --enable-lora,
+GenerateRequest.lora_adapter picks a loaded adapter (INVALID_ARGUMENT naming an unknown one), and
+LoadLoraAdapter / UnloadLoraAdapter change them on a server with --auth-token-file.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.requests import Finish, RequestError, StepEvent
 from engine.sampling import SamplingConfig
 from engine.validation import (
     MAX_LOGPROBS,
+    InvalidRequest,
     Problem,
     prompt_problems,
     prompt_text_problems,
@@ -32,7 +35,9 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     MeshlineError,
+    NotFound,
     OutOfRange,
+    PermissionDenied,
     Validator,
 )
 from services.common.server import ServiceBinding
@@ -88,6 +93,14 @@ def raise_problems(problems: list[Problem], prompt_field: str) -> None:
             (prompt_field if p.field == "prompt" else f"params.{p.field}", p.reason)
             for p in problems
         )
+
+
+def raise_adapter_problems(error: InvalidRequest) -> None:
+    """INVALID_ARGUMENT for a request the engine refused at submission: its `lora_adapter` (the
+    engine's field `model`) or the fields engine.validation names."""
+    if error.problems and error.problems[0].field == "model":
+        raise InvalidArgument("lora_adapter", error.problems[0].reason)
+    raise_problems(error.problems, "prompt")
 
 
 def check_generate_request(
@@ -169,7 +182,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     Each RPC checks its request, then `_require_engine()`, then calls one `_run_*` method.
     """
 
-    def __init__(self, config: InferenceServiceConfig, engine: ServingEngine | None) -> None:
+    def __init__(
+        self,
+        config: InferenceServiceConfig,
+        engine: ServingEngine | None,
+        runtime_lora: bool = False,
+    ) -> None:
         self._config = config
         self._engine = engine
         self._weights: WeightVersion | None = None
@@ -177,6 +195,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         --allow-weight-updates, or no model)."""
         if engine is not None and config.allow_weight_updates:
             self._weights = WeightVersion(updatable_parameters(engine.engine.model))
+        self._runtime_lora = runtime_lora
+        """Whether LoadLoraAdapter/UnloadLoraAdapter may run (the server checks a token)."""
 
     def _require_engine(self) -> ServingEngine:
         if self._engine is None:
@@ -262,14 +282,65 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             updates_allowed=self._weights is not None,
         )
 
+    async def LoadLoraAdapter(
+        self, request: inference_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.LoadLoraAdapterResponse:
+        """Serves another LoRA adapter by name (see the proto)."""
+        engine = self._lora_engine()
+        adapters = engine.engine.adapters
+        assert adapters is not None
+        if request.lora_name in adapters.names():
+            raise InvalidArgument("lora_name", f"an adapter named {request.lora_name!r} is loaded")
+        if request.lora_name == engine.loaded.name:
+            raise InvalidArgument("lora_name", "is the base model's name")
+        path = self._config.resolve_adapter(request.lora_path, "lora_path")
+        try:
+            prepared = await off_loop(
+                lambda: adapters.prepare(request.lora_name, path, "lora_path")
+            )
+            await engine.front.run(lambda: engine.engine.install_adapter(prepared, "lora_name"))
+        except ValueError as exc:
+            field, _, reason = str(exc).partition(": ")
+            raise InvalidArgument(field, reason) from None
+        return inference_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(
+        self, request: inference_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.UnloadLoraAdapterResponse:
+        """Stops serving a LoRA adapter to new requests (see the proto)."""
+        engine = self._lora_engine()
+        try:
+            await engine.front.run(
+                lambda: engine.engine.remove_adapter(request.lora_name, "lora_name")
+            )
+        except ValueError as exc:
+            raise NotFound(str(exc)) from None
+        return inference_pb2.UnloadLoraAdapterResponse()
+
+    def _lora_engine(self) -> ServingEngine:
+        engine = self._require_engine()
+        if engine.engine.adapters is None:
+            raise FailedPrecondition(
+                "this server serves no LoRA adapters; start it with --enable-lora"
+            )
+        if not self._runtime_lora:
+            raise PermissionDenied(
+                "loading and unloading LoRA adapters at run time needs an authenticated server; "
+                "start it with --auth-token-file (the adapters of --lora-modules need none)"
+            )
+        return engine
+
     async def _run_generate(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> inference_pb2.GenerateResponse:
         prompt_ids, config = await self._prepare(engine, request)
         sequences = [inference_pb2.Sequence() for _ in range(config.num_return_sequences)]
+        adapter = request.lora_adapter
         try:
             # One reply at the end: the engine posts this request's events once it finishes.
-            async for event in metered(engine.front, prompt_ids, config, "grpc", hold=True):
+            async for event in metered(
+                engine.front, prompt_ids, config, "grpc", hold=True, adapter=adapter
+            ):
                 seq = sequences[event.index]
                 seq.token_ids.extend(event.token_ids)
                 seq.text += event.text
@@ -281,17 +352,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     seq.finish_reason = FINISH_REASONS[event.finish]
         except RequestError as exc:
             raise request_failed(exc) from exc
+        except InvalidRequest as exc:  # the adapter was unloaded since _prepare
+            raise_adapter_problems(exc)
         return inference_pb2.GenerateResponse(sequences=sequences)
 
     async def _run_generate_stream(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         prompt_ids, config = await self._prepare(engine, request)
+        adapter = request.lora_adapter
         try:
-            async for event in metered(engine.front, prompt_ids, config, "grpc"):
+            async for event in metered(engine.front, prompt_ids, config, "grpc", adapter=adapter):
                 yield _stream_message(event)
         except RequestError as exc:
             raise request_failed(exc) from exc
+        except InvalidRequest as exc:  # the adapter was unloaded since _prepare
+            raise_adapter_problems(exc)
 
     async def _prepare(
         self, engine: ServingEngine, request: inference_pb2.GenerateRequest
@@ -313,6 +389,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         config = sampling_config(request.params)
         limits = request_limits(self._config, engine)
         raise_problems(request_problems(prompt_ids, config, limits), field)
+        try:
+            engine.engine.adapter_slot(request.lora_adapter)
+        except InvalidRequest as exc:
+            raise_adapter_problems(exc)
         return prompt_ids, config
 
     async def _run_score(
@@ -435,6 +515,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             device=engine.engine.device.type,
             num_parameters=engine.num_parameters(),
         )
+        if engine.engine.adapters is not None:
+            info.lora_adapters.extend(engine.engine.adapters.names())
         for name, value in (
             ("eos_token_id", tokens.eos_id),
             ("bos_token_id", tokens.bos_id),
@@ -494,11 +576,15 @@ def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
 
 
 def bindings(
-    config: InferenceServiceConfig, engine: ServingEngine | None, http: HttpConfig | None = None
+    config: InferenceServiceConfig,
+    engine: ServingEngine | None,
+    http: HttpConfig | None = None,
+    runtime_lora: bool = False,
 ) -> list[ServiceBinding]:
     """The services an inference server hosts (health and reflection are added by the server);
-    with `http.http_port`, the OpenAI-compatible HTTP front runs beside it on the same engine."""
-    servicer = InferenceServicer(config, engine)
+    with `http.http_port`, the OpenAI-compatible HTTP front runs beside it on the same engine.
+    `runtime_lora`: the server checks a token, so LoadLoraAdapter/UnloadLoraAdapter may run."""
+    servicer = InferenceServicer(config, engine, runtime_lora)
     if engine is not None:
         instrument(engine.engine)
     companion = None

@@ -83,9 +83,14 @@ def build_serving_engine(config: InferenceServiceConfig) -> ServingEngine:
 
 
 def _load(config: InferenceServiceConfig) -> tuple[LoadedModel, Engine]:
-    return build_engine(
+    loaded, engine = build_engine(
         config.load_spec(), config.engine_config(), device=devices.current().torch_device()
     )
+    for module in config.lora_modules:
+        label = f"--lora-modules {module.name}"
+        assert engine.adapters is not None  # --lora-modules implies --enable-lora
+        engine.install_adapter(engine.adapters.prepare(module.name, module.path, label), label)
+    return loaded, engine
 
 
 def request_limits(

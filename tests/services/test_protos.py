@@ -68,13 +68,14 @@ _SCALAR_NAMES = {
 }
 
 # (type, repeated, `optional` presence) per field, as issue #2 writes them (plus issue #20's
-# top-k log-probabilities).
+# top-k log-probabilities and issue #39's LoRA adapter).
 ISSUE_FIELDS = {
     "GenerateRequest": {
         "prompt": ("string", False, False),
         "prompt_token_ids": ("int32", True, False),
         "params": ("SamplingParams", False, False),
         "add_special_tokens": ("bool", False, True),
+        "lora_adapter": ("string", False, False),
     },
     "SamplingParams": {
         "max_new_tokens": ("int32", False, True),
@@ -148,6 +149,8 @@ def test_inference_rpcs_match_issue() -> None:
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
         "UpdateWeights": ("UpdateWeightsRequest", "UpdateWeightsResponse", False),
         "GetWeightsVersion": ("GetWeightsVersionRequest", "GetWeightsVersionResponse", False),
+        "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False),
+        "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False),
     }
 
 

@@ -47,9 +47,14 @@ class ServerHarness:
         hf: Any,
         config: Any,
         tokenizer: Path | None = None,
+        limits: InferenceServiceConfig | None = None,
+        runtime_lora: bool = False,
         **http_overrides: Any,
     ) -> None:
-        self.limits = InferenceServiceConfig(load=directory, max_batch_rows=8, tokenizer=tokenizer)
+        self.limits = limits or InferenceServiceConfig(
+            load=directory, max_batch_rows=8, tokenizer=tokenizer
+        )
+        self.runtime_lora = runtime_lora
         self.engine = load_engine(self.limits)
         self.http = HttpConfig(**{"http_port": 0, "chat_template": "chatml", **http_overrides})
         self.loop = asyncio.new_event_loop()
@@ -64,7 +69,9 @@ class ServerHarness:
     def start(self, server_config: ServerConfig | None = None) -> Served:
         server_config = server_config or ServerConfig(host="127.0.0.1", port=0)
         server, port, _ = self.call(
-            create_server(bindings(self.limits, self.engine, self.http), server_config)
+            create_server(
+                bindings(self.limits, self.engine, self.http, self.runtime_lora), server_config
+            )
         )
         front = self.call(start_http(self.engine, self.limits, self.http, server_config))
         self.fronts.append((server, front))

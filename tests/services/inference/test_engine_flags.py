@@ -30,7 +30,12 @@ NON_DEFAULT = {
         '{"method": "ngram", "num_speculative_tokens": 2}',
         SpeculativeConfig("ngram", 2, 5, 5),
     ),
+    "enable_lora": ("--enable-lora", None, True),
+    "max_loras": ("--max-loras", "3", 3),
+    "max_lora_rank": ("--max-lora-rank", "64", 64),
 }
+# Flags a case needs beside its own (a setting that only applies with another).
+NEEDS = {"max_loras": ["--enable-lora"], "max_lora_rank": ["--enable-lora"]}
 
 
 def test_every_served_engine_setting_has_a_case_here() -> None:
@@ -47,6 +52,7 @@ def test_flag_reaches_the_engine_config(
     parser = argparse.ArgumentParser()
     add_flags(parser)
     argv = ["--load", str(tmp_path), flag] + ([value] if value is not None else [])
+    argv += NEEDS.get(field, [])
     config = from_args(parser.parse_args(argv))
     assert getattr(config, field) == expected
     assert getattr(from_args(parser.parse_args(["--load", str(tmp_path)])), field) != expected
@@ -104,3 +110,14 @@ def test_batch_wait_reaches_the_engine_thread(
 def test_batch_wait_out_of_range_names_the_flag(tmp_path: Path, value: float) -> None:
     with pytest.raises(ValueError, match=r"--batch-wait-ms must be between 0 and 1000"):
         InferenceServiceConfig(load=tmp_path, batch_wait_ms=value)
+
+
+def test_speculation_with_lora_adapters_is_refused(tmp_path: Path) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    args = parser.parse_args(
+        ["--load", str(tmp_path), "--enable-lora", "--speculative-config", spec]
+    )
+    with pytest.raises(ValueError, match="--speculative-config does not serve LoRA adapters"):
+        from_args(args).validate()

@@ -1,0 +1,155 @@
+"""Many LoRA adapters in one batch: each request gets exactly the greedy tokens of its own
+merged model (peft's merge_and_unload, run by HF generate), adapters of any rank and targets
+side by side with base-model rows; adapters that do not fit are refused at load."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.lora_files import check_adapter_config
+from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
+from engine.validation import InvalidRequest
+from tests.services.inference.helpers import hf_generate, hf_reference, prompt
+
+ADAPTERS = {
+    # name: (rank, alpha, peft target modules)
+    "qv": (4, 8, ["q_proj", "v_proj"]),
+    "all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp": (2, 4, ["o_proj", "down_proj", "up_proj"]),
+}
+
+
+def save_adapter(hf, directory, rank, alpha, targets, seed):
+    """A peft LoRA adapter of `hf` with random A and B (B large enough to change the tokens)."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(hf), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(3.0)
+    peft_model.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    hf, ours, config = hf_reference("llama-gqa")
+    root = tmp_path_factory.mktemp("adapters")
+    dirs = {
+        name: save_adapter(hf, root / name, r, a, t, seed)
+        for seed, (name, (r, a, t)) in enumerate(ADAPTERS.items())
+    }
+    engine = Engine(
+        ours,
+        TokenizerInfo(config.vocab_size),
+        EngineConfig(enable_lora=True, max_loras=3, max_lora_rank=8, max_batch_rows=16),
+    )
+    for name, directory in dirs.items():
+        engine.install_adapter(engine.adapters.prepare(name, directory, "test"), "test")
+    return hf, engine, config, dirs
+
+
+def merged(hf, directory):
+    return PeftModel.from_pretrained(copy.deepcopy(hf), str(directory)).merge_and_unload().eval()
+
+
+def test_mixed_batch_equals_each_merged_model(served):
+    hf, engine, config, dirs = served
+    greedy = SamplingConfig(max_new_tokens=10)
+    # Same-length prompts share one prefill across adapters; others prefill apart.
+    requests = [
+        ("qv", prompt(7, config.vocab_size, 1)),
+        ("all", prompt(7, config.vocab_size, 2)),
+        ("", prompt(7, config.vocab_size, 3)),
+        ("mlp", prompt(5, config.vocab_size, 4)),
+        ("all", prompt(9, config.vocab_size, 5)),
+        ("qv", prompt(5, config.vocab_size, 6)),
+        ("", prompt(4, config.vocab_size, 7)),
+        ("mlp", prompt(7, config.vocab_size, 8)),
+    ]
+    results = engine.generate(
+        [p for _, p in requests], [greedy] * len(requests), [a for a, _ in requests]
+    )
+    references = {name: merged(hf, d) for name, d in dirs.items()}
+    references[""] = hf
+    changed = 0
+    for (adapter, ids), result in zip(requests, results, strict=True):
+        expected = hf_generate(references[adapter], ids, max_new_tokens=10)[0, len(ids) :]
+        assert result[0].token_ids == expected.tolist(), adapter
+        if adapter:
+            base = hf_generate(hf, ids, max_new_tokens=10)[0, len(ids) :]
+            changed += base.tolist() != expected.tolist()
+    assert changed >= 4  # the adapters do change the tokens (the test can fail)
+
+
+def test_base_rows_beside_adapters_keep_their_tokens(served):
+    _hf, engine, config, _ = served
+    greedy = SamplingConfig(max_new_tokens=8)
+    ids = prompt(6, config.vocab_size, 11)
+    alone = engine.generate([ids], [greedy])[0][0].token_ids
+    mixed = engine.generate([ids, ids, ids], [greedy] * 3, ["", "all", "qv"])
+    assert mixed[0][0].token_ids == alone
+    assert mixed[1][0].token_ids != alone
+
+
+def test_unknown_adapter_is_refused_naming_it(served):
+    _, engine, _config, _ = served
+    with pytest.raises(InvalidRequest, match="'nope'") as info:
+        engine.submit([5, 6], SamplingConfig(max_new_tokens=2), "nope")
+    assert info.value.problems[0].field == "model"
+
+
+def test_rank_over_max_lora_rank_is_refused_before_weights(served, tmp_path):
+    hf, engine, _, _ = served
+    directory = save_adapter(hf, tmp_path / "big", 16, 16, ["q_proj"], 9)
+    (directory / "adapter_model.safetensors").write_bytes(b"not read")
+    with pytest.raises(ValueError, match="rank 16 is over --max-lora-rank 8"):
+        engine.adapters.prepare("big", directory, "--lora-modules")
+
+
+def test_target_outside_the_served_layers_is_refused(served, tmp_path):
+    hf, engine, _, _ = served
+    directory = save_adapter(hf, tmp_path / "head", 4, 8, ["lm_head"], 9)
+    with pytest.raises(ValueError, match=r"targets \['lm_head'\]"):
+        engine.adapters.prepare("head", directory, "load")
+
+
+def test_adapter_of_another_model_is_refused(served, tmp_path):
+    _, engine, _, _ = served
+    other, _, _ = hf_reference("llama-gqa", hidden_size=128, ffn_hidden_size=256)
+    directory = save_adapter(other, tmp_path / "other", 4, 8, ["q_proj"], 3)
+    with pytest.raises(ValueError, match="trained on another model"):
+        engine.adapters.prepare("other", directory, "load")
+
+
+def test_slots_are_bounded_and_unload_frees_one(served, tmp_path):
+    _, engine, _, dirs = served
+    again = engine.adapters.prepare("qv2", dirs["qv"], "load")
+    with pytest.raises(ValueError, match="all --max-loras 3 adapter slots are in use"):
+        engine.install_adapter(again, "load")
+    engine.remove_adapter("mlp", "unload")
+    with pytest.raises(InvalidRequest, match="'mlp'"):
+        engine.submit([5, 6], SamplingConfig(max_new_tokens=2), "mlp")
+    engine.install_adapter(again, "load")
+    assert set(engine.adapters.names()) == {"qv", "all", "qv2"}
+    engine.remove_adapter("qv2", "unload")
+    engine.install_adapter(engine.adapters.prepare("mlp", dirs["mlp"], "load"), "load")
+
+
+def test_config_check_reads_no_weight(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    assert check_adapter_config(tmp_path, 8, "x")["r"] == 4
+    with pytest.raises(ValueError, match="not an existing adapter directory"):
+        check_adapter_config(tmp_path / "missing", 8, "--lora-modules")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3", "r": 4}))
+    with pytest.raises(ValueError, match="only plain LoRA"):
+        check_adapter_config(tmp_path, 8, "x")

@@ -34,6 +34,7 @@ from engine.cache_plan import CachePlan
 from engine.config import EngineConfig
 from engine.detokenize import TextTracker
 from engine.model_runner import ModelRunner
+from engine.paged_pool import PagedPool, Prefill
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -54,7 +55,13 @@ from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
-from engine.validation import InvalidRequest, RequestLimits, request_problems
+from engine.validation import (
+    InvalidRequest,
+    Problem,
+    RequestLimits,
+    request_problems,
+    rows_needed,
+)
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -127,12 +134,18 @@ class Engine:
         self.tokens = tokens
         self.config = config or EngineConfig()
         self.runner = ModelRunner(
-            model, self.config, own_forward=self.runs_own_forward, agree_rows=self._agree_rows
+            model,
+            self.config,
+            own_forward=self.runs_own_forward,
+            agree_rows=self._agree_rows,
+            pages_kv=self.pages_kv,
         )
         """Runs the model: weight layout, decode path, KV-cache pool, CUDA graphs."""
         self.scheduler = Scheduler()
         """Which waiting requests take cache rows next."""
         self._rows: list[_Row] = []
+        # Paged cache: admitted requests whose prompts are still being computed, oldest first.
+        self._prefills: list[Prefill] = []
         # Filled by other threads, drained at the start of each step (under the lock).
         self._inbox: list[GenerationRequest] = []
         self._cancel_inbox: set[int] = set()
@@ -145,6 +158,10 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    pages_kv = True
+    """Whether this engine may page its KV cache (engines whose ranks must agree on every
+    cache row keep dense rows)."""
 
     runs_own_forward = False
     """Whether `_last_logits` / `_full_logits` are this engine's own (a pipeline stage sends
@@ -175,8 +192,8 @@ class Engine:
         return self.runner.max_model_len
 
     @property
-    def pool(self) -> SlotPool:
-        """The KV-cache rows."""
+    def pool(self) -> SlotPool | PagedPool:
+        """The KV-cache rows (dense) or blocks and block tables (paged)."""
         return self.runner.pool
 
     @property
@@ -207,8 +224,9 @@ class Engine:
                 self._cancel_inbox.add(request_id)
 
     def load(self) -> tuple[int, int]:
-        """(active cache rows, requests waiting for rows); read on the engine thread."""
-        return len(self._rows), len(self.scheduler)
+        """(active cache rows, requests waiting for rows or still prefilling); read on the
+        engine thread."""
+        return len(self._rows), len(self.scheduler) + len(self._prefills)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -227,6 +245,20 @@ class Engine:
         """InvalidRequest (a ValueError) listing every problem when a request cannot run here
         (engine.validation; a long generation is cut at the model length, not refused)."""
         problems = request_problems(prompt_ids, config, self.request_limits(), whole=False)
+        pool = self.pool
+        if not problems and isinstance(pool, PagedPool):
+            need = pool.blocks_needed(len(prompt_ids), rows_needed(config), config.max_new_tokens)
+            if need > pool.blocks.num_blocks:
+                problems = [
+                    Problem(
+                        "max_new_tokens",
+                        f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                        f"({config.max_new_tokens}) x {rows_needed(config)} row(s) needs {need} "
+                        f"KV blocks of {pool.block_size} tokens; the cache holds "
+                        f"{pool.blocks.num_blocks} (--kv-cache-memory): ask fewer new tokens "
+                        "or raise --kv-cache-memory",
+                    )
+                ]
         if problems:
             raise InvalidRequest(problems)
 
@@ -254,9 +286,10 @@ class Engine:
         logits: list[torch.Tensor] = []
         if self._rows:
             logits += self._decode(failed)
-        logits += self._admit(failed)
+        logits += self._admit_paged(failed) if self.runner.paged else self._admit(failed)
         if not self._rows:
             self._report_failures(failed, events)
+            self._settle()
             return events
         self.steps += 1
         if self.on_step is not None:
@@ -282,7 +315,15 @@ class Engine:
         self._rows = kept_rows
         self._report_failures(failed, events)
         self._finish_requests(events)
+        self._settle()
         return events
+
+    def _settle(self) -> None:
+        """Paged cache: requests with no row and no prefill left return their block credit."""
+        if isinstance(self.pool, PagedPool):
+            running = {row.request.request_id for row in self._rows}
+            running.update(p.request.request_id for p in self._prefills)
+            self.pool.settle(running)
 
     def _decode(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
         """One new token for every active row; logits [B, V] (as a list of at most one tensor).
@@ -385,6 +426,81 @@ class Engine:
             out.append(chunk)
         self.pool.gather(keep)
         return out
+
+    def _admit_paged(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
+        """Paged cache: compute the next prompt chunks within the step's token budget (running
+        prefills first, then newly admitted requests); first-token logits of the prompts that
+        complete, whose rows then join the active rows (their blocks shared by all of them).
+
+        Chunks at the same position and of the same length run as one forward; a failed
+        forward is retried per request, and a request failing alone leaves (blocks freed)."""
+        pool = self.pool
+        assert isinstance(pool, PagedPool)
+        budget = self.runner.max_num_batched_tokens
+        left = [None if budget is None else budget - len(self._rows)]
+        plan: list[tuple[Prefill, int]] = []
+
+        def take(prefill: Prefill) -> None:
+            n = prefill.remaining if left[0] is None else min(prefill.remaining, left[0])
+            plan.append((prefill, n))
+            if left[0] is not None:
+                left[0] -= n
+
+        def room() -> bool:
+            return left[0] is None or left[0] > 0
+
+        for prefill in self._prefills:
+            if not room():
+                break
+            take(prefill)
+        for prefill in self.scheduler.admit_each(pool.admit, room):
+            self._prefills.append(prefill)
+            take(prefill)
+        out: list[torch.Tensor] = []
+        for (done, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
+            del done
+            members = [prefill for prefill, _ in group]
+            try:
+                chunks = list(self.runner.prefill_chunk(members, n, self._last_logits).split(1))
+            except Exception as exc:  # retried per request
+                log.warning("batched prefill of %d prompts failed (%s)", len(members), exc)
+                chunks = [self._chunk_alone(prefill, n, failed) for prefill in members]
+            for prefill, chunk in zip(members, chunks, strict=True):
+                rid = prefill.request.request_id
+                if chunk is None:
+                    continue
+                self._count_tokens(rid, n)
+                if prefill.remaining:
+                    continue
+                try:
+                    new_rows = self._new_rows(prefill.request, prefill.rows)
+                except Exception as exc:  # this request fails, not the step
+                    failed[rid] = RequestError(
+                        rid, "setting up its sequences (seed, stop strings)", exc
+                    )
+                    self._drop_prefill(prefill)
+                    continue
+                self._prefills.remove(prefill)
+                pool.join(prefill)
+                self._rows += new_rows
+                out.append(chunk.expand(prefill.rows, -1))
+        return out
+
+    def _chunk_alone(
+        self, prefill: Prefill, tokens: int, failed: dict[int, RequestError]
+    ) -> torch.Tensor | None:
+        try:
+            return self.runner.prefill_chunk([prefill], tokens, self._last_logits)
+        except Exception as exc:  # this request fails, not the step
+            rid = prefill.request.request_id
+            failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)
+            self._drop_prefill(prefill)
+            return None
+
+    def _drop_prefill(self, prefill: Prefill) -> None:
+        self._prefills.remove(prefill)
+        assert isinstance(self.pool, PagedPool)
+        self.pool.abandon(prefill)
 
     def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
         """First-token logits of same-length prompts prefilled together from pool row `start`."""
@@ -614,7 +730,11 @@ class Engine:
 
     def _drop_cancelled(self, cancelled: set[int], events: list[StepEvent]) -> None:
         """Remove cancelled requests (waiting or running); their open sequences end CANCELLED."""
-        for request in self.scheduler.drop(cancelled):
+        dropped = self.scheduler.drop(cancelled)
+        for prefill in [p for p in self._prefills if p.request.request_id in cancelled]:
+            self._drop_prefill(prefill)
+            dropped.append(prefill.request)
+        for request in dropped:
             events += [
                 StepEvent(request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED)
                 for i in range(request.config.num_return_sequences)
@@ -656,6 +776,7 @@ class Engine:
     def _finish_requests(self, events: list[StepEvent]) -> None:
         """Forget requests that hold no row and wait for nothing."""
         running = {row.request.request_id for row in self._rows}
+        running.update(p.request.request_id for p in self._prefills)
         waiting = self.scheduler.waiting_ids()
         done = {e.request_id for e in events if e.finish is not None}
         with self._lock:
@@ -696,7 +817,11 @@ class Engine:
             self._live.clear()
         self.scheduler.clear()
         self._rows = []
-        self.pool.gather([])
+        self._prefills = []
+        if isinstance(self.pool, PagedPool):
+            self.pool.reset()
+        else:
+            self.pool.gather([])
         return forgotten
 
     # -- synchronous helpers -----------------------------------------------------------------

@@ -385,9 +385,11 @@ class Engine:
         When a shared prefill fails, each request of it runs alone; a request whose prefill or
         set-up (seeding, stop strings, beam state) fails leaves, and its rows are freed.
         """
-        admitted = self.scheduler.admit(self.pool.free_rows)
+        pool = self.pool
+        assert isinstance(pool, SlotPool)  # the paged cache admits in _admit_paged
+        admitted = self.scheduler.admit(pool.free_rows)
         for _, rows in admitted:
-            self.pool.allocate(rows)
+            pool.allocate(rows)
         if not admitted:
             return []
         placed: list[tuple[GenerationRequest, int, int, torch.Tensor | None]] = []
@@ -457,8 +459,7 @@ class Engine:
             self._prefills.append(prefill)
             take(prefill)
         out: list[torch.Tensor] = []
-        for (done, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
-            del done
+        for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
             members = [prefill for prefill, _ in group]
             try:
                 chunks = list(self.runner.prefill_chunk(members, n, self._last_logits).split(1))

@@ -333,9 +333,7 @@ class NativeStep:
         else:
             kv = [(cache.k_BSKD[ly.key], cache.v_BSKD[ly.key]) for ly in self.lean.layers]
         k0 = kv[0][0]
-        if isinstance(cache, PagedKVCache):
-            pass
-        elif k0.shape[0] != rows or k0.shape[1] < key_len:
+        if not isinstance(cache, PagedKVCache) and (k0.shape[0] != rows or k0.shape[1] < key_len):
             raise ValueError(
                 f"NativeStep: a cache of {k0.shape[0]} rows x {k0.shape[1]} slots for {rows} rows "
                 f"up to slot {key_len - 1}"

@@ -68,6 +68,16 @@ class InferenceServiceConfig:
     enforce_eager: bool = False
     """CUDA: no CUDA graphs; every decode step launches its kernels (see
     EngineConfig.enforce_eager)."""
+    block_size: int = 16
+    """Tokens per block of the paged KV cache (see EngineConfig.block_size)."""
+    enable_prefix_caching: bool | None = None
+    """Share cached prompt-prefix blocks between requests; None: on where the cache is paged
+    (see EngineConfig.enable_prefix_caching)."""
+    enable_chunked_prefill: bool | None = None
+    """Prefill long prompts in chunks between decode steps; None: on where the cache is paged
+    (see EngineConfig.enable_chunked_prefill)."""
+    max_num_batched_tokens: int | None = None
+    """Chunked prefill: tokens one engine step computes at most; None: 2048."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -98,6 +108,10 @@ class InferenceServiceConfig:
             compile_decode=self.compile_decode,
             decode_step=self.decode_step,
             enforce_eager=self.enforce_eager,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def load_spec(self) -> LoadSpec:
@@ -158,6 +172,18 @@ class InferenceServiceConfig:
                 "--compile-decode serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
+        for flag, value in (
+            ("--enable-prefix-caching", self.enable_prefix_caching),
+            ("--enable-chunked-prefill", self.enable_chunked_prefill),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ):
+            parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+            if parallel and value is not None and value is not False:
+                raise ValueError(
+                    f"{flag} needs the paged KV cache, which tensor- and pipeline-parallel "
+                    "servers do not have yet (their ranks keep dense rows); drop it or serve "
+                    "from one process"
+                )
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +304,35 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "as vLLM does; this flag is vLLM's name for turning that off)",
     )
     group.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help=f"tokens per block of the paged KV cache (vLLM's flag; default {d.block_size})",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV blocks of prompt prefixes between requests (vLLM's flag; default: "
+        "on wherever the KV cache is paged: one process, no sliding window, no "
+        "--compile-decode, CPU or --enforce-eager)",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill long prompts in chunks between the decode steps of running requests, "
+        "within --max-num-batched-tokens a step (vLLM's flag; default: on wherever the KV "
+        "cache is paged)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="chunked prefill: tokens (decode rows + prompt chunks) one engine step computes "
+        "at most; more than --max-batch-rows (vLLM's flag; default 2048)",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -349,6 +404,10 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         compile_decode=args.compile_decode,
         decode_step=args.decode_step,
         enforce_eager=args.enforce_eager,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

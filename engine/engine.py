@@ -455,9 +455,15 @@ class Engine:
             if not room():
                 break
             take(prefill)
-        for prefill in self.scheduler.admit_each(pool.admit, room):
-            self._prefills.append(prefill)
-            take(prefill)
+
+        def admit(request: GenerationRequest) -> Prefill | bool | None:
+            admitted = pool.admit(request)
+            if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
+                self._prefills.append(admitted)
+                take(admitted)
+            return admitted
+
+        self.scheduler.admit_each(admit, room)
         out: list[torch.Tensor] = []
         for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
             members = [prefill for prefill, _ in group]

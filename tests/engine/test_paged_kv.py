@@ -210,3 +210,36 @@ def test_flags_needing_pages_are_refused_where_rows_are_dense(model):
         EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=100)
     with pytest.raises(ValueError, match="must exceed --max-batch-rows"):
         EngineConfig(max_batch_rows=8, max_num_batched_tokens=8)
+
+
+def test_a_budget_of_four_dense_rows_serves_sixteen_short_requests_at_once(model):
+    _, config = model
+    row = config.max_position_embeddings * (_slot_bytes(model) + 1)  # a dense row, with mask
+    engine = _engine(model, max_batch_rows=16, kv_cache_memory=4 * row)
+    assert engine.cache_plan.blocks == 4 * config.max_position_embeddings // 16
+    prompts = [prompt(10, config.vocab_size, seed=s) for s in range(16)]
+    cfg = SamplingConfig(max_new_tokens=6)
+    for p in prompts:
+        engine.submit(p, cfg)
+    engine.step()
+    assert engine.load() == (16, 0)  # every request decoding: one block each
+    while engine.has_work():
+        engine.step()
+    assert engine.pool.blocks.used == 0
+
+
+def test_requests_admitted_together_share_the_step_budget(model):
+    _, config = model
+    prompts = [prompt(30, config.vocab_size, seed=s) for s in range(4)]
+    cfg = SamplingConfig(max_new_tokens=5)
+    engine = _engine(model, max_num_batched_tokens=50, enable_prefix_caching=False)
+    for p in prompts:
+        engine.submit(p, cfg)
+    results = {e.request_id: e.token_ids for e in engine.step()}
+    assert sum(engine.tokens_computed.values()) == 50  # 30 + 20, the others wait their turn
+    while engine.has_work():
+        for event in engine.step():
+            results.setdefault(event.request_id, []).extend(event.token_ids)
+    whole = _engine(model, enable_chunked_prefill=False)
+    expected = [t[0] for t in _tokens(whole.generate(prompts, [cfg] * 4))]
+    assert [results[i] for i in sorted(results)] == expected

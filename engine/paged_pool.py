@@ -72,10 +72,13 @@ class PagedPool:
     ) -> None:
         param = next(model.parameters())
         shape = (num_blocks, block_size, local_kv_heads(model), model.config.head_dim)
+        # Uninitialised: the pages of a block become resident when it is first taken (and
+        # zeroed then, see `_take`), so memory grows with use up to the budget.
         self.k_blocks = {
-            str(i): torch.zeros(shape, dtype=param.dtype, device=param.device) for i in model.layers
+            str(i): torch.empty(shape, dtype=param.dtype, device=param.device) for i in model.layers
         }
-        self.v_blocks = {key: torch.zeros_like(buf) for key, buf in self.k_blocks.items()}
+        self.v_blocks = {key: torch.empty_like(buf) for key, buf in self.k_blocks.items()}
+        self._zeroed = [False] * num_blocks
         self.blocks = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
         """Reference counts, prefix digests, reservations."""
         self.block_size = block_size
@@ -130,7 +133,7 @@ class PagedPool:
             lengths,
             owners,
             self.max_seq_len,
-            self.blocks.allocate,
+            self._take,
             self._copy_on_write,
         )
 
@@ -234,11 +237,22 @@ class PagedPool:
         self._in_flight.clear()
         self.blocks.reset()
 
+    def _take(self, owner: int) -> int:
+        """A block for `owner` (BlockAllocator.allocate), zeroed on its first use: attention
+        gives the slots past a row's end weight 0, and 0 x a NaN left in memory is NaN."""
+        block = self.blocks.allocate(owner)
+        if not self._zeroed[block]:
+            for store in (self.k_blocks, self.v_blocks):
+                for buf in store.values():
+                    buf[block].zero_()
+            self._zeroed[block] = True
+        return block
+
     def _copy_on_write(self, block: int, owner: int) -> int:
         """`block`, or a private copy of it for `owner` when another table shares it."""
         if not self.blocks.shared(block):
             return block
-        copy = self.blocks.allocate(owner)
+        copy = self._take(owner)
         for store in (self.k_blocks, self.v_blocks):
             for buf in store.values():
                 buf[copy] = buf[block]

@@ -25,6 +25,7 @@
  *          block 0 with rs the block stride, and slot s of cache row c is slot s % block_size of
  *          block block_tables[c][s / block_size].
  *   simd() -> bool   -- this CPU runs the build
+ *   block_tables() -> True -- step() reads block tables (builds before the paged cache lack it)
  *
  * `model` points to a `Model` (below; engine/native_step.py mirrors it with ctypes). For each
  * row the step computes what DecodeStep does: embedding, per layer RMSNorm, fused q|k|v
@@ -226,8 +227,12 @@ static PyObject *simd(PyObject *self, PyObject *args) {
                            __builtin_cpu_supports("f16c"));
 }
 
+static PyObject *block_tables(PyObject *self, PyObject *args) { Py_RETURN_TRUE; }
+
 static PyMethodDef methods[] = {
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
+    {"block_tables", block_tables, METH_NOARGS,
+     "Whether step() takes block tables (a build older than the paged KV cache does not)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2, FMA and F16C units the build uses."},
     {NULL, NULL, 0, NULL},
 };

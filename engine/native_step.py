@@ -124,6 +124,8 @@ def available() -> tuple[bool, str]:
     """Whether the compiled step is installed and this CPU runs it, and why not."""
     if _compiled is None:
         return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
+    if not hasattr(_compiled, "block_tables"):
+        return False, "engine.cpu_decode is an older build without block tables; rebuild it"
     if not _compiled.simd():
         return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
     return True, "built"

@@ -39,6 +39,10 @@ class CachePlan:
     """Bytes the cache may take."""
     summary: str
     """One line: what is reserved and why (the server logs it)."""
+    blocks: int = 0
+    """Paged cache: blocks of `block_size` token slots (0: dense rows)."""
+    block_size: int = 0
+    """Paged cache: token slots per block."""
 
 
 def row_bytes(model: CausalLM, max_model_len: int) -> int:
@@ -86,9 +90,17 @@ def _device_budget(config: EngineConfig, device: torch.device, weights: str) -> 
 
 
 def plan_cache(
-    model: CausalLM, config: EngineConfig, context_length: int, device: torch.device
+    model: CausalLM,
+    config: EngineConfig,
+    context_length: int,
+    device: torch.device,
+    *,
+    paged: bool = False,
 ) -> CachePlan:
-    """The cache `config` allows for `model` (ValueError naming the flag when none fits)."""
+    """The cache `config` allows for `model` (ValueError naming the flag when none fits):
+    dense rows, or with `paged` blocks of --block-size slots, as many as the budget holds up
+    to what --max-batch-rows full-length rows would take (rows then cost no memory; requests
+    wait for blocks instead)."""
     if config.max_model_len is not None and config.max_model_len > context_length:
         raise ValueError(
             f"--max-model-len {config.max_model_len} exceeds the model's context length "
@@ -110,6 +122,8 @@ def plan_cache(
             f"(at most {max(budget // max(per_row // max_len, 1), 0)} tokens fit) or raise "
             "--kv-cache-memory"
         )
+    if paged:
+        return _paged_plan(model, config, max_len, len_why, per_row, budget, why, weights)
     rows = min(fit, config.max_batch_rows)
     rows_why = (
         "--max-batch-rows" if rows == config.max_batch_rows else "as many as the budget holds"
@@ -123,3 +137,31 @@ def plan_cache(
         f"{format_size(budget)} ({why}); weights {weights}"
     )
     return CachePlan(rows, max_len, per_row, budget, summary)
+
+
+def _paged_plan(
+    model: CausalLM,
+    config: EngineConfig,
+    max_len: int,
+    len_why: str,
+    per_row: int,
+    budget: int,
+    why: str,
+    weights: str,
+) -> CachePlan:
+    size = config.block_size
+    per_block = (per_row - max_len) // max_len * size  # a slot's keys and values, no mask
+    per_seq = -(-max_len // size)
+    blocks = min(budget // per_block, config.max_batch_rows * per_seq)
+    blocks_why = (
+        "--max-batch-rows full-length rows"
+        if blocks == config.max_batch_rows * per_seq
+        else "as many as the budget holds"
+    )
+    summary = (
+        f"KV cache: paged, {blocks} blocks of {size} tokens ({blocks_why}) = "
+        f"{format_size(blocks * per_block)} reserved, {format_size(per_block)} a block; up to "
+        f"{config.max_batch_rows} rows (--max-batch-rows) of up to {max_len} tokens ({len_why}); "
+        f"budget {format_size(budget)} ({why}); weights {weights}"
+    )
+    return CachePlan(config.max_batch_rows, max_len, per_row, budget, summary, blocks, size)

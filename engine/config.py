@@ -25,6 +25,9 @@ MAX_LORAS = 256
 """Most adapter slots (--max-loras): each takes memory in every adapted layer."""
 MAX_LORA_RANK = 512
 """Largest --max-lora-rank."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+"""Prompt and decode tokens one engine step computes at most under chunked prefill (vLLM's
+default for online serving)."""
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of an accelerator's memory for weights, activations and KV cache."""
 _UNITS = {
@@ -120,6 +123,21 @@ class EngineConfig:
     """Adapters held at once (--max-loras, vLLM's name; also the most in one batch)."""
     max_lora_rank: int = 16
     """Largest rank of a served adapter (--max-lora-rank, vLLM's name); sizes the slots."""
+    block_size: int = 16
+    """Token slots per KV-cache block of the paged cache (--block-size, vLLM's)."""
+    enable_prefix_caching: bool | None = None
+    """Share the KV blocks of prompt prefixes between requests (--enable-prefix-caching /
+    --no-enable-prefix-caching, vLLM's); None: on wherever the KV cache is paged
+    (engine/model_runner.py says where it is not). True where the cache cannot be paged is
+    refused."""
+    enable_chunked_prefill: bool | None = None
+    """Prefill long prompts in chunks within a per-step token budget, between the decode steps
+    of running requests (--enable-chunked-prefill / --no-enable-chunked-prefill); None: on
+    wherever the KV cache is paged. True where it cannot be paged is refused."""
+    max_num_batched_tokens: int | None = None
+    """Tokens (decode rows + prompt chunks) one step computes at most under chunked prefill
+    (--max-num-batched-tokens); None: DEFAULT_MAX_NUM_BATCHED_TOKENS. Refused with chunked
+    prefill off."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -140,6 +158,20 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"--cpu-linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and self.enable_chunked_prefill is False:
+            raise ValueError(
+                "--max-num-batched-tokens is the chunked-prefill budget; leave it out with "
+                "--no-enable-chunked-prefill"
+            )
+        if budget is not None and budget <= self.max_batch_rows:
+            raise ValueError(
+                f"--max-num-batched-tokens {budget} must exceed --max-batch-rows "
+                f"{self.max_batch_rows} (every decode row takes one token of it, and a prompt "
+                "chunk at least one more)"
+            )
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(
                 f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}"

@@ -13,14 +13,19 @@
  * heads, and nothing goes back to Python until the logits are written.
  *
  *   step(model, rows, tokens, positions, mask, mask_stride, logits, scratch, threads
- *        [, cache_rows])
+ *        [, cache_rows, block_tables, max_blocks, block_size])
  *       -- addresses as ints: tokens and positions int64 [rows], mask uint8 (cache row c's slot
  *          s at mask[c * mask_stride + s], 0 = hidden) or 0, logits fp32 [rows, V]; cache_rows
  *          int64 [rows], the cache row each row reads and writes (default: its own index).
  *          Rows sharing a cache row at consecutive positions are a prompt's tokens: every row
  *          writes its key and value before any attends, so one call prefills a short prompt
  *          (engine/native_step.py, NativeStep.prefill).
+ *          Paged cache (engine/paged_pool.py): block_tables int64 [cache rows, max_blocks], the
+ *          blocks of each cache row in order (-1 past its last); a layer's k and v then point at
+ *          block 0 with rs the block stride, and slot s of cache row c is slot s % block_size of
+ *          block block_tables[c][s / block_size].
  *   simd() -> bool   -- this CPU runs the build
+ *   block_tables() -> True -- step() reads block tables (builds before the paged cache lack it)
  *
  * `model` points to a `Model` (below; engine/native_step.py mirrors it with ctypes). For each
  * row the step computes what DecodeStep does: embedding, per layer RMSNorm, fused q|k|v
@@ -59,7 +64,8 @@ typedef struct {
     const void *norm1, *norm2;
     float eps1, eps2;
     Lin qkv, o, gate_up, down;
-    void *k, *v; /* cache row r, slot s, kv head j, dim d at r * rs + s * ss + j * ks + d */
+    void *k, *v; /* cache row r, slot s, kv head j, dim d at r * rs + s * ss + j * ks + d
+                    (paged: block r instead of row r, see step's block_tables) */
     long rs, ss, ks;
 } Layer;
 
@@ -150,12 +156,15 @@ static inline __m256 bf16_load8(const uint16_t *p) {
 
 static PyObject *step(PyObject *self, PyObject *args) {
     unsigned long long model, tokens, positions, mask, logits, scratch, cache_rows = 0;
-    long long rows, mask_stride;
+    unsigned long long block_tables = 0;
+    long long rows, mask_stride, max_blocks = 0, block_size = 0;
     int threads;
-    if (!PyArg_ParseTuple(args, "KLKKKLKKi|K", &model, &rows, &tokens, &positions, &mask,
-                          &mask_stride, &logits, &scratch, &threads, &cache_rows)) {
+    if (!PyArg_ParseTuple(args, "KLKKKLKKi|KKLL", &model, &rows, &tokens, &positions, &mask,
+                          &mask_stride, &logits, &scratch, &threads, &cache_rows, &block_tables,
+                          &max_blocks, &block_size)) {
         return NULL;
     }
+    const long long *bt = (const long long *)(uintptr_t)block_tables;
     const Model *m = (const Model *)(uintptr_t)model;
     const long long *tok = (const long long *)(uintptr_t)tokens;
     const long long *pos = (const long long *)(uintptr_t)positions;
@@ -168,7 +177,24 @@ static PyObject *step(PyObject *self, PyObject *args) {
                         "negative mask stride");
         return NULL;
     }
+    if (bt && (max_blocks < 1 || block_size < 1)) {
+        PyErr_SetString(PyExc_ValueError, "step: block tables need max_blocks and block_size >= 1");
+        return NULL;
+    }
     for (long long b = 0; b < rows; b++) {
+        if (bt && pos[b] >= max_blocks * block_size) {
+            PyErr_Format(PyExc_ValueError, "step: row %lld's position %lld is past its %lld blocks",
+                         b, pos[b], max_blocks);
+            return NULL;
+        }
+        if (bt) {
+            const long long c = crows ? crows[b] : b;
+            for (long long i = 0; i <= pos[b] / block_size; i++)
+                if (bt[c * max_blocks + i] < 0) {
+                    PyErr_Format(PyExc_ValueError, "step: row %lld has no block %lld", b, i);
+                    return NULL;
+                }
+        }
         if (tok[b] < 0 || tok[b] >= m->V || pos[b] < 0) {
             PyErr_Format(PyExc_ValueError,
                          "step: row %lld has token %lld (the vocabulary has %ld) at position %lld",
@@ -188,13 +214,16 @@ static PyObject *step(PyObject *self, PyObject *args) {
     const unsigned char *row_mask = (const unsigned char *)(uintptr_t)mask;
     Py_BEGIN_ALLOW_THREADS
     if (m->dtype == DTYPE_BF16)
-        decode_bf16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
+        decode_bf16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride, bt,
+                   (long)max_blocks, (long)block_size,
                     (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     else if (m->dtype == DTYPE_F16)
-        decode_f16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
+        decode_f16(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride, bt,
+                   (long)max_blocks, (long)block_size,
                    (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     else
-        decode_f32(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride,
+        decode_f32(m, (long)rows, tok, pos, crows, row_mask, (long)mask_stride, bt,
+                   (long)max_blocks, (long)block_size,
                    (float *)(uintptr_t)logits, (float *)(uintptr_t)scratch, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -209,10 +238,13 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 /* sizeof(Lin): engine/native_step.py checks it against its ctypes mirror, so a build older
  * than the Python tables (another Lin layout) is never called. */
 static PyObject *lin_bytes(PyObject *self, PyObject *args) { return PyLong_FromSize_t(sizeof(Lin)); }
+static PyObject *block_tables(PyObject *self, PyObject *args) { Py_RETURN_TRUE; }
 
 static PyMethodDef methods[] = {
     {"lin_bytes", lin_bytes, METH_NOARGS, "sizeof(Lin), the layout this build reads."},
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
+    {"block_tables", block_tables, METH_NOARGS,
+     "Whether step() takes block tables (a build older than the paged KV cache does not)."},
     {"simd", simd, METH_NOARGS, "Whether this CPU has the AVX2, FMA and F16C units the build uses."},
     {NULL, NULL, 0, NULL},
 };

@@ -145,22 +145,30 @@ static void NAME(rms_norm)(const float *x, const void *weight, float eps, float 
 }
 
 /* One query head of one row over that row's slots 0..S-1 of kv head j: out [D]; `sc` holds S
- * scores; `k` and `v` point at the row's slot 0, kv head j. */
-static void NAME(attend)(const Model *m, const WT *k, const WT *v, long ss, const float *q, long S,
-                   const unsigned char *mask, float *sc, float *out) {
-    const long D = m->D;
+ * scores. Dense rows (`bt` NULL): `k` and `v` point at the row's slot 0, kv head j. Paged rows:
+ * `k` and `v` point at block 0's slot 0, kv head j, and slot s is in block bt[s / bs] (blocks
+ * `rs` apart) at offset s % bs; the slots of one block are read as one run. */
+static void NAME(attend)(const Model *m, const WT *k, const WT *v, long ss, const long long *bt,
+                   long bs, long rs, const float *q, long S, const unsigned char *mask,
+                   float *sc, float *out) {
+    const long D = m->D, run = bt ? bs : S;
     float mx = -INFINITY;
-    for (long s = 0; s < S; s++) {
-        if (mask && !mask[s]) {
-            sc[s] = -INFINITY;
-            continue;
-        }
-        const WT *ks = k + s * ss;
-        float acc = 0.f;
+    for (long s0 = 0; s0 < S; s0 += run) {
+        const WT *kb = bt ? k + bt[s0 / bs] * rs : k;
+        const long n = S - s0 < run ? S - s0 : run;
+        for (long o = 0; o < n; o++) {
+            const long s = s0 + o;
+            if (mask && !mask[s]) {
+                sc[s] = -INFINITY;
+                continue;
+            }
+            const WT *ks = kb + o * ss;
+            float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (long d = 0; d < D; d++) acc += q[d] * LD1(ks[d]);
-        sc[s] = acc * m->scale;
-        if (sc[s] > mx) mx = sc[s];
+            for (long d = 0; d < D; d++) acc += q[d] * LD1(ks[d]);
+            sc[s] = acc * m->scale;
+            if (sc[s] > mx) mx = sc[s];
+        }
     }
     float sum = 0.f;
     for (long s = 0; s < S; s++) {
@@ -168,12 +176,17 @@ static void NAME(attend)(const Model *m, const WT *k, const WT *v, long ss, cons
         sum += sc[s];
     }
     for (long d = 0; d < D; d++) out[d] = 0.f;
-    for (long s = 0; s < S; s++) {
-        if (sc[s] == 0.f) continue;
-        const float p = sc[s] / sum;
-        const WT *vs = v + s * ss;
+    for (long s0 = 0; s0 < S; s0 += run) {
+        const WT *vb = bt ? v + bt[s0 / bs] * rs : v;
+        const long n = S - s0 < run ? S - s0 : run;
+        for (long o = 0; o < n; o++) {
+            const long s = s0 + o;
+            if (sc[s] == 0.f) continue;
+            const float p = sc[s] / sum;
+            const WT *vs = vb + o * ss;
 #pragma omp simd
-        for (long d = 0; d < D; d++) out[d] += p * LD1(vs[d]);
+            for (long d = 0; d < D; d++) out[d] += p * LD1(vs[d]);
+        }
     }
 }
 
@@ -182,8 +195,8 @@ static void NAME(attend)(const Model *m, const WT *k, const WT *v, long ss, cons
  * native_step.py sizes it with the same formula. */
 static void NAME(decode)(const Model *m, long B, const long long *tokens,
                          const long long *positions, const long long *crows,
-                         const unsigned char *mask, long mask_stride, float *logits,
-                         float *scratch, int threads) {
+                         const unsigned char *mask, long mask_stride, const long long *bt,
+                         long nb, long bs, float *logits, float *scratch, int threads) {
     const long E = m->E, H = m->H, K = m->K, D = m->D, F = m->F, half = D / 2, G = H / K;
     const long Q = (H + 2 * K) * D;
     long T = 0;
@@ -220,8 +233,11 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens,
                         u[j + half] = u1 * c[j] + u0 * s[j];
                     }
                 }
-                WT *kr = (WT *)ly->k + CACHE_ROW(b) * ly->rs + pos * ly->ss;
-                WT *vr = (WT *)ly->v + CACHE_ROW(b) * ly->rs + pos * ly->ss;
+                /* dense: row c's slot pos; paged: slot pos % bs of row c's block pos / bs */
+                const long at = bt ? bt[CACHE_ROW(b) * nb + pos / bs] * ly->rs + pos % bs * ly->ss
+                                   : CACHE_ROW(b) * ly->rs + pos * ly->ss;
+                WT *kr = (WT *)ly->k + at;
+                WT *vr = (WT *)ly->v + at;
                 for (long j = 0; j < K; j++)
                     for (long d = 0; d < D; d++) {
                         kr[j * ly->ks + d] = ST1(qkv[b * Q + (H + j) * D + d]);
@@ -232,9 +248,10 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens,
             for (long b = 0; b < B; b++)
                 for (long head = 0; head < H; head++) {
                     const long j = head / G;
-                    NAME(attend)(m, (const WT *)ly->k + CACHE_ROW(b) * ly->rs + j * ly->ks,
-                                 (const WT *)ly->v + CACHE_ROW(b) * ly->rs + j * ly->ks,
-                           ly->ss, qkv + b * Q + head * D, positions[b] + 1,
+                    const long row = bt ? j * ly->ks : CACHE_ROW(b) * ly->rs + j * ly->ks;
+                    NAME(attend)(m, (const WT *)ly->k + row, (const WT *)ly->v + row, ly->ss,
+                           bt ? bt + CACHE_ROW(b) * nb : NULL, bs, ly->rs,
+                           qkv + b * Q + head * D, positions[b] + 1,
                            mask ? mask + CACHE_ROW(b) * mask_stride : NULL, scores + (b * H + head) * T,
                            att + (b * H + head) * D);
                 }

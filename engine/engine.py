@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.detokenize import TextTracker
 from engine.lora_adapters import AdapterSet, PreparedAdapter
 from engine.model_runner import ModelRunner
+from engine.paged_pool import PagedPool, Prefill
 from engine.requests import (
     Finish,
     GenerationRequest,
@@ -56,7 +57,13 @@ from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.speculative import DraftModel, Speculator, accept_or_resample
 from engine.tokens import TokenizerInfo
-from engine.validation import InvalidRequest, Problem, RequestLimits, request_problems
+from engine.validation import (
+    InvalidRequest,
+    Problem,
+    RequestLimits,
+    request_problems,
+    rows_needed,
+)
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -131,7 +138,11 @@ class Engine:
         self.tokens = tokens
         self.config = config or EngineConfig()
         self.runner = ModelRunner(
-            model, self.config, own_forward=self.runs_own_forward, agree_rows=self._agree_rows
+            model,
+            self.config,
+            own_forward=self.runs_own_forward,
+            agree_rows=self._agree_rows,
+            pages_kv=self.pages_kv,
         )
         """Runs the model: weight layout, decode path, KV-cache pool, CUDA graphs."""
         self.speculation = self._build_speculator(draft_model)
@@ -143,6 +154,8 @@ class Engine:
         )
         """The LoRA adapters requests may name (--enable-lora), or None."""
         self._rows: list[_Row] = []
+        # Paged cache: admitted requests whose prompts are still being computed, oldest first.
+        self._prefills: list[Prefill] = []
         # Filled by other threads, drained at the start of each step (under the lock).
         self._inbox: list[GenerationRequest] = []
         self._cancel_inbox: set[int] = set()
@@ -155,6 +168,10 @@ class Engine:
         self.tokens_computed: OrderedDict[int, int] = OrderedDict()
         # Called after each step that ran the model (metrics): the engine, on its thread.
         self.on_step: Callable[[Engine], None] | None = None
+
+    pages_kv = True
+    """Whether this engine may page its KV cache (engines whose ranks must agree on every
+    cache row keep dense rows)."""
 
     def _build_speculator(self, draft_model: CausalLM | None) -> Speculator | None:
         spec = self.config.speculative_config
@@ -212,8 +229,8 @@ class Engine:
         return self.runner.max_model_len
 
     @property
-    def pool(self) -> SlotPool:
-        """The KV-cache rows."""
+    def pool(self) -> SlotPool | PagedPool:
+        """The KV-cache rows (dense) or blocks and block tables (paged)."""
         return self.runner.pool
 
     @property
@@ -281,8 +298,9 @@ class Engine:
                 self._cancel_inbox.add(request_id)
 
     def load(self) -> tuple[int, int]:
-        """(active cache rows, requests waiting for rows); read on the engine thread."""
-        return len(self._rows), len(self.scheduler)
+        """(active cache rows, requests waiting for rows or still prefilling); read on the
+        engine thread."""
+        return len(self._rows), len(self.scheduler) + len(self._prefills)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -301,6 +319,20 @@ class Engine:
         """InvalidRequest (a ValueError) listing every problem when a request cannot run here
         (engine.validation; a long generation is cut at the model length, not refused)."""
         problems = request_problems(prompt_ids, config, self.request_limits(), whole=False)
+        pool = self.pool
+        if not problems and isinstance(pool, PagedPool):
+            need = pool.blocks_needed(len(prompt_ids), rows_needed(config), config.max_new_tokens)
+            if need > pool.blocks.num_blocks:
+                problems = [
+                    Problem(
+                        "max_new_tokens",
+                        f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                        f"({config.max_new_tokens}) x {rows_needed(config)} row(s) needs {need} "
+                        f"KV blocks of {pool.block_size} tokens; the cache holds "
+                        f"{pool.blocks.num_blocks} (--kv-cache-memory): ask fewer new tokens "
+                        "or raise --kv-cache-memory",
+                    )
+                ]
         if problems:
             raise InvalidRequest(problems)
 
@@ -334,9 +366,10 @@ class Engine:
             else:
                 logits += self._decode(failed)
         first = len(speculated)
-        logits += self._admit(failed)
+        logits += self._admit_paged(failed) if self.runner.paged else self._admit(failed)
         if not self._rows:
             self._report_failures(failed, events)
+            self._settle()
             return events
         self.steps += 1
         if self.on_step is not None:
@@ -364,7 +397,15 @@ class Engine:
         self._rows = kept_rows
         self._report_failures(failed, events)
         self._finish_requests(events)
+        self._settle()
         return events
+
+    def _settle(self) -> None:
+        """Paged cache: requests with no row and no prefill left return their block credit."""
+        if isinstance(self.pool, PagedPool):
+            running = {row.request.request_id for row in self._rows}
+            running.update(p.request.request_id for p in self._prefills)
+            self.pool.settle(running)
 
     def _decode(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
         """One new token for every active row; logits [B, V] (as a list of at most one tensor).
@@ -509,9 +550,11 @@ class Engine:
         When a shared prefill fails, each request of it runs alone; a request whose prefill or
         set-up (seeding, stop strings, beam state) fails leaves, and its rows are freed.
         """
-        admitted = self.scheduler.admit(self.pool.free_rows)
+        pool = self.pool
+        assert isinstance(pool, SlotPool)  # the paged cache admits in _admit_paged
+        admitted = self.scheduler.admit(pool.free_rows)
         for _, rows in admitted:
-            self.pool.allocate(rows)
+            pool.allocate(rows)
         if not admitted:
             return []
         placed: list[tuple[GenerationRequest, int, int, torch.Tensor | None]] = []
@@ -550,6 +593,86 @@ class Engine:
             out.append(chunk)
         self.pool.gather(keep)
         return out
+
+    def _admit_paged(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
+        """Paged cache: compute the next prompt chunks within the step's token budget (running
+        prefills first, then newly admitted requests); first-token logits of the prompts that
+        complete, whose rows then join the active rows (their blocks shared by all of them).
+
+        Chunks at the same position and of the same length run as one forward; a failed
+        forward is retried per request, and a request failing alone leaves (blocks freed)."""
+        pool = self.pool
+        assert isinstance(pool, PagedPool)
+        budget = self.runner.max_num_batched_tokens
+        left = [None if budget is None else budget - len(self._rows)]
+        plan: list[tuple[Prefill, int]] = []
+
+        def take(prefill: Prefill) -> None:
+            n = prefill.remaining if left[0] is None else min(prefill.remaining, left[0])
+            plan.append((prefill, n))
+            if left[0] is not None:
+                left[0] -= n
+
+        def room() -> bool:
+            return left[0] is None or left[0] > 0
+
+        for prefill in self._prefills:
+            if not room():
+                break
+            take(prefill)
+
+        def admit(request: GenerationRequest) -> Prefill | bool | None:
+            admitted = pool.admit(request)
+            if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
+                self._prefills.append(admitted)
+                take(admitted)
+            return admitted
+
+        self.scheduler.admit_each(admit, room)
+        out: list[torch.Tensor] = []
+        for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
+            members = [prefill for prefill, _ in group]
+            try:
+                chunks = list(self.runner.prefill_chunk(members, n, self._last_logits).split(1))
+            except Exception as exc:  # retried per request
+                log.warning("batched prefill of %d prompts failed (%s)", len(members), exc)
+                chunks = [self._chunk_alone(prefill, n, failed) for prefill in members]
+            for prefill, chunk in zip(members, chunks, strict=True):
+                rid = prefill.request.request_id
+                if chunk is None:
+                    continue
+                self._count_tokens(rid, n)
+                if prefill.remaining:
+                    continue
+                try:
+                    new_rows = self._new_rows(prefill.request, prefill.rows)
+                except Exception as exc:  # this request fails, not the step
+                    failed[rid] = RequestError(
+                        rid, "setting up its sequences (seed, stop strings)", exc
+                    )
+                    self._drop_prefill(prefill)
+                    continue
+                self._prefills.remove(prefill)
+                pool.join(prefill)
+                self._rows += new_rows
+                out.append(chunk.expand(prefill.rows, -1))
+        return out
+
+    def _chunk_alone(
+        self, prefill: Prefill, tokens: int, failed: dict[int, RequestError]
+    ) -> torch.Tensor | None:
+        try:
+            return self.runner.prefill_chunk([prefill], tokens, self._last_logits)
+        except Exception as exc:  # this request fails, not the step
+            rid = prefill.request.request_id
+            failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)
+            self._drop_prefill(prefill)
+            return None
+
+    def _drop_prefill(self, prefill: Prefill) -> None:
+        self._prefills.remove(prefill)
+        assert isinstance(self.pool, PagedPool)
+        self.pool.abandon(prefill)
 
     def _prefill(self, members: list[tuple[GenerationRequest, int]], start: int) -> torch.Tensor:
         """First-token logits of same-length prompts prefilled together from pool row `start`."""
@@ -799,7 +922,11 @@ class Engine:
 
     def _drop_cancelled(self, cancelled: set[int], events: list[StepEvent]) -> None:
         """Remove cancelled requests (waiting or running); their open sequences end CANCELLED."""
-        for request in self.scheduler.drop(cancelled):
+        dropped = self.scheduler.drop(cancelled)
+        for prefill in [p for p in self._prefills if p.request.request_id in cancelled]:
+            self._drop_prefill(prefill)
+            dropped.append(prefill.request)
+        for request in dropped:
             events += [
                 StepEvent(request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED)
                 for i in range(request.config.num_return_sequences)
@@ -841,6 +968,7 @@ class Engine:
     def _finish_requests(self, events: list[StepEvent]) -> None:
         """Forget requests that hold no row and wait for nothing."""
         running = {row.request.request_id for row in self._rows}
+        running.update(p.request.request_id for p in self._prefills)
         waiting = self.scheduler.waiting_ids()
         done = {e.request_id for e in events if e.finish is not None}
         with self._lock:
@@ -881,7 +1009,11 @@ class Engine:
             self._live.clear()
         self.scheduler.clear()
         self._rows = []
-        self.pool.gather([])
+        self._prefills = []
+        if isinstance(self.pool, PagedPool):
+            self.pool.reset()
+        else:
+            self.pool.gather([])
         return forgotten
 
     # -- synchronous helpers -----------------------------------------------------------------

@@ -28,6 +28,8 @@ STEP, SCORE, RESET, STOP = "step", "score", "reset", "stop"
 class LeaderFollowerEngine(Engine):
     """An Engine on one serving rank; rank 0 leads, the others `follow()` its commands."""
 
+    pages_kv = False  # every rank's rows must match; the paged cache is single-process for now
+
     def __init__(
         self,
         model: CausalLM,

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from engine.cache_plan import CachePlan, plan_cache
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.linear_choice import choose_cpu_linear, to_column_major
 from engine.native_step import C_ROWS, NativeStep
+from engine.paged_pool import PagedPool, Prefill
 from engine.slots import SlotPool
 from kernels import registry
 from kernels.cpu.hugepages import move_to_huge_pages
@@ -53,6 +54,7 @@ class ModelRunner:
         *,
         own_forward: bool = False,
         agree_rows: Callable[[int, torch.device], int] = _same_rows,
+        pages_kv: bool = True,
     ) -> None:
         self.model = model.eval()
         self.config = config
@@ -70,14 +72,42 @@ class ModelRunner:
                 f"--compile-decode is for CPU serving (inductor's C++ backend); the model is on "
                 f"{self.device.type}"
             )
-        self.cache_plan: CachePlan = plan_cache(model, config, self.context_length, self.device)
+        not_paged = self._why_not_paged(pages_kv)
+        self.paged = not_paged is None
+        """Whether the KV cache is paged (blocks, prefix caching, chunked prefill)."""
+        self.prefix_caching = self.paged and config.enable_prefix_caching is not False
+        """Whether full prompt blocks are shared between requests (--enable-prefix-caching)."""
+        self.chunked_prefill = self.paged and config.enable_chunked_prefill is not False
+        """Whether long prompts prefill in chunks within a step budget."""
+        self.max_num_batched_tokens = (
+            (config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+            if self.chunked_prefill
+            else None
+        )
+        """Tokens one step computes at most (chunked prefill), or None: no budget."""
+        if not_paged is not None:
+            log.info("KV cache: dense rows, not paged (%s)", not_paged)
+        self.cache_plan: CachePlan = plan_cache(
+            model, config, self.context_length, self.device, paged=self.paged
+        )
         """The KV cache's size and why (engine.cache_plan); its summary is logged once."""
         log.info("%s", self.cache_plan.summary)
         self.max_model_len = self.cache_plan.max_model_len
         """Tokens per sequence, prompt + new (--max-model-len)."""
-        self.pool = SlotPool(
-            model, agree_rows(self.cache_plan.rows, self.device), self.max_model_len
-        )
+        self.pool: SlotPool | PagedPool
+        if self.paged:
+            self.pool = PagedPool(
+                model,
+                self.cache_plan.rows,
+                self.max_model_len,
+                self.cache_plan.blocks,
+                self.cache_plan.block_size,
+                prefix_caching=self.prefix_caching,
+            )
+        else:
+            self.pool = SlotPool(
+                model, agree_rows(self.cache_plan.rows, self.device), self.max_model_len
+            )
         self.lora = self._lora_slots()
         """Adapter slots in the model's projections (--enable-lora), or None."""
         self.cpu_linear = self._apply_layout()
@@ -116,6 +146,36 @@ class ModelRunner:
             lora.nbytes() / 2**20,
         )
         return lora
+
+    def _why_not_paged(self, pages_kv: bool) -> str | None:
+        """Why this engine keeps dense cache rows, or None: its cache is paged. Asking for
+        prefix caching or chunked prefill where it is not is refused, naming the flag."""
+        config = self.config
+        why = None
+        if not pages_kv or self.own_forward:
+            why = "tensor- and pipeline-parallel engines keep dense rows"
+        elif self.model.config.sliding_window is not None:
+            why = "a sliding-window model keeps ring rows (memory bounded by its window)"
+        elif config.compile_decode:
+            why = "--compile-decode traces the dense cache's attention op"
+        elif config.speculative_config is not None:
+            why = "speculative decoding rolls rejected drafts back in dense rows (engine/speculative.py)"
+        elif config.enable_lora:
+            why = (
+                "LoRA adapter rows are prefilled and decoded in dense rows (models/lora_batched.py)"
+            )
+        elif self.device.type != "cpu" and not config.enforce_eager:
+            why = "CUDA graphs replay dense rows (engine/cuda_graphs.py); --enforce-eager pages"
+        if why is None:
+            return None
+        for flag, value in (
+            ("--enable-prefix-caching", config.enable_prefix_caching),
+            ("--enable-chunked-prefill", config.enable_chunked_prefill),
+            ("--max-num-batched-tokens", config.max_num_batched_tokens),
+        ):
+            if value is not None and value is not False:
+                raise ValueError(f"{flag} needs the paged KV cache, which this engine lacks: {why}")
+        return why
 
     def _apply_layout(self) -> str:
         model = self.model
@@ -168,6 +228,8 @@ class ModelRunner:
             return None
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
+        if not isinstance(self.pool, SlotPool):
+            return None  # paged: declined in _why_not_paged unless --enforce-eager
         if self.pool.cache.is_ring:
             log.info("decode: eager steps (sliding-window rings are not graphed)")
             return None
@@ -195,6 +257,7 @@ class ModelRunner:
             return logits_BV
         if self.graphs is not None and compiled and start == 0 and stop == self.pool.num_rows:
             # Every active row at once, from a CUDA graph (it commits the rows itself).
+            assert isinstance(self.pool, SlotPool)
             return self.graphs(ids_B1, self.pool.lengths())
         view = self.pool.view(start, stop)
         if self.decode_step is not None:
@@ -210,7 +273,7 @@ class ModelRunner:
                 ids_B1, kv_cache=view, cache_step=step, logits_to_keep=1
             )[:, -1]
             view.commit(step)
-        self.pool.sync(view, start)
+        self.pool.sync(view, start)  # type: ignore[arg-type]
         return logits_BV
 
     def prefill(
@@ -230,7 +293,18 @@ class ModelRunner:
             assert self.lora is not None
             with self.lora.rows(adapters_B):
                 logits = forward(ids_BS, view)
-        self.pool.sync(view, start)
+        self.pool.sync(view, start)  # type: ignore[arg-type]
+        return logits
+
+    def prefill_chunk(self, prefills: list[Prefill], tokens: int, forward: Forward) -> torch.Tensor:
+        """Logits [B, V] of the last of the next `tokens` prompt tokens of prefills at the same
+        length, written into their block tables (the paged cache)."""
+        assert isinstance(self.pool, PagedPool)
+        view = self.pool.prefill_view(prefills)
+        ids = [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills]
+        logits = forward(torch.tensor(ids, device=self.device), view)
+        for prefill in prefills:
+            self.pool.prefilled(prefill, tokens)
         return logits
 
     def row_length(self, row: int) -> int:

@@ -33,6 +33,7 @@ import torch
 
 from engine.config_support import FieldSupport, declined, every, only
 from engine.decode_step import LEAN_SUPPORT, DecodeStep, DenseLinear, StepLayer
+from engine.paged_cache import PagedKVCache, PagedStep
 from kernels.packed_linear import PackedLinear
 from kernels.quant_linear import QuantLinear
 from models.kv_cache import CacheStep, KVCache
@@ -129,6 +130,8 @@ def available() -> tuple[bool, str]:
     """Whether the compiled step is installed and this CPU runs it, and why not."""
     if _compiled is None:
         return False, "engine.cpu_decode was not built (no C compiler at install, or not x86-64)"
+    if not hasattr(_compiled, "block_tables"):
+        return False, "engine.cpu_decode is an older build without block tables; rebuild it"
     if not _compiled.simd():
         return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
     lin_bytes = getattr(_compiled, "lin_bytes", None)
@@ -229,6 +232,7 @@ class NativeStep:
         model, this one 18-58 ms); else one (the C product over column-major weights is slower
         than MKL's at several rows)."""
         self._cache: tuple[int, ...] = ()  # the cache rows the tables point at now
+        self._block_size = 0  # a paged cache's block size (what _point_at last saw)
         self._scratch = torch.empty(0)
         m = self._model
         # cpu_decode.c's scratch per row, besides H scores per slot: h, x, q|k|v, attention
@@ -251,7 +255,7 @@ class NativeStep:
         rows = ids_B1.shape[0]
         if rows > self.max_rows or cache.is_ring or step.ring_prefill is not None:
             return self.lean(ids_B1, cache, step)
-        self._point_at(cache, rows, step.key_len)
+        self._point_at(cache, rows, step)
         ids = ids_B1.reshape(rows).to(torch.long).contiguous()
         positions = step.start_B.to(torch.long).contiguous()
         logits_BV = torch.empty(rows, self._model.V)
@@ -275,7 +279,7 @@ class NativeStep:
         if self.dtype == torch.float32 or cache.is_ring or rows > MAX_ROWS:
             return None
         step = cache.begin(length, None)
-        self._point_at(cache, rows, step.key_len)
+        self._point_at(cache, rows, step)
         tokens = ids_BS.reshape(-1).to(torch.long).contiguous()
         positions = (step.start_B[:, None] + torch.arange(length)).reshape(-1).contiguous()
         cache_rows = torch.arange(rows).repeat_interleave(length)
@@ -322,6 +326,10 @@ class NativeStep:
         mask = step.key_mask_BS
         if mask is not None and mask.stride(1) != 1:
             mask = mask.contiguous()
+        tables = step.tables_BN if isinstance(step, PagedStep) else None
+        if tables is not None:  # the C step reads keys 0..position of each row, no mask
+            mask = None
+            tables = tables.contiguous()
         need = rows * (self._row_scratch + self._model.H * step.key_len)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
@@ -336,14 +344,28 @@ class NativeStep:
             self._scratch.data_ptr(),
             torch.get_num_threads(),
             0 if cache_rows is None else cache_rows.data_ptr(),
+            0 if tables is None else tables.data_ptr(),
+            0 if tables is None else tables.shape[1],
+            0 if tables is None else self._block_size,
         )
 
-    def _point_at(self, cache: KVCache, rows: int, key_len: int) -> None:
+    def _point_at(self, cache: KVCache, rows: int, step: CacheStep) -> None:
         """Aim each layer's table at `cache` (views can move between calls), after checking that
-        it holds `rows` rows of at least `key_len` slots of the model's dtype."""
-        kv = [(cache.k_BSKD[layer.key], cache.v_BSKD[layer.key]) for layer in self.lean.layers]
+        it holds `rows` rows of at least the step's key_len slots of the model's dtype. A paged
+        cache: at its block buffers (the step's block tables say where each row's slots are)."""
+        key_len = step.key_len
+        if isinstance(cache, PagedKVCache):
+            assert isinstance(step, PagedStep) and step.tables_BN is not None
+            kv = [(cache.k_blocks[ly.key], cache.v_blocks[ly.key]) for ly in self.lean.layers]
+            self._block_size = cache.block_size
+            if step.tables_BN.shape[0] != rows:
+                raise ValueError(
+                    f"NativeStep: {step.tables_BN.shape[0]} block tables for {rows} rows"
+                )
+        else:
+            kv = [(cache.k_BSKD[ly.key], cache.v_BSKD[ly.key]) for ly in self.lean.layers]
         k0 = kv[0][0]
-        if k0.shape[0] != rows or k0.shape[1] < key_len:
+        if not isinstance(cache, PagedKVCache) and (k0.shape[0] != rows or k0.shape[1] < key_len):
             raise ValueError(
                 f"NativeStep: a cache of {k0.shape[0]} rows x {k0.shape[1]} slots for {rows} rows "
                 f"up to slot {key_len - 1}"

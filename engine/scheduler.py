@@ -4,16 +4,22 @@ Admission is first come, first served: the request at the head of the queue is a
 the pool has the rows it needs (one per beam, else one per returned sequence); a request that
 does not fit blocks the ones behind it, so a wide beam request is never starved by narrow ones.
 Running requests are never preempted: a row, once admitted, holds its slots to the end (the
-dense cache reserves --max-model-len slots per row). With paged KV, admission will count free
-blocks instead of rows, and preemption (recompute or swap, as vLLM's) will plug in here.
+dense cache reserves --max-model-len slots per row). With the paged cache (`admit_each`) the
+pool decides per request: admitted with its blocks reserved, wait (blocks short: it and the
+requests behind it wait) or skip for now (its prompt's next block is being computed by an
+earlier request: the ones behind may go).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 from engine.requests import GenerationRequest
 from engine.validation import rows_needed
+
+Admitted = TypeVar("Admitted")
 
 
 class Scheduler:
@@ -40,6 +46,28 @@ class Scheduler:
                 break
             admitted.append((self.waiting.popleft(), rows))
             free_rows -= rows
+        return admitted
+
+    def admit_each(
+        self,
+        admit: Callable[[GenerationRequest], Admitted | bool | None],
+        room: Callable[[], bool],
+    ) -> list[Admitted]:
+        """Offer waiting requests, in order while `room()`, to `admit`: what it returns for each
+        admitted one; None stops (that request keeps its place), False passes over it."""
+        admitted: list[Admitted] = []
+        passed: deque[GenerationRequest] = deque()
+        while self.waiting and room():
+            request = self.waiting.popleft()
+            result = admit(request)
+            if result is None:
+                self.waiting.appendleft(request)
+                break
+            if result is False:
+                passed.append(request)
+                continue
+            admitted.append(result)  # type: ignore[arg-type]
+        self.waiting = passed + self.waiting
         return admitted
 
     def drop(self, cancelled: set[int]) -> list[GenerationRequest]:

@@ -124,6 +124,16 @@ class InferenceServiceConfig(DataRootsConfig):
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (--speculative-config, vLLM's JSON): prompt-lookup or draft-model
     drafts verified in one forward per step; one process only (see engine/speculative.py)."""
+    block_size: int = 16
+    """Tokens per block of the paged KV cache (see EngineConfig.block_size)."""
+    enable_prefix_caching: bool | None = None
+    """Share cached prompt-prefix blocks between requests; None: on where the cache is paged
+    (see EngineConfig.enable_prefix_caching)."""
+    enable_chunked_prefill: bool | None = None
+    """Prefill long prompts in chunks between decode steps; None: on where the cache is paged
+    (see EngineConfig.enable_chunked_prefill)."""
+    max_num_batched_tokens: int | None = None
+    """Chunked prefill: tokens one engine step computes at most; None: 2048."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` a request may ask for."""
     max_num_beams: int = 16
@@ -190,6 +200,10 @@ class InferenceServiceConfig(DataRootsConfig):
             enable_lora=self.lora,
             max_loras=self.max_loras or max(1, len(self.lora_modules)),
             max_lora_rank=self.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def load_spec(self) -> LoadSpec:
@@ -253,6 +267,33 @@ class InferenceServiceConfig(DataRootsConfig):
                 "--compile-decode serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
+        for flag, value in (
+            ("--enable-prefix-caching", self.enable_prefix_caching),
+            ("--enable-chunked-prefill", self.enable_chunked_prefill),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ):
+            parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+            if parallel and value is not None and value is not False:
+                raise ValueError(
+                    f"{flag} needs the paged KV cache, which tensor- and pipeline-parallel "
+                    "servers do not have yet (their ranks keep dense rows); drop it or serve "
+                    "from one process"
+                )
+        paging = (
+            ("--enable-prefix-caching", self.enable_prefix_caching),
+            ("--enable-chunked-prefill", self.enable_chunked_prefill),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        )
+        for name, on in (
+            ("--speculative-config", self.speculative_config),
+            ("--enable-lora", self.lora),
+        ):
+            asked = [flag for flag, value in paging if value is not None and value is not False]
+            if on and asked:
+                raise ValueError(
+                    f"{asked[0]} needs the paged KV cache, which {name} does not use yet (its "
+                    "rows stay dense); drop one of them"
+                )
         parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
         if self.speculative_config is not None and parallel:
             raise ValueError(
@@ -482,6 +523,35 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "unchanged, sampled output keeps its distribution; one process only (default: off)",
     )
     group.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help=f"tokens per block of the paged KV cache (vLLM's flag; default {d.block_size})",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV blocks of prompt prefixes between requests (vLLM's flag; default: "
+        "on wherever the KV cache is paged: one process, no sliding window, no "
+        "--compile-decode, CPU or --enforce-eager)",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill long prompts in chunks between the decode steps of running requests, "
+        "within --max-num-batched-tokens a step (vLLM's flag; default: on wherever the KV "
+        "cache is paged)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="chunked prefill: tokens (decode rows + prompt chunks) one engine step computes "
+        "at most; more than --max-batch-rows (vLLM's flag; default 2048)",
+    )
+    group.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=d.max_new_tokens_limit,
@@ -570,6 +640,10 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             if args.speculative_config is None
             else parse_speculative_config(args.speculative_config)
         ),
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_num_beams=args.max_num_beams,
         max_score_items=args.max_score_items,

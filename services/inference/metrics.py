@@ -3,9 +3,11 @@
 `metered(front, prompt_ids, config, protocol)` wraps one request's event stream: it counts
 requests, prompt and generated tokens, and observes time to first token and inter-token latency.
 `instrument(engine)` records, after every model step, the batch size (active cache rows), the
-queue depth (requests waiting for rows) and KV-cache use (rows and token slots held), and on a
-speculative server (--speculative-config) the draft tokens proposed and accepted. Weight
-updates (issue #41) set the served version and observe their receive and swap seconds.
+queue depth (requests waiting for rows) and KV-cache use (rows and token slots held); with the
+paged KV cache also its blocks used and free and the prefix cache's lookups and hits (vLLM's
+counters: the hit rate is `rate(hits) / rate(queries)`); on a speculative server
+(--speculative-config) the draft tokens proposed and accepted. Weight updates (issue #41) set the
+served version and observe their receive and swap seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
+from engine.paged_pool import PagedPool
 from engine.requests import StepEvent
 from engine.sampling import SamplingConfig
 
@@ -90,9 +93,33 @@ SPEC_ACCEPTANCE_RATE = Gauge(
     "meshline_inference_spec_decode_acceptance_rate",
     "Speculative decoding: accepted / proposed draft tokens since start (0 before any draft).",
 )
+KV_BLOCKS_USED = Gauge(
+    "meshline_inference_kv_cache_blocks_used",
+    "Paged KV cache: blocks held by running or prefilling requests (a shared block counts once).",
+)
+KV_BLOCKS_FREE = Gauge(
+    "meshline_inference_kv_cache_blocks_free",
+    "Paged KV cache: blocks that can be taken: never used, or cached prefixes nobody holds.",
+)
+PREFIX_CACHE_QUERIES = Counter(
+    "meshline_inference_prefix_cache_queries",
+    "Prompt tokens (in full blocks) looked up in the prefix cache at admission.",
+)
+PREFIX_CACHE_HITS = Counter(
+    "meshline_inference_prefix_cache_hits",
+    "Of the prompt tokens looked up, those found cached (their prefill skipped).",
+)
 
 
-_last_step: dict[str, float] = {"queue": 0.0, "rows": 0.0, "kv_rows": 0.0, "kv_tokens": 0.0}
+_last_step: dict[str, float] = {
+    "queue": 0.0,
+    "rows": 0.0,
+    "kv_rows": 0.0,
+    "kv_tokens": 0.0,
+    "blocks_used": 0.0,
+}
+_prefix_seen = {"queried": 0, "hit": 0}
+"""The engine's prefix-cache totals already added to the counters."""
 """The load gauges' values as of the last model step (read at scrape time, see `instrument`)."""
 _spec_seen: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 """Per engine, its speculation counts already added to the Prometheus counters."""
@@ -125,6 +152,12 @@ def _observe_step(engine: Engine) -> None:
         kv_rows=pool.num_rows / pool.max_rows,
         kv_tokens=pool.slots_used() / pool.slot_capacity,
     )
+    if isinstance(pool, PagedPool):
+        stats = pool.blocks.stats
+        PREFIX_CACHE_QUERIES.inc(stats.queried_tokens - _prefix_seen["queried"])
+        PREFIX_CACHE_HITS.inc(stats.hit_tokens - _prefix_seen["hit"])
+        _prefix_seen.update(queried=stats.queried_tokens, hit=stats.hit_tokens)
+        _last_step["blocks_used"] = pool.blocks.used
     STEPS.inc()
     _observe_speculation(engine)
 
@@ -145,6 +178,17 @@ def instrument(engine: Engine) -> None:
         (KV_CACHE_TOKENS_USAGE, "kv_tokens"),
     ):
         gauge.set_function(lambda key=key: _last_step[key] if engine.has_work() else 0.0)
+    pool = engine.pool
+    _prefix_seen.update(queried=0, hit=0)
+    if isinstance(pool, PagedPool):
+        _prefix_seen.update(
+            queried=pool.blocks.stats.queried_tokens, hit=pool.blocks.stats.hit_tokens
+        )
+        total = pool.blocks.num_blocks
+        KV_BLOCKS_USED.set_function(lambda: _last_step["blocks_used"] if engine.has_work() else 0.0)
+        KV_BLOCKS_FREE.set_function(
+            lambda: total - _last_step["blocks_used"] if engine.has_work() else total
+        )
 
 
 async def metered(

@@ -79,13 +79,23 @@ def _engine(model, **config) -> Engine:
     return Engine(model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=8, **config))
 
 
+class _DenseEngine(Engine):
+    """An engine with dense cache rows, as CUDA graphs run on (a CPU engine pages its cache)."""
+
+    pages_kv = False
+
+
+def _dense_engine(model) -> Engine:
+    return _DenseEngine(model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=8))
+
+
 def test_engine_with_uncaptured_graph_steps_decodes_as_the_eager_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(cuda_graphs, "MIN_BUCKET", 8)  # buckets 8, 16, 32, 64 on this context
     prompts, configs = _requests()
-    eager = _engine(_model())
-    graphed = _engine(_model())
+    eager = _dense_engine(_model())
+    graphed = _dense_engine(_model())
     assert graphed.runner.decode_step is not None
     graphed.runner.graphs = GraphedDecode(
         graphed.runner.decode_step, graphed.pool.cache, capture=False

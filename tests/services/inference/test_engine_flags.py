@@ -33,6 +33,10 @@ NON_DEFAULT = {
     "enable_lora": ("--enable-lora", None, True),
     "max_loras": ("--max-loras", "3", 3),
     "max_lora_rank": ("--max-lora-rank", "64", 64),
+    "block_size": ("--block-size", "32", 32),
+    "enable_prefix_caching": ("--no-enable-prefix-caching", None, False),
+    "enable_chunked_prefill": ("--enable-chunked-prefill", None, True),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "512", 512),
 }
 # Flags a case needs beside its own (a setting that only applies with another).
 NEEDS = {"max_loras": ["--enable-lora"], "max_lora_rank": ["--enable-lora"]}
@@ -89,6 +93,13 @@ def test_size_suffixes_and_refusals(tmp_path: Path) -> None:
         parsed("--gpu-memory-utilization", "1.5")
     with pytest.raises(ValueError, match="not both"):
         parsed("--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB")
+    with pytest.raises(ValueError, match="--enable-prefix-caching needs the paged KV cache"):
+        parsed("--enable-prefix-caching", "--tensor-parallel-size", "2")
+    assert not parsed(
+        "--no-enable-chunked-prefill", "--pipeline-parallel-size", "2"
+    ).enable_chunked_prefill
+    with pytest.raises(ValueError, match=r"--block-size must be in 1\.\.1024"):
+        parsed("--block-size", "0")
 
 
 def test_batch_wait_reaches_the_engine_thread(

@@ -4,6 +4,11 @@ Tiny random Llama (GQA, RoPE) and Bloom (ALiBi) models are built in HF and conve
 adapters. Each case runs HF once without an EOS to pick an EOS id the model really produces
 mid-sequence (so the end-of-sequence path is exercised), then compares both with that EOS. HF
 is run with every default logits processor disabled, so the settings match exactly.
+
+Every case runs twice: with the engine's defaults (paged KV cache, prefix caching, chunked
+prefill under a 2048-token budget), and with 2-token blocks and a 5-token step budget, where
+the prompt is prefilled in two chunks and, run a second time, found in the prefix cache (two of
+its three blocks): both runs must give HF's tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine
+from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from tests.services.inference.helpers import PAD_ID, hf_generate, hf_reference, prompt
@@ -25,8 +30,26 @@ def models(request):
     return hf, ours, config
 
 
-def _engine(ours, config, eos_id):
-    return Engine(ours, TokenizerInfo(config.vocab_size, eos_id=eos_id))
+FEATURES = {
+    "defaults": EngineConfig(),
+    "chunks+prefix-hits": EngineConfig(block_size=2, max_batch_rows=4, max_num_batched_tokens=5),
+}
+
+
+@pytest.fixture(params=list(FEATURES))
+def features(request):
+    return FEATURES[request.param]
+
+
+def _generate(ours, config, eos_id, features, ids, cfg):
+    """The engine's results for one request, checked equal on a second run (prefix hits)."""
+    engine = Engine(ours, TokenizerInfo(config.vocab_size, eos_id=eos_id), features)
+    [first] = engine.generate([ids], [cfg])
+    [again] = engine.generate([ids], [cfg])
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    if features.block_size == 2:
+        assert engine.pool.blocks.stats.hit_tokens == 4
+    return first
 
 
 def _new_tokens(hf_out: torch.Tensor, row: int, length: int, pad_id: int = PAD_ID) -> list[int]:
@@ -38,7 +61,7 @@ def _new_tokens(hf_out: torch.Tensor, row: int, length: int, pad_id: int = PAD_I
 
 @pytest.mark.parametrize("seed", [0, 2])
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
-def test_greedy_matches_hf(models, seed, repetition_penalty):
+def test_greedy_matches_hf(models, seed, repetition_penalty, features):
     hf, ours, config = models
     ids = prompt(PROMPT_LEN, config.vocab_size, seed=seed)
     free = hf_generate(
@@ -49,7 +72,7 @@ def test_greedy_matches_hf(models, seed, repetition_penalty):
         hf, ids, max_new_tokens=16, eos_token_id=eos, repetition_penalty=repetition_penalty
     )
     cfg = SamplingConfig(max_new_tokens=16, repetition_penalty=repetition_penalty)
-    [[result]] = _engine(ours, config, eos).generate([ids], [cfg])
+    [result] = _generate(ours, config, eos, features, ids, cfg)
     assert result.token_ids == expected[0, PROMPT_LEN:].tolist()
     assert result.token_ids[-1] == eos and result.finish.value == "stop"
 
@@ -65,7 +88,9 @@ BEAM_CASES = [
 
 
 @pytest.mark.parametrize("seed,beams,length_penalty,early_stopping,n_return", BEAM_CASES)
-def test_beam_search_matches_hf(models, seed, beams, length_penalty, early_stopping, n_return):
+def test_beam_search_matches_hf(
+    models, seed, beams, length_penalty, early_stopping, n_return, features
+):
     hf, ours, config = models
     ids = prompt(PROMPT_LEN, config.vocab_size, seed=seed)
     settings = dict(
@@ -79,7 +104,7 @@ def test_beam_search_matches_hf(models, seed, beams, length_penalty, early_stopp
     eos = int(free[0, PROMPT_LEN + 3])
     expected = hf_generate(hf, ids, eos_token_id=eos, **settings)
     cfg = SamplingConfig(**settings)
-    [results] = _engine(ours, config, eos).generate([ids], [cfg])
+    results = _generate(ours, config, eos, features, ids, cfg)
     assert len(results) == n_return
     for row, result in enumerate(results):
         assert result.token_ids == _new_tokens(expected, row, len(result.token_ids)), row
@@ -87,11 +112,11 @@ def test_beam_search_matches_hf(models, seed, beams, length_penalty, early_stopp
     assert max(len(r.token_ids) for r in results) == expected.shape[1] - PROMPT_LEN
 
 
-def test_beam_search_without_eos_matches_hf(models):
+def test_beam_search_without_eos_matches_hf(models, features):
     hf, ours, config = models
     ids = prompt(PROMPT_LEN, config.vocab_size, seed=1)
     settings = dict(max_new_tokens=12, num_beams=4, num_return_sequences=4)
     expected = hf_generate(hf, ids, eos_token_id=None, **settings)
-    [results] = _engine(ours, config, None).generate([ids], [SamplingConfig(**settings)])
+    results = _generate(ours, config, None, features, ids, SamplingConfig(**settings))
     assert [r.token_ids for r in results] == expected[:, PROMPT_LEN:].tolist()
     assert all(r.finish.value == "length" for r in results)

@@ -70,7 +70,8 @@ def test_default_flags_serve_smollm2_under_2gb(smollm2_dir):
     try:
         assert ready.wait(300) and len(ports) == 2, "".join(lines[-30:])
         [reserved] = [line for line in lines if "KV cache:" in line]
-        assert "x 8192 tokens (the model's context length)" in reserved, reserved
+        assert "KV cache: paged, " in reserved, reserved
+        assert "8192 tokens (the model's context length)" in reserved, reserved
         assert "budget 512.0 MiB (the CPU default" in reserved, reserved
         url = f"http://127.0.0.1:{ports['http']}/v1/completions"
         answer = requests.post(

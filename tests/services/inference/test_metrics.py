@@ -125,3 +125,29 @@ def test_operations_collector_counts_states(served):
     assert _value(samples, "meshline_operations", kind="metrics-test", state="running") == 1
     ratio = _value(samples, "meshline_operation_progress_ratio", kind="metrics-test")
     assert ratio == pytest.approx(0.25)
+
+
+def test_prefix_cache_hits_and_blocks_are_exported(served):
+    served, url = served
+    before = _scrape(url)
+    shared = " ".join(["one two three four five six seven eight"] * 2)
+    for tail in ("nine", "ten"):
+        served.grpc_stub.Generate(
+            pb.GenerateRequest(
+                prompt=f"{shared} {tail}", params=pb.SamplingParams(max_new_tokens=2)
+            ),
+            timeout=60,
+        )
+    after = _scrape(url)
+
+    def moved(name: str) -> float:
+        return _value(after, name) - _value(before, name)
+
+    # The second prompt finds the full 16-token blocks of the first that the words share.
+    hits, queries = (
+        moved("meshline_inference_prefix_cache_hits_total"),
+        moved("meshline_inference_prefix_cache_queries_total"),
+    )
+    assert hits >= 32 and hits % 16 == 0 and queries >= 2 * hits
+    assert _value(after, "meshline_inference_kv_cache_blocks_free") > 0
+    assert ("meshline_inference_kv_cache_blocks_used", ()) in after

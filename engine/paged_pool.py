@@ -1,0 +1,260 @@
+"""The paged KV-cache pool: block buffers, the active rows' block tables, prefix caching.
+
+Shapes: N blocks, P block size (token slots a block), K kv heads, D head dim.
+
+Every layer's keys and values live in [N, P, K, D] buffers allocated once (the budget of
+engine/cache_plan.py in blocks). An active row is a block table (its blocks in order) and a
+length; rows [0, num_rows) are the engine's decoding rows, in the engine's order. `gather`
+reorders and duplicates tables (beam search, finished rows leaving): only block references
+move, no key or value is copied until a row writes into a block another table shares (copy on
+write, in `PagedKVCache.begin`).
+
+Admission (`admit`): a request reserves its worst case in blocks — the prompt's full blocks
+not found cached, plus per row the blocks from its partial prompt block to prompt +
+max_new_tokens (capped at --max-model-len) — so a running request never runs short and nothing
+is preempted; a request that does not fit waits in the queue. With prefix caching the prompt's
+full blocks are looked up by their chained digests (engine/kv_blocks.py) and shared; at least
+the prompt's last token is always computed (its logits give the first new token). A prompt
+whose next uncached block is being prefilled by an earlier request waits for it rather than
+computing it twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_blocks import BlockAllocator, BlockHash, chain_hashes
+from engine.paged_cache import PagedKVCache
+from engine.requests import GenerationRequest
+from engine.slots import local_kv_heads
+from engine.validation import rows_needed
+from models.transformer import CausalLM
+
+
+@dataclass
+class Prefill:
+    """A request admitted into the paged cache whose prompt is not fully computed yet."""
+
+    request: GenerationRequest
+    """The request."""
+    rows: int
+    """Rows it takes once prefilled (its prompt's blocks are shared by all of them)."""
+    table: list[int]
+    """The prompt's blocks so far (cached ones first)."""
+    done: int
+    """Prompt tokens whose keys and values are in `table`."""
+    cached: int
+    """Of those, tokens found in the prefix cache at admission."""
+    hashes: list[BlockHash] = field(default_factory=list)
+    """Chained digests of the prompt's full blocks."""
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return len(self.request.prompt_ids) - self.done
+
+
+class PagedPool:
+    """Block buffers and the block tables of the active rows (see the module doc)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        max_rows: int,
+        max_seq_len: int,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_caching: bool,
+    ) -> None:
+        param = next(model.parameters())
+        shape = (num_blocks, block_size, local_kv_heads(model), model.config.head_dim)
+        # Uninitialised: the pages of a block become resident when it is first taken (and
+        # zeroed then, see `_take`), so memory grows with use up to the budget.
+        self.k_blocks = {
+            str(i): torch.empty(shape, dtype=param.dtype, device=param.device) for i in model.layers
+        }
+        self.v_blocks = {key: torch.empty_like(buf) for key, buf in self.k_blocks.items()}
+        self._zeroed = [False] * num_blocks
+        self.blocks = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+        """Reference counts, prefix digests, reservations."""
+        self.block_size = block_size
+        self.max_rows = max_rows
+        self.max_seq_len = max_seq_len
+        self.tables: list[list[int]] = []
+        self._lengths: list[int] = []
+        self._owners: list[int] = []
+        self.prefilling_rows = 0
+        """Rows promised to admitted requests still prefilling."""
+        self._in_flight: set[BlockHash] = set()
+
+    # -- the SlotPool interface the engine and metrics read ----------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        """Active (decoding) rows."""
+        return len(self.tables)
+
+    @property
+    def free_rows(self) -> int:
+        """Rows neither decoding nor promised to a prefill."""
+        return self.max_rows - self.num_rows - self.prefilling_rows
+
+    def lengths(self) -> list[int]:
+        """Tokens cached per active row."""
+        return list(self._lengths)
+
+    @property
+    def slot_capacity(self) -> int:
+        """Token slots of every block."""
+        return self.blocks.num_blocks * self.block_size
+
+    def slots_used(self) -> int:
+        """Token slots of the blocks some table holds (a shared block counts once)."""
+        return self.blocks.used * self.block_size
+
+    def view(self, start: int, stop: int) -> PagedKVCache:
+        """A cache over active rows [start, stop) (call `sync` after the forward)."""
+        return self.view_of(
+            self.tables[start:stop], self._lengths[start:stop], self._owners[start:stop]
+        )
+
+    def view_of(
+        self, tables: list[list[int]], lengths: list[int], owners: list[int]
+    ) -> PagedKVCache:
+        """A cache over any block tables (a prefill's before its rows join)."""
+        return PagedKVCache(
+            self.k_blocks,
+            self.v_blocks,
+            tables,
+            lengths,
+            owners,
+            self.max_seq_len,
+            self._take,
+            self._copy_on_write,
+        )
+
+    def sync(self, view: PagedKVCache, start: int) -> None:
+        """Copy a view's row lengths back after a forward."""
+        self._lengths[start : start + view.batch_size] = view.lengths_B.tolist()
+
+    def gather(self, rows: list[int]) -> None:
+        """Keep active rows `rows`, in that order (a row may repeat: its blocks are shared)."""
+        if rows == list(range(self.num_rows)):
+            return
+        tables = [list(self.tables[i]) for i in rows]
+        for table in tables:
+            for block in table:
+                self.blocks.incref(block)
+        for table in self.tables:
+            for block in table:
+                self.blocks.decref(block)
+        self.tables = tables
+        self._lengths = [self._lengths[i] for i in rows]
+        self._owners = [self._owners[i] for i in rows]
+
+    # -- admission and prefill ---------------------------------------------------------------
+
+    def blocks_needed(self, prompt_len: int, config_rows: int, max_new_tokens: int) -> int:
+        """Blocks a request may take at most with nothing cached (see the module doc)."""
+        p = self.block_size
+        total = min(prompt_len + max_new_tokens, self.max_seq_len)
+        full = prompt_len // p
+        return full + config_rows * (math.ceil(total / p) - full)
+
+    def admit(self, request: GenerationRequest) -> Prefill | bool | None:
+        """Reserve `request`'s blocks and look up its cached prefix: its Prefill; None when the
+        blocks are short (it waits, and so do the requests behind it); False when an earlier
+        request is computing its next prompt block (it waits, the ones behind may go)."""
+        rows = rows_needed(request.config)
+        if rows > self.free_rows:
+            return None
+        prompt = request.prompt_ids
+        p = self.block_size
+        hashes = chain_hashes(prompt, p) if self.blocks.prefix_caching else []
+        usable = hashes[: (len(prompt) - 1) // p]  # the last prompt token is always computed
+        hit = self.blocks.lookup(usable)
+        if len(hit) < len(usable) and usable[len(hit)] in self._in_flight:
+            return False
+        new = self.blocks_needed(len(prompt), rows, request.config.max_new_tokens) - len(hit)
+        if not self.blocks.can_reserve(new, hit):
+            return None
+        self.blocks.reserve(request.request_id, new, hit)
+        self.blocks.note_query(len(usable) * p, len(hit) * p)
+        self._in_flight.update(hashes[len(hit) :])
+        self.prefilling_rows += rows
+        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes)
+
+    def prefill_view(self, prefills: list[Prefill]) -> PagedKVCache:
+        """A cache over the prompt tables of prefills at the same length."""
+        return self.view_of(
+            [f.table for f in prefills],
+            [f.done for f in prefills],
+            [f.request.request_id for f in prefills],
+        )
+
+    def prefilled(self, prefill: Prefill, tokens: int) -> None:
+        """`tokens` more prompt tokens are in the prefill's table: name its full blocks."""
+        prefill.done += tokens
+        for i in range(prefill.done // self.block_size):
+            if i < len(prefill.hashes):
+                self.blocks.register(prefill.table[i], prefill.hashes[i])
+                self._in_flight.discard(prefill.hashes[i])
+
+    def join(self, prefill: Prefill) -> None:
+        """A fully prefilled prompt becomes `prefill.rows` active rows sharing its blocks."""
+        for _ in range(prefill.rows - 1):
+            for block in prefill.table:
+                self.blocks.incref(block)
+        for _ in range(prefill.rows):
+            self.tables.append(list(prefill.table))
+            self._lengths.append(prefill.done)
+            self._owners.append(prefill.request.request_id)
+        self.prefilling_rows -= prefill.rows
+
+    def abandon(self, prefill: Prefill) -> None:
+        """A prefill that will not finish (cancelled or failed): its blocks and rows go back."""
+        for block in prefill.table:
+            self.blocks.decref(block)
+        self._in_flight.difference_update(prefill.hashes)
+        self.prefilling_rows -= prefill.rows
+        prefill.table.clear()
+        self.blocks.release(prefill.request.request_id)
+
+    def settle(self, running: set[int]) -> None:
+        """Return the unused reservations of requests that hold no row and no prefill."""
+        for request_id in list(self.blocks.reserved_by()):
+            if request_id not in running:
+                self.blocks.release(request_id)
+
+    def reset(self) -> None:
+        """Forget every row, prefill, reservation and cached prefix."""
+        self.tables, self._lengths, self._owners = [], [], []
+        self.prefilling_rows = 0
+        self._in_flight.clear()
+        self.blocks.reset()
+
+    def _take(self, owner: int) -> int:
+        """A block for `owner` (BlockAllocator.allocate), zeroed on its first use: attention
+        gives the slots past a row's end weight 0, and 0 x a NaN left in memory is NaN."""
+        block = self.blocks.allocate(owner)
+        if not self._zeroed[block]:
+            for store in (self.k_blocks, self.v_blocks):
+                for buf in store.values():
+                    buf[block].zero_()
+            self._zeroed[block] = True
+        return block
+
+    def _copy_on_write(self, block: int, owner: int) -> int:
+        """`block`, or a private copy of it for `owner` when another table shares it."""
+        if not self.blocks.shared(block):
+            return block
+        copy = self._take(owner)
+        for store in (self.k_blocks, self.v_blocks):
+            for buf in store.values():
+                buf[copy] = buf[block]
+        self.blocks.decref(block)
+        return copy

@@ -303,7 +303,7 @@ class NativeStep:
         if count > self.max_rows or cache.is_ring or cache.batch_size != 1:
             return None
         step = cache.begin(count, None)
-        self._point_at(cache, 1, step.key_len)
+        self._point_at(cache, 1, step)
         tokens = ids_S.to(torch.long).contiguous()
         positions = (step.start_B[0] + torch.arange(count)).contiguous()
         logits_SV = torch.empty(count, self._model.V)

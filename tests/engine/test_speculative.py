@@ -138,7 +138,8 @@ def test_verification_in_c_matches_the_module_forward(tiny):
     """k+1 tokens of one row in one C call (NativeStep.verify): every position's logits and the
     keys/values written equal the module forward's to fp32 rounding; lengths and mask equal."""
     _, ours, config = tiny
-    runner = _engine(ours, config).runner
+    # A speculating engine keeps dense cache rows (engine/model_runner.py), which this test drives.
+    runner = _engine(ours, config, ngram(4)).runner
     assert isinstance(runner.decode_step, NativeStep) and runner.decode_step.max_rows >= 5
     pool = runner.pool
     pool.allocate(2)

@@ -33,6 +33,7 @@ from engine.beam_search import BeamSearch
 from engine.cache_plan import CachePlan
 from engine.config import EngineConfig
 from engine.detokenize import TextTracker
+from engine.grammar import GrammarMatcher, grammar_problem, mask_rows
 from engine.model_runner import ModelRunner
 from engine.requests import (
     Finish,
@@ -54,7 +55,7 @@ from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
-from engine.validation import InvalidRequest, RequestLimits, request_problems
+from engine.validation import InvalidRequest, Problem, RequestLimits, request_problems
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -99,6 +100,8 @@ class _Sequence:
     seen: torch.Tensor
     tokens: list[int] = field(default_factory=list)
     logprob: float = 0.0
+    matcher: GrammarMatcher | None = None
+    """Structured output: which tokens the request's grammar allows next (None: any)."""
 
 
 @dataclass
@@ -227,6 +230,10 @@ class Engine:
         """InvalidRequest (a ValueError) listing every problem when a request cannot run here
         (engine.validation; a long generation is cut at the model length, not refused)."""
         problems = request_problems(prompt_ids, config, self.request_limits(), whole=False)
+        if not problems and config.grammar is not None:
+            reason = grammar_problem(config.grammar, self.tokens)
+            if reason is not None:
+                problems = [Problem("grammar", reason)]
         if problems:
             raise InvalidRequest(problems)
 
@@ -418,6 +425,7 @@ class Engine:
                 self._generator(seed) if cfg.sampling else None,
                 TextTracker(self.tokens.decode, cfg.stop),
                 prompt,
+                matcher=None if cfg.grammar is None else GrammarMatcher(cfg.grammar, self.tokens),
             )
             out.append(_Row(-1, request, seq=seq))
         return out
@@ -482,7 +490,7 @@ class Engine:
         logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
         configs = [s.request.config for s in seqs]
         processed_PV = apply_repetition_penalty(
-            logits_PV,
+            mask_rows(logits_PV, [s.matcher for s in seqs]),
             [s.seen for s in seqs],
             [c.repetition_penalty for c in configs],
         )
@@ -511,6 +519,8 @@ class Engine:
     ) -> Finish | None:
         """Append a token to a sequence and emit its event; returns why it ended, if it did."""
         cfg = seq.request.config
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
         seq.tokens.append(token)
         seq.logprob += logprob
         if cfg.repetition_penalty != 1.0:

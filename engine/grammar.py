@@ -59,12 +59,15 @@ def grammar_tokenizer(tokens: TokenizerInfo) -> LLTokenizer:
     return built
 
 
-def grammar_problem(grammar: str, tokens: TokenizerInfo) -> str | None:
-    """Why `grammar` cannot constrain this model's output (None: it can)."""
-    try:
-        vocab = grammar_tokenizer(tokens)
-    except GrammarError as exc:
-        return str(exc)
+def grammar_problem(grammar: str, tokens: TokenizerInfo | None) -> str | None:
+    """Why `grammar` cannot constrain this model's output (None: it can); with `tokens` None,
+    whether it is well-formed at all (no vocabulary needed)."""
+    vocab = None
+    if tokens is not None:
+        try:
+            vocab = grammar_tokenizer(tokens)
+        except GrammarError as exc:
+            return str(exc)
     from llguidance import LLMatcher
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocab)

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.grammar import json_schema_grammar
+from engine.grammar import grammar_problem, json_schema_grammar
 from engine.requests import Finish
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_body import OffLoopBodyRoute
@@ -416,10 +416,9 @@ class _Api:
         """The request's tool use and the grammar its answer follows (a forced tool call, or a
         structured output), each checked against the served tokenizer; 400 naming the field."""
         for i, tool in enumerate(body.tools or []):
-            checked_constraint(
-                engine,
-                (f"tools[{i}].function.parameters", json_schema_grammar(parameters_of(tool))),
-            )
+            reason = grammar_problem(json_schema_grammar(parameters_of(tool)), None)
+            if reason is not None:
+                raise invalid(f"tools[{i}].function.parameters", f"not a usable schema: {reason}")
         source = chat_source(engine, self.http.chat_template)
         tools = tool_plan(body, source)
         constraint = checked_constraint(engine, requested_grammar(body))

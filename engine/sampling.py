@@ -55,6 +55,9 @@ class SamplingConfig:
     """Seed of the request's sampler (sequence i of a request uses seed + i)."""
     logprobs: int = 0
     """Most likely alternatives reported with each generated token (0: none; not with beams)."""
+    grammar: str | None = None
+    """Structured output: an llguidance grammar (engine/grammar.py) each sequence's tokens must
+    match, every sequence with a matcher of its own; None leaves the output free. Not with beams."""
 
     @property
     def sampling(self) -> bool:

@@ -368,6 +368,14 @@ class HFTokenizer:
             return [str(self._rust.id_to_token(int(i))) for i in ids]
         return [str(t) for t in self._tok.convert_ids_to_tokens([int(i) for i in ids])]
 
+    def tokenizer_json(self) -> str | None:
+        """The fast tokenizer serialised as `tokenizer.json` (added tokens included), what
+        grammar engines read the vocabulary from; None for a slow tokenizer."""
+        backend = self._rust
+        if backend is None and getattr(self._tok, "is_fast", False):
+            backend = self._tok.backend_tokenizer
+        return None if backend is None else str(backend.to_str())
+
     def describe(self) -> dict[str, Any]:
         """Identity for manifests (checksum of tokenizer.json, else tokenizer_config.json)."""
         checksum = None

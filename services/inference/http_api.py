@@ -26,6 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.grammar import grammar_problem, json_schema_grammar
+from engine.requests import Finish
 from services.common.errors import MeshlineError, PermissionDenied
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_body import OffLoopBodyRoute
@@ -37,6 +39,7 @@ from services.inference.openai_generation import (
     FINISH_REASONS,
     ChoiceResult,
     Plan,
+    chat_source,
     chat_template_of,
     fold,
     generate,
@@ -64,7 +67,16 @@ from services.inference.openai_responses import (
     gen_logprobs,
     usage_of,
 )
+from services.inference.openai_structured import checked_constraint, requested_grammar
 from services.inference.serving import ServingEngine
+from services.inference.tool_calls import (
+    StreamSplitter,
+    ToolPlan,
+    call_grammar,
+    parameters_of,
+    parse_calls,
+    tool_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +330,7 @@ class _Api:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:
             raise invalid("max_tokens", "0 generates nothing; set echo true to score the prompt")
+        constraint = await off_loop(lambda: checked_constraint(engine, requested_grammar(body)))
         current = plan(
             body,
             max_tokens=max_tokens,
@@ -325,6 +338,7 @@ class _Api:
             prompt_lengths=[len(ids) for _, ids in prompts],
             engine=engine,
             limits=self.limits,
+            constraint=constraint,
         )
         current.adapter = adapter
         meta = {
@@ -432,8 +446,11 @@ class _Api:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine, adapter = self._resolve(body.model)
+        tools, constraint = await off_loop(lambda: self._chat_constraints(engine, body))
         prompt = await off_loop(
-            lambda: render_chat(engine, body, self.http.chat_template, self.limits.max_text_chars)
+            lambda: render_chat(
+                engine, body, self.http.chat_template, self.limits.max_text_chars, tools
+            )
         )
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
@@ -447,6 +464,7 @@ class _Api:
             prompt_lengths=[len(prompt)],
             engine=engine,
             limits=self.limits,
+            constraint=constraint,
         )
         current.adapter = adapter
         meta = {
@@ -455,21 +473,54 @@ class _Api:
             "model": adapter or self.model_name,
         }
         if body.stream:
-            return sse(self._chat_chunks(engine, body, prompt, current, meta))
+            return sse(self._chat_chunks(engine, body, prompt, current, meta, tools))
         results = await until_disconnect(request, generate(engine, prompt, current))
-        choices = [
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(engine, r, current.top_k)
-                if current.want_logprobs
-                else None,
-                "finish_reason": FINISH_REASONS[r.finish] if r.finish else "length",
-            }
-            for j, r in enumerate(results)
-        ]
+        choices = []
+        for j, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = FINISH_REASONS[r.finish] if r.finish else "length"
+            calls = parse_calls(tools, r.text) if tools is not None else ("", [])
+            if calls[1]:
+                message = {
+                    "role": "assistant",
+                    "content": calls[0] or None,
+                    "tool_calls": [c.openai() for c in calls[1]],
+                }
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append(
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": chat_logprobs(engine, r, current.top_k)
+                    if current.want_logprobs
+                    else None,
+                    "finish_reason": finish,
+                }
+            )
         usage = usage_of(len(prompt), sum(len(r.token_ids) for r in results))
         return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+
+    def _chat_constraints(
+        self, engine: ServingEngine, body: ChatCompletionRequest
+    ) -> tuple[ToolPlan | None, tuple[str, str] | None]:
+        """The request's tool use and the grammar its answer follows (a forced tool call, or a
+        structured output), each checked against the served tokenizer; 400 naming the field."""
+        for i, tool in enumerate(body.tools or []):
+            reason = grammar_problem(json_schema_grammar(parameters_of(tool)), None)
+            if reason is not None:
+                raise invalid(f"tools[{i}].function.parameters", f"not a usable schema: {reason}")
+        source = chat_source(engine, self.http.chat_template)
+        tools = tool_plan(body, source)
+        constraint = checked_constraint(engine, requested_grammar(body))
+        if tools is not None and tools.forced:
+            if constraint is not None:
+                raise invalid(
+                    constraint[0].split(".")[0],
+                    f"a forced tool_choice ({tools.choice!r}) already fixes the answer's form; "
+                    "drop one of them",
+                )
+            constraint = checked_constraint(engine, ("tool_choice", call_grammar(tools)))
+        return tools, constraint
 
     async def _chat_chunks(
         self,
@@ -478,12 +529,14 @@ class _Api:
         prompt: list[int],
         current: Plan,
         meta: dict[str, Any],
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         meta = {**meta, "object": "chat.completion.chunk"}
         for j in range(current.n):
             delta = {"role": "assistant", "content": ""}
             yield {**meta, "choices": [{"index": j, "delta": delta, "finish_reason": None}]}
         completion_tokens = 0
+        splitters = [StreamSplitter(tools) for _ in range(current.n)] if tools else []
         async for _, event in merged(engine, [prompt], current.config, current.adapter):
             completion_tokens += len(event.token_ids)
             choice: dict[str, Any] = {
@@ -495,6 +548,16 @@ class _Api:
                 partial = ChoiceResult()
                 fold(partial, event)
                 choice["logprobs"] = chat_logprobs(engine, partial, current.top_k)
+            if splitters:
+                splitter = splitters[event.index]
+                choice["delta"] = {"content": splitter.feed(event.text)}
+                if event.finish is not None:
+                    rest, calls = splitter.finish()
+                    choice["delta"] = {"content": choice["delta"]["content"] + rest}
+                    if calls:
+                        choice["delta"]["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
+                        if event.finish in (Finish.STOP, Finish.STOP_STRING):
+                            choice["finish_reason"] = "tool_calls"
             yield {**meta, "choices": [choice]}
         if body.stream_options is not None and body.stream_options.include_usage:
             yield {**meta, "choices": [], "usage": usage_of(len(prompt), completion_tokens)}

@@ -21,6 +21,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.requests import Finish, StepEvent
 from engine.sampling import SamplingConfig
@@ -43,6 +44,13 @@ from services.inference.openai_protocol import (
     invalid,
 )
 from services.inference.serving import ServingEngine, request_limits
+from services.inference.tool_calls import (
+    ToolPlan,
+    call_as_text,
+    family_of,
+    hermes_system_block,
+    template_tools,
+)
 
 FINISH_REASONS = {
     Finish.LENGTH: "length",
@@ -150,8 +158,10 @@ def plan(
     prompt_lengths: list[int],
     engine: ServingEngine,
     limits: InferenceServiceConfig,
+    constraint: tuple[str, str] | None = None,
 ) -> Plan:
-    """The engine settings of a request, or ApiError(400) naming the field that cannot be met."""
+    """The engine settings of a request, or ApiError(400) naming the field that cannot be met.
+    `constraint`: (the field that asked for it, the grammar) of a structured output."""
     if request.presence_penalty or request.frequency_penalty:
         raise invalid(
             "presence_penalty" if request.presence_penalty else "frequency_penalty",
@@ -172,8 +182,11 @@ def plan(
         length_penalty=1.0 if request.length_penalty is None else request.length_penalty,
         stop=tuple(stops),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
+        grammar=None if constraint is None else constraint[1],
     )
     if request.use_beam_search:
+        if constraint is not None:
+            raise invalid(constraint[0], "structured output is not combined with use_beam_search")
         beams = request.best_of or n
         if beams < n:
             raise invalid("best_of", f"beam width must be >= n ({n}), got {beams}")
@@ -295,11 +308,33 @@ async def prompt_logprobs(
     return out
 
 
+def chat_source(engine: ServingEngine, template: str) -> str | None:
+    """The Jinja chat template a chat is rendered with (None for a named prompt template)."""
+    if template != CHAT_TEMPLATE_AUTO:
+        return None
+    source = chat_template_of(engine)
+    if source is None:
+        raise ApiError(
+            400,
+            "messages: the served tokenizer has no chat template; restart the server with "
+            f"--chat-template NAME (one of {sorted(TEMPLATES)}) or use /v1/completions",
+            param="messages",
+            code="chat_template_missing",
+        )
+    return source
+
+
 def render_chat(
-    engine: ServingEngine, request: ChatCompletionRequest, template: str, max_chars: int
+    engine: ServingEngine,
+    request: ChatCompletionRequest,
+    template: str,
+    max_chars: int,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
     """Prompt ids of a chat: the tokenizer's own template ("auto") or a named prompt template;
-    the messages' text together is at most `max_chars` (--max-text-chars), as a gRPC prompt."""
+    the messages' text together is at most `max_chars` (--max-text-chars), as a gRPC prompt.
+    With `tools`, the functions are offered as the template's tool format says
+    (services/inference/tool_calls.py)."""
     chars = sum(len(m.text()) for m in request.messages)
     if chars > max_chars:
         raise invalid(
@@ -308,34 +343,79 @@ def render_chat(
     tokens = engine.tokens
     if tokens.tokenizer is None:
         raise invalid("messages", "this server has no tokenizer, so it cannot render a chat")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in request.messages
-    ]
-    if template == CHAT_TEMPLATE_AUTO:
-        source = chat_template_of(engine)
-        if source is None:
-            raise ApiError(
-                400,
-                "messages: the served tokenizer has no chat template; restart the server with "
-                f"--chat-template NAME (one of {sorted(TEMPLATES)}) or use /v1/completions",
-                param="messages",
-                code="chat_template_missing",
-            )
+    source = chat_source(engine, template)
+    messages = chat_messages(request, source, tools)
+    if source is not None:
+        extra = {}
+        if tools is not None and "tools" in source:
+            extra["tools"] = template_tools(tools)
         try:
-            text = _render_jinja(engine, source, messages, request.add_generation_prompt)
+            text = _render_jinja(engine, source, messages, request.add_generation_prompt, extra)
         except Exception as exc:  # the template's own checks (raise_exception, ...)
             raise invalid("messages", f"the chat template refused them: {exc}") from None
         ids = tokens.require().encode(text)
     else:
+        plain = [Message(m["role"], m["content"]) for m in messages]
         try:
-            segments = TEMPLATES[template].render([Message(**m) for m in messages])
+            segments = TEMPLATES[template].render(plain)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
         ids = tokens.encode_prompt("".join(s.text for s in segments))
     if not ids:
         raise invalid("messages", "the conversation renders to no tokens")
     return ids
+
+
+def chat_messages(
+    request: ChatCompletionRequest, source: str | None, tools: ToolPlan | None
+) -> list[dict[str, Any]]:
+    """The messages as the template reads them. Turns a template cannot show (calls made,
+    tool results, tools offered) are written in the Hermes form inside ordinary turns: a
+    template that reads `tool_calls` / the "tool" role / `tools` gets them as they are."""
+    family = family_of(source)
+    reads_calls = source is not None and "tool_calls" in source
+    reads_tool_role = source is not None and ("'tool'" in source or '"tool"' in source)
+    messages: list[dict[str, Any]] = []
+    for m in request.messages:
+        role = "system" if m.role == "developer" else m.role
+        entry: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            calls = [
+                {"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                for c in m.tool_calls
+            ]
+            if reads_calls:
+                entry["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": call}
+                    for c, call in zip(m.tool_calls, calls, strict=True)
+                ]
+            else:
+                text = call_as_text(family, calls)
+                entry["content"] = f"{entry['content']}\n{text}" if entry["content"] else text
+        if role == "tool":
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            if not reads_tool_role:
+                entry = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{m.text()}\n</tool_response>",
+                }
+        messages.append(entry)
+    if tools is not None and (source is None or "tools" not in source):
+        block = hermes_system_block(tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+    return messages
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates want them (a mapping; the text when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def chat_template_of(engine: ServingEngine) -> str | None:
@@ -373,7 +453,11 @@ def _special_text(engine: ServingEngine, name: str) -> str | None:
 
 
 def _render_jinja(
-    engine: ServingEngine, source: str, messages: list[dict[str, str]], add_generation_prompt: bool
+    engine: ServingEngine,
+    source: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """Render a chat template as transformers does (sandboxed Jinja, `raise_exception`)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -383,6 +467,7 @@ def _render_jinja(
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson
     names = {}
     for name, token_id in (
         ("bos_token", engine.tokens.bos_id),
@@ -394,7 +479,20 @@ def _render_jinja(
         if text is not None:
             names[name] = text
     return env.from_string(source).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **names
+        messages=messages, add_generation_prompt=add_generation_prompt, **names, **(extra or {})
+    )
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Jinja's `tojson` as transformers' chat rendering defines it (plain JSON, no HTML escapes)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
 
 

@@ -2,8 +2,8 @@
 
 Field names and defaults follow OpenAI's `/v1/completions` and `/v1/chat/completions`; the
 extensions vLLM accepts are here under vLLM's names (`top_k`, `repetition_penalty`,
-`use_beam_search`, `length_penalty`, `early_stopping`). Unknown fields are ignored, as OpenAI's
-own server does. Types are checked here (pydantic); sampling values and limits by
+`use_beam_search`, `length_penalty`, `early_stopping`, `guided_*`, `structured_outputs`).
+Unknown fields are refused by name (400). Types are checked here (pydantic); sampling values and limits by
 `engine.validation` (the gRPC front's rules), answered as one 400 listing every problem.
 """
 
@@ -75,6 +75,43 @@ class StreamOptions(_Request):
     """Send a last chunk with the request's token counts."""
 
 
+MAX_TOOLS = 128
+"""Tools per chat request (OpenAI's own limit); a longer list is a 400 naming `tools`."""
+MAX_CHOICES = 256
+"""Alternatives of `guided_choice` / `structured_outputs.choice`."""
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+"""Function and schema names, as OpenAI accepts them."""
+
+
+class JsonSchemaSpec(_Request):
+    """`response_format.json_schema`: the schema the answer must validate against."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    """The JSON schema (absent: any JSON object)."""
+    strict: bool | None = None
+    """Accepted either way: the schema is always enforced (the output is masked by it)."""
+
+
+class ResponseFormat(_Request):
+    """OpenAI `response_format`: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields): one of them."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    """A JSON schema (object or its text) the output validates against."""
+    regex: str | None = None
+    """A regular expression (Rust `regex` syntax) the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+
+
 class SamplingFields(_Request):
     """Decoding fields shared by completions and chat completions."""
 
@@ -100,6 +137,16 @@ class SamplingFields(_Request):
     length_penalty: float | None = None
     early_stopping: bool | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    """Structured output, OpenAI's form (services/inference/openai_structured.py)."""
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM extension: a JSON schema the output validates against."""
+    guided_regex: str | None = None
+    """vLLM extension: a regular expression the whole output matches."""
+    guided_choice: list[str] | None = None
+    """vLLM extension: the output is exactly one of these strings."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM extension (its current name for the guided fields)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -121,10 +168,55 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+    """The arguments as a JSON text (OpenAI's form)."""
+
+
+class ToolCall(_Request):
+    """A call an assistant message made (sent back in a later turn)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Request):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON schema of the arguments (absent: no arguments)."""
+    strict: bool | None = None
+    """Accepted either way: forced calls always follow the schema; `auto` calls are parsed."""
+
+
+class Tool(_Request):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming the function that must be called."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant turns: the calls it made."""
+    tool_call_id: str | None = None
+    """Tool turns: the call this is the result of."""
 
     def text(self) -> str:
         """The message's text (text parts joined)."""
@@ -145,6 +237,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     """vLLM extension: end the rendered prompt with the assistant cue."""
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default "auto" with tools, "none" without (services/inference/tool_calls.py)."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per answer; true or unset: one or more."""
 
 
 class TokenizeRequest(_Request):

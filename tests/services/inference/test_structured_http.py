@@ -1,0 +1,201 @@
+"""Structured output and tool calls over the OpenAI HTTP API, with the official `openai` client,
+against a real localhost server (a tiny random llama with a HF fast tokenizer: its free text is
+noise, so every well-formed answer here is the grammar's doing)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.services.inference.helpers import hf_reference, save_hf_checkpoint
+from tests.services.inference.http_served import ServerHarness
+
+openai = pytest.importorskip("openai")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "population": {"type": "integer", "minimum": 0, "maximum": 999},
+        "coastal": {"type": "boolean"},
+    },
+    "required": ["city", "population", "coastal"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class City(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    population: int = Field(ge=0, le=999)
+    coastal: bool
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, hf_tokenizer_dir):
+    hf, _, config = hf_reference("llama-gqa", seed=4, vocab_size=512, max_position_embeddings=1024)
+    directory = save_hf_checkpoint(hf, tmp_path_factory.mktemp("ckpt"))
+    harness = ServerHarness(directory, hf, config, tokenizer=hf_tokenizer_dir)
+    served = harness.start()
+    yield served
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key="none", max_retries=0)
+
+
+def _chat(client, served, **kwargs):
+    args = {"model": served.model_name, "messages": QUESTION, "max_tokens": 96, "seed": 3}
+    return client.chat.completions.create(**{**args, **kwargs})
+
+
+def test_client_parse_with_a_pydantic_model(client, served):
+    done = client.chat.completions.parse(
+        model=served.model_name, messages=QUESTION, response_format=City, max_tokens=96, seed=1
+    )
+    message = done.choices[0].message
+    assert isinstance(message.parsed, City)
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_every_sampled_choice_validates(client, served):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    done = _chat(client, served, response_format=fmt, n=4, temperature=1.0)
+    for choice in done.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    free = _chat(client, served, max_tokens=24, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)  # the same model unconstrained: noise
+
+
+def test_json_object_streamed(client, served):
+    stream = _chat(client, served, response_format={"type": "json_object"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+
+
+def test_vllm_guided_fields_on_completions(client, served):
+    base = {"model": served.model_name, "prompt": "Answer:", "max_tokens": 24, "seed": 2}
+    regex = client.completions.create(**base, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    choice = client.completions.create(**base, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    outputs = client.completions.create(
+        **{**base, "max_tokens": 96}, extra_body={"structured_outputs": {"json": SCHEMA}}
+    )
+    jsonschema.validate(json.loads(outputs.choices[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_tool_choice_always_parses(client, served, choice):
+    done = _chat(client, served, tools=[WEATHER, TIME], tool_choice=choice, temperature=0)
+    answer = done.choices[0]
+    assert answer.finish_reason == "tool_calls"
+    calls = answer.message.tool_calls
+    assert calls and all(c.id.startswith("call_") for c in calls)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in calls] == ["get_weather"]
+    for call in calls:
+        schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]
+        jsonschema.validate(json.loads(call.function.arguments), schema["parameters"])
+
+
+def test_streamed_tool_call_deltas(client, served):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = _chat(client, served, tools=[WEATHER], tool_choice=named, stream=True)
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert json.loads(deltas[0].function.arguments)["city"] in ("Paris", "Rome")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(not (c.choices[0].delta.content or "") for c in chunks)
+
+
+def test_auto_and_none_leave_the_answer_free(client, served):
+    # A random model does not call: the answer is content, and a tool result turn renders.
+    history = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+    ]
+    for choice in ("auto", "none"):
+        done = _chat(
+            client, served, messages=history, tools=[WEATHER], tool_choice=choice, max_tokens=8
+        )
+        assert done.choices[0].message.tool_calls is None
+        assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def _refused(client, served, param: str, **kwargs) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, served, **kwargs)
+    error = caught.value.body
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_bad_input_is_a_400_naming_the_field(client, served):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    _refused(client, served, "response_format.json_schema.schema", response_format=bad_schema)
+    _refused(client, served, "guided_regex", extra_body={"guided_regex": "[a-"})
+    broken = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": 3}}}
+    _refused(client, served, "tools[0].function.parameters", tools=[broken])
+    many = [{**TIME, "function": {**TIME["function"], "name": f"f{i}"}} for i in range(129)]
+    _refused(client, served, "tools", tools=many)
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    _refused(client, served, "tool_choice", tools=[WEATHER], tool_choice=unknown)
+    _refused(client, served, "tool_choice", tool_choice="required")
+    _refused(
+        client,
+        served,
+        "guided_choice",
+        response_format={"type": "json_object"},
+        extra_body={"guided_choice": ["a"]},
+    )
+    _refused(
+        client,
+        served,
+        "response_format",
+        response_format={"type": "json_object"},
+        extra_body={"use_beam_search": True, "best_of": 2},
+    )
+    # The server goes on serving.
+    assert _chat(client, served, max_tokens=4).choices[0].message.content is not None

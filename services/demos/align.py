@@ -6,11 +6,11 @@ Every stage runs as its own `meshline` command (`python -m services.cli ...`, th
 script's module), so what this exercises is the user-facing CLI. No downloads: the data, the
 tokenizer and the model are made here, deterministically.
 
-The task, in GSM8K's format so the evaluator's own `gsm8k` task scores it: "Question: What
-number comes after N?\\nAnswer:" with the reference " #### N+1" (N in 0..--numbers-1).
+The task, in GSM8K's format so the evaluator's own `gsm8k` task scores it: "Question: Repeat
+the number N.\\nAnswer:" with the reference " #### N" (N in 0..--numbers-1).
 
 1. Writes the instruction set (alpaca records), the preference set (the right answer chosen, a
-   wrong one rejected), the RL prompts (`prompt`/`answer`) and GSM8K-format eval files, and
+   a reply in another format rejected), the RL prompts (`prompt`/`answer`) and GSM8K-format eval files, and
    trains a byte-level BPE tokenizer on them (`tokenizers`, saved as a transformers directory).
 2. `meshline preprocess` (instruction handler, plain template; pairwise handler).
 3. `meshline train --stage sft` (a few iterations), `--stage rm` (from the registry
@@ -43,11 +43,12 @@ MODEL_FLAGS = [
     "--seq-length", "32",
 ]  # fmt: skip
 VOCAB_SIZE = 320
+MAX_NUMBERS = 1000
 
 
 def question(n: int) -> str:
     """The prompt for N (GSM8K's "Question: ...\\nAnswer:" framing)."""
-    return f"Question: What number comes after {n}?\nAnswer:"
+    return f"Question: Repeat the number {n}.\nAnswer:"
 
 
 def write_data(root: Path, numbers: int) -> dict[str, Path]:
@@ -55,15 +56,13 @@ def write_data(root: Path, numbers: int) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     sft, pairs, prompts = [], [], []
     for n in range(numbers):
-        prompt, answer = question(n), str(n + 1)
+        prompt, answer = question(n), str(n)
         sft.append({"instruction": prompt, "output": f" #### {answer}"})
-        for wrong in (n, n + 2, (n * 7 + 3) % numbers):
-            if wrong != n + 1:
-                pairs.append(
-                    {"prompt": prompt, "chosen": f" #### {answer}", "rejected": f" #### {wrong}"}
-                )
+        # What the reward model can learn from scratch in a few steps: the answer format.
+        for rejected in (" I do not know.", f" {answer}", f" The answer is {answer}."):
+            pairs.append({"prompt": prompt, "chosen": f" #### {answer}", "rejected": rejected})
         prompts.append({"prompt": prompt, "answer": answer})
-    gsm8k = [{"question": f"What number comes after {n}?", "answer": f"#### {n + 1}"}
+    gsm8k = [{"question": f"Repeat the number {n}.", "answer": f"#### {n}"}
              for n in range(numbers)]  # fmt: skip
     files = {
         "sft": root / "sft.jsonl",
@@ -143,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rm-iters", type=int, default=30, help="reward-model optimizer steps")
     parser.add_argument("--grpo-iters", type=int, default=20, help="GRPO optimizer steps")
     args = parser.parse_args(argv)
+    for flag in ("numbers", "sft_iters", "rm_iters", "grpo_iters"):
+        if getattr(args, flag) < 1:
+            parser.error(
+                f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+            )
+    if args.numbers > MAX_NUMBERS:
+        parser.error(
+            f"--numbers must be at most {MAX_NUMBERS} (the prompts fit --max-prompt-length)"
+        )
     started = time.perf_counter()
     run = args.run_dir.resolve()
     logs = run / "logs"

@@ -59,7 +59,9 @@ def write_data(root: Path, numbers: int) -> dict[str, Path]:
         prompt, answer = question(n), str(n)
         sft.append({"instruction": prompt, "output": f" #### {answer}"})
         # What the reward model can learn from scratch in a few steps: the answer format.
-        for rejected in (" I do not know.", f" {answer}", f" The answer is {answer}."):
+        # (the repeated marker too: a policy rewarded by this model finds that hack otherwise).
+        for rejected in (" I do not know.", f" {answer}", f" The answer is {answer}.",
+                         f" #### #### {answer}", " #### #### ####"):  # fmt: skip
             pairs.append({"prompt": prompt, "chosen": f" #### {answer}", "rejected": rejected})
         prompts.append({"prompt": prompt, "answer": answer})
     gsm8k = [{"question": f"Repeat the number {n}.", "answer": f"#### {n}"}
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m services.demos.align", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--run-dir", type=Path, default=Path("runs/make-align"))
-    parser.add_argument("--numbers", type=int, default=20, help="task size: N in 0..numbers-1")
-    parser.add_argument("--sft-iters", type=int, default=30, help="SFT optimizer steps")
+    parser.add_argument("--numbers", type=int, default=30, help="task size: N in 0..numbers-1")
+    parser.add_argument("--sft-iters", type=int, default=40, help="SFT optimizer steps")
     parser.add_argument("--rm-iters", type=int, default=30, help="reward-model optimizer steps")
     parser.add_argument("--grpo-iters", type=int, default=20, help="GRPO optimizer steps")
     args = parser.parse_args(argv)
@@ -196,7 +198,8 @@ def pipeline(args: argparse.Namespace, run: Path, logs: Path) -> dict:
               "--data-path", str(files["prompts"]), "--max-prompt-length", "20",
               "--max-completion-length", "6", "--num-generations", "8", "--micro-batch-size", "4",
               "--global-batch-size", "8", "--lr", "1e-3", "--temperature", "1.0",
-              "--reward-funcs", "reward_model", "gsm8k", "--reward-model", str(rm),
+              "--reward-funcs", "reward_model", "gsm8k", "--reward-weights", "0.25", "1",
+              "--reward-model", str(rm), "--beta", "0.04",
               "--train-iters", str(args.grpo_iters), "--save", str(grpo),
               "--log-dir", str(logs / "grpo")], logs / "train-grpo.log")  # fmt: skip
     scores = {}
@@ -209,8 +212,18 @@ def pipeline(args: argparse.Namespace, run: Path, logs: Path) -> dict:
         "rm": step_record(rm_metrics[-1]),
         "grpo_first": step_record(grpo_metrics[0]),
         "grpo_last": step_record(grpo_metrics[-1]),
+        # Sampled at temperature 1, one step's reward is noisy: the first and last quarters.
+        "reward_start": quarter_mean(grpo_metrics[: max(1, len(grpo_metrics) // 4)]),
+        "reward_end": quarter_mean(grpo_metrics[-max(1, len(grpo_metrics) // 4) :]),
         "exact_match": scores,
     }
+
+
+def quarter_mean(records: list[dict]) -> dict:
+    """The mean GRPO reward over `records` and their first and last step."""
+    rewards = [r["objective"]["reward"] for r in records]
+    steps = (records[0]["step"], records[-1]["step"])
+    return {"reward": sum(rewards) / len(rewards), "steps": steps}
 
 
 def step_record(record: dict) -> dict:
@@ -239,6 +252,7 @@ def serve_and_evaluate(hf: Path, task_data: Path, output: Path, logs: Path) -> f
 def summary_text(summary: dict, run: Path) -> str:
     """The closing summary of `make align`."""
     rm, first, last = summary["rm"], summary["grpo_first"], summary["grpo_last"]
+    start, end = summary["reward_start"], summary["reward_end"]
     scores = summary["exact_match"]
     return "\n".join(
         [
@@ -247,8 +261,10 @@ def summary_text(summary: dict, run: Path) -> str:
             f"  reward model    pair accuracy {rm['accuracy']:.2f}, loss {rm['loss']:.3f} "
             f"(step {rm['step']})",
             f"  GRPO reward     {first['reward']:.3f} (step {first['step']}) -> "
-            f"{last['reward']:.3f} (step {last['step']}), mean of the sampled completions' "
-            "reward-model score + gsm8k answer match",
+            f"{last['reward']:.3f} (step {last['step']}); steps {start['steps'][0]}-"
+            f"{start['steps'][1]} {start['reward']:.3f} -> steps {end['steps'][0]}-"
+            f"{end['steps'][1]} {end['reward']:.3f} (mean over the sampled completions of "
+            "0.25 x the reward model's score + the gsm8k answer match)",
             f"  gsm8k exact     {scores['sft']:.2f} (SFT policy) -> {scores['grpo']:.2f} (GRPO "
             "policy), strict-match, greedy, served HF exports",
             f"  outputs         {run} (summary.json, logs/)",

@@ -25,6 +25,8 @@ def test_make_align_runs_every_stage_and_scores_the_served_policy(tmp_path, caps
     first, last = summary["grpo_first"], summary["grpo_last"]
     assert (first["step"], last["step"]) == (1, 2)
     assert {"reward", "reward_std", "kl", "rollout_tokens_per_s"} <= set(first)
+    assert summary["reward_start"] == {"reward": first["reward"], "steps": [1, 1]}
+    assert summary["reward_end"] == {"reward": last["reward"], "steps": [2, 2]}
     for name in ("sft", "grpo"):
         assert 0.0 <= summary["exact_match"][name] <= 1.0
         # The HF export carries the tokenizer the checkpoint was trained with (served from it).

@@ -18,9 +18,10 @@ PROTO_STAMP := meshline/.generated
 PYTEST_WORKERS ?= 2
 DATA_DIR ?= data
 RUN_DIR ?= runs/make-train
+ALIGN_DIR ?= runs/make-align
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto lint test test-fast test-oldest-torch train eval serve bench device-check clean
+.PHONY: help setup proto lint test test-fast test-oldest-torch train eval align serve bench device-check clean
 
 help: ## List the targets
 	@echo "Meshline targets (each sets itself up on a fresh machine):"
@@ -72,6 +73,9 @@ train: setup ## Main job: tokenizer + shards from the stdlib, 2-process CPU trai
 
 eval: setup ## Evaluate the `make train` checkpoint through a local inference service
 	$(PY) -m services.demos.evaluate --run-dir $(RUN_DIR)
+
+align: setup ## Alignment pipeline on a tiny model: SFT -> reward model -> GRPO -> convert -> serve -> evaluate
+	$(PY) -m services.demos.align --run-dir $(ALIGN_DIR)
 
 serve: setup ## All five services on localhost (ports in README); Ctrl-C stops them
 	$(PY) -m services.cli serve all

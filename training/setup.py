@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -198,15 +199,32 @@ def _manager(trainer: TrainerState, directory: str | None) -> CheckpointManager:
     if directory is None:
         raise ValueError("no checkpoint directory: pass --save DIR (or --load DIR to resume)")
     run, data = trainer.config.run, trainer.config.data
-    tokenizer_files = [data.tokenizer_model] if data.tokenizer_model else []
     return CheckpointManager(
         directory,
         path_guard=trainer.path_guard,
         keep_last=run.keep_last_checkpoints,
         async_save=run.async_save,
         model_config=trainer.model_config.to_dict(),
-        tokenizer_files=tokenizer_files,
+        tokenizer_files=tokenizer_files(data.tokenizer_model, data.tokenizer_name_or_path),
     )
+
+
+# The files of a local transformers tokenizer directory that describe the tokenizer (weights,
+# chat templates in other files and anything else there are not copied).
+HF_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+
+
+def tokenizer_files(model_file: str | None, name_or_path: str | None) -> list[Path]:
+    """The tokenizer files a checkpoint carries (for convert and serve): a SentencePiece
+    --tokenizer-model, or the tokenizer files of a local --tokenizer-name-or-path directory."""
+    if model_file:
+        return [Path(model_file)]
+    if name_or_path and Path(name_or_path).is_dir():
+        return [p for n in HF_TOKENIZER_FILES if (p := Path(name_or_path) / n).is_file()]
+    return []
 
 
 def save_checkpoint(trainer: TrainerState) -> str:

@@ -37,13 +37,16 @@ _LISTENING = re.compile(r"serving .* on (?P<address>[\w.\-\[\]:]+:\d+)")
 
 
 class InferenceProcess:
-    """`python -m services.inference serve` on a free port, stopped with SIGTERM."""
+    """`meshline serve inference` on a free port, stopped with SIGTERM."""
 
-    def __init__(self, checkpoint: Path, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, checkpoint: Path, timeout_s: float = 600.0, load_format: str = "native"
+    ) -> None:
+        # `meshline serve inference` (the console script's module), as a user starts it.
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1",
-                "--port", "0", "--load", str(checkpoint), "--load-format", "native",
+                sys.executable, "-m", "services.cli", "serve", "inference", "--host",
+                "127.0.0.1", "--port", "0", "--load", str(checkpoint), "--load-format", load_format,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -55,6 +55,13 @@ class RolloutSampling:
     """Keep the k most likely tokens (--top-k); 0 disables."""
 
 
+class _DenseEngine(Engine):
+    """An Engine with dense KV rows: sleep/wake swap its SlotPool between rollouts (the paged
+    pool's block tables are not released this way yet)."""
+
+    pages_kv = False
+
+
 class ColocatedEngine:
     """Generates with the weights of the module being trained, in place."""
 
@@ -75,7 +82,7 @@ class ColocatedEngine:
         self.model = model
         self.sampling = sampling or RolloutSampling()
         before = _storage(model)
-        self.engine = Engine(model, tokens, config)
+        self.engine = _DenseEngine(model, tokens, config)
         self._storage = _storage(model)
         self.build_bytes_moved = sum(
             size for name, (ptr, size) in self._storage.items() if before[name][0] != ptr

@@ -152,8 +152,10 @@ class ModelRunner:
         prefix caching or chunked prefill where it is not is refused, naming the flag."""
         config = self.config
         why = None
-        if not pages_kv or self.own_forward:
+        if self.own_forward:
             why = "tensor- and pipeline-parallel engines keep dense rows"
+        elif not pages_kv:
+            why = "this engine keeps dense rows (tensor-parallel ranks, colocated rollouts)"
         elif self.model.config.sliding_window is not None:
             why = "a sliding-window model keeps ring rows (memory bounded by its window)"
         elif config.compile_decode:

@@ -68,13 +68,18 @@ def test_seed_everything_and_rng_state_round_trip() -> None:
 
 
 def test_memory_stats_on_cpu_track_rss() -> None:
+    import mmap
+
     before = device.memory_stats()
-    block = torch.ones(64, 1024, 1024, dtype=torch.uint8)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, touched: not from malloc, which may hand back memory a
+    # worker keeps after earlier tests (kernels/cpu/allocator.py) without the RSS moving.
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\x01" * (64 * 2**20))
     after = device.memory_stats()
     assert after.device == "cpu"
     assert after.rss >= before.rss + 48 * 2**20
     assert after.peak >= after.rss - 2**20
-    del block
+    block.close()
     device.synchronize()
 
 

@@ -47,9 +47,9 @@ def test_concurrent_http_requests_decode_as_one_batch(served, monkeypatch):
     submitted = []
     submit = engine.submit
 
-    def counting_submit(prompt_ids, config):
+    def counting_submit(prompt_ids, config, adapter=""):
         submitted.append(list(prompt_ids))
-        return submit(prompt_ids, config)
+        return submit(prompt_ids, config, adapter)
 
     rows_per_step: list[int] = []
     observe = engine.on_step

@@ -27,6 +27,10 @@ from models.config import ModelConfig
 from models.hf_adapters import from_hf, to_hf
 from models.lora_batched import BatchedLora
 
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+ADAPTER_HEADER_BYTES = 1 << 20
+"""Room for an adapter file's header (tensor names, shapes, metadata) beyond its elements."""
+
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -101,6 +105,16 @@ class AdapterSet:
         naming `label` otherwise). Safe to call off the engine thread."""
         check_adapter_name(name, label)
         check_adapter_config(path, self.max_rank, label, self.hf_leaves)
+        # An adapter that fits a slot holds at most its elements, at most 8 bytes each (fp64),
+        # plus the file's header: a larger file is refused before any byte of it is read.
+        limit = 8 * self.lora.adapter_elements() + ADAPTER_HEADER_BYTES
+        for file in ADAPTER_WEIGHT_FILES:
+            size = (path / file).stat().st_size if (path / file).is_file() else 0
+            if size > limit:
+                raise ValueError(
+                    f"{label}: {file} is {size} bytes, more than an adapter of rank "
+                    f"{self.max_rank} on every projection of this model can take ({limit})"
+                )
         try:
             adapter = LoraAdapter(path)
         except (OSError, ValueError) as exc:

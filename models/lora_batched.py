@@ -117,6 +117,14 @@ class BatchedLora:
         """Slot of each row of the forward in progress; None: no row has an adapter."""
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    def adapter_elements(self) -> int:
+        """Elements of the largest adapter one slot holds (A and B of every target at max rank):
+        what bounds an adapter file before it is read."""
+        return sum(
+            a[0].numel() + b[0].numel()
+            for a, b in zip(self.A.values(), self.B.values(), strict=True)
+        )
+
     def nbytes(self) -> int:
         """Memory the slots take."""
         return sum(t.numel() * t.element_size() for t in (*self.A.values(), *self.B.values()))

@@ -131,6 +131,20 @@ def test_adapter_of_another_model_is_refused(served, tmp_path):
         engine.adapters.prepare("other", directory, "load")
 
 
+def test_adapter_file_larger_than_any_fitting_adapter_is_refused_unread(served, tmp_path):
+    import shutil
+
+    _, engine, _, dirs = served
+    directory = tmp_path / "big"
+    shutil.copytree(dirs["qv"], directory)
+    weights = directory / "adapter_model.safetensors"
+    limit = 8 * engine.adapters.lora.adapter_elements() + (1 << 20)
+    with weights.open("r+b") as f:  # sparse: the size a header would claim, never read
+        f.truncate(limit + 1)
+    with pytest.raises(ValueError, match=r"load: adapter_model.safetensors is \d+ bytes, more"):
+        engine.adapters.prepare("big", directory, "load")
+
+
 def test_slots_are_bounded_and_unload_frees_one(served, tmp_path):
     _, engine, _, dirs = served
     again = engine.adapters.prepare("qv2", dirs["qv"], "load")

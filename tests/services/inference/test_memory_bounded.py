@@ -8,12 +8,7 @@ HTTP 400 (OpenAI's context_length_exceeded) and gRPC INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -22,13 +17,11 @@ import requests
 
 from meshline.inference.v1 import inference_pb2 as pb
 from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.served_process import GRPC_PORT, HTTP_PORT, launched
 
 ROOT = Path(__file__).resolve().parents[3]
 RSS_LIMIT = 2 * 10**9
-PATTERNS = {
-    "grpc": re.compile(r"serving \S+ on 127\.0\.0\.1:(\d+)"),
-    "http": re.compile(r"OpenAI-compatible HTTP API on http://127\.0\.0\.1:(\d+)/v1"),
-}
+PATTERNS = {"grpc": GRPC_PORT, "http": HTTP_PORT}
 
 
 def _rss(pid: int) -> int:
@@ -43,32 +36,8 @@ def _rss(pid: int) -> int:
 def test_default_flags_serve_smollm2_under_2gb(smollm2_dir):
     command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
     command += ["--load", str(smollm2_dir), "--http-port", "0", "--grace-period", "5"]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: list[str] = []
-    ports: dict[str, int] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            for name, pattern in PATTERNS.items():
-                if (match := pattern.search(line)) and name not in ports:
-                    ports[name] = int(match[1])
-            if len(ports) == len(PATTERNS):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(300) and len(ports) == 2, "".join(lines[-30:])
+    with launched(command, PATTERNS) as server:
+        lines, ports, process = server.lines, server.ports, server.process
         [reserved] = [line for line in lines if "KV cache:" in line]
         assert "KV cache: paged, " in reserved, reserved
         assert "8192 tokens (the model's context length)" in reserved, reserved
@@ -92,10 +61,3 @@ def test_default_flags_serve_smollm2_under_2gb(smollm2_dir):
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prompt_token_ids" in caught.value.details()
         assert "--max-model-len" in caught.value.details()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)

@@ -167,3 +167,42 @@ def test_config_check_reads_no_weight(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3", "r": 4}))
     with pytest.raises(ValueError, match="only plain LoRA"):
         check_adapter_config(tmp_path, 8, "x")
+
+
+@pytest.mark.slow
+def test_smollm2_mixed_adapter_batch_equals_peft_merged_models(smollm2_dir, tmp_path):
+    """The real SmolLM2-135M-Instruct (registry GGUF through transformers): a base row and two
+    adapters of other ranks and targets in one batch give each the greedy tokens of its own
+    peft-merged model under HF generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.build import build_engine
+    from engine.config import LoadSpec
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    dirs = {
+        "qv": save_adapter(hf, tmp_path / "qv", 4, 8, ["q_proj", "v_proj"], 0),
+        "mlp": save_adapter(hf, tmp_path / "mlp", 8, 16, ["o_proj", "down_proj", "k_proj"], 1),
+    }
+    config = EngineConfig(
+        max_batch_rows=4, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8
+    )
+    _, engine = build_engine(LoadSpec(smollm2_dir, "hf", None), config, device=torch.device("cpu"))
+    for name, directory in dirs.items():
+        engine.install_adapter(engine.adapters.prepare(name, directory, "test"), "test")
+    ids = tokenizer.encode("The capital of France is")
+    tokens: dict[int, list[int]] = {}
+    order = [engine.submit(ids, SamplingConfig(max_new_tokens=12), n) for n in ("", "qv", "mlp")]
+    while engine.has_work():
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).extend(event.token_ids)
+    models = [hf, merged(hf, dirs["qv"]), merged(hf, dirs["mlp"])]
+    eos = hf.config.eos_token_id
+    expected = [
+        hf_generate(m, ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=eos)[0, len(ids) :]
+        for m in models
+    ]
+    expected = [e.tolist() for e in expected]
+    assert [tokens[r] for r in order] == expected
+    assert len({tuple(e) for e in expected}) == 3  # each adapter changes the tokens

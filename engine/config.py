@@ -25,6 +25,8 @@ MAX_LORAS = 256
 """Most adapter slots (--max-loras): each takes memory in every adapted layer."""
 MAX_LORA_RANK = 512
 """Largest --max-lora-rank."""
+DEFAULT_BLOCK_SIZE = 16
+"""Token slots per block of the paged KV cache (vLLM's default)."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 """Prompt and decode tokens one engine step computes at most under chunked prefill (vLLM's
 default for online serving)."""
@@ -123,7 +125,7 @@ class EngineConfig:
     """Adapters held at once (--max-loras, vLLM's name; also the most in one batch)."""
     max_lora_rank: int = 16
     """Largest rank of a served adapter (--max-lora-rank, vLLM's name); sizes the slots."""
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     """Token slots per KV-cache block of the paged cache (--block-size, vLLM's)."""
     enable_prefix_caching: bool | None = None
     """Share the KV blocks of prompt prefixes between requests (--enable-prefix-caching /

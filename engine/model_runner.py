@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.cache_plan import CachePlan, plan_cache
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.linear_choice import choose_cpu_linear, to_column_major
@@ -174,6 +174,11 @@ class ModelRunner:
             ("--enable-prefix-caching", config.enable_prefix_caching),
             ("--enable-chunked-prefill", config.enable_chunked_prefill),
             ("--max-num-batched-tokens", config.max_num_batched_tokens),
+            # Another block size than the default is a request for blocks, as the flags above.
+            (
+                "--block-size",
+                None if config.block_size == DEFAULT_BLOCK_SIZE else config.block_size,
+            ),
         ):
             if value is not None and value is not False:
                 raise ValueError(f"{flag} needs the paged KV cache, which this engine lacks: {why}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
 from engine.config import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_CPU_KV_CACHE_MEMORY,
     EngineConfig,
     LoadSpec,
@@ -124,7 +125,7 @@ class InferenceServiceConfig(DataRootsConfig):
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (--speculative-config, vLLM's JSON): prompt-lookup or draft-model
     drafts verified in one forward per step; one process only (see engine/speculative.py)."""
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per block of the paged KV cache (see EngineConfig.block_size)."""
     enable_prefix_caching: bool | None = None
     """Share cached prompt-prefix blocks between requests; None: on where the cache is paged
@@ -267,28 +268,25 @@ class InferenceServiceConfig(DataRootsConfig):
                 "--compile-decode serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
-        for flag, value in (
-            ("--enable-prefix-caching", self.enable_prefix_caching),
-            ("--enable-chunked-prefill", self.enable_chunked_prefill),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-        ):
-            parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
-            if parallel and value is not None and value is not False:
-                raise ValueError(
-                    f"{flag} needs the paged KV cache, which tensor- and pipeline-parallel "
-                    "servers do not have yet (their ranks keep dense rows); drop it or serve "
-                    "from one process"
-                )
+        # Flags that ask for the paged KV cache, refused by name where the rows stay dense
+        # (engine/model_runner.py decides the same at load; these cases need no weight).
+        block_size = None if self.block_size == DEFAULT_BLOCK_SIZE else self.block_size
         paging = (
             ("--enable-prefix-caching", self.enable_prefix_caching),
             ("--enable-chunked-prefill", self.enable_chunked_prefill),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--block-size", block_size),
         )
-        for name, on in (
-            ("--speculative-config", self.speculative_config),
+        asked = [flag for flag, value in paging if value is not None and value is not False]
+        dense = (
+            (
+                "tensor- and pipeline-parallel serving",
+                self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1,
+            ),
+            ("--speculative-config", self.speculative_config is not None),
             ("--enable-lora", self.lora),
-        ):
-            asked = [flag for flag, value in paging if value is not None and value is not False]
+        )
+        for name, on in dense:
             if on and asked:
                 raise ValueError(
                     f"{asked[0]} needs the paged KV cache, which {name} does not use yet (its "

@@ -206,6 +206,8 @@ def test_c_step_reads_block_tables(model):
 def test_flags_needing_pages_are_refused_where_rows_are_dense(model):
     with pytest.raises(ValueError, match="--enable-prefix-caching needs the paged KV cache"):
         _engine(model, compile_decode=True, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="--block-size needs the paged KV cache"):
+        _engine(model, compile_decode=True, block_size=32)
     with pytest.raises(ValueError, match="--max-num-batched-tokens is the chunked-prefill"):
         EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=100)
     with pytest.raises(ValueError, match="must exceed --max-batch-rows"):

@@ -95,6 +95,11 @@ def test_size_suffixes_and_refusals(tmp_path: Path) -> None:
         parsed("--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB")
     with pytest.raises(ValueError, match="--enable-prefix-caching needs the paged KV cache"):
         parsed("--enable-prefix-caching", "--tensor-parallel-size", "2")
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    with pytest.raises(ValueError, match="--block-size needs the paged KV cache, which --spec"):
+        parsed("--block-size", "32", "--speculative-config", spec)
+    with pytest.raises(ValueError, match=r"--enable-chunked-prefill needs .* --enable-lora"):
+        parsed("--enable-chunked-prefill", "--enable-lora")
     assert not parsed(
         "--no-enable-chunked-prefill", "--pipeline-parallel-size", "2"
     ).enable_chunked_prefill

@@ -37,17 +37,21 @@ class Launched:
 
 @contextmanager
 def launched(
-    command: list[str], patterns: dict[str, re.Pattern[str]], ready_s: float = 300
+    command: list[str],
+    patterns: dict[str, re.Pattern[str]],
+    ready_s: float = 300,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Launched]:
     """Run `command` from the repository root until every pattern's port is announced (an
-    AssertionError with the output's tail if the process ends or `ready_s` passes first)."""
+    AssertionError with the output's tail if the process ends or `ready_s` passes first);
+    `env` replaces the inherited environment."""
     process = subprocess.Popen(
         command,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
     )
     server = Launched(process)
     ready = threading.Event()

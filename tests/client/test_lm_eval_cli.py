@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
+from tests.served_process import GRPC_PORT, HTTP_PORT, launched
 from tests.services.inference.http_served import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = {
-    "grpc": re.compile(r"serving \S+ on 127\.0\.0\.1:(\d+)"),
-    "http": re.compile(r"OpenAI-compatible HTTP API on http://127\.0\.0\.1:(\d+)/v1"),
-}
+PORTS = {"grpc": GRPC_PORT, "http": HTTP_PORT}
 MC_TASK = """task: meshline_tiny_mc
 dataset_path: json
 dataset_kwargs:
@@ -88,32 +83,8 @@ def test_lm_eval_cli_local_completions_and_meshline_agree(
     tasks = _tasks(tmp_path_factory.mktemp("tasks"))
     command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
     command += ["--load", str(directory), "--http-port", "0", "--served-model-name", "tiny"]
-    server = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    ports: dict[str, int] = {}
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert server.stdout is not None
-        for line in server.stdout:
-            lines.append(line)
-            for name, pattern in PORTS.items():
-                if (match := pattern.search(line)) and name not in ports:
-                    ports[name] = int(match[1])
-            if len(ports) == len(PORTS):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(120) and len(ports) == 2, "".join(lines[-30:])
+    with launched(command, PORTS, ready_s=120) as server:
+        ports = server.ports
         http = _lm_eval(
             "lm_eval",
             "local-completions",
@@ -129,13 +100,6 @@ def test_lm_eval_cli_local_completions_and_meshline_agree(
             tasks,
             tmp_path / "grpc",
         )
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
     for task, metric in (
         ("meshline_tiny_mc", "acc,none"),
         ("meshline_tiny_gen", "exact_match,none"),

@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ import torch
 
 from meshline.inference.v1 import inference_pb2 as pb
 from tests.fixtures import records as fx
+from tests.served_process import GRPC_PORT, HTTP_PORT, Launched, launched
 from tests.services.evaluator.lm_eval_ref import FIXTURES
 
 openai = pytest.importorskip("openai")
@@ -42,10 +41,7 @@ NEW_TOKENS = 12
 MAX_MODEL_LEN = 512
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-READY = {
-    "grpc": re.compile(r"serving \S+ on 127\.0\.0\.1:(\d+)"),
-    "http": re.compile(r"OpenAI-compatible HTTP API on http://127\.0\.0\.1:(\d+)/v1"),
-}
+READY = {"grpc": GRPC_PORT, "http": HTTP_PORT}
 SMOLLM2_FLAGS = [
     "--num-layers", "30", "--hidden-size", "576", "--ffn-hidden-size", "1536",
     "--num-attention-heads", "9", "--group-query-attention", "--num-query-groups", "3",
@@ -90,14 +86,13 @@ def meshline(*argv: str, timeout: float = 300) -> str:
 class Server:
     """A `meshline serve inference` process with its gRPC and HTTP ports."""
 
-    process: subprocess.Popen
-    """The server process."""
-    lines: list[str]
-    """Its output so far."""
-    grpc_port: int
-    """gRPC port."""
-    http_port: int
-    """OpenAI HTTP port."""
+    launched: Launched
+    """The process, its output and announced ports."""
+
+    @property
+    def lines(self) -> list[str]:
+        """Its output so far."""
+        return self.launched.lines
 
     def stub(self):
         """An InferenceService stub on the gRPC port."""
@@ -105,13 +100,15 @@ class Server:
 
         from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.launched.ports['grpc']}")
         return pb_grpc.InferenceServiceStub(channel)
 
     def client(self):
         """The `openai` client on the HTTP front."""
         return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="unused", max_retries=0
+            base_url=f"http://127.0.0.1:{self.launched.ports['http']}/v1",
+            api_key="unused",
+            max_retries=0,
         )
 
 
@@ -122,35 +119,8 @@ def serve(load: Path, load_format: str) -> Iterator[Server]:
     command += ["--load", str(load), "--load-format", load_format, "--served-model-name", "smol"]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--max-batch-rows", "2"]
     command += ["--grace-period", "5"]
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    ports: dict[str, int] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            for name, pattern in READY.items():
-                if (match := pattern.search(line)) and name not in ports:
-                    ports[name] = int(match[1])
-            if len(ports) == len(READY):
-                ready.set()
-        ready.set()  # the process ended: stop waiting
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(300) and len(ports) == 2, "".join(lines[-30:])
-        yield Server(process, lines, ports["grpc"], ports["http"])
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    with launched(command, READY, env=_env()) as process:
+        yield Server(process)
 
 
 def hf_greedy(model, ids: list[int]) -> list[int]:

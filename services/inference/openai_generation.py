@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -460,14 +461,7 @@ def _render_jinja(
     extra: dict[str, Any] | None = None,
 ) -> str:
     """Render a chat template as transformers does (sandboxed Jinja, `raise_exception`)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = _tojson
+    env = chat_environment()
     names = {}
     for name, token_id in (
         ("bos_token", engine.tokens.bos_id),
@@ -481,6 +475,34 @@ def _render_jinja(
     return env.from_string(source).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **names, **(extra or {})
     )
+
+
+def chat_environment() -> Any:
+    """The sandboxed Jinja environment chat templates are written for: what transformers'
+    `apply_chat_template` defines (`raise_exception`, `strftime_now`, loop controls, a `tojson`
+    without HTML escapes), so templates such as Llama 3.x's, which date their system prompt with
+    `strftime_now`, render here as they do there."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _strftime_now(format: str) -> str:
+    """The current local time in `format` (transformers' `strftime_now`); the format is bounded,
+    since a template is input too."""
+    if not isinstance(format, str) or len(format) > 256:
+        raise ValueError("strftime_now takes a format string of at most 256 characters")
+    return datetime.now().strftime(format)
 
 
 def _tojson(

@@ -323,9 +323,15 @@ class Trainer(TrainerState):
         return StepResult(loss, math.nan, True, True, tokens, global_batch)
 
     def _check_spike(self, loss: float) -> None:
+        # A ratio to the running mean means something only for a loss bounded below by 0 (cross
+        # entropy, the pairwise losses); GRPO/PPO minimise a surrogate of either sign, whose mean
+        # may be near 0 or negative, and every step would "spike".
+        if self.config.run.stage in RL_STAGES:
+            return
         factor = self.config.run.spike_factor
         if (
             self._loss_ema is not None
+            and self._loss_ema > 0
             and factor > 0
             and self.state.step > 10
             and loss > factor * self._loss_ema

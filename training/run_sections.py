@@ -133,7 +133,8 @@ class RunSection:
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss or gradient: stop with a message, or skip the step and count it."""
     spike_factor: float = 3.0
-    """Warn when the loss exceeds this multiple of its running mean (0 disables)."""
+    """Warn when the loss exceeds this multiple of its running mean (0 disables; not applied to
+    the grpo and ppo stages, whose loss is a surrogate of either sign)."""
     exit_interval: int = 0
     """Stop after the step whose number is a multiple of this, saving first when --save is given
     (0: run to --train-iters)."""

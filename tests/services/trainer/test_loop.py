@@ -198,3 +198,22 @@ def test_loss_spike_warns(caplog):
         trainer._check_spike(9.5)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "loss spike 9.5000" in caplog.text
+
+
+def test_loss_spike_is_not_watched_for_surrogate_losses(caplog, monkeypatch):
+    """GRPO/PPO losses have either sign: a ratio to a running mean near 0 or below it "spiked" on
+    every step. Those stages are not watched, and a non-positive mean is no baseline."""
+    import dataclasses
+
+    trainer = _trainer("--train-iters", "2", "--spike-factor", "2")
+    trainer.state.step = 20
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="training.loop"):
+        for loss in (-0.02, -0.01, 0.03):  # a negative mean: no ratio to take
+            trainer._check_spike(loss)
+        assert not caplog.records
+        run = dataclasses.replace(trainer.config.run, stage="grpo")
+        monkeypatch.setattr(trainer.config, "run", run)
+        for loss in (0.01, 0.01, 0.5):  # 50x its mean, but a surrogate: not a spike
+            trainer._check_spike(loss)
+    assert not caplog.records

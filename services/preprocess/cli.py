@@ -21,15 +21,68 @@ import sys
 from concurrent.futures.process import BrokenProcessPool
 
 from models.templates import TEMPLATES
+from models.tokenizer import TOKENIZER_TYPES
+from services.common.dataclass_flags import FlagSpec, add_fields, config_values
 from services.preprocess.handlers import handler_choices
 from services.preprocess.job import PreprocessCancelled, run_preprocess
-from services.preprocess.job_config import OUTPUT_FORMATS, PreprocessConfig
+from services.preprocess.job_config import DATASET_IMPLS, OUTPUT_FORMATS, PreprocessConfig
 from services.preprocess.merge_cli import main as merge_main
-from services.preprocess.sharding import SHARD_INDEX_ENV, default_shard_index
+from services.preprocess.sharding import default_shard_index
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "input": ("input", "hf_datasets_params", "streaming", "json_keys"),
+    "tokenizer": (
+        "tokenizer_type",
+        "tokenizer_name_or_path",
+        "tokenizer_model",
+        "tokenizer_not_use_fast",
+    ),
+    "processing": (
+        "handler_name",
+        "prompt_template",
+        "append_eod",
+        "seq_length",
+        "pack",
+        "workers",
+        "chunk_size",
+        "log_interval",
+        "skip_bad_records",
+        "max_bad_records",
+    ),
+    "output": ("output_prefix", "output_format", "dataset_impl", "arrow_shard_mb", "overwrite"),
+    "sharding (one pod of many; join with `meshline preprocess merge`)": (
+        "num_shards",
+        "shard_index",
+    ),
+}
+"""Which `PreprocessConfig` fields are flags, in which --help group (every other field is set only
+by gRPC callers)."""
+
+
+def _specs() -> dict[str, FlagSpec]:
+    """What the flags add to the dataclass: spellings, placeholders, choices known at run time."""
+    return {
+        "input": FlagSpec(required=True, metavar="PATH"),
+        "hf_datasets_params": FlagSpec(metavar="JSON_FILE"),
+        "json_keys": FlagSpec(aliases=("--json-key",), metavar="KEY"),
+        "tokenizer_type": FlagSpec(choices=TOKENIZER_TYPES),
+        "handler_name": FlagSpec(
+            metavar="NAME",
+            help=f"prompt handler: one of {', '.join(handler_choices())}, or module:Class for "
+            "your own",
+        ),
+        "prompt_template": FlagSpec(choices=tuple(sorted(TEMPLATES))),
+        "output_prefix": FlagSpec(required=True),
+        "output_format": FlagSpec(choices=OUTPUT_FORMATS),
+        "dataset_impl": FlagSpec(choices=DATASET_IMPLS),
+        # unset: the pod's $JOB_COMPLETION_INDEX (see default_shard_index)
+        "shard_index": FlagSpec(extra={"default": None}),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (every flag explained in --help)."""
+    """The argument parser: one flag per `PreprocessConfig` field in GROUPS, its type, default
+    and help text from the dataclass."""
     parser = argparse.ArgumentParser(
         prog="meshline preprocess",
         description="Tokenise corpora or instruction data into Megatron .bin/.idx or Arrow shards.",
@@ -37,170 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    data = parser.add_argument_group("input")
-    data.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="PATH",
-        help="file(s), directory or glob: .json/.jsonl/.jsonl.gz/.parquet/.arrow/.csv/.txt, "
-        "a HF dataset saved with save_to_disk, or a datasets script/dir with --hf-datasets-params",
-    )
-    data.add_argument(
-        "--hf-datasets-params",
-        metavar="JSON_FILE",
-        help="JSON file with name / split / streaming / data_files for datasets.load_dataset",
-    )
-    data.add_argument(
-        "--streaming",
-        action="store_true",
-        help="stream the HF dataset (local files are always read incrementally)",
-    )
-    data.add_argument(
-        "--json-keys",
-        "--json-key",
-        nargs="+",
-        default=["text"],
-        metavar="KEY",
-        help="record fields to tokenise for pretraining, one dataset each (default: text)",
-    )
-    tok = parser.add_argument_group("tokenizer")
-    tok.add_argument(
-        "--tokenizer-type",
-        default="PretrainedFromHF",
-        choices=["PretrainedFromHF", "SentencePiece"],
-        help="PretrainedFromHF: a local HF tokenizer directory; SentencePiece: a .model file",
-    )
-    tok.add_argument(
-        "--tokenizer-name-or-path", help="local HF tokenizer directory (no hub downloads)"
-    )
-    tok.add_argument("--tokenizer-model", help="SentencePiece .model file")
-    tok.add_argument(
-        "--tokenizer-not-use-fast",
-        action="store_true",
-        help="load HF's slow Python tokenizer instead of the fast Rust one",
-    )
-    proc = parser.add_argument_group("processing")
-    proc.add_argument(
-        "--handler-name",
-        default="GeneralPretrainHandler",
-        metavar="NAME",
-        help=f"prompt handler: one of {', '.join(handler_choices())}, or module:Class for your own",
-    )
-    proc.add_argument(
-        "--prompt-template",
-        choices=sorted(TEMPLATES),
-        help="override the instruction handler's prompt template",
-    )
-    proc.add_argument(
-        "--append-eod",
-        action="store_true",
-        help="end every pretraining document with the EOD token",
-    )
-    proc.add_argument(
-        "--seq-length",
-        type=int,
-        help="truncate instruction samples to this many tokens; the pack size with --pack",
-    )
-    proc.add_argument(
-        "--pack",
-        action="store_true",
-        help="group whole samples, in order, into documents of at most --seq-length tokens",
-    )
-    proc.add_argument(
-        "--workers", type=int, default=1, help="tokeniser processes (default 1: in-process)"
-    )
-    proc.add_argument(
-        "--chunk-size", type=int, default=256, help="records handed to a worker at a time"
-    )
-    proc.add_argument(
-        "--log-interval",
-        type=int,
-        default=10000,
-        help="documents between progress lines when stderr is not a terminal",
-    )
-    proc.add_argument(
-        "--skip-bad-records",
-        action="store_true",
-        help="skip and count malformed records instead of stopping at the first",
-    )
-    proc.add_argument(
-        "--max-bad-records",
-        type=int,
-        help="with --skip-bad-records: fail once more than this many were skipped",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--output-prefix",
-        required=True,
-        help="outputs are {prefix}_{key}_document.bin/.idx (or Arrow shards) plus {prefix}.manifest.json",
-    )
-    out.add_argument(
-        "--output-format",
-        default="mmap",
-        choices=OUTPUT_FORMATS,
-        help="mmap: Megatron indexed dataset; arrow: Arrow IPC shards",
-    )
-    out.add_argument(
-        "--dataset-impl",
-        default="mmap",
-        choices=["mmap"],
-        help="Megatron's on-disk implementation (only mmap; kept for old scripts)",
-    )
-    out.add_argument(
-        "--arrow-shard-mb", type=int, default=256, help="start a new Arrow shard past this size"
-    )
-    out.add_argument(
-        "--overwrite", action="store_true", help="replace existing outputs of the same prefix"
-    )
-    shard = parser.add_argument_group(
-        "sharding (one pod of many; join with `meshline preprocess merge`)"
-    )
-    shard.add_argument(
-        "--num-shards",
-        type=int,
-        default=1,
-        help="split the sorted input files into N contiguous, size-balanced shards; this run "
-        "writes one, under {prefix}-shard-IIIII-of-NNNNN",
-    )
-    shard.add_argument(
-        "--shard-index",
-        type=int,
-        help=f"the shard to write, 0..N-1 (default: ${SHARD_INDEX_ENV}, set in every pod of a "
-        "Kubernetes Indexed Job)",
-    )
+    specs = _specs()
+    for title, names in GROUPS.items():
+        add_fields(parser.add_argument_group(title), PreprocessConfig, names, specs)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     """Map parsed flags onto `PreprocessConfig` (validation happens there)."""
-    return PreprocessConfig(
-        input=tuple(args.input),
-        output_prefix=args.output_prefix,
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_name_or_path=args.tokenizer_name_or_path,
-        tokenizer_model=args.tokenizer_model,
-        tokenizer_not_use_fast=args.tokenizer_not_use_fast,
-        handler_name=args.handler_name,
-        json_keys=tuple(args.json_keys),
-        append_eod=args.append_eod,
-        prompt_template=args.prompt_template,
-        workers=args.workers,
-        chunk_size=args.chunk_size,
-        log_interval=args.log_interval,
-        dataset_impl=args.dataset_impl,
-        streaming=args.streaming,
-        hf_datasets_params=args.hf_datasets_params,
-        seq_length=args.seq_length,
-        pack=args.pack,
-        output_format=args.output_format,
-        arrow_shard_mb=args.arrow_shard_mb,
-        skip_bad_records=args.skip_bad_records,
-        max_bad_records=args.max_bad_records,
-        overwrite=args.overwrite,
-        num_shards=args.num_shards,
-        shard_index=default_shard_index(args.shard_index, args.num_shards),
-    )
+    values = config_values(args, PreprocessConfig)
+    values["shard_index"] = default_shard_index(args.shard_index, args.num_shards)
+    return PreprocessConfig(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

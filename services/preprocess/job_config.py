@@ -20,13 +20,16 @@ class PreprocessConfig:
     """One preprocessing run; each field is a Megatron/ModelLink `tools/preprocess_data.py` flag."""
 
     input: tuple[str, ...] = ()
-    """--input: files, directories or globs (json/jsonl/jsonl.gz/parquet/arrow/csv/txt, HF datasets)."""
+    """--input: files, directories or globs (.json/.jsonl/.jsonl.gz/.parquet/.arrow/.csv/.txt), a HF
+    dataset saved with save_to_disk, or a datasets script/dir with --hf-datasets-params."""
     output_prefix: str = ""
-    """--output-prefix: outputs are named `{prefix}_{key}_document.bin/.idx` (or Arrow shards)."""
+    """--output-prefix: outputs are named `{prefix}_{key}_document.bin/.idx` (or Arrow shards), plus
+    `{prefix}.manifest.json`."""
     tokenizer_type: str = "PretrainedFromHF"
     """--tokenizer-type: "PretrainedFromHF" (a local HF directory) or "SentencePiece"."""
     tokenizer_name_or_path: str | None = None
-    """--tokenizer-name-or-path: the HF tokenizer directory (or a .model for SentencePiece)."""
+    """--tokenizer-name-or-path: the local HF tokenizer directory, no hub downloads (or a .model
+    for SentencePiece)."""
     tokenizer_model: str | None = None
     """--tokenizer-model: the SentencePiece .model file."""
     tokenizer_not_use_fast: bool = False
@@ -68,9 +71,11 @@ class PreprocessConfig:
     overwrite: bool = False
     """--overwrite: replace existing outputs of the same prefix (otherwise refuse)."""
     num_shards: int = 1
-    """--num-shards: split the input files into this many contiguous shards (one per pod)."""
+    """--num-shards: split the sorted input files into this many contiguous, size-balanced shards
+    (one per pod); a run writes one, under `{prefix}-shard-IIIII-of-NNNNN`."""
     shard_index: int = 0
-    """--shard-index: which shard this run writes (0-based; default $JOB_COMPLETION_INDEX)."""
+    """--shard-index: which shard this run writes (0-based; default $JOB_COMPLETION_INDEX, set in
+    every pod of a Kubernetes Indexed Job)."""
 
     def __post_init__(self) -> None:
         def fail(flag: str, message: str) -> None:

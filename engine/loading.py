@@ -166,3 +166,18 @@ def load_checkpoint(
         directory,
         str(registry_name or directory.name),
     )
+
+
+def read_config(directory: Path, load_format: str = AUTO) -> ModelConfig:
+    """The model a checkpoint holds, read without its weights (to check flags before loading)."""
+    if load_format not in SERVE_CHOICES:
+        raise ValueError(f"--load-format {load_format!r}: choose one of {list(SERVE_CHOICES)}")
+    try:
+        fmt = detect_format(directory) if load_format == AUTO else load_format
+        return (
+            get_format(fmt, "--load-format", SERVE_FORMATS)
+            .open_source(directory, None, None)
+            .config
+        )
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load {directory} ({load_format}): {exc}") from exc

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
+from models.config import ModelConfig
 from services.common import megatron_compat
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.results import format_table, write_results
@@ -36,6 +37,8 @@ from services.evaluator.tasks import groups, list_tasks, resolve
 LOAD_FORMATS = SERVE_CHOICES
 """`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 # ModelLink's TASK names -> Meshline task or group names.
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_BATCH_SIZE = 8
 TASK_ALIASES = {"human_eval": "humaneval", "ceval": "ceval-valid"}
 
 
@@ -75,8 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         "--evaluation-batch-size",
         type=int,
-        default=8,
-        help="requests per batch",
+        default=None,
+        help=f"requests per batch (default {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default=None,
+        help="compute dtype of a --load model (default auto: the checkpoint's)",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -92,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=DEFAULT_TEMPERATURE,
-        help="sampling temperature if --num-samples > 1",
+        default=None,
+        help=f"sampling temperature of humaneval with --num-samples > 1 (default "
+        f"{DEFAULT_TEMPERATURE})",
     )
     parser.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
     parser.add_argument(
@@ -113,21 +123,45 @@ def task_names(text: str) -> tuple[str, ...]:
     return tuple(TASK_ALIASES.get(n, n) for n in names)
 
 
-def open_model(args: argparse.Namespace) -> LanguageModel:
-    """The model named by --endpoint or --load."""
+def open_model(
+    args: argparse.Namespace, compat: megatron_compat.Resolved | None = None
+) -> LanguageModel:
+    """The model named by --endpoint or --load, once the ModelLink flags agree with it."""
+    compat = megatron_compat.resolve(args) if compat is None else compat
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH_SIZE
     add_bos = None if args.add_bos_token is None else args.add_bos_token == "true"
     if args.endpoint:
         from services.evaluator.models.grpc_client import GrpcLanguageModel
 
-        return GrpcLanguageModel(args.endpoint, batch_size=args.batch_size, add_bos_token=add_bos)
+        if args.dtype not in (None, "auto"):
+            raise ValueError(
+                f"--dtype {args.dtype} (or --fp16/--bf16) applies to a --load model; the "
+                "server's own --dtype decides for --endpoint"
+            )
+        unchecked = [row.flag for row, _ in compat.checks if row.flag != "--seq-length"]
+        if unchecked:
+            raise ValueError(
+                f"{' '.join(unchecked)}: the served model's architecture is not reported over "
+                "gRPC, so these cannot be checked; drop them or evaluate with --load"
+            )
+        model = GrpcLanguageModel(args.endpoint, batch_size=args.batch_size, add_bos_token=add_bos)
+        seq = [(row, value) for row, value in compat.checks if row.flag == "--seq-length"]
+        if seq:
+            served = ModelConfig(max_position_embeddings=model.context_length)
+            megatron_compat.check_model(megatron_compat.Resolved(checks=seq), served)
+        return model
+    from engine.loading import read_config
     from services.evaluator.models.local import LocalLanguageModel
 
+    megatron_compat.check_model(compat, read_config(args.load, args.load_format))
     return LocalLanguageModel(
         args.load,
         load_format=args.load_format,
         tokenizer=args.tokenizer,
         batch_size=args.batch_size,
         add_bos_token=add_bos,
+        dtype=args.dtype or "auto",
     )
 
 
@@ -144,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tasks and --task-data-path are required")
     if not args.endpoint and not args.load:
         parser.error("give --endpoint host:port or --load DIR")
-    megatron_compat.report(args, "meshline evaluate")
     start = time.time()
     try:
+        compat = megatron_compat.resolve(args)
+        if args.batch_size is None:
+            args.batch_size = DEFAULT_BATCH_SIZE
         config = EvalConfig(
             tasks=task_names(args.tasks),
             task_data_path=args.task_data_path,
@@ -157,19 +193,24 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
             num_samples=args.num_samples,
-            temperature=args.temperature,
+            temperature=DEFAULT_TEMPERATURE if args.temperature is None else args.temperature,
             allow_unsafe_code_execution=args.allow_unsafe_code_execution,
         )
         selected = resolve(list(config.tasks))  # unknown names fail before a model is opened
         if config.num_samples > 1 and all(task.name != "humaneval" for task in selected):
-            print(
-                "meshline evaluate: warning: --num-samples and --temperature apply to humaneval "
-                "only, which is not among --tasks; they are ignored",
-                file=sys.stderr,
+            raise ValueError(
+                f"--num-samples {config.num_samples} applies to humaneval only, which is not "
+                "among --tasks; add humaneval or drop --num-samples"
+            )
+        if args.temperature is not None and config.num_samples == 1:
+            raise ValueError(
+                "--temperature applies to humaneval's sampled completions (--num-samples > 1); "
+                "with one sample the completion is greedy: drop --temperature or raise "
+                "--num-samples"
             )
         if any(task.name == "humaneval" for task in selected):
             require_isolation(config.allow_unsafe_code_execution)
-        model = open_model(args)
+        model = open_model(args, compat)
     except (ValueError, ConnectionError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2

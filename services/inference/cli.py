@@ -9,8 +9,9 @@ text (or token ids without a tokenizer); `--output-json PATH` (`-` for stdout) w
 sequence with its ids, text, finish reason, log-probability and seed.
 
 ModelLink's generation scripts run with the entry point renamed: `--fp16`/`--bf16` pick the
-dtype, `--tokenizer-name-or-path` is `--tokenizer`, and the model / parallel flags are accepted
-without effect (the checkpoint defines the model; see docs/coming-from-modellink.md).
+dtype, `--tokenizer-name-or-path` is `--tokenizer`, the architecture flags are checked against
+the checkpoint before its weights are read, and parallel sizes above 1 are refused
+(services/common/megatron_compat.py; docs/coming-from-modellink.md).
 """
 
 from __future__ import annotations
@@ -174,7 +175,6 @@ def chat(engine: Any, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -
 def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
     """Entry point of `meshline generate`; returns the exit code."""
     args = build_parser().parse_args(argv)
-    megatron_compat.report(args, PROG)
     given = sum(x is not None and x is not False for x in (args.prompt, args.input_ids, args.chat))
     if given != 1:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)
@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
     try:
         from engine.build import LoadSpec, build_engine
         from engine.config import EngineConfig
+        from engine.loading import read_config
 
+        compat = megatron_compat.resolve(args)
+        megatron_compat.check_model(compat, read_config(Path(args.load), args.load_format))
         spec = LoadSpec(
             Path(args.load),
             args.load_format,

@@ -17,39 +17,11 @@ effect").
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from services.common import compat_flags
+from services.common.compat_flags import DEST_PREFIX, CompatFlag
 from services.trainer import deepspeed_config
-
-Kind = Literal["map", "same", "refuse"]
-DEST_PREFIX = "megatron__"
-
-
-@dataclass(frozen=True)
-class CompatFlag:
-    """One Megatron/ModelLink flag that is not a Meshline field."""
-
-    flag: str
-    """Main spelling, e.g. --checkpoint-activations."""
-    kind: Kind
-    """map, same or refuse (see the module docstring)."""
-    note: str
-    """map/same: what Meshline does; refuse: the equivalent."""
-    nargs: int | str = 0
-    """0 for a switch, 1 for one value, "*"/"+" for a list."""
-    sets: tuple[tuple[str, Any], ...] = ()
-    """map switches: the (field, value) pairs the flag sets."""
-    convert: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
-    """map flags with a value: (value, fields given so far) -> fields to set."""
-    aliases: tuple[str, ...] = ()
-    """Other spellings (underscores, older names)."""
-    reads_file: bool = False
-    """The value is a file read at parse time (only where the caller allows it: the CLI)."""
-
-    @property
-    def dest(self) -> str:
-        return DEST_PREFIX + self.flag.lstrip("-").replace("-", "_")
 
 
 def _recompute_policy(value: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -292,28 +264,17 @@ FIELD_ALIASES: dict[str, str] = {
 
 def by_flag() -> dict[str, CompatFlag]:
     """Every spelling -> its row."""
-    out: dict[str, CompatFlag] = {}
-    for row in TABLE:
-        for name in (row.flag, *row.aliases):
-            assert name not in out, f"{name} appears twice in the Megatron flag table"
-            out[name] = row
-    return out
+    return compat_flags.by_flag(TABLE, "Megatron")
 
 
 def add_flags(parser: Any) -> None:
     """Add every row to an argparse parser (values land under `megatron__<name>`)."""
-    group = parser.add_argument_group(
+    compat_flags.add_rows(
+        parser,
+        TABLE,
         "Megatron/ModelLink compatibility",
         "accepted for unchanged scripts (docs/coming-from-modellink.md)",
     )
-    for row in TABLE:
-        names = [row.flag, *row.aliases]
-        help_text = f"[{row.kind}] {row.note}"
-        if row.nargs == 0:
-            group.add_argument(*names, dest=row.dest, action="store_true", help=help_text)
-        else:
-            nargs = None if row.nargs == 1 else row.nargs
-            group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
 
 
 def apply(given: dict[str, Any], *, read_files: bool = False) -> dict[str, Any]:

@@ -185,9 +185,23 @@ def test_generate_with_modellink_flags(work, pretrained, capsys):
         "--seed", "42", "--output-json", str(out),
     ], capsys)  # fmt: skip
     assert code == 0, err
-    assert "accepted without effect" in err and "--num-layers" in err
+    assert "accepted without effect" not in err
     result = json.loads(out.read_text())
     assert 1 <= len(result["sequences"][0]["token_ids"]) <= 4
+    # The architecture flags are checked against the checkpoint (every contradiction named at
+    # once), and a parallel layout one process cannot run is refused, before any weight is read.
+    wrong = [f if f != "2" else "3" for f in LLAMA_MODEL[:2]] + ["--hidden-size", "96"]
+    code, _, err = _run(["generate", "--load", str(ckpt), *_tokenizer_flags(work["tok"]), *wrong,
+                         "--prompt", "The model"], capsys)  # fmt: skip
+    assert code == 2
+    assert "--num-layers 3, but the checkpoint has 2" in err
+    assert "--hidden-size 96, but the checkpoint has 64" in err
+    code, _, err = _run(["generate", "--load", str(ckpt), "--tensor-model-parallel-size", "2",
+                         "--prompt", "The model"], capsys)  # fmt: skip
+    assert code == 2 and "serve it sharded" in err
+    code, _, err = _run(["generate", "--load", str(ckpt), "--lora-r", "8",
+                         "--prompt", "The model"], capsys)  # fmt: skip
+    assert code == 2 and "--lora-r describes a LoRA adapter, but none is given" in err
 
 
 def test_evaluate_with_modellink_flags_writes_results(work, pretrained, capsys):
@@ -206,6 +220,28 @@ def test_evaluate_with_modellink_flags_writes_results(work, pretrained, capsys):
     assert "results:" in stdout and "boolq" in stdout
     document = json.loads(next(out.rglob("results*.json")).read_text())
     assert "boolq" in document["results"]
+    # --micro-batch-size is the batch size, --fp16 the dtype; a --seq-length past the model's
+    # context is refused before the model is built.
+    code, _, err = _run([
+        "evaluate", "--task-data-path", str(FIXTURES / "boolq"), "--task", "boolq",
+        "--load", str(ckpt), "--seq-length", "64", "--output-path", str(out), "--limit", "1",
+    ], capsys)  # fmt: skip
+    assert code == 2 and "--seq-length 64 is longer than the model's context (32" in err
+
+
+def test_evaluate_maps_micro_batch_size_and_fp16():
+    from services.common import megatron_compat
+    from services.evaluator.cli import build_parser
+
+    args = build_parser().parse_args(["--task", "boolq", "--task-data-path", "x", "--fp16",
+                                      "--micro-batch-size", "4", "--num-layers", "2"])  # fmt: skip
+    compat = megatron_compat.resolve(args)
+    assert (args.batch_size, args.dtype) == (4, "float16")
+    assert [row.flag for row, _ in compat.checks] == ["--num-layers"]
+    args = build_parser().parse_args(["--task", "boolq", "--task-data-path", "x", "--bf16",
+                                      "--dtype", "float16"])  # fmt: skip
+    with pytest.raises(ValueError, match="--bf16 means --dtype bfloat16, but --dtype float16"):
+        megatron_compat.resolve(args)
 
 
 def test_evaluate_takes_modellink_task_names():

@@ -24,6 +24,7 @@ class LocalLanguageModel(LanguageModel):
         tokenizer: Path | None = None,
         batch_size: int = 8,
         add_bos_token: bool | None = None,
+        dtype: str = "auto",
     ) -> None:
         from engine.build import LoadSpec, build_engine
         from engine.config import EngineConfig
@@ -34,7 +35,7 @@ class LocalLanguageModel(LanguageModel):
         self.add_bos_token = add_bos_token
         self._loaded, self._engine = build_engine(
             LoadSpec(Path(load_dir), load_format, tokenizer),
-            EngineConfig(max_batch_rows=max(1, batch_size)),
+            EngineConfig(max_batch_rows=max(1, batch_size), dtype=dtype),
             device=devices.current().torch_device(),
         )
         if self._loaded.tokenizer is None:

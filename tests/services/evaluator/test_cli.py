@@ -51,14 +51,18 @@ def test_unknown_tasks_list_the_known_ones_before_opening_a_model(tmp_path, caps
     )
 
 
-def test_num_samples_without_humaneval_warns(tmp_path, capsys):
+def test_num_samples_or_temperature_without_humaneval_sampling_are_refused(tmp_path, capsys):
     def run(tasks: str) -> int:
         return main(
             ["--tasks", tasks, "--task-data-path", str(FIXTURES), "--num-samples", "4",
              "--endpoint", "127.0.0.1:1", "--output-path", str(tmp_path)]
         )  # fmt: skip
 
-    assert run("gsm8k") == 2  # nothing listens on the endpoint
-    assert "--num-samples and --temperature apply to humaneval only" in capsys.readouterr().err
-    assert run("gsm8k,humaneval") == 2
-    assert "apply to humaneval only" not in capsys.readouterr().err
+    assert run("gsm8k") == 2
+    assert "--num-samples 4 applies to humaneval only" in capsys.readouterr().err
+    assert run("gsm8k,humaneval") == 2  # nothing listens on the endpoint
+    assert "applies to humaneval only" not in capsys.readouterr().err
+    argv = ["--tasks", "humaneval", "--task-data-path", str(FIXTURES), "--temperature", "0.2",
+            "--endpoint", "127.0.0.1:1", "--output-path", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 2
+    assert "--temperature applies to humaneval's sampled completions" in capsys.readouterr().err

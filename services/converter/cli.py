@@ -248,7 +248,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
     notes = modellink_flags.resolve(args)
     if notes:
         print(
-            f"meshline convert: warning: accepted without effect: {' '.join(notes)}",
+            f"meshline convert: note: {' '.join(notes)}",
             file=sys.stderr,
         )
     model = args.model
@@ -277,6 +277,8 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         quantize=args.quantize,
         group_size=args.group_size,
         quantize_affine=args.quantize_affine,
+        tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
+        lora_target_modules=tuple(args.lora_target_modules or ()),
     )
 
 

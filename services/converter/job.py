@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.lora import open_adapter
+from checkpoints.lora import LoraAdapter, open_adapter
+from checkpoints.megatron_lora import MegatronLoraAdapter
 from checkpoints.registry import GGUF_QUANTIZED, SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
@@ -143,10 +144,80 @@ def open_checked_source(options: ConvertOptions) -> Source:
             "--lora-load with a reward model source: merging adapters into a value-head model "
             "is not built; convert the reward model without --lora-load"
         )
+    if options.tokenizer_model is not None:
+        carry_tokenizer_model(options.tokenizer_model, source)
     target = get_format(options.save_format)
     if target.check_target is not None:
         target.check_target(source, sink_options(options))
     return source
+
+
+TOKENIZER_MODEL_MAX_BYTES = 64 * 1024 * 1024
+"""Largest --tokenizer-model read (SentencePiece files are a few MiB)."""
+
+
+def carry_tokenizer_model(path: Path, source: Source) -> None:
+    """--tokenizer-model: a SentencePiece `tokenizer.model` whose vocabulary fits the model's
+    embedding; the output carries it when the source has no tokenizer, and otherwise it must be
+    the source's own file (a different tokenizer would silently pair with these weights)."""
+    from models.tokenizer import build_tokenizer
+
+    flag = f"--tokenizer-model {path}"
+    if path.name != "tokenizer.model" or not path.is_file():
+        raise ValueError(f"{flag}: give the SentencePiece file named tokenizer.model")
+    if path.stat().st_size > TOKENIZER_MODEL_MAX_BYTES:
+        raise ValueError(f"{flag}: larger than {TOKENIZER_MODEL_MAX_BYTES} bytes")
+    try:
+        vocab = build_tokenizer("SentencePiece", path).vocab_size
+    except Exception as exc:  # sentencepiece raises RuntimeError/OSError on a bad file
+        raise ValueError(f"{flag}: not a SentencePiece model ({exc})") from exc
+    if vocab > source.config.vocab_size:
+        raise ValueError(
+            f"{flag}: its {vocab} tokens do not fit the model's {source.config.vocab_size}-row "
+            "embedding; it belongs to another model"
+        )
+    own = [f for f in source.tokenizer_files if f.name in ("tokenizer.model", "tokenizer.json")]
+    if not own:
+        source.tokenizer_files = [*source.tokenizer_files, path]
+    elif own[0].name != "tokenizer.model" or own[0].read_bytes() != path.read_bytes():
+        raise ValueError(
+            f"{flag}: the source carries its own tokenizer ({', '.join(f.name for f in own)}), "
+            "which differs; drop --tokenizer-model to keep the source's"
+        )
+
+
+def adapter_kinds(adapter: LoraAdapter | MegatronLoraAdapter) -> dict[str, str]:
+    """Module leaf name -> the projection it is (qkv, attention output, MLP in, MLP out)."""
+    if isinstance(adapter, MegatronLoraAdapter):
+        leaves = {
+            module.rpartition(".")[2] for modules in adapter.pairs.values() for module in modules
+        }
+    else:
+        leaves = {module.rpartition(".")[2] for module in adapter.pairs}
+    return {leaf: LORA_KINDS.get(leaf, leaf) for leaf in leaves}
+
+
+LORA_KINDS = {
+    **dict.fromkeys(("query_key_value", "W_pack", "qkv_proj", "q_proj", "k_proj", "v_proj"), "qkv"),
+    **dict.fromkeys(("dense", "o_proj"), "attention output"),
+    **dict.fromkeys(("dense_h_to_4h", "gate_up_proj", "gate_proj", "up_proj"), "MLP input"),
+    **dict.fromkeys(("dense_4h_to_h", "down_proj"), "MLP output"),
+}
+"""Megatron/ModelLink and HF LoRA target names -> the projection they adapt."""
+
+
+def check_lora_targets(
+    targets: tuple[str, ...], adapter: LoraAdapter | MegatronLoraAdapter
+) -> None:
+    """--lora-target-modules: every module the adapter adapts is among them (by projection)."""
+    listed = {LORA_KINDS.get(t, t) for t in targets}
+    outside = sorted(leaf for leaf, kind in adapter_kinds(adapter).items() if kind not in listed)
+    if outside:
+        raise ValueError(
+            f"--lora-target-modules {' '.join(targets)}: the adapter also adapts {outside}, "
+            "which ModelLink's merge would not load; list them too (or drop the flag: the "
+            "adapter's own modules are merged)"
+        )
 
 
 def convert(
@@ -163,6 +234,8 @@ def convert(
         if options.lora_dir is not None
         else None
     )
+    if adapter is not None and options.lora_target_modules:
+        check_lora_targets(options.lora_target_modules, adapter)
     all_units = units(config)
     names = expected_names_cached(config)
     total = sum(len(names[u]) for u in all_units)

@@ -9,8 +9,10 @@
 - Megatron-LM `tools/checkpoint/convert.py --model-type GPT --loader llama_mistral --saver
   mcore --load-dir --save-dir --target-tensor-parallel-size N --model-size llama2-7B`.
 
-`resolve(args)` fills the Meshline options these imply and returns notes on flags accepted
-without effect.
+`resolve(args)` fills the Meshline options these imply. No flag is accepted without effect:
+`--lora-target-modules` is checked against the adapter, `--tokenizer-model` against the model and
+the source's tokenizer (and carried), and `--megatron-path` names Megatron's code, which Meshline
+does not need (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -78,13 +80,20 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--lora-target-modules",
         nargs="+",
         metavar="NAME",
-        help="ModelLink merge: read from the adapter itself; accepted for unchanged scripts",
+        help="ModelLink merge: the modules the adapter adapts (Megatron or HF names); an adapter "
+        "module outside them is an error, as ModelLink's merge would not load it",
     )
-    p("--megatron-path", metavar="DIR", help="Megatron convert.py: not needed; no effect")
+    p(
+        "--megatron-path",
+        metavar="DIR",
+        help="Megatron convert.py: where its code lives; Meshline reads Megatron checkpoints with "
+        "its own readers and imports no Megatron checkout, so this is already satisfied",
+    )
     p(
         "--tokenizer-model",
         metavar="PATH",
-        help="Megatron convert.py: tokenizer files are copied from the source; no effect",
+        help="Megatron convert.py: a SentencePiece tokenizer.model; its vocabulary must fit the "
+        "model's, and it is carried into the output when the source has no tokenizer",
     )
     p("--fp16", dest="dtype", action="store_const", const="float16", help="same as --dtype float16")
     p("--bf16", dest="dtype", action="store_const", const="bfloat16",
@@ -94,9 +103,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> list[str]:
     """Fill load_format / save_format / model / merge_lora from the ModelLink-style flags.
 
-    Raises ValueError naming the flag; returns notes on flags accepted without effect.
+    Raises ValueError naming the flag; returns notes for the user (none today).
     """
-    notes = []
+    notes: list[str] = []
     if args.model_type is not None and args.model_type.upper() != "GPT":
         raise ValueError(
             f"--model-type {args.model_type}: only GPT (decoder-only) checkpoints are converted"
@@ -129,13 +138,10 @@ def resolve(args: argparse.Namespace) -> list[str]:
         args.load_format = "megatron" if args.lora_dir else "hf"
     if args.save_format is None:
         args.save_format = "megatron"
-    for flag, value in (
-        ("--lora-target-modules", args.lora_target_modules),
-        ("--megatron-path", args.megatron_path),
-        ("--tokenizer-model", args.tokenizer_model),
-    ):
-        if value is not None:
-            notes.append(flag)
+    if args.lora_target_modules and not args.lora_dir:
+        raise ValueError(
+            "--lora-target-modules describes the adapter to merge; give it with --lora-load DIR"
+        )
     return notes
 
 

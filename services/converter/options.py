@@ -92,6 +92,14 @@ class ConvertOptions:
     """Inputs sharing a scale (default: per channel for int8, 128 for int4)."""
     quantize_affine: bool = False
     """Affine codes with a zero point per group instead of symmetric ones."""
+    tokenizer_model: Path | None = None
+    """--tokenizer-model (Megatron convert.py): a SentencePiece `tokenizer.model` whose vocabulary
+    must fit the model's embedding; carried into the output when the source carries no tokenizer,
+    and otherwise equal to the source's own (CLI only: a service request names no such file)."""
+    lora_target_modules: tuple[str, ...] = ()
+    """--lora-target-modules (ModelLink's merge): the modules the --lora-load adapter adapts, in
+    Megatron or HF spelling; an adapter module outside them is an error, since ModelLink's merge
+    would not load it."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form notes (ignored by the conversion)."""
 

@@ -279,7 +279,7 @@ class MegatronSource:
             if unit == PRE:
                 return edge_from_megatron(unit, self._read(0, 0, ("embedding.",)), self.config)
             if unit == POST:
-                prefixes = ("encoder.final_norm.", "output_layer.")
+                prefixes = ("encoder.final_norm.", "output_layer.", "rm_head.")
                 shards = self._read(self.pp - 1, self.layout.chunks - 1, prefixes)
                 return edge_from_megatron(unit, shards, self.config)
             return layer_from_megatron(int(unit), self.read_layer_shards(int(unit)), self.config)

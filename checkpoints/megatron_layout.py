@@ -316,8 +316,16 @@ def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
 
 
-def edge_to_megatron(unit: Unit, tensors: Tensors, tp: int, padded_vocab: int) -> Shards:
-    """The "pre" or "post" unit as Megatron names relative to `language_model.` (split over tp)."""
+RM_HEAD = "rm_head.weight"
+"""A reward model's scalar value head in a Megatron checkpoint (MindSpeed-LLM's `rm_head`): one
+[1, E] row on the last stage, the same on every TP rank, in place of the output layer."""
+
+
+def edge_to_megatron(
+    unit: Unit, tensors: Tensors, tp: int, padded_vocab: int, value_head: bool = False
+) -> Shards:
+    """The "pre" or "post" unit as Megatron names relative to `language_model.` (split over tp);
+    a value head (`value_head`) is written whole to every rank as `rm_head.weight`."""
     out: Shards = {}
     if unit == PRE:
         embed = _pad_vocab(tensors["embed_tokens.weight"], padded_vocab)
@@ -334,7 +342,9 @@ def edge_to_megatron(unit: Unit, tensors: Tensors, tp: int, padded_vocab: int) -
     for leaf in ("weight", "bias"):
         if f"norm.{leaf}" in tensors:
             out[f"encoder.final_norm.{leaf}"] = [tensors[f"norm.{leaf}"]] * tp
-    if "lm_head.weight" in tensors:
+    if "lm_head.weight" in tensors and value_head:
+        out[RM_HEAD] = [tensors["lm_head.weight"]] * tp
+    elif "lm_head.weight" in tensors:
         head = _pad_vocab(tensors["lm_head.weight"], padded_vocab)
         out["output_layer.weight"] = _split(head, tp, 0, "output layer")
     return out
@@ -362,6 +372,8 @@ def edge_from_megatron(unit: Unit, shards: Shards, config: ModelConfig) -> Tenso
         name = f"encoder.final_norm.{leaf}"
         if name in shards:
             out[f"norm.{leaf}"] = _replicated(shards[name], name)
-    if not config.tie_word_embeddings:
+    if config.value_head:
+        out["lm_head.weight"] = _replicated(shards[RM_HEAD], RM_HEAD)
+    elif not config.tie_word_embeddings:
         out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[:vocab]
     return out

@@ -118,7 +118,9 @@ class MegatronSink:
         """Splits the unit over TP and files it under its stage; writes stages once complete."""
         if unit in (PRE, POST):
             stage, chunk = (0, 0) if unit == PRE else (self.layout.pp - 1, self.layout.chunks - 1)
-            shards = edge_to_megatron(unit, tensors, self.tp, self.padded_vocab)
+            shards = edge_to_megatron(
+                unit, tensors, self.tp, self.padded_vocab, self.config.value_head
+            )
             if unit == PRE and self.config.tie_word_embeddings and self.layout.pp > 1:
                 # The last stage's copy of the embedding, for its tied output layer: written into
                 # that stage's files now rather than held until the head arrives.

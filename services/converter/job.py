@@ -61,7 +61,7 @@ from services.converter.verify import (
     skip_reason,
 )
 
-VALUE_HEAD_FORMATS = ("hf", "native")
+VALUE_HEAD_FORMATS = ("hf", "native", "megatron")
 """Output formats that hold a reward model's value head (HF: `...ForSequenceClassification`)."""
 
 _GGUF_FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}

@@ -117,7 +117,18 @@ def test_reward_model_exported_to_hf_scores_as_meshline(sentencepiece_model, tmp
     assert saved["value_head"] is True and saved["tie_word_embeddings"] is False
     check_paths(parse_args([*resume, "--train-iters", "3"]))  # the rm run resumes
     with pytest.raises(ValueError, match="the source is a reward model"):
-        convert(ConvertOptions("native", "megatron", tmp_path / "rm", tmp_path / "mg"))
+        convert(ConvertOptions("native", "gguf", tmp_path / "rm", tmp_path / "gg"))
+    # Megatron (MindSpeed-LLM's rm_head, here over TP2 x PP2) and back keeps the head exactly.
+    mg = tmp_path / "mg"
+    convert(ConvertOptions("native", "megatron", tmp_path / "rm", mg, target_tp=2, target_pp=2))
+    convert(ConvertOptions("megatron", "hf", mg, tmp_path / "hf-via-mg", dtype="fp32"))
+    from safetensors.torch import load_file
+
+    direct = load_file(exported / "model.safetensors")
+    via_megatron = load_file(tmp_path / "hf-via-mg" / "model.safetensors")
+    assert direct.keys() == via_megatron.keys() and "score.weight" in direct
+    for name, tensor in direct.items():
+        assert torch.equal(tensor, via_megatron[name]), name
     back = tmp_path / "native-again"  # HF -> native keeps the head
     convert(ConvertOptions("hf", "native", exported, back, dtype="fp32"))
     assert json.loads((back / "step-000000" / "config.json").read_text())["value_head"] is True

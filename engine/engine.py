@@ -282,6 +282,7 @@ class Engine:
         if self.adapters is None:
             raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
         busy = {row.request.adapter for row in self._rows}
+        busy |= {p.request.adapter for p in self._prefills}
         busy |= {r.adapter for r in self.scheduler.waiting}
         with self._lock:  # no submit resolves a name while a slot changes hands
             busy |= {r.adapter for r in self._inbox}
@@ -630,7 +631,8 @@ class Engine:
             take(prefill)
 
         def admit(request: GenerationRequest) -> Prefill | bool | None:
-            admitted = pool.admit(request)
+            namespace = b"" if self.adapters is None else self.adapters.namespace(request.adapter)
+            admitted = pool.admit(request, namespace)
             if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
                 self._prefills.append(admitted)
                 take(admitted)
@@ -641,7 +643,7 @@ class Engine:
         for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
             members = [prefill for prefill, _ in group]
             try:
-                chunks = list(self.runner.prefill_chunk(members, n, self._last_logits).split(1))
+                chunks = list(self._prefill_chunk(members, n).split(1))
             except Exception as exc:  # retried per request
                 log.warning("batched prefill of %d prompts failed (%s)", len(members), exc)
                 chunks = [self._chunk_alone(prefill, n, failed) for prefill in members]
@@ -666,11 +668,17 @@ class Engine:
                 out.append(chunk.expand(prefill.rows, -1))
         return out
 
+    def _prefill_chunk(self, prefills: list[Prefill], tokens: int) -> torch.Tensor:
+        """Logits [B, V] after the next `tokens` prompt tokens of prefills at the same length,
+        each with its request's LoRA adapter."""
+        adapters_B = self._adapter_rows([p.request for p in prefills])
+        return self.runner.prefill_chunk(prefills, tokens, self._last_logits, adapters_B)
+
     def _chunk_alone(
         self, prefill: Prefill, tokens: int, failed: dict[int, RequestError]
     ) -> torch.Tensor | None:
         try:
-            return self.runner.prefill_chunk([prefill], tokens, self._last_logits)
+            return self._prefill_chunk([prefill], tokens)
         except Exception as exc:  # this request fails, not the step
             rid = prefill.request.request_id
             failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)

@@ -162,10 +162,6 @@ class ModelRunner:
             why = "--compile-decode traces the dense cache's attention op"
         elif config.speculative_config is not None:
             why = "speculative decoding rolls rejected drafts back in dense rows (engine/speculative.py)"
-        elif config.enable_lora:
-            why = (
-                "LoRA adapter rows are prefilled and decoded in dense rows (models/lora_batched.py)"
-            )
         elif self.device.type != "cpu" and not config.enforce_eager:
             why = "CUDA graphs replay dense rows (engine/cuda_graphs.py); --enforce-eager pages"
         if why is None:
@@ -303,13 +299,27 @@ class ModelRunner:
         self.pool.sync(view, start)  # type: ignore[arg-type]
         return logits
 
-    def prefill_chunk(self, prefills: list[Prefill], tokens: int, forward: Forward) -> torch.Tensor:
+    def prefill_chunk(
+        self,
+        prefills: list[Prefill],
+        tokens: int,
+        forward: Forward,
+        adapters_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] of the last of the next `tokens` prompt tokens of prefills at the same
-        length, written into their block tables (the paged cache)."""
+        length, written into their block tables (the paged cache); row b with LoRA slot
+        `adapters_B[b]` (None: no adapter)."""
         assert isinstance(self.pool, PagedPool)
         view = self.pool.prefill_view(prefills)
-        ids = [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills]
-        logits = forward(torch.tensor(ids, device=self.device), view)
+        ids_BS = torch.tensor(
+            [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills], device=self.device
+        )
+        if adapters_B is None:
+            logits = forward(ids_BS, view)
+        else:
+            assert self.lora is not None
+            with self.lora.rows(adapters_B):
+                logits = forward(ids_BS, view)
         for prefill in prefills:
             self.pool.prefilled(prefill, tokens)
         return logits

@@ -13,7 +13,8 @@ Admission (`admit`): a request reserves its worst case in blocks — the prompt'
 not found cached, plus per row the blocks from its partial prompt block to prompt +
 max_new_tokens (capped at --max-model-len) — so a running request never runs short and nothing
 is preempted; a request that does not fit waits in the queue. With prefix caching the prompt's
-full blocks are looked up by their chained digests (engine/kv_blocks.py) and shared; at least
+full blocks are looked up by their chained digests (engine/kv_blocks.py), chained from the
+namespace of the weights that computed them (the base model's, or a LoRA adapter's), and shared; at least
 the prompt's last token is always computed (its logits give the first new token). A prompt
 whose next uncached block is being prefilled by an earlier request waits for it rather than
 computing it twice.
@@ -165,16 +166,19 @@ class PagedPool:
         full = prompt_len // p
         return full + config_rows * (math.ceil(total / p) - full)
 
-    def admit(self, request: GenerationRequest) -> Prefill | bool | None:
+    def admit(self, request: GenerationRequest, namespace: bytes = b"") -> Prefill | bool | None:
         """Reserve `request`'s blocks and look up its cached prefix: its Prefill; None when the
         blocks are short (it waits, and so do the requests behind it); False when an earlier
-        request is computing its next prompt block (it waits, the ones behind may go)."""
+        request is computing its next prompt block (it waits, the ones behind may go).
+
+        `namespace` starts the chain of its prompt-block digests: requests computed with
+        different weights (a LoRA adapter's, engine/lora_adapters.py) never share blocks."""
         rows = rows_needed(request.config)
         if rows > self.free_rows:
             return None
         prompt = request.prompt_ids
         p = self.block_size
-        hashes = chain_hashes(prompt, p) if self.blocks.prefix_caching else []
+        hashes = chain_hashes(prompt, p, namespace) if self.blocks.prefix_caching else []
         usable = hashes[: (len(prompt) - 1) // p]  # the last prompt token is always computed
         hit = self.blocks.lookup(usable)
         if len(hit) < len(usable) and usable[len(hit)] in self._in_flight:

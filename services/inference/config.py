@@ -284,7 +284,6 @@ class InferenceServiceConfig(DataRootsConfig):
                 self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1,
             ),
             ("--speculative-config", self.speculative_config is not None),
-            ("--enable-lora", self.lora),
         )
         for name, on in dense:
             if on and asked:

@@ -98,8 +98,9 @@ def test_size_suffixes_and_refusals(tmp_path: Path) -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     with pytest.raises(ValueError, match="--block-size needs the paged KV cache, which --spec"):
         parsed("--block-size", "32", "--speculative-config", spec)
-    with pytest.raises(ValueError, match=r"--enable-chunked-prefill needs .* --enable-lora"):
-        parsed("--enable-chunked-prefill", "--enable-lora")
+    # LoRA adapters page their rows (prefix-cache keys carry the adapter): accepted.
+    both = parsed("--enable-chunked-prefill", "--enable-prefix-caching", "--enable-lora")
+    assert both.enable_chunked_prefill and both.enable_prefix_caching and both.lora
     assert not parsed(
         "--no-enable-chunked-prefill", "--pipeline-parallel-size", "2"
     ).enable_chunked_prefill

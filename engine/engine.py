@@ -187,7 +187,7 @@ class Engine:
                 "--speculative-config is not supported with --pipeline-parallel-size > 1; drop "
                 "one of them"
             )
-        if self.pool.cache.is_ring:
+        if isinstance(self.pool, SlotPool) and self.pool.cache.is_ring:
             raise ValueError(
                 "--speculative-config: the model has a sliding window, whose KV cache rings "
                 "cannot roll back rejected draft tokens; serve it without speculation"

@@ -160,8 +160,6 @@ class ModelRunner:
             why = "a sliding-window model keeps ring rows (memory bounded by its window)"
         elif config.compile_decode:
             why = "--compile-decode traces the dense cache's attention op"
-        elif config.speculative_config is not None:
-            why = "speculative decoding rolls rejected drafts back in dense rows (engine/speculative.py)"
         elif self.device.type != "cpu" and not config.enforce_eager:
             why = "CUDA graphs replay dense rows (engine/cuda_graphs.py); --enforce-eager pages"
         if why is None:
@@ -326,7 +324,7 @@ class ModelRunner:
 
     def row_length(self, row: int) -> int:
         """Tokens cached in active pool row `row` (speculative decoding's `TargetRows`)."""
-        return int(self.pool.cache.lengths_B[row])
+        return self.pool.lengths()[row]
 
     def decode_one(self, row: int, token: int) -> torch.Tensor:
         """Logits [1, V] after feeding `token` to pool row `row` alone (the lean or C step)."""

@@ -157,6 +157,18 @@ class PagedPool:
         self._lengths = [self._lengths[i] for i in rows]
         self._owners = [self._owners[i] for i in rows]
 
+    def truncate(self, row: int, length: int) -> None:
+        """Forget active row `row`'s cached positions from `length` on (speculative decoding
+        rolls back rejected drafts): blocks wholly past `length` leave its table (a block no
+        other table holds is free again and its request's credit returns); the slots past
+        `length` in its last block are overwritten by the next write, never read before."""
+        assert 0 <= row < self.num_rows
+        assert 0 <= length <= self._lengths[row]
+        table = self.tables[row]
+        while len(table) * self.block_size >= length + self.block_size:
+            self.blocks.decref(table.pop())
+        self._lengths[row] = length
+
     # -- admission and prefill ---------------------------------------------------------------
 
     def blocks_needed(self, prompt_len: int, config_rows: int, max_new_tokens: int) -> int:

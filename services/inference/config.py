@@ -278,19 +278,11 @@ class InferenceServiceConfig(DataRootsConfig):
             ("--block-size", block_size),
         )
         asked = [flag for flag, value in paging if value is not None and value is not False]
-        dense = (
-            (
-                "tensor- and pipeline-parallel serving",
-                self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1,
-            ),
-            ("--speculative-config", self.speculative_config is not None),
-        )
-        for name, on in dense:
-            if on and asked:
-                raise ValueError(
-                    f"{asked[0]} needs the paged KV cache, which {name} does not use yet (its "
-                    "rows stay dense); drop one of them"
-                )
+        if asked and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                f"{asked[0]} needs the paged KV cache, which tensor- and pipeline-parallel "
+                "serving does not use yet (its rows stay dense); drop one of them"
+            )
         parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
         if self.speculative_config is not None and parallel:
             raise ValueError(

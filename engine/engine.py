@@ -387,6 +387,7 @@ class Engine:
             logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
             plain.update(self._pick_plain(logits_BV, events, failed, first))
             beams = self._pick_beams(logits_BV, events, failed, first)
+        self._name_generated(failed)
         keep: list[int] = []
         kept_rows: list[_Row] = []
         for i, row in enumerate(self._rows):
@@ -407,6 +408,17 @@ class Engine:
         self._finish_requests(events)
         self._settle()
         return events
+
+    def _name_generated(self, failed: dict[int, RequestError]) -> None:
+        """Paged cache with prefix caching: name the blocks sequences filled this step (before
+        finished rows leave), so a later prompt holding prompt + answer finds them. Beam rows
+        are not named (their tokens live in the beam search until it ends)."""
+        pool = self.pool
+        if not isinstance(pool, PagedPool) or not pool.blocks.prefix_caching:
+            return
+        for i, row in enumerate(self._rows):
+            if row.seq is not None and row.request.request_id not in failed:
+                pool.name_generated(i, row.request.prompt_ids, row.seq.tokens)
 
     def _settle(self) -> None:
         """Paged cache: requests with no row and no prefill left return their block credit."""

@@ -18,6 +18,11 @@ namespace of the weights that computed them (the base model's, or a LoRA adapter
 the prompt's last token is always computed (its logits give the first new token). A prompt
 whose next uncached block is being prefilled by an earlier request waits for it rather than
 computing it twice.
+
+Generated blocks are cached too (`name_generated`): once a row's block is full of tokens the
+sequence has kept, it is registered under the digest chained on from its prompt's, so a
+follow-up request whose prompt holds the previous prompt and answer (a chat's next turn) finds
+them. A row's chain of digests (`_chains`) follows its table through `gather` and `truncate`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Prefill:
     """Of those, tokens found in the prefix cache at admission."""
     hashes: list[BlockHash] = field(default_factory=list)
     """Chained digests of the prompt's full blocks."""
+    namespace: bytes = b""
+    """The digest the chain starts from (the weights' namespace, see `PagedPool.admit`)."""
 
     @property
     def remaining(self) -> int:
@@ -88,6 +95,9 @@ class PagedPool:
         self.tables: list[list[int]] = []
         self._lengths: list[int] = []
         self._owners: list[int] = []
+        # Per active row: the chained digests of its full blocks so far, and the chain's root.
+        self._chains: list[list[BlockHash]] = []
+        self._roots: list[bytes] = []
         self.prefilling_rows = 0
         """Rows promised to admitted requests still prefilling."""
         self._in_flight: set[BlockHash] = set()
@@ -156,6 +166,8 @@ class PagedPool:
         self.tables = tables
         self._lengths = [self._lengths[i] for i in rows]
         self._owners = [self._owners[i] for i in rows]
+        self._chains = [list(self._chains[i]) for i in rows]
+        self._roots = [self._roots[i] for i in rows]
 
     def truncate(self, row: int, length: int) -> None:
         """Forget active row `row`'s cached positions from `length` on (speculative decoding
@@ -168,6 +180,25 @@ class PagedPool:
         while len(table) * self.block_size >= length + self.block_size:
             self.blocks.decref(table.pop())
         self._lengths[row] = length
+        del self._chains[row][length // self.block_size :]
+
+    def name_generated(self, row: int, prompt: list[int], generated: list[int]) -> None:
+        """Register active row `row`'s full blocks not yet named, whose tokens are `prompt` +
+        `generated`: its sequence's tokens, the last of which is pending (fed next step, not
+        cached). Positions past them, such as drafts written but not kept, are never named."""
+        if not self.blocks.prefix_caching:
+            return
+        p = self.block_size
+        chain = self._chains[row]
+        full = min(self._lengths[row], len(prompt) + len(generated) - 1) // p
+        if full <= len(chain):
+            return
+        first = len(chain) * p
+        tokens = prompt[first:] + generated[max(0, first - len(prompt)) :]
+        parent = chain[-1] if chain else self._roots[row]
+        for digest in chain_hashes(tokens[: (full - len(chain)) * p], p, parent):
+            self.blocks.register(self.tables[row][len(chain)], digest)
+            chain.append(digest)
 
     # -- admission and prefill ---------------------------------------------------------------
 
@@ -202,7 +233,7 @@ class PagedPool:
         self.blocks.note_query(len(usable) * p, len(hit) * p)
         self._in_flight.update(hashes[len(hit) :])
         self.prefilling_rows += rows
-        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes)
+        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes, namespace)
 
     def prefill_view(self, prefills: list[Prefill]) -> PagedKVCache:
         """A cache over the prompt tables of prefills at the same length."""
@@ -229,6 +260,8 @@ class PagedPool:
             self.tables.append(list(prefill.table))
             self._lengths.append(prefill.done)
             self._owners.append(prefill.request.request_id)
+            self._chains.append(list(prefill.hashes))
+            self._roots.append(prefill.namespace)
         self.prefilling_rows -= prefill.rows
 
     def abandon(self, prefill: Prefill) -> None:
@@ -249,6 +282,7 @@ class PagedPool:
     def reset(self) -> None:
         """Forget every row, prefill, reservation and cached prefix."""
         self.tables, self._lengths, self._owners = [], [], []
+        self._chains, self._roots = [], []
         self.prefilling_rows = 0
         self._in_flight.clear()
         self.blocks.reset()

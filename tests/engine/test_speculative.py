@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 
 from engine.engine import Engine, EngineConfig
+from engine.kv_blocks import chain_hashes
 from engine.native_step import NativeStep
 from engine.requests import GenerationRequest
 from engine.sampling import SamplingConfig
@@ -270,6 +271,52 @@ def test_speculation_on_paged_blocks_with_prefix_cache_is_exact_and_leaks_nothin
     blocks = engine.pool.blocks
     assert blocks.used == 0 and blocks.reserved == 0 and not any(blocks.refs)
     assert blocks.free == blocks.num_blocks and blocks.cached > 0
+
+
+def test_next_turn_finds_the_blocks_speculation_kept(tiny):
+    """Blocks filled by verified drafts are named for the next turn; positions written by drafts
+    that were not kept (also at the step that ends a sequence) never are: a follow-up prompt of
+    prompt + answer gives plain decoding's tokens with its answer's blocks found cached."""
+    _, ours, config = tiny
+    fields = dict(max_batch_rows=8, block_size=4, cpu_linear="dense")
+    tokens = TokenizerInfo(config.vocab_size, eos_id=EOS_ID)
+    spec = ngram(4, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = Engine(ours, tokens, EngineConfig(**fields, speculative_config=spec))
+    plain = Engine(ours, tokens, EngineConfig(**fields, enable_prefix_caching=False))
+    firsts = [prompt(n, VOCAB, seed=40 + n) for n in (5, 7, 9)]
+    cfg = SamplingConfig(max_new_tokens=27)
+    answers = [r[0] for r in _ids(engine.generate(firsts, [cfg] * 3))]
+    assert answers == [r[0] for r in _ids(plain.generate(firsts, [cfg] * 3))]
+    stats_ = engine.pool.blocks.stats
+    for first, answer in zip(firsts, answers, strict=True):
+        follow = first + answer + [3, 5]
+        before = stats_.hit_tokens
+        got = _ids(engine.generate([follow], [cfg]))
+        assert got == _ids(plain.generate([follow], [cfg]))
+        cached = len(first) + len(answer) - 1
+        assert stats_.hit_tokens - before == cached // 4 * 4
+    assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
+
+
+def test_positions_of_drafts_not_kept_are_never_named(tiny):
+    """A step that ends a sequence returns without rolling back: its cache holds drafts past the
+    kept tokens. Naming the row's blocks stops before the first position whose key is not
+    that of the sequence's token there."""
+    _, ours, _ = tiny
+    fields = dict(block_size=4, cpu_linear="dense", speculative_config=ngram(4))
+    runner = Engine(ours, TokenizerInfo(VOCAB), EngineConfig(**fields)).runner
+    pool = runner.pool
+    first = prompt(7, VOCAB, seed=6)
+    _rows_of(runner, [first])
+    written = [5, 6, 7, 8, 9]  # pending 5 and four drafts: positions 7-11, three full blocks
+    runner.forward_tokens(0, written)
+    # Kept: 5, 6, 7, 8 (positions 7-10); the token after them is 4, not the draft 9 written at
+    # position 11: the third block [8, 11] holds a key that is not its token's.
+    pool.name_generated(0, first, [5, 6, 7, 8, 4])
+    digests = chain_hashes([*first, 5, 6, 7, 8, 4], 4)
+    assert [pool.blocks.is_registered(d) for d in digests] == [True, True, False]
+    pool.name_generated(0, first, [*written, 1])  # every draft kept: the third block is named
+    assert pool.blocks.is_registered(chain_hashes(first + written, 4)[2])
 
 
 def test_beam_requests_decode_plainly_beside_speculation(tiny):

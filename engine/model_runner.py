@@ -76,7 +76,7 @@ class ModelRunner:
         self.paged = not_paged is None
         """Whether the KV cache is paged (blocks, prefix caching, chunked prefill)."""
         self.prefix_caching = self.paged and config.enable_prefix_caching is not False
-        """Whether full prompt blocks are shared between requests (--enable-prefix-caching)."""
+        """Whether full blocks are shared between requests (--enable-prefix-caching)."""
         self.chunked_prefill = self.paged and config.enable_chunked_prefill is not False
         """Whether long prompts prefill in chunks within a step budget."""
         self.max_num_batched_tokens = (

@@ -521,9 +521,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="share the KV blocks of prompt prefixes between requests (vLLM's flag; default: "
-        "on wherever the KV cache is paged: one process, no sliding window, no "
-        "--compile-decode, CPU or --enforce-eager)",
+        help="share the KV blocks of prompt prefixes, and of earlier answers (a chat's next "
+        "turn), between requests computed with the same weights (base model or LoRA adapter) "
+        "(vLLM's flag; default: on wherever the KV cache is paged: one process, no sliding "
+        "window, no --compile-decode, CPU or --enforce-eager)",
     )
     group.add_argument(
         "--enable-chunked-prefill",

@@ -14,10 +14,10 @@ not found cached, plus per row the blocks from its partial prompt block to promp
 max_new_tokens (capped at --max-model-len) — so a running request never runs short and nothing
 is preempted; a request that does not fit waits in the queue. With prefix caching the prompt's
 full blocks are looked up by their chained digests (engine/kv_blocks.py), chained from the
-namespace of the weights that computed them (the base model's, or a LoRA adapter's), and shared; at least
-the prompt's last token is always computed (its logits give the first new token). A prompt
-whose next uncached block is being prefilled by an earlier request waits for it rather than
-computing it twice.
+namespace of the weights that computed them (the base model's, or a LoRA adapter's), and
+shared; at least the prompt's last token is always computed (its logits give the first new
+token). A prompt whose next uncached block is being prefilled by an earlier request waits for
+it rather than computing it twice.
 
 Generated blocks are cached too (`name_generated`): once a row's block is full of tokens the
 sequence has kept, it is registered under the digest chained on from its prompt's, so a

@@ -128,7 +128,8 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     """Token slots per KV-cache block of the paged cache (--block-size, vLLM's)."""
     enable_prefix_caching: bool | None = None
-    """Share the KV blocks of prompt prefixes between requests (--enable-prefix-caching /
+    """Share the KV blocks of prompt prefixes, and of earlier answers, between requests of the
+    same weights (--enable-prefix-caching /
     --no-enable-prefix-caching, vLLM's); None: on wherever the KV cache is paged
     (engine/model_runner.py says where it is not). True where the cache cannot be paged is
     refused."""

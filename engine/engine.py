@@ -187,7 +187,7 @@ class Engine:
                 "--speculative-config is not supported with --pipeline-parallel-size > 1; drop "
                 "one of them"
             )
-        if self.pool.cache.is_ring:
+        if isinstance(self.pool, SlotPool) and self.pool.cache.is_ring:
             raise ValueError(
                 "--speculative-config: the model has a sliding window, whose KV cache rings "
                 "cannot roll back rejected draft tokens; serve it without speculation"
@@ -282,6 +282,7 @@ class Engine:
         if self.adapters is None:
             raise ValueError(f"{label}: this server serves no LoRA adapters (--enable-lora)")
         busy = {row.request.adapter for row in self._rows}
+        busy |= {p.request.adapter for p in self._prefills}
         busy |= {r.adapter for r in self.scheduler.waiting}
         with self._lock:  # no submit resolves a name while a slot changes hands
             busy |= {r.adapter for r in self._inbox}
@@ -386,6 +387,7 @@ class Engine:
             logits_BV = (logits[0] if len(logits) == 1 else torch.cat(logits)).float()
             plain.update(self._pick_plain(logits_BV, events, failed, first))
             beams = self._pick_beams(logits_BV, events, failed, first)
+        self._name_generated(failed)
         keep: list[int] = []
         kept_rows: list[_Row] = []
         for i, row in enumerate(self._rows):
@@ -406,6 +408,17 @@ class Engine:
         self._finish_requests(events)
         self._settle()
         return events
+
+    def _name_generated(self, failed: dict[int, RequestError]) -> None:
+        """Paged cache with prefix caching: name the blocks sequences filled this step (before
+        finished rows leave), so a later prompt holding prompt + answer finds them. Beam rows
+        are not named (their tokens live in the beam search until it ends)."""
+        pool = self.pool
+        if not isinstance(pool, PagedPool) or not pool.blocks.prefix_caching:
+            return
+        for i, row in enumerate(self._rows):
+            if row.seq is not None and row.request.request_id not in failed:
+                pool.name_generated(i, row.request.prompt_ids, row.seq.tokens)
 
     def _settle(self) -> None:
         """Paged cache: requests with no row and no prefill left return their block credit."""
@@ -630,7 +643,8 @@ class Engine:
             take(prefill)
 
         def admit(request: GenerationRequest) -> Prefill | bool | None:
-            admitted = pool.admit(request)
+            namespace = b"" if self.adapters is None else self.adapters.namespace(request.adapter)
+            admitted = pool.admit(request, namespace)
             if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
                 self._prefills.append(admitted)
                 take(admitted)
@@ -641,7 +655,7 @@ class Engine:
         for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
             members = [prefill for prefill, _ in group]
             try:
-                chunks = list(self.runner.prefill_chunk(members, n, self._last_logits).split(1))
+                chunks = list(self._prefill_chunk(members, n).split(1))
             except Exception as exc:  # retried per request
                 log.warning("batched prefill of %d prompts failed (%s)", len(members), exc)
                 chunks = [self._chunk_alone(prefill, n, failed) for prefill in members]
@@ -666,11 +680,17 @@ class Engine:
                 out.append(chunk.expand(prefill.rows, -1))
         return out
 
+    def _prefill_chunk(self, prefills: list[Prefill], tokens: int) -> torch.Tensor:
+        """Logits [B, V] after the next `tokens` prompt tokens of prefills at the same length,
+        each with its request's LoRA adapter."""
+        adapters_B = self._adapter_rows([p.request for p in prefills])
+        return self.runner.prefill_chunk(prefills, tokens, self._last_logits, adapters_B)
+
     def _chunk_alone(
         self, prefill: Prefill, tokens: int, failed: dict[int, RequestError]
     ) -> torch.Tensor | None:
         try:
-            return self.runner.prefill_chunk([prefill], tokens, self._last_logits)
+            return self._prefill_chunk([prefill], tokens)
         except Exception as exc:  # this request fails, not the step
             rid = prefill.request.request_id
             failed[rid] = RequestError(rid, "prefilling its prompt (the model forward)", exc)

@@ -6,9 +6,9 @@ module is the bookkeeping, with no tensors:
 
 - reference counts: a block is held by every block table naming it (the rows of an `n > 1`
   request or of a beam search share their prompt's blocks; requests share a cached prefix);
-- prefix hashes: a full block of prompt tokens is named by a digest of its tokens chained with
-  its prefix's digest (as vLLM's automatic prefix caching), so a later request whose prompt
-  starts with the same tokens finds the blocks already computed;
+- prefix hashes: a full block of tokens (a prompt's, or an answer's once generated) is named by
+  a digest of its tokens chained with its prefix's digest (as vLLM's automatic prefix caching),
+  so a later request whose prompt starts with the same tokens finds the blocks already computed;
 - eviction: a cached block nobody holds stays cached until a new block is needed and no
   never-used block is left; then the least recently released cached block is reused (LRU);
 - credits: each admitted request may take at most the blocks it reserved at admission
@@ -69,7 +69,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        """Whether full prompt blocks are hashed and shared (--enable-prefix-caching)."""
+        """Whether full blocks are hashed and shared (--enable-prefix-caching)."""
         self.stats = PrefixStats()
         self.reset()
 

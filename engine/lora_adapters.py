@@ -10,10 +10,18 @@ take a while), maps peft's HF module names onto the model's layers and checks ev
 `install` (on the engine thread, between steps) copies them into a free slot of the model's
 `BatchedLora`. A removed adapter's name is gone at once; its slot is reused only once no
 request that named it is left.
+
+Each install also gets a prefix-cache namespace (`namespace`): the paged cache chains its
+prompt-block digests from it, so the same tokens under two adapters (or under an adapter and
+the base model, whose namespace is empty) never share KV blocks. It is drawn from the adapter's
+name and a serial number that no later install repeats, so an adapter unloaded and loaded again
+(perhaps with other weights) under the same name never meets blocks of its earlier copy.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +68,8 @@ class AdapterSet:
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._paths: dict[str, Path] = {}
+        self._namespaces: dict[int, bytes] = {}
+        self._installs = itertools.count(1)
         shapes = {
             f"{name}.weight": torch.empty(rows, in_features, device="meta")
             for name, (rows, in_features) in lora.part_shapes().items()
@@ -99,6 +109,14 @@ class AdapterSet:
                 ]
             )
         return slot
+
+    def namespace(self, slot: int) -> bytes:
+        """The prefix-cache namespace of the adapter in `slot` (b"" for slot 0, the base model):
+        the digest its prompt blocks chain from (see the module doc)."""
+        if slot == 0:
+            return b""
+        with self._lock:
+            return self._namespaces[slot]
 
     def prepare(self, name: str, path: Path, label: str) -> PreparedAdapter:
         """Read adapter directory `path` as `name` and check it fits the model (ValueError
@@ -153,6 +171,8 @@ class AdapterSet:
                 )
             slot = free[0]
             self.lora.write(slot, adapter.pairs, adapter.scale)
+            identity = f"lora\0{adapter.name}\0{next(self._installs)}".encode()
+            self._namespaces[slot] = hashlib.blake2b(identity, digest_size=16).digest()
             self._slots[adapter.name] = slot
             self._paths[adapter.name] = adapter.path
         return slot

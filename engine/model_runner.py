@@ -76,7 +76,7 @@ class ModelRunner:
         self.paged = not_paged is None
         """Whether the KV cache is paged (blocks, prefix caching, chunked prefill)."""
         self.prefix_caching = self.paged and config.enable_prefix_caching is not False
-        """Whether full prompt blocks are shared between requests (--enable-prefix-caching)."""
+        """Whether full blocks are shared between requests (--enable-prefix-caching)."""
         self.chunked_prefill = self.paged and config.enable_chunked_prefill is not False
         """Whether long prompts prefill in chunks within a step budget."""
         self.max_num_batched_tokens = (
@@ -160,12 +160,6 @@ class ModelRunner:
             why = "a sliding-window model keeps ring rows (memory bounded by its window)"
         elif config.compile_decode:
             why = "--compile-decode traces the dense cache's attention op"
-        elif config.speculative_config is not None:
-            why = "speculative decoding rolls rejected drafts back in dense rows (engine/speculative.py)"
-        elif config.enable_lora:
-            why = (
-                "LoRA adapter rows are prefilled and decoded in dense rows (models/lora_batched.py)"
-            )
         elif self.device.type != "cpu" and not config.enforce_eager:
             why = "CUDA graphs replay dense rows (engine/cuda_graphs.py); --enforce-eager pages"
         if why is None:
@@ -303,20 +297,34 @@ class ModelRunner:
         self.pool.sync(view, start)  # type: ignore[arg-type]
         return logits
 
-    def prefill_chunk(self, prefills: list[Prefill], tokens: int, forward: Forward) -> torch.Tensor:
+    def prefill_chunk(
+        self,
+        prefills: list[Prefill],
+        tokens: int,
+        forward: Forward,
+        adapters_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] of the last of the next `tokens` prompt tokens of prefills at the same
-        length, written into their block tables (the paged cache)."""
+        length, written into their block tables (the paged cache); row b with LoRA slot
+        `adapters_B[b]` (None: no adapter)."""
         assert isinstance(self.pool, PagedPool)
         view = self.pool.prefill_view(prefills)
-        ids = [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills]
-        logits = forward(torch.tensor(ids, device=self.device), view)
+        ids_BS = torch.tensor(
+            [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills], device=self.device
+        )
+        if adapters_B is None:
+            logits = forward(ids_BS, view)
+        else:
+            assert self.lora is not None
+            with self.lora.rows(adapters_B):
+                logits = forward(ids_BS, view)
         for prefill in prefills:
             self.pool.prefilled(prefill, tokens)
         return logits
 
     def row_length(self, row: int) -> int:
         """Tokens cached in active pool row `row` (speculative decoding's `TargetRows`)."""
-        return int(self.pool.cache.lengths_B[row])
+        return self.pool.lengths()[row]
 
     def decode_one(self, row: int, token: int) -> torch.Tensor:
         """Logits [1, V] after feeding `token` to pool row `row` alone (the lean or C step)."""

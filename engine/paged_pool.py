@@ -13,10 +13,16 @@ Admission (`admit`): a request reserves its worst case in blocks — the prompt'
 not found cached, plus per row the blocks from its partial prompt block to prompt +
 max_new_tokens (capped at --max-model-len) — so a running request never runs short and nothing
 is preempted; a request that does not fit waits in the queue. With prefix caching the prompt's
-full blocks are looked up by their chained digests (engine/kv_blocks.py) and shared; at least
-the prompt's last token is always computed (its logits give the first new token). A prompt
-whose next uncached block is being prefilled by an earlier request waits for it rather than
-computing it twice.
+full blocks are looked up by their chained digests (engine/kv_blocks.py), chained from the
+namespace of the weights that computed them (the base model's, or a LoRA adapter's), and
+shared; at least the prompt's last token is always computed (its logits give the first new
+token). A prompt whose next uncached block is being prefilled by an earlier request waits for
+it rather than computing it twice.
+
+Generated blocks are cached too (`name_generated`): once a row's block is full of tokens the
+sequence has kept, it is registered under the digest chained on from its prompt's, so a
+follow-up request whose prompt holds the previous prompt and answer (a chat's next turn) finds
+them. A row's chain of digests (`_chains`) follows its table through `gather` and `truncate`.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class Prefill:
     """Of those, tokens found in the prefix cache at admission."""
     hashes: list[BlockHash] = field(default_factory=list)
     """Chained digests of the prompt's full blocks."""
+    namespace: bytes = b""
+    """The digest the chain starts from (the weights' namespace, see `PagedPool.admit`)."""
 
     @property
     def remaining(self) -> int:
@@ -87,6 +95,9 @@ class PagedPool:
         self.tables: list[list[int]] = []
         self._lengths: list[int] = []
         self._owners: list[int] = []
+        # Per active row: the chained digests of its full blocks so far, and the chain's root.
+        self._chains: list[list[BlockHash]] = []
+        self._roots: list[bytes] = []
         self.prefilling_rows = 0
         """Rows promised to admitted requests still prefilling."""
         self._in_flight: set[BlockHash] = set()
@@ -155,6 +166,39 @@ class PagedPool:
         self.tables = tables
         self._lengths = [self._lengths[i] for i in rows]
         self._owners = [self._owners[i] for i in rows]
+        self._chains = [list(self._chains[i]) for i in rows]
+        self._roots = [self._roots[i] for i in rows]
+
+    def truncate(self, row: int, length: int) -> None:
+        """Forget active row `row`'s cached positions from `length` on (speculative decoding
+        rolls back rejected drafts): blocks wholly past `length` leave its table (a block no
+        other table holds is free again and its request's credit returns); the slots past
+        `length` in its last block are overwritten by the next write, never read before."""
+        assert 0 <= row < self.num_rows
+        assert 0 <= length <= self._lengths[row]
+        table = self.tables[row]
+        while len(table) * self.block_size >= length + self.block_size:
+            self.blocks.decref(table.pop())
+        self._lengths[row] = length
+        del self._chains[row][length // self.block_size :]
+
+    def name_generated(self, row: int, prompt: list[int], generated: list[int]) -> None:
+        """Register active row `row`'s full blocks not yet named, whose tokens are `prompt` +
+        `generated`: its sequence's tokens, the last of which is pending (fed next step, not
+        cached). Positions past them, such as drafts written but not kept, are never named."""
+        if not self.blocks.prefix_caching:
+            return
+        p = self.block_size
+        chain = self._chains[row]
+        full = min(self._lengths[row], len(prompt) + len(generated) - 1) // p
+        if full <= len(chain):
+            return
+        first = len(chain) * p
+        tokens = prompt[first:] + generated[max(0, first - len(prompt)) :]
+        parent = chain[-1] if chain else self._roots[row]
+        for digest in chain_hashes(tokens[: (full - len(chain)) * p], p, parent):
+            self.blocks.register(self.tables[row][len(chain)], digest)
+            chain.append(digest)
 
     # -- admission and prefill ---------------------------------------------------------------
 
@@ -165,16 +209,19 @@ class PagedPool:
         full = prompt_len // p
         return full + config_rows * (math.ceil(total / p) - full)
 
-    def admit(self, request: GenerationRequest) -> Prefill | bool | None:
+    def admit(self, request: GenerationRequest, namespace: bytes = b"") -> Prefill | bool | None:
         """Reserve `request`'s blocks and look up its cached prefix: its Prefill; None when the
         blocks are short (it waits, and so do the requests behind it); False when an earlier
-        request is computing its next prompt block (it waits, the ones behind may go)."""
+        request is computing its next prompt block (it waits, the ones behind may go).
+
+        `namespace` starts the chain of its prompt-block digests: requests computed with
+        different weights (a LoRA adapter's, engine/lora_adapters.py) never share blocks."""
         rows = rows_needed(request.config)
         if rows > self.free_rows:
             return None
         prompt = request.prompt_ids
         p = self.block_size
-        hashes = chain_hashes(prompt, p) if self.blocks.prefix_caching else []
+        hashes = chain_hashes(prompt, p, namespace) if self.blocks.prefix_caching else []
         usable = hashes[: (len(prompt) - 1) // p]  # the last prompt token is always computed
         hit = self.blocks.lookup(usable)
         if len(hit) < len(usable) and usable[len(hit)] in self._in_flight:
@@ -186,7 +233,7 @@ class PagedPool:
         self.blocks.note_query(len(usable) * p, len(hit) * p)
         self._in_flight.update(hashes[len(hit) :])
         self.prefilling_rows += rows
-        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes)
+        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes, namespace)
 
     def prefill_view(self, prefills: list[Prefill]) -> PagedKVCache:
         """A cache over the prompt tables of prefills at the same length."""
@@ -213,6 +260,8 @@ class PagedPool:
             self.tables.append(list(prefill.table))
             self._lengths.append(prefill.done)
             self._owners.append(prefill.request.request_id)
+            self._chains.append(list(prefill.hashes))
+            self._roots.append(prefill.namespace)
         self.prefilling_rows -= prefill.rows
 
     def abandon(self, prefill: Prefill) -> None:
@@ -233,6 +282,7 @@ class PagedPool:
     def reset(self) -> None:
         """Forget every row, prefill, reservation and cached prefix."""
         self.tables, self._lengths, self._owners = [], [], []
+        self._chains, self._roots = [], []
         self.prefilling_rows = 0
         self._in_flight.clear()
         self.blocks.reset()

@@ -278,20 +278,11 @@ class InferenceServiceConfig(DataRootsConfig):
             ("--block-size", block_size),
         )
         asked = [flag for flag, value in paging if value is not None and value is not False]
-        dense = (
-            (
-                "tensor- and pipeline-parallel serving",
-                self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1,
-            ),
-            ("--speculative-config", self.speculative_config is not None),
-            ("--enable-lora", self.lora),
-        )
-        for name, on in dense:
-            if on and asked:
-                raise ValueError(
-                    f"{asked[0]} needs the paged KV cache, which {name} does not use yet (its "
-                    "rows stay dense); drop one of them"
-                )
+        if asked and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                f"{asked[0]} needs the paged KV cache, which tensor- and pipeline-parallel "
+                "serving does not use yet (its rows stay dense); drop one of them"
+            )
         parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
         if self.speculative_config is not None and parallel:
             raise ValueError(
@@ -530,9 +521,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="share the KV blocks of prompt prefixes between requests (vLLM's flag; default: "
-        "on wherever the KV cache is paged: one process, no sliding window, no "
-        "--compile-decode, CPU or --enforce-eager)",
+        help="share the KV blocks of prompt prefixes, and of earlier answers (a chat's next "
+        "turn), between requests computed with the same weights (base model or LoRA adapter) "
+        "(vLLM's flag; default: on wherever the KV cache is paged: one process, no sliding "
+        "window, no --compile-decode, CPU or --enforce-eager)",
     )
     group.add_argument(
         "--enable-chunked-prefill",

@@ -101,6 +101,71 @@ def test_base_rows_beside_adapters_keep_their_tokens(served):
     assert mixed[1][0].token_ids != alone
 
 
+@pytest.fixture(scope="module")
+def chunked(served):
+    """An engine of the same weights and adapters with the paged cache's prefix caching on and
+    a step budget of 40 tokens, so prompts prefill in chunks between decode steps."""
+    hf, _, config, dirs = served
+    _, ours, _ = hf_reference("llama-gqa")
+    engine = Engine(
+        ours,
+        TokenizerInfo(config.vocab_size),
+        EngineConfig(
+            enable_lora=True,
+            max_loras=3,
+            max_lora_rank=8,
+            max_batch_rows=8,
+            max_num_batched_tokens=40,
+        ),
+    )
+    assert engine.runner.paged and engine.runner.prefix_caching
+    for name, directory in dirs.items():
+        engine.install_adapter(engine.adapters.prepare(name, directory, "test"), "test")
+    return hf, engine, config, dirs
+
+
+def test_prefix_cache_and_chunked_prefill_keep_each_adapter_exact(chunked):
+    hf, engine, config, dirs = chunked
+    greedy = SamplingConfig(max_new_tokens=8)
+    system = prompt(45, config.vocab_size, 21)  # two full 16-token blocks to share, and more
+    names = ["qv", "all", "", "mlp"]
+    stats = engine.pool.blocks.stats
+    hits_before = stats.hit_tokens
+    rounds = []
+    for seed in (1, 2):  # the second round finds the first round's blocks, each in its own name
+        prompts = [system + prompt(3 + i, config.vocab_size, 30 * seed + i) for i in range(4)]
+        results = engine.generate(prompts, [greedy] * 4, names)
+        rounds.append((prompts, results))
+        hits = stats.hit_tokens - hits_before
+        assert hits == (0 if seed == 1 else 4 * 32), hits
+    references = {name: merged(hf, d) for name, d in dirs.items()}
+    references[""] = hf
+    for prompts, results in rounds:
+        for name, ids, result in zip(names, prompts, results, strict=True):
+            expected = hf_generate(references[name], ids, max_new_tokens=8)[0, len(ids) :]
+            assert result[0].token_ids == expected.tolist(), name
+    assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
+
+
+def test_same_prompt_under_two_adapters_shares_no_block(chunked):
+    _, engine, config, dirs = chunked
+    greedy = SamplingConfig(max_new_tokens=2)
+    ids = prompt(33, config.vocab_size, 77)  # two full blocks before the last token
+    stats = engine.pool.blocks.stats
+
+    def hits(adapter: str) -> int:
+        before = stats.hit_tokens
+        engine.generate([ids], [greedy], [adapter])
+        return stats.hit_tokens - before
+
+    assert [hits("qv"), hits("all"), hits(""), hits("mlp")] == [0, 0, 0, 0]
+    assert [hits("qv"), hits("all"), hits(""), hits("mlp")] == [32, 32, 32, 32]
+    # Unloaded and loaded again under its name (here with other weights): a new namespace.
+    engine.remove_adapter("mlp", "unload")
+    engine.install_adapter(engine.adapters.prepare("mlp", dirs["qv"], "load"), "load")
+    assert hits("mlp") == 0 and hits("mlp") == 32
+
+
 def test_unknown_adapter_is_refused_naming_it(served):
     _, engine, _config, _ = served
     with pytest.raises(InvalidRequest, match="'nope'") as info:

@@ -110,7 +110,9 @@ def test_eviction_when_blocks_are_short_keeps_outputs_exact(model):
     # (2 shared prompt blocks + 2 per row), so it evicted them: the third run hit nothing.
     stats = engine.pool.blocks.stats
     assert (stats.queried_tokens, stats.hit_tokens) == (3 * 32, 0)
-    assert engine.pool.blocks.used == 0 and engine.pool.blocks.cached == 4
+    # Cached at the end: the second run's 2 prompt blocks and the block each of its 3 rows
+    # filled while decoding (positions 32-47), and the third run's 2 prompt blocks.
+    assert engine.pool.blocks.used == 0 and engine.pool.blocks.cached == 7
 
 
 def test_n_rows_share_the_prompt_blocks_and_copy_on_write(model):
@@ -245,3 +247,35 @@ def test_requests_admitted_together_share_the_step_budget(model):
     whole = _engine(model, enable_chunked_prefill=False)
     expected = [t[0] for t in _tokens(whole.generate(prompts, [cfg] * 4))]
     assert [results[i] for i in sorted(results)] == expected
+
+
+def test_generated_blocks_are_cached_for_the_next_turn(model):
+    """A chat's next turn (prompt + answer + new text) finds the blocks the answer filled:
+    hit counters and tokens computed exact, tokens equal to an engine without prefix caching."""
+    _, config = model
+    first = prompt(20, config.vocab_size, seed=5)
+    cfg = SamplingConfig(max_new_tokens=40)
+    engine = _engine(model)
+    plain = _engine(model, enable_prefix_caching=False)
+    [[answer]] = _tokens(engine.generate([first], [cfg]))
+    assert [[answer]] == _tokens(plain.generate([first], [cfg]))
+    assert len(answer) == 40
+    # 59 positions cached (the last answer token was never fed): three full blocks, one of
+    # them the prompt's, two filled while decoding; all three are named.
+    stats = engine.pool.blocks.stats
+    assert engine.pool.blocks.cached == 3
+    follow = first + answer + prompt(5, config.vocab_size, seed=6)
+    before = (stats.queried_tokens, stats.hit_tokens)
+    got = _tokens(engine.generate([follow], [cfg]))
+    assert got == _tokens(plain.generate([follow], [cfg]))
+    assert (stats.queried_tokens - before[0], stats.hit_tokens - before[1]) == (4 * 16, 3 * 16)
+    assert engine.tokens_computed[max(engine.tokens_computed)] == 65 - 48 + 39
+    # Rows sharing a prompt (n = 2, sampled) fill blocks of their own; both answers are named.
+    wide = SamplingConfig(max_new_tokens=20, do_sample=True, seed=1, num_return_sequences=2)
+    [[a, b]] = _tokens(engine.generate([first], [wide]))
+    assert a != b
+    for answer_ in (a, b):
+        before = stats.hit_tokens
+        engine.generate([first + answer_ + [7]], [SamplingConfig(max_new_tokens=1)])
+        assert stats.hit_tokens - before == 32  # 41 tokens: the prompt's block and one more
+    assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0

@@ -13,7 +13,9 @@ import torch
 from scipy import stats
 
 from engine.engine import Engine, EngineConfig
+from engine.kv_blocks import chain_hashes
 from engine.native_step import NativeStep
+from engine.requests import GenerationRequest
 from engine.sampling import SamplingConfig
 from engine.speculative import accept_or_resample, check_same_vocabulary, ngram_draft
 from engine.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -134,31 +136,65 @@ def test_greedy_ngram_equals_plain_and_hf_generate(tiny, k):
     assert spec_engine.pool.num_rows == 0 and not spec_engine.has_work()
 
 
-def test_verification_in_c_matches_the_module_forward(tiny):
-    """k+1 tokens of one row in one C call (NativeStep.verify): every position's logits and the
-    keys/values written equal the module forward's to fp32 rounding; lengths and mask equal."""
-    _, ours, config = tiny
-    # A speculating engine keeps dense cache rows (engine/model_runner.py), which this test drives.
-    runner = _engine(ours, config, ngram(4)).runner
-    assert isinstance(runner.decode_step, NativeStep) and runner.decode_step.max_rows >= 5
+def _rows_of(runner, prompts):
+    """Admit and prefill `prompts` into the runner's paged pool as active rows 0, 1, ..."""
     pool = runner.pool
-    pool.allocate(2)
+    for rid, ids in enumerate(prompts, start=1):
+        prefill = pool.admit(GenerationRequest(rid, ids, SamplingConfig(max_new_tokens=16)))
+        runner.prefill_chunk([prefill], len(ids), runner.last_logits)
+        pool.join(prefill)
+
+
+def _slots(pool, row, length):
+    """Flat block slots of row `row`'s first `length` positions."""
+    p = pool.block_size
+    return [pool.tables[row][i // p] * p + i % p for i in range(length)]
+
+
+def test_verification_in_c_matches_the_module_forward(tiny):
+    """k+1 tokens of one row in one C call (NativeStep.verify) over its block table: every
+    position's logits and the keys/values written equal the module forward's to fp32 rounding."""
+    _, ours, config = tiny
+    runner = _engine(ours, config, ngram(4)).runner
+    assert runner.paged and isinstance(runner.decode_step, NativeStep)
+    assert runner.decode_step.max_rows >= 5
+    pool = runner.pool
     ids = prompt(7, VOCAB, seed=2)
-    runner.prefill([ids, ids], 0, runner.last_logits)
+    _rows_of(runner, [ids, ids])
     draft = [3, 9, 9, 4, 12]
     c_logits = runner.forward_tokens(0, draft)
     view = pool.view(1, 2)
     module_logits = ours(torch.tensor([draft]), kv_cache=view)[0]
     pool.sync(view, 1)
     torch.testing.assert_close(c_logits, module_logits, rtol=1e-4, atol=1e-4)
-    cache = pool.cache
-    assert cache.lengths_B[:2].tolist() == [12, 12]
-    assert torch.equal(cache.key_mask_BS[0], cache.key_mask_BS[1])
-    for store in (cache.k_BSKD, cache.v_BSKD):
+    assert pool.lengths() == [12, 12]
+    for store in (pool.k_blocks, pool.v_blocks):
         for buf in store.values():
-            torch.testing.assert_close(buf[0, :12], buf[1, :12], rtol=1e-5, atol=1e-5)
-    pool.truncate(0, 9)
-    assert cache.lengths_B[0] == 9 and not cache.key_mask_BS[0, 9:].any()
+            flat = buf.view(-1, *buf.shape[2:])
+            torch.testing.assert_close(
+                flat[_slots(pool, 0, 12)], flat[_slots(pool, 1, 12)], rtol=1e-5, atol=1e-5
+            )
+    runner.truncate(0, 9)
+    assert pool.lengths() == [9, 12]
+
+
+def test_rollback_frees_the_blocks_past_the_kept_length(tiny):
+    _, ours, config = tiny
+    runner = _engine(ours, config, ngram(4)).runner
+    pool = runner.pool
+    _rows_of(runner, [prompt(15, VOCAB, seed=4)])  # one block, one slot left
+    used = pool.blocks.used
+    credit = pool.blocks.reserved
+    runner.forward_tokens(0, [5, 6, 7, 8, 9])  # positions 15-19: a second block
+    assert pool.blocks.used == used + 1 and pool.blocks.reserved == credit - 1
+    runner.truncate(0, 17)  # keeps two accepted: still in the second block
+    assert len(pool.tables[0]) == 2 and pool.blocks.used == used + 1
+    runner.truncate(0, 16)  # every draft rejected: the second block goes back, with its credit
+    assert len(pool.tables[0]) == 1 and pool.blocks.used == used
+    assert pool.blocks.reserved == credit
+    pool.gather([])
+    pool.settle(set())
+    assert pool.blocks.used == 0 and pool.blocks.reserved == 0
 
 
 def test_greedy_draft_model_equals_plain(tiny):
@@ -171,6 +207,116 @@ def test_greedy_draft_model_equals_plain(tiny):
     engine = _engine(ours, config, spec, draft=draft)
     assert _ids(engine.generate(prompts, configs)) == _ids(plain)
     assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
+
+
+def _check_references(engine):
+    """Every block's reference count is the number of tables (active rows, prefills) naming it,
+    and every block is held, cached or free exactly once."""
+    pool = engine.pool
+    held = [0] * pool.blocks.num_blocks
+    for table in [*pool.tables, *(p.table for p in engine._prefills)]:
+        for block in table:
+            held[block] += 1
+    assert held == pool.blocks.refs
+    assert pool.blocks.used == sum(1 for n in held if n)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_paged_blocks_with_prefix_cache_is_exact_and_leaks_nothing(tiny, method):
+    """4-token blocks, prefix caching and a 12-token step budget (prompts chunked): 24 requests
+    over one shared prefix, greedy, penalised and sampled (n = 2: rows sharing blocks, copy on
+    write), drafts crossing block edges and rolled back. Greedy tokens equal plain decoding and
+    HF generate; after every step each block's count equals the tables naming it; at the end
+    every block is free or cached and no credit is left."""
+    hf, ours, config = tiny
+    spec, draft = ngram(4, prompt_lookup_min=1, prompt_lookup_max=3), None
+    if method == "draft_model":
+        spec, draft = SpeculativeConfig("draft_model", 3, model=Path(".")), _perturbed(ours, 0.05)
+    fields = dict(max_batch_rows=8, block_size=4, cpu_linear="dense", max_num_batched_tokens=12)
+    tokens = TokenizerInfo(config.vocab_size, eos_id=EOS_ID)
+    engine = Engine(
+        ours, tokens, EngineConfig(**fields, speculative_config=spec), draft_model=draft
+    )
+    plain = Engine(ours, tokens, EngineConfig(**fields, enable_prefix_caching=False))
+    assert engine.runner.paged and engine.runner.prefix_caching
+    shared = prompt(10, VOCAB, seed=8)
+    prompts = [shared + prompt(1 + i % 5, VOCAB, seed=20 + i) for i in range(24)]
+    kinds = [
+        SamplingConfig(max_new_tokens=30),
+        SamplingConfig(max_new_tokens=23, repetition_penalty=1.3),
+        SamplingConfig(max_new_tokens=17, do_sample=True, seed=4, num_return_sequences=2),
+    ]
+    configs = [kinds[i % 3] for i in range(24)]
+    got: dict[int, list[list[int]]] = {}
+    order = []
+    for wave in range(3):  # later waves find the shared prefix cached
+        for i in range(8 * wave, 8 * wave + 8):
+            rid = engine.submit(prompts[i], configs[i])
+            order.append(rid)
+            got[rid] = [[] for _ in range(configs[i].num_return_sequences)]
+        while engine.has_work():
+            for event in engine.step():
+                got[event.request_id][event.index] += event.token_ids
+            _check_references(engine)
+    stats_ = engine.speculation.stats
+    assert 0 < stats_.accepted < stats_.drafted
+    assert engine.pool.blocks.stats.hit_tokens >= 16 * 8  # two shared blocks, waves 2 and 3
+    greedy = [i for i in range(24) if not configs[i].do_sample]
+    expected = plain.generate([prompts[i] for i in greedy], [configs[i] for i in greedy])
+    assert [got[order[i]] for i in greedy] == _ids(expected)
+    hf_ids = hf_generate(hf, prompts[0], max_new_tokens=30)[0, len(prompts[0]) :].tolist()
+    assert got[order[0]][0] == hf_ids
+    for i in range(24):
+        assert all(len(t) == configs[i].max_new_tokens or t[-1] == EOS_ID for t in got[order[i]])
+    blocks = engine.pool.blocks
+    assert blocks.used == 0 and blocks.reserved == 0 and not any(blocks.refs)
+    assert blocks.free == blocks.num_blocks and blocks.cached > 0
+
+
+def test_next_turn_finds_the_blocks_speculation_kept(tiny):
+    """Blocks filled by verified drafts are named for the next turn; positions written by drafts
+    that were not kept (also at the step that ends a sequence) never are: a follow-up prompt of
+    prompt + answer gives plain decoding's tokens with its answer's blocks found cached."""
+    _, ours, config = tiny
+    fields = dict(max_batch_rows=8, block_size=4, cpu_linear="dense")
+    tokens = TokenizerInfo(config.vocab_size, eos_id=EOS_ID)
+    spec = ngram(4, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = Engine(ours, tokens, EngineConfig(**fields, speculative_config=spec))
+    plain = Engine(ours, tokens, EngineConfig(**fields, enable_prefix_caching=False))
+    firsts = [prompt(n, VOCAB, seed=40 + n) for n in (5, 7, 9)]
+    cfg = SamplingConfig(max_new_tokens=27)
+    answers = [r[0] for r in _ids(engine.generate(firsts, [cfg] * 3))]
+    assert answers == [r[0] for r in _ids(plain.generate(firsts, [cfg] * 3))]
+    stats_ = engine.pool.blocks.stats
+    for first, answer in zip(firsts, answers, strict=True):
+        follow = first + answer + [3, 5]
+        before = stats_.hit_tokens
+        got = _ids(engine.generate([follow], [cfg]))
+        assert got == _ids(plain.generate([follow], [cfg]))
+        cached = len(first) + len(answer) - 1
+        assert stats_.hit_tokens - before == cached // 4 * 4
+    assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
+
+
+def test_positions_of_drafts_not_kept_are_never_named(tiny):
+    """A step that ends a sequence returns without rolling back: its cache holds drafts past the
+    kept tokens. Naming the row's blocks stops before the first position whose key is not
+    that of the sequence's token there."""
+    _, ours, _ = tiny
+    fields = dict(block_size=4, cpu_linear="dense", speculative_config=ngram(4))
+    runner = Engine(ours, TokenizerInfo(VOCAB), EngineConfig(**fields)).runner
+    pool = runner.pool
+    first = prompt(7, VOCAB, seed=6)
+    _rows_of(runner, [first])
+    written = [5, 6, 7, 8, 9]  # pending 5 and four drafts: positions 7-11, three full blocks
+    runner.forward_tokens(0, written)
+    # Kept: 5, 6, 7, 8 (positions 7-10); the token after them is 4, not the draft 9 written at
+    # position 11: the third block [8, 11] holds a key that is not its token's.
+    pool.name_generated(0, first, [5, 6, 7, 8, 4])
+    digests = chain_hashes([*first, 5, 6, 7, 8, 4], 4)
+    assert [pool.blocks.is_registered(d) for d in digests] == [True, True, False]
+    pool.name_generated(0, first, [*written, 1])  # every draft kept: the third block is named
+    assert pool.blocks.is_registered(chain_hashes(first + written, 4)[2])
 
 
 def test_beam_requests_decode_plainly_beside_speculation(tiny):

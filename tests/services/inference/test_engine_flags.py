@@ -95,11 +95,12 @@ def test_size_suffixes_and_refusals(tmp_path: Path) -> None:
         parsed("--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB")
     with pytest.raises(ValueError, match="--enable-prefix-caching needs the paged KV cache"):
         parsed("--enable-prefix-caching", "--tensor-parallel-size", "2")
+    # Speculation pages its rows (rejected drafts roll back in the block tables): accepted.
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    with pytest.raises(ValueError, match="--block-size needs the paged KV cache, which --spec"):
-        parsed("--block-size", "32", "--speculative-config", spec)
-    with pytest.raises(ValueError, match=r"--enable-chunked-prefill needs .* --enable-lora"):
-        parsed("--enable-chunked-prefill", "--enable-lora")
+    assert parsed("--block-size", "32", "--speculative-config", spec).block_size == 32
+    # LoRA adapters page their rows (prefix-cache keys carry the adapter): accepted.
+    both = parsed("--enable-chunked-prefill", "--enable-prefix-caching", "--enable-lora")
+    assert both.enable_chunked_prefill and both.enable_prefix_caching and both.lora
     assert not parsed(
         "--no-enable-chunked-prefill", "--pipeline-parallel-size", "2"
     ).enable_chunked_prefill

@@ -5,10 +5,13 @@ adapters. Each case runs HF once without an EOS to pick an EOS id the model real
 mid-sequence (so the end-of-sequence path is exercised), then compares both with that EOS. HF
 is run with every default logits processor disabled, so the settings match exactly.
 
-Every case runs twice: with the engine's defaults (paged KV cache, prefix caching, chunked
-prefill under a 2048-token budget), and with 2-token blocks and a 5-token step budget, where
+Every case runs three times: with the engine's defaults (paged KV cache, prefix caching,
+chunked prefill under a 2048-token budget), with 2-token blocks and a 5-token step budget, where
 the prompt is prefilled in two chunks and, run a second time, found in the prefix cache (two of
-its three blocks): both runs must give HF's tokens.
+its three blocks), and the same with n-gram speculation (greedy rows draft and verify on the
+blocks, beams decode plainly; on these 256-token random models drafts are few, 5 over the
+greedy cases: tests/engine/test_speculative.py exercises speculation on blocks in depth):
+every run must give HF's tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.tokens import TokenizerInfo
 from tests.services.inference.helpers import PAD_ID, hf_generate, hf_reference, prompt
 
@@ -33,6 +37,12 @@ def models(request):
 FEATURES = {
     "defaults": EngineConfig(),
     "chunks+prefix-hits": EngineConfig(block_size=2, max_batch_rows=4, max_num_batched_tokens=5),
+    "chunks+prefix-hits+ngram": EngineConfig(
+        block_size=2,
+        max_batch_rows=4,
+        max_num_batched_tokens=5,
+        speculative_config=SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=1),
+    ),
 }
 
 

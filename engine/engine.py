@@ -156,6 +156,9 @@ class Engine:
             AdapterSet(self.runner.lora, model.config) if self.runner.lora is not None else None
         )
         """The LoRA adapters requests may name (--enable-lora), or None."""
+        self.weights_generation = 0
+        """Times the served weights were replaced in place (`weights_changed`): part of every
+        prefix-cache namespace, so KV blocks computed with older weights are never reused."""
         self._rows: list[_Row] = []
         # Paged cache: admitted requests whose prompts are still being computed, oldest first.
         self._prefills: list[Prefill] = []
@@ -247,6 +250,12 @@ class Engine:
         return self.runner.cpu_linear
 
     # -- thread-safe entry points -------------------------------------------------------------
+
+    def weights_changed(self) -> None:
+        """The served weights were replaced in place (an UpdateWeights RPC): from now on prompts
+        hash into a new prefix-cache namespace, so no block computed with the old weights is
+        shared again (those blocks age out of the cache by LRU). Call on the engine thread."""
+        self.weights_generation += 1
 
     def submit(self, prompt_ids: list[int], config: SamplingConfig, adapter: str = "") -> int:
         """Queue a request, computed with LoRA adapter `adapter` ("" for the base model);
@@ -644,6 +653,8 @@ class Engine:
 
         def admit(request: GenerationRequest) -> Prefill | bool | None:
             namespace = b"" if self.adapters is None else self.adapters.namespace(request.adapter)
+            if self.weights_generation:
+                namespace += b"weights:" + self.weights_generation.to_bytes(8, "little")
             admitted = pool.admit(request, namespace)
             if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
                 self._prefills.append(admitted)

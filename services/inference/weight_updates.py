@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator
 
 from google.protobuf.message import DecodeError
 
-from engine.weight_update import StaleVersion, WeightUpdate, WeightUpdateError, WeightVersion
+from engine.weight_update import (
+    AppliedUpdate,
+    StaleVersion,
+    WeightUpdate,
+    WeightUpdateError,
+    WeightVersion,
+)
 from meshline.inference.v1 import inference_pb2
 from services.common.errors import (
     Conflict,
@@ -133,7 +139,7 @@ async def update_weights(
         await asyncio.to_thread(update.prepare)  # lora: the merges, off the engine thread
         received = time.perf_counter()
         try:
-            applied = await engine.front.run(update.apply)
+            applied = await engine.front.run(lambda: _swap_in(update, engine))
         except WeightUpdateError as exc:
             raise refusal(exc) from None
         swapped = time.perf_counter()
@@ -157,3 +163,13 @@ async def update_weights(
         receive_seconds=received - began,
         swap_seconds=swapped - received,
     )
+
+
+def _swap_in(update: WeightUpdate, engine: ServingEngine) -> AppliedUpdate:
+    """Apply a prepared update on the engine thread and retire the prefix cache's blocks computed
+    with the weights it replaced (the engine's weights generation)."""
+    applied = update.apply()
+    weights_changed = getattr(engine.engine, "weights_changed", None)
+    if weights_changed is not None:  # engines without a prefix cache have nothing to retire
+        weights_changed()
+    return applied

@@ -376,3 +376,17 @@ def test_fast_encoding_is_the_protobuf_message():
                 chunk.shape.extend(tensor.shape)
             expected.append(pb.UpdateWeightsRequest(chunk=chunk))
     assert [pb.UpdateWeightsRequest.FromString(b) for b in bodies] == expected
+
+
+def test_a_prompt_cached_before_an_update_is_computed_again_after_it(served, others):
+    """The prefix cache holds KV blocks computed with the weights served when a prompt came; after
+    an update the same prompt must be computed with the new weights, not reuse those blocks."""
+    client, port, _, _, _ = served
+    long = [prompt(40, 512, seed=11)]  # two full 16-token blocks to cache
+    client.rollouts(long, n=1, max_new_tokens=2)
+    hf_c, ours_c = others[1]
+    [result] = client.push(ours_c, next(_versions))
+    assert client.versions() == [result.version]
+    [[completion]] = client.rollouts(long, n=1, max_new_tokens=NEW_TOKENS)
+    expected = hf_generate(hf_c, long[0], max_new_tokens=NEW_TOKENS)[0, len(long[0]) :].tolist()
+    assert completion.token_ids == expected

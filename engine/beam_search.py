@@ -8,6 +8,11 @@ keeps the 2N best continuations of all beams (or samples 2N with `do_sample`), s
 that end (EOS, stop string, length) among the top N to the finished set scored
 sum_logprob / generated_len**length_penalty, continues with the N best unfinished ones, and stops
 per `early_stopping` (True: N finished; False: HF's heuristic on the best running score).
+
+With a grammar (structured output) every beam has its own matcher: before the candidates are
+ranked, the tokens a beam's matcher forbids score FORBIDDEN (below every dead beam), so only
+grammar-following continuations can be kept; a new beam takes a copy of its source beam's matcher
+advanced by its token. Raw log-probabilities stay the model's own.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.grammar import GrammarMatcher
 from engine.sampling import SamplingConfig, apply_repetition_penalty, warp
 
 NEG = -1.0e9
+FORBIDDEN = 2 * NEG
+"""The score a grammar-forbidden token adds: below the NEG of beams that are not live."""
 
 
 @dataclass
@@ -42,8 +51,13 @@ class BeamSearch:
         eos_id: int | None,
         device: torch.device,
         generator: torch.Generator | None,
+        matcher: GrammarMatcher | None = None,
     ) -> None:
         n, t = config.num_beams, config.max_new_tokens
+        self.matchers: list[GrammarMatcher] | None = (
+            None if matcher is None else [matcher] + [matcher.clone() for _ in range(n - 1)]
+        )
+        """Per running beam, its grammar state (None: no structured output)."""
         self.config = config
         self.num_beams = n
         self.eos_id = eos_id
@@ -76,6 +90,11 @@ class BeamSearch:
         vocab = logits_NV.shape[-1]
         logprobs_NV = torch.log_softmax(logits_NV.float(), dim=-1)
         processed_NV = logprobs_NV
+        if self.matchers is not None:
+            forbidden_NV = torch.from_numpy(
+                ~np.stack([m.allowed(vocab) for m in self.matchers])
+            ).to(self.device)
+            processed_NV = processed_NV.masked_fill(forbidden_NV, FORBIDDEN)
         if cfg.repetition_penalty != 1.0:
             seen = [torch.cat([self.prompt, self.running_N_T[b, :g]]) for b in range(n)]
             processed_NV = apply_repetition_penalty(
@@ -131,7 +150,17 @@ class BeamSearch:
 
         self.generated = g + 1
         self._update_done(hits_C)
-        return beam_C[next_N].tolist(), token_C[next_N].tolist()
+        sources, tokens = beam_C[next_N].tolist(), token_C[next_N].tolist()
+        if self.matchers is not None:
+            live = (self.running_scores_N > NEG / 2).tolist()
+            matchers = []
+            for source, token, alive in zip(sources, tokens, live, strict=True):
+                matcher = self.matchers[source].clone()
+                if alive:  # a dead beam's token may break its grammar; it is never kept
+                    matcher.advance(token)
+                matchers.append(matcher)
+            self.matchers = matchers
+        return sources, tokens
 
     def _update_done(self, hits_C: torch.Tensor) -> None:
         """HF's stopping rule: improvement still possible, open beams left, continuations left."""

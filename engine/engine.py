@@ -733,7 +733,10 @@ class Engine:
         cfg = request.config
         if cfg.num_beams > 1:
             gen = self._generator(cfg.seed) if cfg.sampling else None
-            beam = BeamSearch(cfg, request.prompt_ids, self.tokens.eos_id, self.device, gen)
+            matcher = None if cfg.grammar is None else GrammarMatcher(cfg.grammar, self.tokens)
+            beam = BeamSearch(
+                cfg, request.prompt_ids, self.tokens.eos_id, self.device, gen, matcher
+            )
             return [_Row(-1, request, beam=beam) for _ in range(rows)]
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
         out = []

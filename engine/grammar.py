@@ -125,6 +125,13 @@ class GrammarMatcher:
         allowed[:known] = np.frombuffer(bias, dtype=np.uint8, count=known) != 0
         return allowed
 
+    def clone(self) -> GrammarMatcher:
+        """An independent copy in the same state (a beam that forks keeps its own)."""
+        other = object.__new__(GrammarMatcher)
+        other._vocab = self._vocab
+        other._matcher = self._matcher.deep_copy()
+        return other
+
     def advance(self, token: int) -> None:
         """Take `token` (one `allowed` said yes to)."""
         if not self._matcher.consume_token(token):

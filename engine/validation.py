@@ -138,12 +138,6 @@ def sampling_problems(config: SamplingConfig, limits: RequestLimits) -> list[Pro
             "logprobs",
             "per-token log-probabilities are not reported with beam search (num_beams > 1)",
         )
-    require(
-        config.grammar is None or beams == 1,
-        "grammar",
-        "structured output is not combined with beam search (num_beams > 1); sample or decode "
-        "greedily",
-    )
     n = config.num_return_sequences
     if require(
         1 <= n <= limits.max_num_beams,

@@ -186,8 +186,6 @@ def plan(
         grammar=None if constraint is None else constraint[1],
     )
     if request.use_beam_search:
-        if constraint is not None:
-            raise invalid(constraint[0], "structured output is not combined with use_beam_search")
         beams = request.best_of or n
         if beams < n:
             raise invalid("best_of", f"beam width must be >= n ({n}), got {beams}")

@@ -1,5 +1,6 @@
 """Structured output in the engine: every sequence's tokens follow its request's grammar (its own
-matcher per row, batched beside free rows), and bad grammars or beams are refused by name."""
+matcher per row, batched beside free rows; beams each their own copy, equal to HF's constrained
+beam search), and bad grammars are refused by name."""
 
 from __future__ import annotations
 
@@ -7,15 +8,23 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from engine.engine import Engine, EngineConfig
-from engine.grammar import choice_grammar, json_schema_grammar, regex_grammar
+from engine.grammar import (
+    GrammarError,
+    GrammarMatcher,
+    choice_grammar,
+    json_schema_grammar,
+    regex_grammar,
+)
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest
 from models.tokenizer import build_tokenizer
-from tests.services.inference.helpers import hf_reference, prompt
+from tests.services.inference.helpers import hf_generate, hf_reference, prompt
 
 SCHEMA = {
     "type": "object",
@@ -64,16 +73,66 @@ def test_batched_rows_each_follow_their_grammar(engine):
     assert results[4][0].token_ids == engine.generate([prompts[0]], [free])[0][0].token_ids
 
 
-def test_bad_grammar_and_beams_are_refused_by_name(engine):
+def test_a_bad_grammar_is_refused_by_name(engine):
     ids = prompt(4, engine.tokens.vocab_size, seed=1)
     bad = regex_grammar("[a-")
     with pytest.raises(InvalidRequest) as caught:
         engine.submit(ids, SamplingConfig(grammar=bad))
     assert caught.value.problems[0].field == "grammar"
-    schema = json_schema_grammar({"type": "object"})
-    with pytest.raises(InvalidRequest) as caught:
-        engine.submit(ids, SamplingConfig(num_beams=2, grammar=schema))
-    assert [p.field for p in caught.value.problems] == ["grammar"]
+
+
+@pytest.fixture(scope="module")
+def engine_and_hf(hf_tokenizer_dir):
+    tokenizer = build_tokenizer("PretrainedFromHF", hf_tokenizer_dir)
+    hf, ours, config = hf_reference("llama-gqa", seed=4, vocab_size=tokenizer.vocab_size)
+    tokens = TokenizerInfo.from_tokenizer(tokenizer, config.vocab_size)
+    return Engine(ours, tokens, EngineConfig(max_batch_rows=8)), hf
+
+
+@pytest.mark.parametrize(
+    ("grammar", "beams", "returned"),
+    [
+        (json_schema_grammar(SCHEMA), 3, 2),
+        (choice_grammar(["yes", "no", "maybe", "never"]), 2, 2),
+        (regex_grammar(r"[0-9]{2,4}-[a-z]{1,3}"), 4, 3),
+    ],
+    ids=["json_schema", "choice", "regex"],
+)
+def test_beam_search_with_a_grammar_equals_hf_constrained_beam_search(
+    engine_and_hf, grammar, beams, returned
+):
+    """Beams each follow their own copy of the grammar: the hypotheses equal HF `generate` beam
+    search whose `prefix_allowed_tokens_fn` asks the same grammar (llguidance) per prefix."""
+    engine, hf = engine_and_hf
+    vocab, eos = engine.tokens.vocab_size, engine.tokens.eos_id
+    ids = prompt(6, vocab, seed=beams)
+
+    def allowed(_: int, prefix: torch.Tensor) -> list[int]:
+        matcher = GrammarMatcher(grammar, engine.tokens)
+        try:
+            for token in prefix[len(ids) :].tolist():
+                matcher.advance(token)
+        except GrammarError:  # a beam that is not live (score -1e9) in HF's bookkeeping
+            return [eos]
+        return np.flatnonzero(matcher.allowed(hf.config.vocab_size)).tolist() or [eos]
+
+    config = SamplingConfig(
+        max_new_tokens=40, num_beams=beams, num_return_sequences=returned, grammar=grammar
+    )
+    ours = [r.token_ids for r in engine.generate([ids], [config])[0]]
+    theirs = hf_generate(
+        hf, ids, max_new_tokens=40, num_beams=beams, num_return_sequences=returned,
+        eos_token_id=eos, pad_token_id=engine.tokens.pad_id or 0,
+        prefix_allowed_tokens_fn=allowed, early_stopping=False, length_penalty=1.0,
+    )  # fmt: skip
+    expected = []
+    for row in theirs[:, len(ids) :].tolist():
+        expected.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert ours == expected
+    for token_ids in ours:
+        matcher = GrammarMatcher(grammar, engine.tokens)
+        for token in token_ids[:-1]:
+            matcher.advance(token)  # every hypothesis follows the grammar to its EOS
 
 
 def test_grammar_rows_beside_speculation_decode_plainly(engine):

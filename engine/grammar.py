@@ -79,7 +79,10 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     whitespace, which a weak model would otherwise pad the output with up to its token limit)."""
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+    if schema is False:
+        raise GrammarError("the schema `false` accepts no JSON at all; give an object schema")
+    source: dict[str, Any] = {} if schema is True else schema  # `true` accepts any JSON, as {}
+    return LLMatcher.grammar_from_json_schema(source, overrides={"whitespace_flexible": False})
 
 
 def regex_grammar(pattern: str) -> str:

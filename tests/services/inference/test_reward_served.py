@@ -16,9 +16,12 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig
 from transformers import LlamaForSequenceClassification as HFRewardModel
 
 from meshline.inference.v1 import inference_pb2 as pb
+from meshline_client.connection import Connection
+from meshline_client.inference import InferenceClient
 from models.hf_adapters import hf_config
 from models.registry import get_config
 from models.templates import TEMPLATES, Message
+from services.common.config import ServerConfig
 from services.inference.config import InferenceServiceConfig
 from services.inference.reward_serving import build_serving_reward_model
 from tests.services.inference.helpers import save_hf_checkpoint
@@ -157,3 +160,34 @@ def test_generation_flags_refused_for_a_reward_model(reward_dir):
     ):
         with pytest.raises(ValueError, match=f"{flag}.*is a reward model"):
             build_serving_reward_model(limits)
+
+
+def test_reward_rpc_and_route_are_authenticated(reward_dir, tmp_path):
+    """With --auth-token-file, Reward and /pooling need the token; meshline_client sends it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    harness = ServerHarness(reward_dir, None, None, limits=InferenceServiceConfig(load=reward_dir))
+    served = harness.start(ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file)))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            served.grpc_stub.Reward(pb.RewardRequest(inputs=[pb.RewardInput(text="hi")]))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = requests.post(f"{served.http_url}/pooling", json={"input": "hi"}, timeout=30)
+        assert reply.status_code == 401
+        address = f"127.0.0.1:{served.grpc_port}"
+        with InferenceClient(Connection(address, token="s3cret")) as client:
+            got = client.reward(["hi", served.engine.tokens.encode_prompt("hi")])
+        assert (
+            got[0]
+            == got[1]
+            == pytest.approx(hf_rewards(reward_dir, _rows(served, ["hi"]))[0], abs=1e-5)
+        )
+        reply = requests.post(
+            f"{served.http_url}/pooling",
+            json={"input": "hi"},
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=30,
+        )
+        assert reply.json()["data"][0]["data"][0] == pytest.approx(got[0], abs=1e-6)
+    finally:
+        harness.close()

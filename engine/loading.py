@@ -96,6 +96,20 @@ def read_state(
     return source.config, state, tokenizer_dir
 
 
+def is_reward_checkpoint(directory: Path, load_format: str = AUTO) -> bool:
+    """Whether `directory` holds a reward model (a scalar value head), read from its config file
+    alone; False where that cannot tell (no JSON config: Megatron; unreadable: the loader then
+    reports it)."""
+    from checkpoints.config_files import read_model_config
+
+    try:
+        fmt = detect_format(directory) if load_format == AUTO else load_format
+    except (OSError, ValueError):
+        return False
+    config = read_model_config(fmt, directory)
+    return config is not None and config.value_head
+
+
 def find_tokenizer(directory: Path, explicit: Path | None) -> Tokenizer | None:
     """The tokenizer given by `--tokenizer`, else one stored in the checkpoint, else None."""
     if explicit is not None:

@@ -17,11 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
-from checkpoints.config_files import read_model_config
-from checkpoints.registry import AUTO, detect_format
 from engine.build import build_reward_model
 from engine.engine_thread import EngineThread
-from engine.loading import LoadedModel
+from engine.loading import LoadedModel, is_reward_checkpoint
 from engine.reward import RewardLimits, RewardScorer
 from engine.tokens import TokenizerInfo
 from kernels import device as devices
@@ -62,14 +60,7 @@ def serves_reward_model(config: InferenceServiceConfig) -> bool:
 
     A format without a JSON config (Megatron) is read as a causal LM: the loader then refuses a
     value head there with its own message."""
-    if config.load is None:
-        return False
-    try:
-        fmt = detect_format(config.load) if config.load_format == AUTO else config.load_format
-    except (OSError, ValueError):
-        return False  # the loader reports it
-    model = read_model_config(fmt, config.load)
-    return model is not None and model.value_head
+    return config.load is not None and is_reward_checkpoint(config.load, config.load_format)
 
 
 def check_reward_flags(config: InferenceServiceConfig) -> None:

@@ -11,6 +11,7 @@ import json
 import grpc
 import pytest
 import sentencepiece
+import torch
 
 from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
 from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
@@ -151,3 +152,73 @@ def test_bad_pair_records_name_the_line(tmp_path, capsys):
         (tmp_path / "rm_pairs.jsonl").write_text(json.dumps(record) + "\n")
         with pytest.raises(ValueError, match=rf"rm_pairs.jsonl:1: .*{message}"):
             task.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_trained_reward_model_served_and_evaluated_as_transformers_scores_its_export(
+    sentencepiece_model, tmp_path
+):
+    """A reward model trained with `meshline train --stage rm` (native checkpoint), served and
+    evaluated: the Reward RPC equals transformers on the HF export for the very ids `meshline
+    preprocess` wrote for held-out pairs, and rm_pairs on the raw records (the evaluator's own
+    encoding) gives transformers' accuracy on those ids, >= 0.9."""
+    from transformers import AutoModelForSequenceClassification
+
+    from meshline.inference.v1 import inference_pb2 as pb
+    from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+    from services.preprocess.job import PreprocessConfig, run_preprocess
+    from tests.training.test_alignment_effect import COLOURS, _reward_run
+    from tokendata.datasets.pairwise import PairSource
+
+    _, exported, _ = _reward_run(tmp_path, sentencepiece_model, "12")
+    # Held-out pairs (prompts the run never saw), preprocessed whole (no side is cut).
+    records = [
+        {
+            "prompt": f"Question {i}: name a colour.",
+            "chosen": f" The colour is {COLOURS[i % len(COLOURS)]}.",
+            "rejected": " No, I will not.",
+        }
+        for i in range(400, 440)
+    ]
+    held_out_path = tmp_path / "held_out.jsonl"
+    held_out_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_preprocess(
+        PreprocessConfig(
+            input=(str(held_out_path),),
+            output_prefix=str(tmp_path / "held_out"),
+            tokenizer_type="SentencePiece",
+            tokenizer_model=str(sentencepiece_model),
+            handler_name="preference",
+            seq_length=128,
+        )
+    )
+    held_out = PairSource(str(tmp_path / "held_out"))
+    rows = [
+        held_out.pair(i)[f"{side}_input_ids"].tolist()
+        for i in range(len(held_out))
+        for side in ("chosen", "rejected")
+    ]
+    hf = AutoModelForSequenceClassification.from_pretrained(exported).eval()
+    with torch.no_grad():
+        theirs = [float(hf(input_ids=torch.tensor([row])).logits[0, 0]) for row in rows]
+    right = sum(theirs[2 * i] > theirs[2 * i + 1] for i in range(len(held_out)))
+    assert right >= 0.9 * len(held_out)
+
+    config = InferenceServiceConfig(load=tmp_path / "rm", tokenizer=sentencepiece_model)
+    inference = ServerThread(inference_bindings(config, load_engine(config)))
+    try:
+        stub = pb_grpc.InferenceServiceStub(grpc.insecure_channel(inference.address))
+        reply = stub.Reward(pb.RewardRequest(inputs=[pb.RewardInput(token_ids=r) for r in rows]))
+        assert max(abs(a - b) for a, b in zip(reply.rewards, theirs, strict=True)) <= 1e-5
+    finally:
+        inference.stop()
+    argv = ["--tasks", "rm_pairs", "--task-data-path", str(held_out_path),
+            "--load", str(tmp_path / "rm"), "--tokenizer", str(sentencepiece_model),
+            "--output-path", str(tmp_path / "eval"), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+    assert results["rm_pairs"]["acc,none"] == pytest.approx(right / len(held_out), abs=1e-9)
+    margins = [theirs[2 * i] - theirs[2 * i + 1] for i in range(len(held_out))]
+    assert results["rm_pairs"]["margin,none"] == pytest.approx(
+        sum(margins) / len(margins), abs=1e-4
+    )

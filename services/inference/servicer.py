@@ -208,8 +208,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._weights: WeightVersion | None = None
         """The served weights' version; None: UpdateWeights is refused (no
         --allow-weight-updates, or no model)."""
-        if engine is not None and config.allow_weight_updates:
-            self._weights = WeightVersion(updatable_parameters(engine.engine.model))
+        if self._engine is not None and config.allow_weight_updates:
+            self._weights = WeightVersion(updatable_parameters(self._engine.engine.model))
         self._runtime_lora = runtime_lora
         """Whether LoadLoraAdapter/UnloadLoraAdapter may run (the server checks a token)."""
 

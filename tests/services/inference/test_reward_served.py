@@ -110,6 +110,10 @@ def test_reward_model_refuses_generation(served):
     assert error["param"] == "model" and "reward model" in error["message"]
     info = served.grpc_stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.family == "llama" and info.vocab_size == 512
+    models = requests.get(f"{served.http_url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [served.model_name]
+    assert models[0]["max_model_len"] == info.context_length
+    assert requests.get(f"{served.http_url}/health", timeout=30).status_code == 200
 
 
 def test_reward_request_validation(served):
@@ -191,3 +195,17 @@ def test_reward_rpc_and_route_are_authenticated(reward_dir, tmp_path):
         assert reply.json()["data"][0]["data"][0] == pytest.approx(got[0], abs=1e-6)
     finally:
         harness.close()
+
+
+def test_commands_refuse_a_reward_model_where_it_cannot_serve(reward_dir, capsys):
+    """`meshline generate` names the serving command; `meshline serve inference` with a
+    generation-only flag exits 2 naming the flag, before any weight is read."""
+    from services.inference.__main__ import main as serve_main
+    from services.inference.cli import main as generate_main
+
+    assert generate_main(["--load", str(reward_dir), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "a reward model" in err and "meshline serve inference" in err
+    argv = ["serve", "--load", str(reward_dir), "--port", "0", "--max-batch-rows", "4"]
+    assert serve_main(argv) == 2
+    assert "--max-batch-rows: --load" in capsys.readouterr().err

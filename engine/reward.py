@@ -8,72 +8,15 @@ the one transformers' `...ForSequenceClassification` reads on the HF export (its
 token: the same unless an input ends in the pad id). Inputs are right-padded and batched longest
 first under a token budget; the attention is causal, so the padding after an input's last token
 never reaches its score, and no key mask is needed (the training objective runs the same way).
+What a request may hold is judged by `engine.validation.reward_problems` (both serving fronts).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.value_head import has_value_head
-
-
-@dataclass(frozen=True)
-class RewardLimits:
-    """The bounds one reward request meets (the server's flags) and the model's capacity."""
-
-    max_inputs: int
-    """Most inputs per request (--max-score-items)."""
-    max_tokens: int
-    """Most tokens of all inputs together (--max-score-tokens)."""
-    max_model_len: int
-    """Longest input in tokens (--max-model-len, else the model's context length)."""
-    vocab_size: int
-    """Every id must be below it."""
-
-
-def reward_input_problems(rows: list[list[int]], limits: RewardLimits) -> list[tuple[str, str]]:
-    """(field, reason) for each input that cannot be scored: empty, too long, ids outside the
-    vocabulary, too many inputs or tokens in all. Field names are `inputs[i]`."""
-    out: list[tuple[str, str]] = []
-    if not rows:
-        return [("inputs", "give at least one input to score")]
-    if len(rows) > limits.max_inputs:
-        return [
-            (
-                "inputs",
-                f"at most {limits.max_inputs} inputs per request (--max-score-items), "
-                f"got {len(rows)}",
-            )
-        ]
-    for i, row in enumerate(rows):
-        if not row:
-            out.append((f"inputs[{i}]", "encodes to no tokens; give a non-empty input"))
-        elif len(row) > limits.max_model_len:
-            out.append(
-                (
-                    f"inputs[{i}]",
-                    f"is {len(row)} tokens, over the server's model length "
-                    f"{limits.max_model_len} (--max-model-len)",
-                )
-            )
-        elif min(row) < 0 or max(row) >= limits.vocab_size:
-            bad = [t for t in row if not 0 <= t < limits.vocab_size][:5]
-            out.append((f"inputs[{i}]", f"token ids {bad} are outside [0, {limits.vocab_size})"))
-        if len(out) >= 20:  # the error stays readable
-            return out
-    total = sum(len(r) for r in rows)
-    if not out and total > limits.max_tokens:
-        out.append(
-            (
-                "inputs",
-                f"the inputs hold {total} tokens in all, at most {limits.max_tokens} per "
-                "request (--max-score-tokens); split them over several requests",
-            )
-        )
-    return out
 
 
 class RewardScorer:

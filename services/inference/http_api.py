@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.grammar import grammar_problem, json_schema_grammar
 from engine.requests import Finish
-from engine.reward import reward_input_problems
+from engine.validation import reward_problems
 from services.common.errors import MeshlineError, PermissionDenied
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_body import OffLoopBodyRoute
@@ -321,10 +321,10 @@ class _Api:
                 code="model_not_found",
             )
         rows = await off_loop(lambda: self._pooling_rows(reward, body))
-        problems = reward_input_problems(rows, reward.limits(self.limits))
+        problems = reward_problems(rows, reward.limits(self.limits))
         if problems:
             field = "messages" if body.messages is not None else "input"
-            detail = "; ".join(f"{f.replace('inputs', field)}: {r}" for f, r in problems)
+            detail = "; ".join(f"{p.field.replace('inputs', field)}: {p.reason}" for p in problems)
             raise ApiError(400, detail, param=field, code="invalid_value")
         rewards = await reward.front.run(lambda: reward.scorer.score(rows))
         return pooling_response(

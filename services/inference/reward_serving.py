@@ -20,8 +20,9 @@ from typing import TypeVar
 from engine.build import build_reward_model
 from engine.engine_thread import EngineThread
 from engine.loading import LoadedModel, is_reward_checkpoint
-from engine.reward import RewardLimits, RewardScorer
+from engine.reward import RewardScorer
 from engine.tokens import TokenizerInfo
+from engine.validation import RewardLimits
 from kernels import device as devices
 from services.inference.config import InferenceServiceConfig
 

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.requests import Finish, RequestError, StepEvent
-from engine.reward import reward_input_problems
 from engine.sampling import SamplingConfig
 from engine.validation import (
     MAX_LOGPROBS,
@@ -31,6 +30,7 @@ from engine.validation import (
     prompt_problems,
     prompt_text_problems,
     request_problems,
+    reward_problems,
     sampling_problems,
 )
 from engine.weight_update import WeightVersion, updatable_parameters
@@ -382,9 +382,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             return rows
 
         rows = await off_loop(encode)
-        problems = reward_input_problems(rows, reward.limits(self._config))
+        problems = reward_problems(rows, reward.limits(self._config))
         if problems:
-            raise InvalidArgument.from_violations(problems)
+            raise InvalidArgument.from_violations((p.field, p.reason) for p in problems)
         rewards = await reward.front.run(lambda: reward.scorer.score(rows))
         return inference_pb2.RewardResponse(rewards=rewards, num_tokens=[len(r) for r in rows])
 

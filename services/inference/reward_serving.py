@@ -139,12 +139,8 @@ def build_serving_reward_model(config: InferenceServiceConfig) -> ServingRewardM
     device = devices.current().torch_device()
 
     def load() -> tuple[LoadedModel, RewardScorer]:
-        return build_reward_model(
-            config.load_spec(),
-            dtype=config.dtype,
-            device=device,
-            max_batch_tokens=config.max_score_tokens,
-        )
+        # Forwards of at most 8192 tokens each, as Score's (a request may hold more).
+        return build_reward_model(config.load_spec(), dtype=config.dtype, device=device)
 
     try:
         loaded, scorer = worker.call(load).result()

@@ -304,13 +304,13 @@ class _Api:
 
     async def pooling(self, body: PoolingRequest) -> dict[str, Any]:
         if self.reward is None:
-            engine = self._require(body.model)
+            self._require(body.model)  # 503 without a model, 404 naming another one
             raise invalid(
                 "model",
                 f"{self.model_name!r} is a causal LM, not a reward model (no scalar value head): "
                 "/pooling scores with a `meshline train --stage rm` checkpoint or a "
-                "...ForSequenceClassification with one label"
-                + (" (it generates: use /v1/completions)" if engine is not None else ""),
+                "...ForSequenceClassification with one label (this one generates: "
+                "/v1/completions)",
             )
         reward = self.reward
         if body.model is not None and body.model != self.model_name:

@@ -256,10 +256,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         check_reward_request(request, self._config)
         reward = self._reward
         if reward is None:
-            engine = self._engine
-            if engine is None:
-                self._require_engine()  # FAILED_PRECONDITION: no model loaded
-                raise AssertionError("unreachable")
+            engine = self._require_engine()  # FAILED_PRECONDITION without a model
             raise InvalidArgument(
                 "model",
                 f"the served model {engine.loaded.name!r} is a causal LM, not a reward model "

@@ -209,3 +209,15 @@ def test_commands_refuse_a_reward_model_where_it_cannot_serve(reward_dir, capsys
     argv = ["serve", "--load", str(reward_dir), "--port", "0", "--max-batch-rows", "4"]
     assert serve_main(argv) == 2
     assert "--max-batch-rows: --load" in capsys.readouterr().err
+
+
+def test_reward_without_a_model_is_failed_precondition():
+    import asyncio
+
+    from services.common.errors import FailedPrecondition
+    from services.inference.servicer import InferenceServicer
+
+    servicer = InferenceServicer(InferenceServiceConfig(), None)
+    request = pb.RewardRequest(inputs=[pb.RewardInput(text="hi")])
+    with pytest.raises(FailedPrecondition, match="no model loaded"):
+        asyncio.run(servicer.Reward(request, None))  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""`build_engine(LoadSpec, EngineConfig)`: the one way to build an engine from a checkpoint.
+"""`build_engine(LoadSpec, EngineConfig)`: the one way to build an engine from a checkpoint
+(and `build_reward_model`, its counterpart for a reward model, which scores and never generates).
 
 The inference service (one process, and every rank of a tensor/pipeline-parallel server), the
 evaluator's in-process model and `meshline generate` all call it, so every `EngineConfig` field
@@ -13,6 +14,7 @@ from engine.config import EngineConfig, LoadSpec
 from engine.engine import Engine
 from engine.loading import LoadedModel, load_checkpoint
 from engine.parallel_engine import build_parallel_engine
+from engine.reward import RewardScorer
 from engine.speculative import check_same_vocabulary
 from engine.tokens import TokenizerInfo
 from models.transformer import CausalLM
@@ -62,6 +64,35 @@ def build_engine(
         draft = _load_draft(config, tokens, loaded.config.vocab_size, device)
         engine = Engine(loaded.model, tokens, config, draft_model=draft)
     return loaded, engine
+
+
+def build_reward_model(
+    spec: LoadSpec,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    max_batch_tokens: int = 8192,
+) -> tuple[LoadedModel, RewardScorer]:
+    """Load the reward model `spec` names (a scalar value head; a causal LM is refused, naming
+    --load) on `device` and wrap it in a scorer. Quantized checkpoints hold no value head."""
+    if spec.load_format == "quantized":
+        raise ValueError(
+            "--load-format quantized: a reward model is served from float weights (hf, native "
+            "or megatron); the converter writes no quantized reward model"
+        )
+    loaded = load_checkpoint(
+        spec.path,
+        load_format=spec.load_format,
+        dtype=dtype,
+        tokenizer=spec.tokenizer,
+        lora=spec.lora,
+        device=device,
+        quantized_weights=False,
+        reward_model=True,
+    )
+    pad = loaded.tokenizer.pad_id if loaded.tokenizer is not None else None
+    scorer = RewardScorer(loaded.model, pad_id=pad or 0, max_batch_tokens=max_batch_tokens)
+    return loaded, scorer
 
 
 def _load_draft(

@@ -48,8 +48,13 @@ class LoadedModel:
     name: str
 
 
-def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfig, StateDict, Path]:
-    """(config, full state dict under Meshline names, directory holding tokenizer files)."""
+def read_state(
+    directory: Path, fmt: str, lora: Path | None, *, reward_model: bool = False
+) -> tuple[ModelConfig, StateDict, Path]:
+    """(config, full state dict under Meshline names, directory holding tokenizer files).
+
+    `reward_model`: the checkpoint must hold a scalar value head (a causal LM is refused);
+    else it must not (a reward model cannot generate)."""
     from checkpoints.lora import LoraAdapter
     from checkpoints.units import units
 
@@ -57,12 +62,18 @@ def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfi
         source = get_format(fmt, "--load-format", SERVE_FORMATS).open_source(directory, None, None)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
-    if source.config.value_head:  # its forward gives one score per position, not logits
+    if source.config.value_head and not reward_model:
+        # its forward gives one score per position, not logits
         raise ValueError(
             f"--load {directory}: a reward model (a scalar value head, `meshline train --stage "
-            "rm`) cannot generate and is not served yet; serve a causal LM, or score with the "
-            "reward model's HF export (`meshline convert --save-format hf`, read by "
-            "transformers' AutoModelForSequenceClassification)"
+            "rm`) cannot generate; serve it with `meshline serve inference --load DIR`, which "
+            "answers its Reward RPC and POST /pooling, or give a causal LM"
+        )
+    if reward_model and not source.config.value_head:
+        raise ValueError(
+            f"--load {directory}: a causal LM, not a reward model (no scalar value head); "
+            "give a `meshline train --stage rm` checkpoint or a ...ForSequenceClassification "
+            "with one label"
         )
     try:
         adapter = LoraAdapter(lora) if lora is not None else None
@@ -83,6 +94,20 @@ def read_state(directory: Path, fmt: str, lora: Path | None) -> tuple[ModelConfi
         raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
     tokenizer_dir = source.tokenizer_files[0].parent if source.tokenizer_files else directory
     return source.config, state, tokenizer_dir
+
+
+def is_reward_checkpoint(directory: Path, load_format: str = AUTO) -> bool:
+    """Whether `directory` holds a reward model (a scalar value head), read from its config file
+    alone; False where that cannot tell (no JSON config: Megatron; unreadable: the loader then
+    reports it)."""
+    from checkpoints.config_files import read_model_config
+
+    try:
+        fmt = detect_format(directory) if load_format == AUTO else load_format
+    except (OSError, ValueError):
+        return False
+    config = read_model_config(fmt, directory)
+    return config is not None and config.value_head
 
 
 def find_tokenizer(directory: Path, explicit: Path | None) -> Tokenizer | None:
@@ -121,11 +146,14 @@ def load_checkpoint(
     lora: Path | None = None,
     device: torch.device | str = "cpu",
     quantized_weights: bool = True,
+    reward_model: bool = False,
 ) -> LoadedModel:
     """Build the served model from a checkpoint directory (ValueError naming the bad flag).
 
     A quantized checkpoint is served on its codes (`QuantLinear` layers) unless
-    `quantized_weights` is False or a LoRA adapter is merged: then dequantized."""
+    `quantized_weights` is False or a LoRA adapter is merged: then dequantized.
+    `reward_model`: load a reward model (a value head) instead of a causal LM (see
+    `read_state`)."""
     if load_format not in SERVE_CHOICES:
         raise ValueError(f"--load-format {load_format!r}: choose one of {list(SERVE_CHOICES)}")
     fmt = detect_format(directory) if load_format == AUTO else load_format
@@ -136,7 +164,7 @@ def load_checkpoint(
         except (OSError, ValueError) as exc:
             raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
     else:
-        config, state, tokenizer_dir = read_state(directory, fmt, lora)
+        config, state, tokenizer_dir = read_state(directory, fmt, lora, reward_model=reward_model)
     if dtype == "auto":
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
         torch_dtype = floats[0] if floats else torch.float32

@@ -258,3 +258,62 @@ def request_problems(
 def rows_needed(config: SamplingConfig) -> int:
     """Cache rows a request takes: one per beam, else one per returned sequence."""
     return config.num_beams if config.num_beams > 1 else config.num_return_sequences
+
+
+@dataclass(frozen=True)
+class RewardLimits:
+    """The bounds one reward request meets (the server's flags) and the model's capacity."""
+
+    max_inputs: int
+    """Most inputs per request (--max-score-items)."""
+    max_tokens: int
+    """Most tokens of all inputs together (--max-score-tokens)."""
+    max_model_len: int
+    """Longest input in tokens (--max-model-len, else the model's context length)."""
+    vocab_size: int
+    """Every id must be below it."""
+
+
+def reward_problems(rows: list[list[int]], limits: RewardLimits) -> list[Problem]:
+    """Every input of a reward request (token ids, once tokenised) that cannot be scored:
+    empty, longer than the model length, ids outside the vocabulary; too many inputs or tokens
+    in all. Fields are `inputs` and `inputs[i]`."""
+    out: list[Problem] = []
+    if not rows:
+        return [Problem("inputs", "give at least one input to score")]
+    if len(rows) > limits.max_inputs:
+        return [
+            Problem(
+                "inputs",
+                f"at most {limits.max_inputs} inputs per request (--max-score-items), "
+                f"got {len(rows)}",
+            )
+        ]
+    for i, row in enumerate(rows):
+        if not row:
+            out.append(Problem(f"inputs[{i}]", "encodes to no tokens; give a non-empty input"))
+        elif len(row) > limits.max_model_len:
+            out.append(
+                Problem(
+                    f"inputs[{i}]",
+                    f"is {len(row)} tokens, over the server's model length "
+                    f"{limits.max_model_len} (--max-model-len)",
+                )
+            )
+        elif min(row) < 0 or max(row) >= limits.vocab_size:
+            bad = [t for t in row if not 0 <= t < limits.vocab_size][:5]
+            out.append(
+                Problem(f"inputs[{i}]", f"token ids {bad} are outside [0, {limits.vocab_size})")
+            )
+        if len(out) >= 20:  # the error stays readable
+            return out
+    total = sum(len(r) for r in rows)
+    if not out and total > limits.max_tokens:
+        out.append(
+            Problem(
+                "inputs",
+                f"the inputs hold {total} tokens in all, at most {limits.max_tokens} per "
+                "request (--max-score-tokens); split them over several requests",
+            )
+        )
+    return out

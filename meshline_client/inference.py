@@ -1,4 +1,5 @@
-"""InferenceClient: generate, stream, score, tokenize and model info, as typed Python results."""
+"""InferenceClient: generate, stream, score, rewards, tokenize and model info, as typed Python
+results."""
 
 from __future__ import annotations
 
@@ -177,6 +178,19 @@ class InferenceClient:
             Score(r.logprob, r.is_greedy, list(r.token_logprobs), _top(r.top_logprobs))
             for r in response.results
         ]
+
+    def reward(
+        self, inputs: Sequence[str | Sequence[int]], *, timeout_s: float | None = None
+    ) -> list[float]:
+        """One reward per input (text or token ids) from a served reward model."""
+        items = [
+            pb.RewardInput(text=x) if isinstance(x, str) else pb.RewardInput(token_ids=list(x))
+            for x in inputs
+        ]
+        response = self._stub.Reward(
+            pb.RewardRequest(inputs=items), timeout=self._timeout(timeout_s), wait_for_ready=True
+        )
+        return list(response.rewards)
 
     def tokenize(
         self, text: str, *, add_special_tokens: bool = False, timeout_s: float | None = None

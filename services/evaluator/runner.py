@@ -2,7 +2,7 @@
 
 `evaluate(config, model)` is the library entry point used by the CLI, the gRPC servicer and the
 demo. Multiple-choice tasks send one log-likelihood request per choice, generation tasks one
-greedy generation per repeat; requests go out `batch_size` at a time, every answered batch is
+greedy generation per repeat, reward tasks (rm_pairs) one reward request per response of a pair; requests go out `batch_size` at a time, every answered batch is
 cached, and progress is reported after each batch.
 """
 
@@ -23,6 +23,7 @@ from services.evaluator.sandbox.runner import require_isolation
 from services.evaluator.tasks import resolve_with_origin
 from services.evaluator.tasks.base import MULTIPLE_CHOICE, MissingData, Task
 from services.evaluator.tasks.humaneval import HumanEval
+from services.evaluator.tasks.reward_pairs import REWARD_PAIRS, RewardPairs
 
 logger = logging.getLogger(__name__)
 DEFAULT_TEMPERATURE = 0.8
@@ -100,6 +101,15 @@ def prepare_task(task: Task, config: EvalConfig) -> PreparedTask:
     if not docs:
         raise ValueError(f"--task-data-path {data_path}: task {task.name} has no samples")
     shots = task.default_num_fewshot if config.num_fewshot is None else config.num_fewshot
+    if isinstance(task, RewardPairs):
+        if shots:
+            raise ValueError(
+                f"--num-fewshot {shots}: task {task.name} scores pairs with a reward model, "
+                "which takes no few-shot examples; give 0 or leave it out"
+            )
+        pairs = [task.requests(doc) for doc in docs]
+        keyed = [[(request_key("reward", a), a) for a in doc] for doc in pairs]
+        return PreparedTask(task, docs, 0, keyed)
     task.reset_sampler(config.seed)
     repeats = 1
     if isinstance(task, HumanEval):
@@ -147,6 +157,8 @@ def _answer(
         if prepared.task.output_type == MULTIPLE_CHOICE:
             scores = model.loglikelihood([(a[0], a[1]) for _, a in batch])
             responses: list[Any] = [[float(lp), bool(g)] for lp, g in scores]
+        elif prepared.task.output_type == REWARD_PAIRS:
+            responses = [float(r) for r in model.reward([(a[0], a[1]) for _, a in batch])]
         else:
             responses = model.generate_until(
                 [
@@ -193,6 +205,7 @@ def evaluate(
     if any(isinstance(item.task, HumanEval) for item in prepared):
         # Refuse before any completion is generated where the code could not be contained.
         require_isolation(config.allow_unsafe_code_execution)
+    _check_model_kind(prepared, model)
     if not prepared:
         raise ValueError(
             f"--task-data-path {config.task_data_path}: no data for any task of "
@@ -235,6 +248,24 @@ def evaluate(
         progress("", len(prepared), len(prepared), done, total)
     bar(None)
     return outcomes
+
+
+def _check_model_kind(prepared: list[PreparedTask], model: LanguageModel) -> None:
+    """Refuse, before any request, tasks the model cannot answer where its kind is known (a
+    served model's kind shows in the server's answer to the first request)."""
+    reward = [p.task.name for p in prepared if p.task.output_type == REWARD_PAIRS]
+    other = [p.task.name for p in prepared if p.task.output_type != REWARD_PAIRS]
+    kind = model.is_reward_model
+    if kind is True and other:
+        raise ValueError(
+            f"{model.flag} {model.name} is a reward model (a scalar value head): it answers "
+            f"reward tasks only, not {other[:3]}; evaluate those with a causal LM"
+        )
+    if kind is False and reward:
+        raise ValueError(
+            f"{model.flag} {model.name} is a causal LM, not a reward model (no scalar value "
+            f"head): {reward} need a `meshline train --stage rm` checkpoint"
+        )
 
 
 def _progress_bar(total: int, show: bool | None) -> Callable[[int | None], None]:

@@ -2,12 +2,15 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream` as server-sent events), vLLM's `POST /tokenize`, `POST /detokenize` and
-`GET /tokenizer_info` (lm-eval's remote tokenizer), `GET /health` (probes; no auth), and with
+`GET /tokenizer_info` (lm-eval's remote tokenizer), `GET /health` (probes; no auth), vLLM's
+`POST /pooling` (one reward per input, on a served reward model; services/inference/
+openai_pooling.py), and with
 --enable-lora vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (only on a
 server with a bearer token: loading reads files on the server). A request's `model` picks the
 base model or a loaded LoRA adapter; an unknown name is a 400 on a LoRA server.
 Errors use OpenAI's JSON error object: 400 bad input, 401 missing/wrong bearer token, 404 unknown
-model or route, 413 body too large, 429 too many requests in flight, 503 no model loaded; 500
+model or route, 413 body too large, 429 too many requests in flight, 503 no model loaded (a
+generation route on a reward model, or /pooling on a causal LM, is a 400 saying so); 500
 only for a server bug (with an incident id in the log). A client that disconnects cancels its
 generation.
 """
@@ -28,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.grammar import grammar_problem, json_schema_grammar
 from engine.requests import Finish
+from engine.validation import reward_problems
 from services.common.errors import MeshlineError, PermissionDenied
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_body import OffLoopBodyRoute
@@ -49,6 +53,12 @@ from services.inference.openai_generation import (
     resolve_prompts,
     token_strings,
 )
+from services.inference.openai_pooling import (
+    PoolingRequest,
+    as_chat,
+    pooling_response,
+    pooling_texts_or_ids,
+)
 from services.inference.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -68,6 +78,7 @@ from services.inference.openai_responses import (
     usage_of,
 )
 from services.inference.openai_structured import checked_constraint, requested_grammar
+from services.inference.reward_serving import ServingRewardModel
 from services.inference.serving import ServingEngine
 from services.inference.tool_calls import (
     StreamSplitter,
@@ -82,7 +93,7 @@ log = logging.getLogger(__name__)
 
 
 def build_app(
-    engine: ServingEngine | None,
+    engine: ServingEngine | ServingRewardModel | None,
     limits: InferenceServiceConfig,
     http: HttpConfig,
     auth_token: str | None = None,
@@ -102,6 +113,7 @@ def build_app(
     app.get("/tokenizer_info")(api.tokenizer_info)
     app.post("/v1/load_lora_adapter")(api.load_lora_adapter)
     app.post("/v1/unload_lora_adapter")(api.unload_lora_adapter)
+    app.post("/pooling")(api.pooling)
     return app
 
 
@@ -151,12 +163,14 @@ class _Api:
 
     def __init__(
         self,
-        engine: ServingEngine | None,
+        engine: ServingEngine | ServingRewardModel | None,
         limits: InferenceServiceConfig,
         http: HttpConfig,
         runtime_lora: bool = False,
     ) -> None:
-        self.engine = engine
+        self.engine = engine if isinstance(engine, ServingEngine) else None
+        self.reward = engine if isinstance(engine, ServingRewardModel) else None
+        """The served reward model (None: a causal LM or nothing)."""
         self.runtime_lora = runtime_lora
         """Whether clients may load/unload LoRA adapters (the server checks a bearer token)."""
         self.limits = limits
@@ -167,6 +181,13 @@ class _Api:
         self.created = int(time.time())
 
     def _require(self, model: str | None) -> ServingEngine:
+        if self.reward is not None:
+            raise invalid(
+                "model",
+                f"{self.model_name!r} is a reward model (a scalar value head): it answers POST "
+                "/pooling (one reward per input), not generation; serve a causal LM for this "
+                "route",
+            )
         if self.engine is None:
             raise ApiError(
                 503, "no model loaded; start the server with --load DIR", code="no_model"
@@ -248,11 +269,13 @@ class _Api:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def health(self) -> JSONResponse:
-        if self.engine is None:
+        if self.engine is None and self.reward is None:
             return JSONResponse({"status": "no model loaded"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self) -> dict[str, Any]:
+        if self.reward is not None:
+            return {"object": "list", "data": [self._model_card(self.reward.max_seq_len)]}
         engine = self._require(None)
         base = {
             "id": self.model_name,
@@ -269,6 +292,78 @@ class _Api:
             {**base, "id": name, "parent": parents.get(name) or self.model_name} for name in names
         ]
         return {"object": "list", "data": data}
+
+    def _model_card(self, max_model_len: int) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "meshline",
+            "max_model_len": max_model_len,
+        }
+
+    async def pooling(self, body: PoolingRequest) -> dict[str, Any]:
+        if self.reward is None:
+            self._require(body.model)  # 503 without a model, 404 naming another one
+            raise invalid(
+                "model",
+                f"{self.model_name!r} is a causal LM, not a reward model (no scalar value head): "
+                "/pooling scores with a `meshline train --stage rm` checkpoint or a "
+                "...ForSequenceClassification with one label (this one generates: "
+                "/v1/completions)",
+            )
+        reward = self.reward
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        rows = await off_loop(lambda: self._pooling_rows(reward, body))
+        problems = reward_problems(rows, reward.limits(self.limits))
+        if problems:
+            field = "messages" if body.messages is not None else "input"
+            detail = "; ".join(f"{p.field.replace('inputs', field)}: {p.reason}" for p in problems)
+            raise ApiError(400, detail, param=field, code="invalid_value")
+        rewards = await reward.front.run(lambda: reward.scorer.score(rows))
+        return pooling_response(
+            self.model_name,
+            int(time.time()),
+            f"pool-{uuid.uuid4().hex}",
+            rewards,
+            [len(r) for r in rows],
+        )
+
+    def _pooling_rows(self, reward: ServingRewardModel, body: PoolingRequest) -> list[list[int]]:
+        """Token ids of each input (a worker thread: tokenising and rendering take a while)."""
+        if body.messages is not None:
+            chat = as_chat(body)
+            return [
+                render_chat(reward, chat, self.http.chat_template, self.limits.max_text_chars)  # type: ignore[arg-type]
+            ]
+        items = pooling_texts_or_ids(body)
+        if len(items) > self.limits.max_score_items:
+            raise invalid(
+                "input",
+                f"at most {self.limits.max_score_items} inputs per request (--max-score-items), "
+                f"got {len(items)}",
+            )
+        rows: list[list[int]] = []
+        for i, item in enumerate(items):
+            if isinstance(item, list):
+                rows.append(item)
+                continue
+            if len(item) > self.limits.max_text_chars:
+                raise invalid(
+                    f"input[{i}]",
+                    f"at most {self.limits.max_text_chars} characters (--max-text-chars), "
+                    f"got {len(item)}",
+                )
+            if reward.tokens.tokenizer is None:
+                raise invalid("input", "this server has no tokenizer; send token ids")
+            rows.append(reward.tokens.encode_prompt(item, body.add_special_tokens))
+        return rows
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         engine = self._require(None)

@@ -22,6 +22,7 @@ from services.common.server import Companion, format_address
 from services.inference.config import InferenceServiceConfig
 from services.inference.http_api import build_app
 from services.inference.http_config import HttpConfig
+from services.inference.reward_serving import ServingRewardModel
 from services.inference.serving import ServingEngine
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class HttpFront:
 
 
 async def start_http(
-    engine: ServingEngine | None,
+    engine: ServingEngine | ServingRewardModel | None,
     limits: InferenceServiceConfig,
     http: HttpConfig,
     server_config: ServerConfig,
@@ -113,7 +114,9 @@ async def start_http(
 
 
 def http_companion(
-    engine: ServingEngine | None, limits: InferenceServiceConfig, http: HttpConfig
+    engine: ServingEngine | ServingRewardModel | None,
+    limits: InferenceServiceConfig,
+    http: HttpConfig,
 ) -> Callable[[ServerConfig], Awaitable[Companion]] | None:
     """The binding's companion starting the HTTP front, or None without --http-port."""
     if http.http_port is None:

@@ -8,6 +8,10 @@ OUT_OF_RANGE. A server started without --load
 answers well-formed model calls with FAILED_PRECONDITION "no model loaded". With --enable-lora,
 GenerateRequest.lora_adapter picks a loaded adapter (INVALID_ARGUMENT naming an unknown one), and
 LoadLoraAdapter / UnloadLoraAdapter change them on a server with --auth-token-file.
+
+A reward model (`--load` holds a scalar value head) is served without a generation engine
+(services/inference/reward_serving.py): it answers Reward, Tokenize, Detokenize and GetModelInfo;
+the other model RPCs are INVALID_ARGUMENT naming it, as Reward is on a causal LM.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.validation import (
     prompt_problems,
     prompt_text_problems,
     request_problems,
+    reward_problems,
     sampling_problems,
 )
 from engine.weight_update import WeightVersion, updatable_parameters
@@ -45,6 +50,11 @@ from services.inference.config import InferenceServiceConfig
 from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
 from services.inference.off_loop import off_loop
+from services.inference.reward_serving import (
+    ServingRewardModel,
+    build_serving_reward_model,
+    serves_reward_model,
+)
 from services.inference.serving import ServingEngine, build_serving_engine, request_limits
 from services.inference.weight_updates import require_updates, update_weights
 
@@ -72,13 +82,16 @@ def request_failed(error: RequestError) -> MeshlineError:
     return MeshlineError(message + "; the server log has the traceback")
 
 
-def load_engine(config: InferenceServiceConfig) -> ServingEngine | None:
-    """The engine serving `config.load`, or None when the server starts without a model.
+def load_engine(config: InferenceServiceConfig) -> ServingEngine | ServingRewardModel | None:
+    """The engine serving `config.load` (a reward model's scorer when it holds a value head), or
+    None when the server starts without a model.
 
     Load problems raise ValueError naming the flag (the CLI prints it and exits 2).
     """
     if config.load is None:
         return None
+    if serves_reward_model(config):
+        return build_serving_reward_model(config)
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         from services.inference.parallel_serving import launch_parallel
 
@@ -185,20 +198,29 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
         self,
         config: InferenceServiceConfig,
-        engine: ServingEngine | None,
+        engine: ServingEngine | ServingRewardModel | None,
         runtime_lora: bool = False,
     ) -> None:
         self._config = config
-        self._engine = engine
+        self._reward = engine if isinstance(engine, ServingRewardModel) else None
+        """The served reward model (None: a causal LM or nothing is served)."""
+        self._engine = engine if isinstance(engine, ServingEngine) else None
         self._weights: WeightVersion | None = None
         """The served weights' version; None: UpdateWeights is refused (no
         --allow-weight-updates, or no model)."""
-        if engine is not None and config.allow_weight_updates:
-            self._weights = WeightVersion(updatable_parameters(engine.engine.model))
+        if self._engine is not None and config.allow_weight_updates:
+            self._weights = WeightVersion(updatable_parameters(self._engine.engine.model))
         self._runtime_lora = runtime_lora
         """Whether LoadLoraAdapter/UnloadLoraAdapter may run (the server checks a token)."""
 
     def _require_engine(self) -> ServingEngine:
+        if self._reward is not None:
+            raise InvalidArgument(
+                "model",
+                f"the served model {self._reward.loaded.name!r} is a reward model (a scalar "
+                "value head): it answers Reward (HTTP POST /pooling), Tokenize, Detokenize and "
+                "GetModelInfo; generate and score log-probabilities with a causal LM",
+            )
         if self._engine is None:
             raise FailedPrecondition(
                 "no model loaded; start the server with --load DIR (a checkpoint directory)"
@@ -227,6 +249,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         check_score_request(request, self._config)
         return await self._run_score(self._require_engine(), request)
 
+    async def Reward(
+        self, request: inference_pb2.RewardRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.RewardResponse:
+        """One reward per input from the served reward model."""
+        check_reward_request(request, self._config)
+        reward = self._reward
+        if reward is None:
+            engine = self._require_engine()  # FAILED_PRECONDITION without a model
+            raise InvalidArgument(
+                "model",
+                f"the served model {engine.loaded.name!r} is a causal LM, not a reward model "
+                "(no scalar value head); serve a `meshline train --stage rm` checkpoint or a "
+                "...ForSequenceClassification with one label to get rewards",
+            )
+        return await self._run_reward(reward, request)
+
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.TokenizeResponse:
@@ -239,7 +277,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             f"got {len(request.text)}",
         )
         check.raise_if_any()
-        return await self._run_tokenize(self._require_engine(), request)
+        return await self._run_tokenize(self._require_model(), request)
 
     async def Detokenize(
         self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
@@ -254,12 +292,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ):
             check.require(min(request.token_ids, default=0) >= 0, "token_ids", "must be >= 0")
         check.raise_if_any()
-        return await self._run_detokenize(self._require_engine(), request)
+        return await self._run_detokenize(self._require_model(), request)
 
     async def GetModelInfo(
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetModelInfoResponse:
         """Name, architecture, vocabulary, context length, dtype and layout of the loaded model."""
+        if self._reward is not None:
+            return _reward_model_info(self._reward)
         return await self._run_model_info(self._require_engine())
 
     async def UpdateWeights(
@@ -316,6 +356,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except ValueError as exc:
             raise NotFound(str(exc)) from None
         return inference_pb2.UnloadLoraAdapterResponse()
+
+    def _require_model(self) -> ServingEngine | ServingRewardModel:
+        """The served model, whichever kind (for the RPCs both answer)."""
+        return self._reward if self._reward is not None else self._require_engine()
+
+    async def _run_reward(
+        self, reward: ServingRewardModel, request: inference_pb2.RewardRequest
+    ) -> inference_pb2.RewardResponse:
+        tokens = reward.tokens
+
+        def encode() -> list[list[int]]:
+            rows = []
+            for i, item in enumerate(request.inputs):
+                if item.text:
+                    try:
+                        rows.append(tokens.encode_prompt(item.text))
+                    except ValueError as exc:
+                        raise FailedPrecondition(f"inputs[{i}].text: {exc}") from None
+                else:
+                    rows.append(list(item.token_ids))
+            return rows
+
+        rows = await off_loop(encode)
+        problems = reward_problems(rows, reward.limits(self._config))
+        if problems:
+            raise InvalidArgument.from_violations((p.field, p.reason) for p in problems)
+        rewards = await reward.front.run(lambda: reward.scorer.score(rows))
+        return inference_pb2.RewardResponse(rewards=rewards, num_tokens=[len(r) for r in rows])
 
     def _lora_engine(self) -> ServingEngine:
         engine = self._require_engine()
@@ -465,7 +533,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return items
 
     async def _run_tokenize(
-        self, engine: ServingEngine, request: inference_pb2.TokenizeRequest
+        self, engine: ServingEngine | ServingRewardModel, request: inference_pb2.TokenizeRequest
     ) -> inference_pb2.TokenizeResponse:
         tokens = engine.tokens
 
@@ -481,7 +549,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise FailedPrecondition(str(exc)) from None
 
     async def _run_detokenize(
-        self, engine: ServingEngine, request: inference_pb2.DetokenizeRequest
+        self,
+        engine: ServingEngine | ServingRewardModel,
+        request: inference_pb2.DetokenizeRequest,
     ) -> inference_pb2.DetokenizeResponse:
         tokens = engine.tokens
         if max(request.token_ids, default=0) >= tokens.vocab_size:
@@ -525,6 +595,75 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if value is not None:
                 setattr(info, name, value)
         return info
+
+
+def check_reward_request(
+    request: inference_pb2.RewardRequest, config: InferenceServiceConfig
+) -> None:
+    """Raises InvalidArgument naming every malformed input of a Reward request (before any
+    model is needed; lengths in tokens are checked once tokenised)."""
+    check = Validator()
+    check.require(len(request.inputs) > 0, "inputs", "give at least one input to score")
+    check.require(
+        len(request.inputs) <= config.max_score_items,
+        "inputs",
+        f"at most {config.max_score_items} inputs per request (--max-score-items), "
+        f"got {len(request.inputs)}",
+    )
+    check.raise_if_any()
+    ids_in_all = 0
+    for i, item in enumerate(request.inputs):
+        has_text, has_ids = bool(item.text), len(item.token_ids) > 0
+        check.require(
+            has_text != has_ids,
+            f"inputs[{i}]",
+            "give exactly one of text and token_ids (non-empty)"
+            + (" (both are set)" if has_text else ""),
+        )
+        check.require(
+            len(item.text) <= config.max_text_chars,
+            f"inputs[{i}].text",
+            f"at most {config.max_text_chars} characters (--max-text-chars), got {len(item.text)}",
+        )
+        check.require(min(item.token_ids, default=0) >= 0, f"inputs[{i}].token_ids", "must be >= 0")
+        ids_in_all += len(item.token_ids)
+        if len(check.violations) >= MAX_REPORTED_VIOLATIONS:
+            break
+    check.require(
+        ids_in_all <= config.max_score_tokens,
+        "inputs",
+        f"at most {config.max_score_tokens} token ids per request (--max-score-tokens), "
+        f"got {ids_in_all}",
+    )
+    check.raise_if_any()
+
+
+def _reward_model_info(reward: ServingRewardModel) -> inference_pb2.GetModelInfoResponse:
+    """GetModelInfo of a served reward model (one process; no adapters)."""
+    loaded, tokens = reward.loaded, reward.tokens
+    info = inference_pb2.GetModelInfoResponse(
+        model_name=loaded.name,
+        family=loaded.config.family,
+        vocab_size=loaded.config.vocab_size,
+        context_length=reward.max_seq_len,
+        dtype=reward.dtype_name,
+        parallel_layout=inference_pb2.ParallelLayout(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1
+        ),
+        checkpoint_path=str(loaded.path),
+        load_format=loaded.load_format,
+        checkpoint_format=VALUES[loaded.load_format],
+        device=reward.scorer.device.type,
+        num_parameters=reward.num_parameters(),
+    )
+    for name, value in (
+        ("eos_token_id", tokens.eos_id),
+        ("bos_token_id", tokens.bos_id),
+        ("pad_token_id", tokens.pad_id),
+    ):
+        if value is not None:
+            setattr(info, name, value)
+    return info
 
 
 def sampling_config(params: inference_pb2.SamplingParams) -> SamplingConfig:
@@ -577,7 +716,7 @@ def _stream_message(event: StepEvent) -> inference_pb2.GenerateStreamResponse:
 
 def bindings(
     config: InferenceServiceConfig,
-    engine: ServingEngine | None,
+    engine: ServingEngine | ServingRewardModel | None,
     http: HttpConfig | None = None,
     runtime_lora: bool = False,
 ) -> list[ServiceBinding]:
@@ -585,7 +724,7 @@ def bindings(
     with `http.http_port`, the OpenAI-compatible HTTP front runs beside it on the same engine.
     `runtime_lora`: the server checks a token, so LoadLoraAdapter/UnloadLoraAdapter may run."""
     servicer = InferenceServicer(config, engine, runtime_lora)
-    if engine is not None:
+    if isinstance(engine, ServingEngine):
         instrument(engine.engine)
     companion = None
     if http is not None and http.http_port is not None:

@@ -380,3 +380,54 @@ def _greedy(max_new_tokens: int):
     from engine.sampling import SamplingConfig
 
     return SamplingConfig(max_new_tokens=max_new_tokens)
+
+
+def test_fuzz_reward_model(tmp_path: Path, sentencepiece_model: Path) -> None:
+    """A served reward model under mutated Reward (and refused Generate/Score) requests: never
+    UNKNOWN/INTERNAL, and a valid Reward still equals the scorer's own result afterwards."""
+    from services.inference.config import InferenceServiceConfig
+    from services.inference.servicer import SERVICE_NAME, bindings, load_engine
+    from tests.services.inference.test_reward_served import make_reward_checkpoint
+
+    directory = make_reward_checkpoint(tmp_path / "rm", sentencepiece_model)
+    config = InferenceServiceConfig(load=directory, max_score_items=8, max_score_tokens=256)
+    served = load_engine(config)
+    assert served is not None
+    reward = inference_pb2.RewardRequest(
+        inputs=[
+            inference_pb2.RewardInput(text="The model"),
+            inference_pb2.RewardInput(token_ids=[5, 6, 7]),
+        ]
+    )
+    seeds = {
+        "Reward": ([reward], False),
+        "Generate": ([inference_pb2.GenerateRequest(prompt_token_ids=[5, 6])], False),
+        "Score": (
+            [
+                inference_pb2.ScoreRequest(
+                    items=[inference_pb2.ScoreItem(context="a", continuation=" b")]
+                )
+            ],
+            False,
+        ),
+        "Tokenize": ([inference_pb2.TokenizeRequest(text="The model")], False),
+        "GetModelInfo": ([inference_pb2.GetModelInfoRequest()], False),
+    }
+
+    async def good(channel: grpc.aio.Channel) -> None:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        request = inference_pb2.RewardRequest(inputs=[inference_pb2.RewardInput(token_ids=[5, 6])])
+        reply = await stub.Reward(request, timeout=60)
+        expected = await served.front.run(lambda: served.scorer.score([[5, 6]]))
+        assert list(reply.rewards) == expected
+
+    async def main() -> Counter:
+        try:
+            return await _run_fuzz(
+                bindings(config, served), SERVICE_NAME, seeds, good, seed=7, operations=False
+            )
+        finally:
+            await served.front.close()
+
+    statuses = asyncio.run(main())
+    assert statuses["OK"] > 0 and statuses["INVALID_ARGUMENT"] > 0

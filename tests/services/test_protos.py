@@ -151,6 +151,7 @@ def test_inference_rpcs_match_issue() -> None:
         "GetWeightsVersion": ("GetWeightsVersionRequest", "GetWeightsVersionResponse", False),
         "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False),
         "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False),
+        "Reward": ("RewardRequest", "RewardResponse", False),
     }
 
 

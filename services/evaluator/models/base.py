@@ -38,6 +38,8 @@ class SpecialTokens:
     tokenizer has neither, so only requests that need no prefix can run)."""
     prefix_text: str | None
     """The prefix token as text; a context starting with it gets no special tokens."""
+    eos_id: int | None = None
+    """EOS id: a reward task's responses end with it, as `meshline preprocess` writes pairs."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class GenerationRequest:
 
 
 class LanguageModel(ABC):
-    """A causal LM that can score continuations and generate greedily."""
+    """A causal LM that can score continuations and generate greedily, or a reward model
+    (`is_reward_model`) that scores whole sequences (`reward_ids`)."""
 
     name: str = ""
     """What is evaluated (endpoint or checkpoint path), for the results."""
@@ -99,6 +102,41 @@ class LanguageModel(ABC):
 
     def close(self) -> None:  # noqa: B027 - most models hold nothing to release
         """Release connections or the engine."""
+
+    @property
+    def is_reward_model(self) -> bool | None:
+        """Whether the model is a reward model (None: not known before asking it)."""
+        return False
+
+    def reward_ids(self, rows: list[list[int]]) -> list[float]:
+        """One reward per row of ids; a causal LM has none (ValueError naming the model)."""
+        raise ValueError(
+            f"{self.flag} {self.name} is a causal LM, not a reward model (no scalar value head); "
+            "reward tasks (rm_pairs) need a `meshline train --stage rm` checkpoint"
+        )
+
+    def reward(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """The reward of each (prompt, response), encoded as `meshline preprocess` encodes a
+        plain-text preference pair (no prompt template): the prompt with the tokenizer's own
+        framing (BOS where it adds one), the response's ids alone, then EOS; the prompt is cut
+        from the left when the whole is longer than the context length."""
+        eos = self.special_tokens.eos_id
+        if eos is None:
+            raise ValueError(
+                f"{self.flag} {self.name}: the tokenizer has no EOS token, which ends each "
+                "response as `meshline preprocess` writes pairs"
+            )
+        prompts = sorted({p for p, _ in pairs})
+        replies = sorted({r for _, r in pairs})
+        prompt_ids = dict(zip(prompts, self.tokenize(prompts, True), strict=True))
+        reply_ids = dict(zip(replies, self.tokenize(replies, False), strict=True))
+        rows = []
+        limit = self.context_length
+        for prompt, reply in pairs:
+            # Cut from the left (as lm-eval cuts contexts): the response's last token, whose
+            # score is the reward, stays.
+            rows.append([*prompt_ids[prompt], *reply_ids[reply], eos][-limit:])
+        return self.reward_ids(rows)
 
     # -- text level, shared ---------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 Scores go out as `Score` calls of up to `batch_size` items (token ids, so truncation is ours),
 each distinct item once and the items sharing a context in the same call;
 generations as up to `batch_size` concurrent `Generate` calls, which the server's continuous
-batching runs together. Tokenisation uses the server's `Tokenize` (cached per text).
+batching runs together. Tokenisation uses the server's `Tokenize` (cached per text). Rewards
+(a served reward model) go out as `Reward` calls of up to `batch_size` token-id inputs; a server
+that refuses one (a causal LM, or a reward model asked for log-likelihoods) says why, and the
+evaluation stops with that message.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class GrpcLanguageModel(LanguageModel):
                 )
                 return self._stub.Detokenize(request, timeout=self._timeout).text
 
-            self._special = SpecialTokens(bos, text(bos), prefix, text(prefix))
+            self._special = SpecialTokens(bos, text(bos), prefix, text(prefix), eos_id=eos)
         return self._special
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -131,6 +134,30 @@ class GrpcLanguageModel(LanguageModel):
             for item, r in zip(call, reply.results, strict=True):
                 scores[item] = (r.logprob, r.is_greedy)
         return [scores[(tuple(c), tuple(x))] for c, x in items]
+
+    @property
+    def is_reward_model(self) -> bool | None:
+        """Not known before asking: the server refuses what its model cannot answer."""
+        return None
+
+    def reward_ids(self, rows: list[list[int]]) -> list[float]:
+        """Reward calls of up to `batch_size` inputs (ids, so the encoding is ours)."""
+        rewards: list[float] = []
+        for start in range(0, len(rows), self._batch):
+            request = inference_pb2.RewardRequest(
+                inputs=[
+                    inference_pb2.RewardInput(token_ids=row)
+                    for row in rows[start : start + self._batch]
+                ]
+            )
+            try:
+                reply = self._stub.Reward(request, timeout=self._timeout)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                raise ValueError(f"--endpoint {self.name}: {err.details()}") from None
+            rewards.extend(reply.rewards)
+        return rewards
 
     def generate_ids(
         self, prompts: list[list[int]], requests: list[GenerationRequest]

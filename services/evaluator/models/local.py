@@ -3,14 +3,20 @@
 `--load DIR [--load-format hf|native|megatron]`: the engine is built with
 `engine.build.build_engine` on this process's device; scoring runs the engine's
 `score` (the service's Score path, `engine/scoring.py`), generation its batched
-greedy decoding.
+greedy decoding. A reward model (a value head, `meshline train --stage rm`) is loaded with
+`engine.build.build_reward_model` instead and answers reward tasks only (`engine/reward.py`,
+the service's Reward path).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.evaluator.models.base import GenerationRequest, LanguageModel, SpecialTokens
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 
 class LocalLanguageModel(LanguageModel):
@@ -26,52 +32,86 @@ class LocalLanguageModel(LanguageModel):
         add_bos_token: bool | None = None,
         dtype: str = "auto",
     ) -> None:
-        from engine.build import LoadSpec, build_engine
+        from engine.build import LoadSpec, build_engine, build_reward_model
         from engine.config import EngineConfig
+        from engine.loading import is_reward_checkpoint
+        from engine.reward import RewardScorer
+        from engine.tokens import TokenizerInfo
         from kernels import device as devices
 
         self.name = str(load_dir)
         self.flag = "--load"
         self.add_bos_token = add_bos_token
-        self._loaded, self._engine = build_engine(
-            LoadSpec(Path(load_dir), load_format, tokenizer),
-            EngineConfig(max_batch_rows=max(1, batch_size), dtype=dtype),
-            device=devices.current().torch_device(),
-        )
+        spec = LoadSpec(Path(load_dir), load_format, tokenizer)
+        device = devices.current().torch_device()
+        self._engine: Engine | None = None
+        self._scorer: RewardScorer | None = None
+        if is_reward_checkpoint(spec.path, load_format):
+            self._loaded, self._scorer = build_reward_model(spec, device=device)
+            self._context = self._loaded.config.max_position_embeddings
+        else:
+            self._loaded, self._engine = build_engine(
+                spec, EngineConfig(max_batch_rows=max(1, batch_size), dtype=dtype), device=device
+            )
+            self._context = self._engine.context_length
         if self._loaded.tokenizer is None:
             raise ValueError(
                 f"--load {load_dir}: the checkpoint holds no tokenizer; give --tokenizer PATH"
             )
-        tokens = self._engine.tokens
-        self._pad = tokens.pad_id or 0
+        self._tokens = TokenizerInfo.from_tokenizer(
+            self._loaded.tokenizer, self._loaded.config.vocab_size
+        )
+        self._pad = self._tokens.pad_id or 0
 
     @property
     def context_length(self) -> int:
         """The model's max_position_embeddings."""
-        return int(self._engine.context_length)
+        return int(self._context)
+
+    @property
+    def is_reward_model(self) -> bool:
+        """Whether the checkpoint is a reward model (a scalar value head)."""
+        return self._scorer is not None
+
+    def _causal_engine(self) -> Engine:
+        if self._engine is None:
+            raise ValueError(
+                f"--load {self.name} is a reward model (a scalar value head): it answers reward "
+                "tasks (rm_pairs) only; log-likelihood and generation tasks need a causal LM"
+            )
+        return self._engine
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The checkpoint tokenizer's ids (as the service's Tokenize)."""
-        tokenizer = self._engine.tokens.require()
+        tokenizer = self._tokens.require()
         return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
     @property
     def special_tokens(self) -> SpecialTokens:
-        """BOS and lm-eval's prefix token of the checkpoint's tokenizer."""
-        tokens = self._engine.tokens
+        """BOS, EOS and lm-eval's prefix token of the checkpoint's tokenizer."""
+        tokens = self._tokens
         prefix = tokens.prefix_id  # None: only empty contexts fail
 
         def text(token_id: int | None) -> str | None:
             return None if token_id is None else tokens.detokenize([token_id], skip_special=False)
 
-        return SpecialTokens(tokens.bos_id, text(tokens.bos_id), prefix, text(prefix))
+        return SpecialTokens(
+            tokens.bos_id, text(tokens.bos_id), prefix, text(prefix), eos_id=tokens.eos_id
+        )
+
+    def reward_ids(self, rows: list[list[int]]) -> list[float]:
+        """The reward model's score of each row (the service's Reward path)."""
+        if self._scorer is None:
+            return super().reward_ids(rows)  # refused: a causal LM
+        return self._scorer.score(rows)
 
     def score_ids(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """The engine's `score` (the service's Score path) over all items at once: choices
         sharing a context run it once, repeated items run once."""
-        prefix = self._engine.tokens.prefix_id
+        engine = self._causal_engine()
+        prefix = self._tokens.prefix_id
         fixed = [(c or [prefix if prefix is not None else self._pad], x) for c, x in items]
-        return [(r.logprob, r.is_greedy) for r in self._engine.score(fixed, pad_id=self._pad)]
+        return [(r.logprob, r.is_greedy) for r in engine.score(fixed, pad_id=self._pad)]
 
     def generate_ids(
         self, prompts: list[list[int]], requests: list[GenerationRequest]
@@ -89,5 +129,5 @@ class LocalLanguageModel(LanguageModel):
             )
             for r in requests
         ]
-        results = self._engine.generate(prompts, configs)
+        results = self._causal_engine().generate(prompts, configs)
         return [r[0].text for r in results]

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import functools
 
-from services.evaluator.tasks import agieval, bbh, boolq, ceval, gsm8k, humaneval, mmlu
+from services.evaluator.tasks import (
+    agieval,
+    bbh,
+    boolq,
+    ceval,
+    gsm8k,
+    humaneval,
+    mmlu,
+    reward_pairs,
+)
 from services.evaluator.tasks.base import Task
 
-_MODULES = (boolq, mmlu, gsm8k, humaneval, agieval, bbh, ceval)
+_MODULES = (boolq, mmlu, gsm8k, humaneval, agieval, bbh, ceval, reward_pairs)
 GROUP_VERSIONS = {"mmlu": "2", "agieval": "0.0", "bbh": "3.0", "ceval-valid": "2.0"}
 
 

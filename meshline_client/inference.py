@@ -3,6 +3,7 @@ results."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -103,10 +104,15 @@ class InferenceClient:
 
     @staticmethod
     def _request(prompt: str | Sequence[int], params: dict) -> pb.GenerateRequest:
+        params = dict(params)
+        structured = _structured(params.pop("structured_output", None))
         sampling = pb.SamplingParams(**params)
+        request = pb.GenerateRequest(params=sampling, structured_output=structured)
         if isinstance(prompt, str):
-            return pb.GenerateRequest(prompt=prompt, params=sampling)
-        return pb.GenerateRequest(prompt_token_ids=list(prompt), params=sampling)
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.extend(prompt)
+        return request
 
     def generate_all(
         self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **params: object
@@ -234,3 +240,21 @@ class InferenceClient:
         except grpc.FutureTimeoutError:
             return False
         return True
+
+
+def _structured(value: object) -> pb.StructuredOutput | None:
+    """`structured_output=` as a message, or a dict with one of json_schema (a dict or its JSON
+    text), json_object (True), regex (a string) or choice (a list of strings)."""
+    if value is None or isinstance(value, pb.StructuredOutput):
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(
+            "structured_output: give one of {'json_schema': ...}, {'json_object': True}, "
+            "{'regex': ...} or {'choice': [...]}"
+        )
+    ((kind, given),) = value.items()
+    if kind == "json_schema" and not isinstance(given, str):
+        given = json.dumps(given)
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(values=list(given)))
+    return pb.StructuredOutput(**{kind: given})

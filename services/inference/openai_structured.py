@@ -47,7 +47,7 @@ def requested_grammar(request: SamplingFields) -> tuple[str, str] | None:
         schema = fmt.json_schema.schema_
         param = "response_format.json_schema.schema"
         found.append(
-            (param, _schema_grammar(param, {"type": "object"} if schema is None else schema))
+            (param, schema_grammar(param, {"type": "object"} if schema is None else schema))
         )
     elif fmt is not None and fmt.json_schema is not None:
         raise invalid(
@@ -69,15 +69,11 @@ def requested_grammar(request: SamplingFields) -> tuple[str, str] | None:
         if value is None:
             continue
         if param.endswith("json"):
-            found.append((param, _schema_grammar(param, value)))
+            found.append((param, schema_grammar(param, value)))
         elif param.endswith("regex"):
-            if not value or len(value) > MAX_REGEX_CHARS:
-                raise invalid(
-                    param, f"give a regular expression of 1 to {MAX_REGEX_CHARS} characters"
-                )
-            found.append((param, regex_grammar(value)))
+            found.append((param, bounded_regex_grammar(param, value)))
         else:
-            found.append((param, _choice_grammar(param, value)))
+            found.append((param, choices_grammar(param, value)))
     if request.structured_outputs is not None and not any(
         p.startswith("structured_outputs") for p, _ in found
     ):
@@ -88,7 +84,9 @@ def requested_grammar(request: SamplingFields) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
-def _schema_grammar(param: str, schema: Any) -> str:
+def schema_grammar(param: str, schema: Any) -> str:
+    """The grammar of a JSON schema (an object, or its JSON text), bounded and checked
+    (ApiError naming `param`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -105,7 +103,15 @@ def _schema_grammar(param: str, schema: Any) -> str:
         raise invalid(param, f"not a usable JSON schema: {exc}") from None
 
 
-def _choice_grammar(param: str, choices: list[str]) -> str:
+def bounded_regex_grammar(param: str, pattern: str) -> str:
+    """The grammar of `pattern`, whose length is bounded (ApiError naming `param`)."""
+    if not pattern or len(pattern) > MAX_REGEX_CHARS:
+        raise invalid(param, f"give a regular expression of 1 to {MAX_REGEX_CHARS} characters")
+    return regex_grammar(pattern)
+
+
+def choices_grammar(param: str, choices: list[str]) -> str:
+    """The grammar of one of `choices`, bounded in count and length (ApiError naming `param`)."""
     if not 1 <= len(choices) <= MAX_CHOICES:
         raise invalid(param, f"give 1 to {MAX_CHOICES} alternatives, got {len(choices)}")
     if not all(1 <= len(c) <= MAX_CHOICE_CHARS for c in choices):

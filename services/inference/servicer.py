@@ -16,6 +16,7 @@ the other model RPCs are INVALID_ARGUMENT naming it, as Reward is on a causal LM
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 
@@ -47,6 +48,7 @@ from services.common.errors import (
 )
 from services.common.server import ServiceBinding
 from services.inference.config import InferenceServiceConfig
+from services.inference.grpc_structured import checked_grammar
 from services.inference.http_config import HttpConfig
 from services.inference.metrics import instrument, metered
 from services.inference.off_loop import off_loop
@@ -455,6 +457,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             prompt_ids = list(request.prompt_token_ids)
             field = "prompt_token_ids"
         config = sampling_config(request.params)
+        if request.HasField("structured_output"):
+            grammar = await off_loop(lambda: checked_grammar(engine, request))
+            config = dataclasses.replace(config, grammar=grammar)
         limits = request_limits(self._config, engine)
         raise_problems(request_problems(prompt_ids, config, limits), field)
         try:

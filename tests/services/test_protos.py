@@ -76,6 +76,7 @@ ISSUE_FIELDS = {
         "params": ("SamplingParams", False, False),
         "add_special_tokens": ("bool", False, True),
         "lora_adapter": ("string", False, False),
+        "structured_output": ("StructuredOutput", False, False),
     },
     "SamplingParams": {
         "max_new_tokens": ("int32", False, True),

@@ -208,3 +208,69 @@ def test_bad_input_is_a_400_naming_the_field(client, served):
     )
     # The server goes on serving.
     assert _chat(client, served, max_tokens=4).choices[0].message.content is not None
+
+
+# ---- the same constraints over gRPC (GenerateRequest.structured_output) ----------------------
+
+
+def test_grpc_structured_output_follows_its_constraint(served):
+    """`meshline_client` over gRPC: a JSON schema (sampled, n = 3; each validates), any JSON
+    object, a regex and a choice; streaming gives the same greedy text as Generate."""
+    from meshline_client.connection import Connection
+    from meshline_client.inference import InferenceClient
+
+    client = InferenceClient(Connection(f"127.0.0.1:{served.grpc_port}", timeout_s=120))
+    try:
+        prompt = "Describe a city:"
+        sampled = client.generate_all(
+            prompt,
+            structured_output={"json_schema": SCHEMA},
+            do_sample=True,
+            seed=5,
+            num_return_sequences=3,
+            max_new_tokens=96,
+        )
+        for completion in sampled:
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+        anything = client.generate(prompt, structured_output={"json_object": True},
+                                   max_new_tokens=24)  # fmt: skip
+        assert anything.text.startswith("{")  # a random model may not close it within 24 tokens
+        if anything.finish_reason == "stop":
+            assert isinstance(json.loads(anything.text), dict)
+        pattern = r"[0-9]{3}-[a-z]{2}"
+        text = client.generate(prompt, structured_output={"regex": pattern}, max_new_tokens=16)
+        assert re.fullmatch(pattern, text.text)
+        choices = ["yes", "no", "maybe"]
+        greedy = client.generate(prompt, structured_output={"choice": choices}, max_new_tokens=8)
+        assert greedy.text in choices
+        streamed = client.stream(prompt, structured_output={"choice": choices}, max_new_tokens=8)
+        assert "".join(d.text for d in streamed) == greedy.text
+    finally:
+        client.close()
+
+
+def test_grpc_structured_output_errors_name_the_field(served):
+    import grpc
+
+    from meshline.inference.v1 import inference_pb2 as pb
+
+    def refused(constraint: pb.StructuredOutput, field: str) -> None:
+        request = pb.GenerateRequest(
+            prompt="x", params=pb.SamplingParams(max_new_tokens=4), structured_output=constraint
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            served.grpc_stub.Generate(request, timeout=60)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in caught.value.details(), caught.value.details()
+
+    refused(pb.StructuredOutput(), "structured_output")
+    refused(pb.StructuredOutput(json_schema='{"type": "foo"}'), "structured_output.json_schema")
+    refused(pb.StructuredOutput(json_schema="not json"), "structured_output.json_schema")
+    refused(pb.StructuredOutput(regex="[a-"), "structured_output.regex")
+    refused(pb.StructuredOutput(regex="a" * 5000), "structured_output.regex")
+    refused(pb.StructuredOutput(json_object=False), "structured_output.json_object")
+    refused(pb.StructuredOutput(choice=pb.Choices(values=[str(i) for i in range(257)])),
+            "structured_output.choice")  # fmt: skip
+    request = pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_new_tokens=4))
+    assert served.grpc_stub.Generate(request, timeout=60).sequences  # it goes on serving

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -107,8 +108,28 @@ def metrics_message(
         step_seconds=record["elapsed_s"] / max(steps, 1),
         consumed_tokens=(previous.consumed_tokens if previous else 0) + steps * tokens_per_step,
     )
+    for name, value in _objective_metrics(record.get("objective")).items():
+        message.objective_metrics[name] = value
     message.timestamp.GetCurrentTime()
     return message
+
+
+MAX_OBJECTIVE_METRICS = 64
+"""Objective quantities kept per message (the objectives log at most about 20)."""
+
+
+def _objective_metrics(values: object) -> dict[str, float]:
+    """The record's objective quantities: names of at most 64 characters, finite numbers."""
+    if not isinstance(values, dict):
+        return {}
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if len(out) >= MAX_OBJECTIVE_METRICS:
+            break
+        named = isinstance(name, str) and 0 < len(name) <= 64
+        if named and isinstance(value, int | float) and math.isfinite(value):
+            out[name] = float(value)
+    return out
 
 
 def _summary(

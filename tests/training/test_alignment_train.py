@@ -130,12 +130,12 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
 @pytest.mark.parametrize(
     ("extra", "world", "message"),
     [
+        (("--context-parallel-size", "2"), 2, "--context-parallel-size 2 with --stage dpo"),
         (
-            ("--tensor-model-parallel-size", "2"),
+            ("--expert-model-parallel-size", "2", "--model", "tiny-mixtral"),
             2,
-            "--tensor-model-parallel-size 2 with --stage dpo",
+            "--expert-model-parallel-size 2 with --stage dpo",
         ),
-        (("--zero-stage", "3"), 2, "--zero-stage 3 with --stage dpo"),
         (("--peft-method", "bitfit"), 1, "--peft-method with --stage dpo"),
         (("--recompute-granularity", "full"), 1, "--recompute-granularity with --stage dpo"),
         (("--dpo-beta", "0"), 1, "--dpo-beta must be > 0"),

@@ -1,0 +1,93 @@
+"""The preference stages under sharded weights (ZeRO-2/3), tensor/sequence and pipeline
+parallelism and their combinations, on real gloo ranks, give the 1-process losses and metrics.
+
+Tolerances are those of the data-parallel test (tests/training/test_alignment_dist.py) and of the
+layout parity tests (tests/parallel/test_parity.py): the layouts add the same numbers in another
+order (row-parallel all-reduce, split softmax, sharded gradient norms), so the loss curves agree
+to 1e-5 relative and trl's logged quantities to 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_distributed
+from tests.training.test_alignment_dist import _all, _curve
+from tests.training.test_alignment_train import _flags, pair_prefix  # noqa: F401
+
+LOSS_RTOL = 1e-5
+METRIC_RTOL = 1e-4
+STEPS = "3"
+PP2 = ("--pipeline-model-parallel-size", "2")
+TP2 = ("--tensor-model-parallel-size", "2")
+SP = ("--sequence-parallel",)
+STAGES = {
+    "rm": ("rm",),
+    "dpo": ("dpo", "--dpo-beta", "0.5"),
+    "simpo": ("simpo",),
+    "orpo": ("orpo",),
+}
+"""Each stage's flags (the one-process run of a stage is shared by its layouts)."""
+SHARDED = {
+    "rm-zero3": ("rm", "--zero-stage", "3"),
+    "dpo-zero2": ("dpo", "--zero-stage", "2"),
+    "dpo-zero3": ("dpo", "--zero-stage", "3"),
+    "simpo-zero3": ("simpo", "--zero-stage", "3"),
+    "orpo-zero2": ("orpo", "--zero-stage", "2"),
+}
+"""Case name -> (stage, layout flags): data parallel over 2 ranks with sharded weights."""
+TENSOR = {
+    "rm-tp2-sp": ("rm", *TP2, *SP),
+    "dpo-tp2": ("dpo", *TP2),
+    "dpo-tp2-sp": ("dpo", *TP2, *SP),
+    "simpo-tp2-sp": ("simpo", *TP2, *SP),
+    "orpo-tp2": ("orpo", *TP2),
+}
+"""Tensor parallelism over 2 ranks, with and without sequence parallelism."""
+PIPELINE = {
+    "rm-pp2": ("rm", *PP2),
+    "dpo-pp2": ("dpo", *PP2),
+    "simpo-pp2": ("simpo", *PP2),
+    "orpo-pp2": ("orpo", *PP2),
+}
+"""Pipeline parallelism over 2 ranks (1F1B; 2 micro-batches a step)."""
+TWO_RANKS = SHARDED | TENSOR | PIPELINE
+
+
+def _flags_of(sentencepiece_model, prefix, stage: str, *layout: str) -> list[str]:
+    return _flags(sentencepiece_model, prefix, *STAGES[stage], "--train-iters", STEPS, *layout)
+
+
+def _check_layouts(sentencepiece_model, prefix, cases: dict, world_size: int) -> None:
+    """Run every case on `world_size` ranks and each stage once in this process; compare."""
+    runs = {name: _flags_of(sentencepiece_model, prefix, *case) for name, case in cases.items()}
+    results = run_distributed(_all, world_size, runs)[0]  # rank 0 logs the all-reduced numbers
+    singles = {
+        case[0]: _curve(_flags_of(sentencepiece_model, prefix, case[0])) for case in cases.values()
+    }
+    for name, (stage, *_) in cases.items():
+        single = singles[stage]
+        assert len(single) == int(STEPS)
+        for (loss, metrics), (got, got_metrics) in zip(single, results[name], strict=True):
+            assert got == pytest.approx(loss, rel=LOSS_RTOL, abs=1e-6), name
+            if abs(metrics.get("rewards/margins", 1.0)) < 1e-5:
+                # DPO's first step (the policy is its reference): every margin is rounding
+                # noise, so which side wins (the accuracy) is not a quantity to compare.
+                metrics = {k: v for k, v in metrics.items() if k != "rewards/accuracies"}
+                got_metrics = {k: v for k, v in got_metrics.items() if k != "rewards/accuracies"}
+            assert got_metrics == pytest.approx(metrics, rel=METRIC_RTOL, abs=1e-5), name
+
+
+@pytest.mark.dist
+def test_sharded_weights_match_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
+    _check_layouts(sentencepiece_model, pair_prefix, SHARDED, 2)
+
+
+@pytest.mark.dist
+def test_tensor_parallel_matches_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
+    _check_layouts(sentencepiece_model, pair_prefix, TENSOR, 2)
+
+
+@pytest.mark.dist
+def test_pipeline_parallel_matches_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
+    _check_layouts(sentencepiece_model, pair_prefix, PIPELINE, 2)

@@ -21,11 +21,13 @@ STEPS = "3"
 PP2 = ("--pipeline-model-parallel-size", "2")
 TP2 = ("--tensor-model-parallel-size", "2")
 SP = ("--sequence-parallel",)
+LORA = ("--lora-target-modules", "query_key_value", "--lora-r", "4")
 STAGES = {
     "rm": ("rm",),
     "dpo": ("dpo", "--dpo-beta", "0.5"),
     "simpo": ("simpo",),
     "orpo": ("orpo",),
+    "dpo-lora": ("dpo", "--dpo-beta", "0.5", *LORA),
 }
 """Each stage's flags (the one-process run of a stage is shared by its layouts)."""
 SHARDED = {
@@ -42,6 +44,7 @@ TENSOR = {
     "dpo-tp2-sp": ("dpo", *TP2, *SP),
     "simpo-tp2-sp": ("simpo", *TP2, *SP),
     "orpo-tp2": ("orpo", *TP2),
+    "dpo-lora-tp2": ("dpo-lora", *TP2),
 }
 """Tensor parallelism over 2 ranks, with and without sequence parallelism."""
 PIPELINE = {
@@ -49,8 +52,21 @@ PIPELINE = {
     "dpo-pp2": ("dpo", *PP2),
     "simpo-pp2": ("simpo", *PP2),
     "orpo-pp2": ("orpo", *PP2),
+    "dpo-lora-pp2": ("dpo-lora", *PP2),
 }
 """Pipeline parallelism over 2 ranks (1F1B; 2 micro-batches a step)."""
+MODEL_PARALLEL_4 = {
+    "dpo-tp2-pp2": ("dpo", *TP2, *PP2),
+    "rm-tp2-sp-pp2": ("rm", *TP2, *SP, *PP2),
+}
+"""Tensor and pipeline parallelism together on 4 ranks."""
+DATA_PARALLEL_4 = {
+    "orpo-tp2-zero3-dp2": ("orpo", *TP2, "--zero-stage", "3"),
+    # 2 micro-batches of 2 pairs a step on each pipeline: the pair-mean losses do not depend on
+    # the micro-batching (ORPO's NLL term, a mean per micro-batch, would).
+    "simpo-pp2-dp2": ("simpo", *PP2, "--micro-batch-size", "2"),
+}
+"""Model parallelism inside 2 data-parallel replicas (FSDP2 over TP; GradSync over PP)."""
 TWO_RANKS = SHARDED | TENSOR | PIPELINE
 
 
@@ -91,3 +107,19 @@ def test_tensor_parallel_matches_one_process(sentencepiece_model, pair_prefix): 
 @pytest.mark.dist
 def test_pipeline_parallel_matches_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
     _check_layouts(sentencepiece_model, pair_prefix, PIPELINE, 2)
+
+
+@pytest.mark.dist
+def test_tensor_with_pipeline_parallel_matches_one_process(
+    sentencepiece_model,
+    pair_prefix,  # noqa: F811
+):
+    _check_layouts(sentencepiece_model, pair_prefix, MODEL_PARALLEL_4, 4)
+
+
+@pytest.mark.dist
+def test_model_parallel_replicas_match_one_process(
+    sentencepiece_model,
+    pair_prefix,  # noqa: F811
+):
+    _check_layouts(sentencepiece_model, pair_prefix, DATA_PARALLEL_4, 4)

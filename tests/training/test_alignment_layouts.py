@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from services.trainer.arguments import parse_args
 from tests.harness import run_distributed
 from tests.training.test_alignment_dist import _all, _curve
 from tests.training.test_alignment_train import _flags, pair_prefix  # noqa: F401
+from training.loop import Trainer
 
 LOSS_RTOL = 1e-5
 METRIC_RTOL = 1e-4
@@ -123,3 +125,52 @@ def test_model_parallel_replicas_match_one_process(
     pair_prefix,  # noqa: F811
 ):
     _check_layouts(sentencepiece_model, pair_prefix, DATA_PARALLEL_4, 4)
+
+
+RESUMED = {"dpo-pp2": PP2, "dpo-zero3": ("--zero-stage", "3"), "dpo-tp2-sp": (*TP2, *SP)}
+"""Layouts in which a DPO run reads --ref-model and is resumed."""
+
+
+def _train_and_resume(rank: int, world_size: int, runs: dict, directory: str) -> dict:
+    """Per layout: 4 steps; a run stopped and saved at step 2 (--exit-interval), resumed to 4."""
+    out = {}
+    for name, flags in runs.items():
+        save = f"{directory}/{name}"
+        full: list[dict] = []
+        Trainer(parse_args(flags), on_metrics=full.append).fit()
+        Trainer(parse_args([*flags, "--exit-interval", "2", "--save", save])).fit()
+        resumed: list[dict] = []
+        trainer = Trainer(parse_args([*flags, "--load", save]), on_metrics=resumed.append)
+        assert trainer.load() == 2
+        trainer.fit()
+        out[name] = (full, resumed)
+    return out
+
+
+@pytest.mark.dist
+def test_ref_model_and_resume_under_sharded_layouts(
+    sentencepiece_model,
+    pair_prefix,  # noqa: F811
+    tmp_path,
+):
+    """--ref-model read into shards equals the starting copy; a resumed run continues exactly."""
+    start = tmp_path / "start"  # the weights a --seed 3 run starts from
+    Trainer(
+        parse_args(_flags_of(sentencepiece_model, pair_prefix, "dpo", "--save", str(start)))
+    ).save()
+    four = ("--train-iters", "4", "--ref-model", str(start))
+    runs = {
+        name: _flags_of(sentencepiece_model, pair_prefix, "dpo", *four, *layout)
+        for name, layout in RESUMED.items()
+    }
+    results = run_distributed(_train_and_resume, 2, runs, str(tmp_path / "runs"))[0]
+    single = _curve(_flags_of(sentencepiece_model, pair_prefix, "dpo", "--train-iters", "4"))
+    for name, (full, resumed) in results.items():
+        curve = [(r["loss"], r["objective"]) for r in full]
+        for (loss, metrics), (got, got_metrics) in zip(single, curve, strict=True):
+            assert got == pytest.approx(loss, rel=LOSS_RTOL, abs=1e-6), name
+            assert got_metrics["rewards/margins"] == pytest.approx(
+                metrics["rewards/margins"], rel=METRIC_RTOL, abs=1e-5
+            ), name
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]], name
+        assert [r["objective"] for r in resumed] == [r["objective"] for r in full[2:]], name

@@ -174,3 +174,24 @@ def test_ref_model_and_resume_under_sharded_layouts(
             ), name
         assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]], name
         assert [r["objective"] for r in resumed] == [r["objective"] for r in full[2:]], name
+
+
+def _validation(rank: int, world_size: int, runs: dict) -> dict:
+    return {name: Trainer(parse_args(flags)).fit().val_loss for name, flags in runs.items()}
+
+
+@pytest.mark.dist
+def test_pipeline_validation_matches_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
+    """The held-out pairs' loss under PP2 (the forward-only pass, scored at the last stage)."""
+    evaluate = ("--eval-interval", "2", "--eval-iters", "2", "--train-iters", "2")
+    runs = {
+        stage: _flags_of(sentencepiece_model, pair_prefix, stage, *evaluate, *PP2)
+        for stage in ("rm", "dpo")
+    }
+    results = run_distributed(_validation, 2, runs)[0]
+    for stage in runs:
+        single = _validation(
+            0, 1, {stage: _flags_of(sentencepiece_model, pair_prefix, stage, *evaluate)}
+        )
+        assert single[stage] is not None and single[stage] > 0, stage
+        assert results[stage] == pytest.approx(single[stage], rel=LOSS_RTOL), stage

@@ -30,6 +30,10 @@ STAGES = {
     "simpo": ("simpo",),
     "orpo": ("orpo",),
     "dpo-lora": ("dpo", "--dpo-beta", "0.5", *LORA),
+    # 4 layers: 2 virtual chunks of 1 layer on each of 2 pipeline ranks.
+    "rm-4l": ("rm", "--num-layers", "4"),
+    "dpo-4l": ("dpo", "--dpo-beta", "0.5", "--num-layers", "4"),
+    "orpo-4l": ("orpo", "--num-layers", "4"),
 }
 """Each stage's flags (the one-process run of a stage is shared by its layouts)."""
 SHARDED = {
@@ -57,6 +61,22 @@ PIPELINE = {
     "dpo-lora-pp2": ("dpo-lora", *PP2),
 }
 """Pipeline parallelism over 2 ranks (1F1B; 2 micro-batches a step)."""
+VIRTUAL = ("--num-layers-per-virtual-pipeline-stage", "1")
+SCHEDULES = {
+    "dpo-interleaved-1f1b": ("dpo-4l", *PP2, *VIRTUAL),
+    "orpo-zbv": ("orpo-4l", *PP2, *VIRTUAL, "--pipeline-schedule", "zbv"),
+    # DualPipeV needs a micro-batch per stage: 4 of 2 pairs (rm's loss is a pair mean).
+    "rm-dualpipev": (
+        "rm-4l",
+        *PP2,
+        *VIRTUAL,
+        "--pipeline-schedule",
+        "dualpipev",
+        "--micro-batch-size",
+        "2",
+    ),
+}
+"""Virtual pipeline stages, looped and V-shaped (the first and last stage on rank 0)."""
 MODEL_PARALLEL_4 = {
     "dpo-tp2-pp2": ("dpo", *TP2, *PP2),
     "rm-tp2-sp-pp2": ("rm", *TP2, *SP, *PP2),
@@ -69,7 +89,6 @@ DATA_PARALLEL_4 = {
     "simpo-pp2-dp2": ("simpo", *PP2, "--micro-batch-size", "2"),
 }
 """Model parallelism inside 2 data-parallel replicas (FSDP2 over TP; GradSync over PP)."""
-TWO_RANKS = SHARDED | TENSOR | PIPELINE
 
 
 def _flags_of(sentencepiece_model, prefix, stage: str, *layout: str) -> list[str]:
@@ -109,6 +128,11 @@ def test_tensor_parallel_matches_one_process(sentencepiece_model, pair_prefix): 
 @pytest.mark.dist
 def test_pipeline_parallel_matches_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
     _check_layouts(sentencepiece_model, pair_prefix, PIPELINE, 2)
+
+
+@pytest.mark.dist
+def test_virtual_pipeline_schedules_match_one_process(sentencepiece_model, pair_prefix):  # noqa: F811
+    _check_layouts(sentencepiece_model, pair_prefix, SCHEDULES, 2)
 
 
 @pytest.mark.dist

@@ -321,7 +321,7 @@ class PipelineRunner:
         `score(output, target rows)` -> (loss sum, metric sums), collected in `self.metrics`."""
         self._score, self._metrics = score, []
         try:
-            positions = torch.arange(ids_BS.shape[1]).expand_as(ids_BS)
+            positions = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
             loss = self._step(ids_BS, positions, target, n_micro, factor)
         finally:
             self._score = None

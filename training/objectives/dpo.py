@@ -163,7 +163,9 @@ class DPOLoss(PairwiseObjective):
                     logps = torch.zeros(ids.shape[0])
                 else:
                     logps = sequence_logps(output, ids.to(output.device), mask.to(output.device))
-                batch["ref_chosen_logps"], batch["ref_rejected_logps"] = logps.detach().chunk(2)
+                # Kept beside the batch's other tensors (the loop moves them all together).
+                logps = logps.detach().to(ids.device)
+                batch["ref_chosen_logps"], batch["ref_rejected_logps"] = logps.chunk(2)
 
     @contextlib.contextmanager
     def _reference_forward(

@@ -45,6 +45,8 @@ class PairwiseObjective(Objective):
 
     pipeline_scored: ClassVar[bool] = True
     metric_names: ClassVar[tuple[str, ...]] = REWARD_METRICS
+    _packed: tuple[str, ...] = ()
+    """The optional per-pair fields the last `pipeline_inputs` packed, in channel order."""
 
     def count(self, batch: dict[str, torch.Tensor]) -> float:
         """Pairs in the micro-batch."""
@@ -112,7 +114,7 @@ class PairwiseObjective(Objective):
         for index, key in enumerate(TOKEN_CHANNELS):
             for side, rows in zip(SIDES, (target[:pairs], target[pairs:]), strict=True):
                 batch[f"{side}_{key}"] = rows[..., index].long()
-        for index, key in enumerate(getattr(self, "_packed", ()), start=len(TOKEN_CHANNELS)):
+        for index, key in enumerate(self._packed, start=len(TOKEN_CHANNELS)):
             column = target[:, 0, index]
             rows = column[pairs:] if key == "ref_rejected_logps" else column[:pairs]
             batch[key] = rows.float()

@@ -42,6 +42,7 @@ SHARDED = {
     "dpo-zero3": ("dpo", "--zero-stage", "3"),
     "simpo-zero3": ("simpo", "--zero-stage", "3"),
     "orpo-zero2": ("orpo", "--zero-stage", "2"),
+    "dpo-lora-zero3": ("dpo-lora", "--zero-stage", "3"),
 }
 """Case name -> (stage, layout flags): data parallel over 2 ranks with sharded weights."""
 TENSOR = {

@@ -15,6 +15,8 @@ Patterns use `*` for one name component (the layer index). Style names are the k
   loss-parallel cross entropy.
 - A learned position table (`embed_positions`, the gpt family) is not in the plan: every rank
   holds it whole and adds it to the replicated embedding output (no sequence parallelism).
+- "value_head": a reward model's scalar head, replicated (its input gathered under sequence
+  parallelism).
 - "alibi_heads": an ALiBi attention module whose `head_offset` must be set to this rank's first
   head (rank · H/tp), so that each rank uses its own heads' slopes.
 - "moe_experts": the stacked experts of an MoE layer (`models.moe.Experts`): every expert's
@@ -65,7 +67,8 @@ def tp_plan(config: ModelConfig, *, sequence_parallel: bool = True) -> dict[str,
         plan[layer + "mlp.down_proj"] = "rowwise"
     if sequence_parallel:
         plan["norm"] = "sequence_parallel"
-    plan["lm_head"] = "colwise_loss_parallel"
+    # A reward model's scalar value head has one output: replicated, not vocabulary-sharded.
+    plan["lm_head"] = "value_head" if config.value_head else "colwise_loss_parallel"
     return plan
 
 

@@ -143,8 +143,9 @@ class LoraTensorParallel(ParallelStyle):
                 weight, B_OR = rows[:, :i], rows[:, -r:]
                 bias = rows[:, i] if bias is not None else None
             out_NO = F.linear(x_NI, weight, bias)
-            x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=True)
-            out_NO = out_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling
+            if module.adapter_enabled:  # off inside `adapters_disabled` (DPO's reference)
+                x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=True)
+                out_NO = out_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling
             if self.kind == "colwise_loss_parallel":
                 return DTensor.from_local(out_NO, mesh, [Shard(-1)], run_check=False)
             return out_NO
@@ -160,8 +161,9 @@ class LoraTensorParallel(ParallelStyle):
             # B multiplies a partial sum: its gradient is partial too.
             B_OR = copy_to_group(_local(module.lora_B.weight), group)
             partial_NO = F.linear(x_NI, _local(module.weight))
-            x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=False)
-            partial_NO = partial_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling
+            if module.adapter_enabled:  # off inside `adapters_disabled` (DPO's reference)
+                x_NI = self._dropout(module, x_NI.to(A_RI.dtype), group, replicated=False)
+                partial_NO = partial_NO + F.linear(F.linear(x_NI, A_RI), B_OR) * module.scaling
             if seq:
                 out_NO = reduce_scatter_sequence(partial_NO, group)
             else:

@@ -190,6 +190,16 @@ class ChunkGradSync(Protocol):
         """Launch what is left, wait, and write the reduced gradients back."""
 
 
+class StageScore(Protocol):
+    """How the last stage scores a micro-batch when the objective is not next-token cross
+    entropy (`PipelineRunner.run_scored`)."""
+
+    def __call__(
+        self, output: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(summed loss, metric sums) of one micro-batch's output and target rows."""
+
+
 class PipelineRunner:
     """Runs one step's micro-batches through the schedule; returns this rank's summed loss.
 
@@ -239,6 +249,10 @@ class PipelineRunner:
         self._schedules: dict[int, Any] = {}
         self._sums: list[torch.Tensor] = []
         self._factor = 1.0
+        self._score: StageScore | None = None
+        self._metrics: list[dict[str, float]] = []
+        self.metrics: dict[str, float] = {}
+        """The last `run_scored` step's metric sums (empty off the last stage)."""
         self.grad_sync = grad_sync
         last_rank = stage_rank(num_stages - 1, dims.pp, self.schedule.v_shaped)
         self.tied = EmbeddingGroup.build(chunks, dims, last_rank)
@@ -246,8 +260,12 @@ class PipelineRunner:
         self.tied_copy = self.tied.copy if self.tied is not None else None
 
     def _loss(self, logits_BSV: torch.Tensor, target_BS2: torch.Tensor) -> torch.Tensor:
-        labels, mask = target_BS2[..., 0].long(), target_BS2[..., 1].float()
-        loss_sum = tp_cross_entropy_sum(logits_BSV, labels, mask)
+        if self._score is not None:
+            loss_sum, metrics = self._score(logits_BSV, target_BS2)
+            self._metrics.append(metrics)
+        else:
+            labels, mask = target_BS2[..., 0].long(), target_BS2[..., 1].float()
+            loss_sum = tp_cross_entropy_sum(logits_BSV, labels, mask)
         self._sums.append(loss_sum.detach())
         return loss_sum * self._factor
 
@@ -281,21 +299,56 @@ class PipelineRunner:
 
         Returns this rank's summed token loss (0 off the last stage).
         """
-        self._sums, self._factor = [], factor
         batch = {k: torch.cat([m[k] for m in micro]) for k in ("input_ids", "position_ids")}
         target = torch.stack(
             [torch.cat([m["labels"] for m in micro]).double(),
              torch.cat([m["loss_mask"] for m in micro]).double()],
             dim=-1,
         )  # fmt: skip
-        schedule = self._schedule(len(micro))
+        return self._step(batch["input_ids"], batch["position_ids"], target, len(micro), factor)
+
+    def run_scored(
+        self,
+        ids_BS: torch.Tensor,
+        target: torch.Tensor,
+        n_micro: int,
+        factor: float,
+        score: StageScore,
+    ) -> torch.Tensor:
+        """`run` for an objective other than next-token cross entropy: `ids_BS` [n·B, S] and
+        `target` [n·B, ...] hold the step's n micro-batches one after another (the schedule
+        splits both along the rows), and the last stage scores each micro-batch's output with
+        `score(output, target rows)` -> (loss sum, metric sums), collected in `self.metrics`."""
+        self._score, self._metrics = score, []
+        try:
+            positions = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
+            loss = self._step(ids_BS, positions, target, n_micro, factor)
+        finally:
+            self._score = None
+        # As for the sums: the shape inference's extra call is not a micro-batch.
+        self.metrics = {}
+        for metrics in self._metrics[-n_micro:] if self._metrics else []:
+            for name, value in metrics.items():
+                self.metrics[name] = self.metrics.get(name, 0.0) + value
+        return loss
+
+    def _step(
+        self,
+        ids_BS: torch.Tensor,
+        pos_BS: torch.Tensor,
+        target: torch.Tensor,
+        n_micro: int,
+        factor: float,
+    ) -> torch.Tensor:
+        self._sums, self._factor = [], factor
+        schedule = self._schedule(n_micro)
         first = any(s.is_first for s in self.stages)
-        args = (batch["input_ids"],) if first else ()
-        schedule.step(*args, target=target, position_ids_BS=batch["position_ids"])
+        args = (ids_BS,) if first else ()
+        schedule.step(*args, target=target, position_ids_BS=pos_BS)
         if not self._sums:
             return torch.zeros((), dtype=torch.float64)
         # The first step's shape inference evaluates the loss once more: keep the real calls.
-        return torch.stack([s.double() for s in self._sums[-len(micro) :]]).sum()
+        return torch.stack([s.double() for s in self._sums[-n_micro:]]).sum()
 
 
 class PipelineForward:
@@ -318,7 +371,15 @@ class PipelineForward:
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's summed token loss of `batch` (already CP-sharded; 0 off the last stage)."""
-        ids_BS, pos_BS = batch["input_ids"], batch["position_ids"]
+        out = self.output(batch["input_ids"], batch["position_ids"])
+        if out is None:
+            return torch.zeros((), dtype=torch.float64)
+        return tp_cross_entropy_sum(out, batch["labels"], batch["loss_mask"]).double()
+
+    @torch.no_grad()
+    def output(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's output for `ids_BS` (logits, or a value head's scores) on the rank
+        that runs it; None on the others (every pipeline rank calls this together)."""
         me = dist.get_rank(self.group)
         # Output of the previous stage when it ran here too (V placement).
         carried: Any = None
@@ -335,12 +396,12 @@ class PipelineForward:
                 x = self._receive(index, ids_BS.shape, chunk)
             out = chunk(x, position_ids_BS=pos_BS)
             if index == self.num_stages - 1:
-                return tp_cross_entropy_sum(out, batch["labels"], batch["loss_mask"]).double()
+                return out
             if self._rank(index + 1) == me:
                 carried = out
             else:
                 dist.send(out.contiguous(), self._global(index + 1), group=self.group)
-        return torch.zeros((), dtype=torch.float64)
+        return None
 
     def _receive(self, index: int, shape_BS: torch.Size, chunk: Any) -> torch.Tensor:
         b, s = shape_BS

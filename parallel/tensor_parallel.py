@@ -197,6 +197,16 @@ def tp_cross_entropy_sum(
 
     Call (and backpropagate) inside `loss_parallel()`; plain logits fall back to F.cross_entropy.
     """
+    per_token = tp_token_cross_entropy(logits_BSV, labels_BS).flatten()
+    return (per_token * loss_mask_BS.flatten().to(per_token.dtype)).sum()
+
+
+def tp_token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [B,S] in fp32 (0 where the label is -100) of vocabulary-sharded
+    logits, a plain tensor (the preference objectives' log-probabilities are its negation).
+
+    Call (and backpropagate) inside `loss_parallel()`; plain logits fall back to F.cross_entropy.
+    """
     flat = logits_BSV.flatten(0, 1).float()
     labels = labels_BS.flatten()
     if isinstance(flat, DTensor):
@@ -204,7 +214,7 @@ def tp_cross_entropy_sum(
     per_token = F.cross_entropy(flat, labels, ignore_index=-100, reduction="none")
     if isinstance(per_token, DTensor):
         per_token = per_token.to_local()
-    return (per_token * loss_mask_BS.flatten().to(per_token.dtype)).sum()
+    return per_token.view(labels_BS.shape)
 
 
 __all__ = [
@@ -213,4 +223,5 @@ __all__ = [
     "loss_parallel",
     "resolve_tp_plan",
     "tp_cross_entropy_sum",
+    "tp_token_cross_entropy",
 ]

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -99,6 +100,14 @@ TP_STYLES: dict[str, TPStyle] = {
             input_layouts=c.seq, output_layouts=Shard(-1), use_local_output=False
         ),
         lm_head_layout,
+    ),
+    # A reward model's scalar head (one output: nothing to shard) is replicated; under SP its
+    # input, the final norm's sequence shard, is gathered so every rank scores every position.
+    "value_head": TPStyle(
+        lambda c: PrepareModuleInput(
+            input_layouts=(c.seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        whole_layout,
     ),
     "kv_replicated": TPStyle(lambda c: SlicedColwise(c.rows["kv_replicated"])),
     "moe_experts": TPStyle(

@@ -133,10 +133,12 @@ class Trainer(TrainerState):
             self.dp_rank = self.dims.dp_rank
         self.on_metrics = on_metrics
         self.objective = build_objective(config.run.stage, config.run, path_guard, config)
-        if self.dims.pp > 1 and not self.objective.pipeline_loss:
+        if self.dims.pp > 1 and not (
+            self.objective.pipeline_loss or self.objective.pipeline_scored
+        ):
             raise ValueError(
                 f"--stage {config.run.stage} under --pipeline-model-parallel-size "
-                f"{self.dims.pp}: the pipeline schedule scores next-token cross entropy only; "
+                f"{self.dims.pp}: the pipeline's last stage cannot score this objective; "
                 "drop pipeline parallelism for this objective"
             )
         self.plan = plan_precision(
@@ -229,18 +231,63 @@ class Trainer(TrainerState):
         return value
 
     def _forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
-        if self.feed is not None:
+        if self.feed is not None and "input_ids" in batch:  # a token batch (not pairs)
             batch = self.feed.shard(batch)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         runner = getattr(self.model, "runner", None)
+        if runner is not None and self.objective.pipeline_scored:
+            return self._pipeline_forward_scored(runner, batch)
         if runner is not None:  # the pipeline's last stage scores with the objective's loss
             with self.plan.autocast(self.platform.type):
                 loss = runner.forward_only.loss_sum(batch)
             return ObjectiveOutput(loss)
-        ctx = ForwardContext(
-            autocast=lambda: self.plan.autocast(self.platform.type), feed=self.feed
+        return self.objective.compute(self.model, batch, self._forward_context())
+
+    def _forward_context(self) -> ForwardContext:
+        runner = getattr(self.model, "runner", None)
+        return ForwardContext(
+            autocast=lambda: self.plan.autocast(self.platform.type),
+            feed=self.feed,
+            pipeline=runner.forward_only if runner is not None else None,
         )
-        return self.objective.compute(self.model, batch, ctx)
+
+    # An objective the pipeline's last stage scores itself (`Objective.pipeline_scored`: the
+    # preference stages) packs its micro-batches as the schedule's input and target.
+
+    def _pipeline_forward_scored(
+        self, runner: Any, batch: dict[str, torch.Tensor]
+    ) -> ObjectiveOutput:
+        """Forward only (validation): the last stage's result, zero elsewhere."""
+        ctx = self._forward_context()
+        self.objective.prepare_step(self.model, [batch], ctx)
+        ids, target = self.objective.pipeline_inputs([batch])
+        with self.plan.autocast(self.platform.type):
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            out = runner.forward_only.output(ids.to(self.device), positions)
+            if out is None:
+                return ObjectiveOutput(torch.zeros((), dtype=torch.float64))
+            scored = self.objective.pipeline_score(out, target.to(self.device), ctx)
+        return ObjectiveOutput(scored.loss_sum.detach().double(), scored.metrics)
+
+    def _pipeline_step_scored(
+        self, runner: Any, micro: list[dict[str, torch.Tensor]], factor: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and backward of a step's micro-batches: (this rank's loss sum, metric sums;
+        zeros off the last stage)."""
+        ctx = self._forward_context()
+        ids, target = self.objective.pipeline_inputs(micro)
+
+        def score(
+            output: torch.Tensor, rows: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            scored = self.objective.pipeline_score(output, rows, ctx)
+            return scored.loss_sum.float(), scored.metrics
+
+        loss = runner.run_scored(
+            ids.to(self.device), target.to(self.device), len(micro), factor, score
+        )
+        zeros = dict.fromkeys(self.objective.metric_names, 0.0)
+        return loss, zeros | runner.metrics
 
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
@@ -254,6 +301,8 @@ class Trainer(TrainerState):
         n_micro = self.batches.num_micro_batches(self.state.consumed_samples)
         global_batch = self.batches.global_batch(self.state.consumed_samples)
         micro = [self.stream.next() for _ in range(n_micro)]
+        with self._parallel_context():  # e.g. DPO's reference pass, before the step's forwards
+            self.objective.prepare_step(self.model, micro, self._forward_context())
         local_tokens = sum(self.objective.count(b) for b in micro)
         grad_average = self.dp_size
         if self.feed is not None:
@@ -271,8 +320,13 @@ class Trainer(TrainerState):
         runner = getattr(self.model, "runner", None)
         if runner is not None and self.feed is not None:
             with self._parallel_context(), self.plan.autocast(self.platform.type):
-                shards = [self.feed.shard(b) for b in micro]
-                loss_sum += runner.run(shards, grad_average * scale / global_tokens)
+                factor = grad_average * scale / global_tokens
+                if self.objective.pipeline_scored:
+                    step_loss, metrics = self._pipeline_step_scored(runner, micro, factor)
+                    loss_sum += step_loss
+                else:
+                    shards = [self.feed.shard(b) for b in micro]
+                    loss_sum += runner.run(shards, factor)
         for index, batch in enumerate(micro if runner is None else []):
             last = index == n_micro - 1
             sync = contextlib.nullcontext() if last or self.world_size == 1 else no_sync(self.model)

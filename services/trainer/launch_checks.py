@@ -242,6 +242,9 @@ def check_data(config: TrainConfig) -> None:
     data = config.data
     for name, flag in _DATA_FLAGS:
         for prefix in _prefixes(getattr(data, name)):
+            if config.run.stage in PREFERENCE_STAGES:  # pairwise shards, not token ones
+                _check_pairs(flag, prefix, data.data_format)
+                continue
             try:
                 if data.is_instruction_dataset:
                     open_instruction(prefix, data.data_format)

@@ -9,7 +9,7 @@ import pytest
 
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_paths
+from services.trainer.launch_checks import check_inputs, check_paths
 from tests.fixtures import records as fx
 from training.loop import Trainer
 from training.objectives.dpo import DPOLoss
@@ -130,12 +130,12 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
 @pytest.mark.parametrize(
     ("extra", "world", "message"),
     [
+        (("--context-parallel-size", "2"), 2, "--context-parallel-size 2 with --stage dpo"),
         (
-            ("--tensor-model-parallel-size", "2"),
+            ("--expert-model-parallel-size", "2", "--model", "tiny-mixtral"),
             2,
-            "--tensor-model-parallel-size 2 with --stage dpo",
+            "--expert-model-parallel-size 2 with --stage dpo",
         ),
-        (("--zero-stage", "3"), 2, "--zero-stage 3 with --stage dpo"),
         (("--peft-method", "bitfit"), 1, "--peft-method with --stage dpo"),
         (("--recompute-granularity", "full"), 1, "--recompute-granularity with --stage dpo"),
         (("--dpo-beta", "0"), 1, "--dpo-beta must be > 0"),
@@ -151,6 +151,15 @@ def test_unsupported_combinations_are_refused_before_any_worker(
     config = parse_args(_flags(sentencepiece_model, pair_prefix, "dpo", *extra))
     with pytest.raises(ValueError, match=message):
         config.validate(world)
+
+
+def test_the_launch_input_check_opens_pairwise_shards(sentencepiece_model, pair_prefix, tmp_path):
+    # `meshline train --nproc-per-node N` checks every input before launching workers; it used
+    # to open a preference stage's prefix as token shards and refuse it.
+    check_inputs(parse_args(_flags(sentencepiece_model, pair_prefix, "dpo")))
+    missing = str(tmp_path / "none")
+    with pytest.raises(ValueError, match=f"--data-path {missing}"):
+        check_inputs(parse_args(_flags(sentencepiece_model, missing, "rm")))
 
 
 def test_dpo_flags_without_the_dpo_stage_are_refused(sentencepiece_model, pair_prefix):

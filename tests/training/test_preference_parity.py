@@ -193,15 +193,10 @@ def test_dpo_with_precomputed_reference_logps_equals_the_reference_model() -> No
     _, ours_ref, _ = _llama_pair(seed=1)
     batch = _pairwise_batch(config.vocab_size, pad=config.vocab_size - 1)
     live = DPOLoss(beta=0.1, reference=ours_ref).compute(ours, batch, CTX)
-    chosen, rejected = DPOLoss(beta=0.1, reference=ours_ref)._reference_logps(
-        batch,
-        torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]),
-        torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]]),
-        CTX,
-    )
-    precomputed = DPOLoss(beta=0.1).compute(
-        ours, batch | {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}, CTX
-    )
+    scored = dict(batch)  # the reference pass the loop runs before a step's forwards
+    DPOLoss(beta=0.1, reference=ours_ref).prepare_step(ours, [scored], CTX)
+    assert set(scored) - set(batch) == {"ref_chosen_logps", "ref_rejected_logps"}
+    precomputed = DPOLoss(beta=0.1).compute(ours, scored, CTX)
     assert precomputed.loss_sum.item() == pytest.approx(live.loss_sum.item(), abs=1e-6)
     with pytest.raises(ValueError, match="needs a reference"):
         DPOLoss(beta=0.1).compute(ours, batch, CTX)

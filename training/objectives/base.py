@@ -21,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # a type only: parallelize pulls in the whole model-parallel stack
     from parallel.parallelize import ModelParallelFeed
+    from parallel.pipeline import PipelineForward
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ForwardContext:
     """Enters the run's compute precision around the model's forward."""
     feed: ModelParallelFeed | None = None
     """The model-parallel feed (tensor/context/expert parallel), whose loss is vocabulary-parallel."""
+    pipeline: PipelineForward | None = None
+    """Under pipeline parallelism: the forward-only pass through this rank's stages (whose last
+    stage holds the output), for what an objective scores outside the schedule."""
 
 
 class Objective(ABC):
@@ -51,6 +55,11 @@ class Objective(ABC):
     """The string the CLI (--stage) and the config use."""
     pipeline_loss: ClassVar[bool] = False
     """True when the pipeline schedule's built-in loss (next-token cross entropy) is this one."""
+    pipeline_scored: ClassVar[bool] = False
+    """True when the pipeline's last stage scores this objective itself (`pipeline_inputs`,
+    `pipeline_score`)."""
+    metric_names: ClassVar[tuple[str, ...]] = ()
+    """The metric sums `compute` returns (a pipeline rank without the last stage logs zeros)."""
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The network this objective trains, made from the registry model before any parallel
@@ -62,6 +71,13 @@ class Objective(ABC):
         the (wrapped) model and the steps already done (DPO takes its reference here)."""
         del model, step  # nothing to set up for most objectives
 
+    def prepare_step(
+        self, model: nn.Module, micro: list[dict[str, torch.Tensor]], ctx: ForwardContext
+    ) -> None:
+        """Called with a step's micro-batches (as read, before any forward of the step; may add
+        keys to them): DPO scores them under its reference here. Default: nothing."""
+        del model, micro, ctx
+
     def tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Token positions the micro-batch feeds the model (for the throughput line)."""
         return int(batch["input_ids"].numel())
@@ -69,6 +85,20 @@ class Objective(ABC):
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         """The logged values from the metric sums of a logging window (default: the sums)."""
         return sums
+
+    def pipeline_inputs(
+        self, micro: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under pipeline parallelism (`pipeline_scored`): the schedule's input ids and target
+        for a step's micro-batches, one after another along the rows."""
+        raise NotImplementedError(f"--stage {self.name} is not scored by the pipeline itself")
+
+    def pipeline_score(
+        self, output: torch.Tensor, target: torch.Tensor, ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """Under pipeline parallelism: one micro-batch's result at the last stage, from the
+        stage's output and that micro-batch's rows of `pipeline_inputs`' target."""
+        raise NotImplementedError(f"--stage {self.name} is not scored by the pipeline itself")
 
     @abstractmethod
     def count(self, batch: dict[str, torch.Tensor]) -> float:

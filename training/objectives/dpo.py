@@ -5,7 +5,11 @@ Shapes: B pairs, S sequence, V vocab. The policy scores chosen and rejected in o
 (`ref_chosen_logps` / `ref_rejected_logps`) and otherwise from a frozen reference run under
 no_grad: the model given as `reference`, or one read from `--ref-model DIR` (`reference.py`), or
 for a LoRA policy the policy itself with its adapters disabled (trl's choice under peft: no second
-copy of the base), or else a copy of the weights the run starts from. The loss is
+copy of the base), or else a copy of the weights the run starts from. When this rank holds only
+shards of the policy (tensor or pipeline parallelism, ZeRO-2/3) the starting or `--ref-model`
+weights are kept as such shards and swapped into the policy to score (`swapped_reference.py`).
+The reference scores a step's micro-batches before any policy forward of the step
+(`prepare_step`, which the loop calls; `compute` calls it for a lone batch). The loss is
 `preference_losses.dpo_loss`; the logged sums are trl's quantities (divide by `pairs` for trl's
 means).
 """
@@ -13,11 +17,12 @@ means).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.config import ModelConfig
 from models.lora import LoraLinear, adapters_disabled
@@ -27,8 +32,11 @@ from training.objectives.pairs import (
     concatenated,
     sequence_logps,
 )
-from training.objectives.preference import PairwiseObjective, reward_metrics
+from training.objectives.preference import PairwiseObjective, pair_forward, reward_metrics
 from training.objectives.preference_losses import DPO_LOSS_TYPES, dpo_loss
+
+if TYPE_CHECKING:
+    from training.objectives.swapped_reference import SwappedReference
 
 
 class DPOLoss(PairwiseObjective):
@@ -65,27 +73,31 @@ class DPOLoss(PairwiseObjective):
         # Reads the reference (--ref-model) given the policy; called once, in `begin`.
         self.reference_loader = reference_loader
         self._policy_as_reference: nn.Module | None = None
+        self._swapped: SwappedReference | None = None
 
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
     ) -> ObjectiveOutput:
-        """Policy forward under the run's precision; reference under no_grad; loss in fp32."""
-        check_pairwise(batch, self.name)
-        if ctx.feed is not None:  # vocabulary-sharded logits: log-probs would need a gather
-            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        """Reference log-probabilities first (`prepare_step`, unless the loop or the data gave
+        them), then the policy's forward and `score`."""
+        batch = dict(batch)  # the caller's batch is left as given
+        self.prepare_step(model, [batch], ctx)
+        return super().compute(model, batch, ctx)
+
+    def score(
+        self, output: torch.Tensor, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """The DPO loss in fp32 from the policy's logits and the batch's reference log-probs."""
         ids = concatenated(batch, "input_ids")
         mask = concatenated(batch, "loss_mask")
-        with ctx.autocast():
-            logits = model(ids)
-        chosen_logps, rejected_logps = sequence_logps(logits, ids, mask).chunk(2)
-        ref_chosen, ref_rejected = self._reference_logps(batch, ids, mask, ctx)
+        chosen_logps, rejected_logps = sequence_logps(output, ids, mask).chunk(2)
         tokens = mask[:, 1:].sum(dim=1).to(chosen_logps.dtype)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         terms = dpo_loss(
             chosen_logps,
             rejected_logps,
-            ref_chosen,
-            ref_rejected,
+            batch["ref_chosen_logps"].float(),
+            batch["ref_rejected_logps"].float(),
             beta=self.beta,
             loss_type=self.loss_type,
             label_smoothing=self.label_smoothing,
@@ -96,12 +108,21 @@ class DPOLoss(PairwiseObjective):
         return ObjectiveOutput(terms.losses.sum(), metrics)
 
     def begin(self, model: nn.Module, step: int) -> None:
-        """Set up the reference: --ref-model's, else the LoRA policy's base, else a frozen copy
-        of the starting weights (which a resumed run no longer has: refused)."""
+        """Set up the reference: --ref-model's, else the LoRA policy's base, else the starting
+        weights (which a resumed run no longer has: refused). A policy whose ranks hold shards
+        (TP, PP, ZeRO-2/3) keeps the reference as shards swapped in to score
+        (`swapped_reference`); otherwise it is a whole frozen model."""
         if self.reference is not None:
             return
+        sharded = _sharded(model)
         if self.reference_loader is not None:
-            self.reference = self.reference_loader(model)
+            reference = self.reference_loader(model)
+            if not sharded:
+                self.reference = reference
+                return
+            from training.objectives.swapped_reference import SwappedReference
+
+            self._swapped = SwappedReference.from_state(model, reference.state_dict())
             return
         if any(isinstance(m, LoraLinear) for m in model.modules()):
             self._policy_as_reference = model  # the frozen base weights are the reference
@@ -112,31 +133,79 @@ class DPOLoss(PairwiseObjective):
                 "which a checkpoint does not hold; pass them as --ref-model DIR (e.g. the SFT "
                 "checkpoint the run started from) to resume"
             )
+        if sharded:
+            from training.objectives.swapped_reference import SwappedReference
+
+            self._swapped = SwappedReference.snapshot(model)
+            return
         self.reference = frozen_copy(model)
 
-    @torch.no_grad()
-    def _reference_logps(
-        self,
-        batch: dict[str, torch.Tensor],
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
-            return batch["ref_chosen_logps"].float(), batch["ref_rejected_logps"].float()
-        reference, disabled = self.reference, contextlib.nullcontext()
-        if reference is None and self._policy_as_reference is not None:
-            reference = self._policy_as_reference
-            disabled = adapters_disabled(reference)
-        if reference is None:
-            raise ValueError(
-                "--stage dpo needs a reference: a reference model (the starting weights or "
-                "--ref-model DIR) or precomputed ref_chosen_logps/ref_rejected_logps in the data"
-            )
-        with ctx.autocast(), disabled:
-            logits = reference(ids)
-        ref_chosen, ref_rejected = sequence_logps(logits, ids, mask).chunk(2)
-        return ref_chosen, ref_rejected
+    def prepare_step(
+        self, model: nn.Module, micro: list[dict[str, torch.Tensor]], ctx: ForwardContext
+    ) -> None:
+        """Add the reference's log-probabilities (`ref_chosen_logps` / `ref_rejected_logps`) to
+        the micro-batches that lack them, before any policy forward of the step (a pipeline rank
+        without the last stage adds zeros: only the last stage scores)."""
+        missing = []
+        for batch in micro:
+            check_pairwise(batch, self.name)
+            if "ref_chosen_logps" not in batch or "ref_rejected_logps" not in batch:
+                missing.append(batch)
+        if not missing:
+            return
+        with self._reference_forward(model, ctx) as forward:
+            for batch in missing:
+                ids = concatenated(batch, "input_ids")
+                mask = concatenated(batch, "loss_mask")
+                with ctx.autocast():
+                    output = forward(ids.to(_device(model)))
+                if output is None:
+                    logps = torch.zeros(ids.shape[0])
+                else:
+                    logps = sequence_logps(output, ids.to(output.device), mask.to(output.device))
+                # Kept beside the batch's other tensors (the loop moves them all together).
+                logps = logps.detach().to(ids.device)
+                batch["ref_chosen_logps"], batch["ref_rejected_logps"] = logps.chunk(2)
+
+    @contextlib.contextmanager
+    def _reference_forward(
+        self, model: nn.Module, ctx: ForwardContext
+    ) -> Iterator[Callable[[torch.Tensor], torch.Tensor | None]]:
+        """A function from input ids to the reference's output (None on a pipeline rank without
+        the last stage), valid inside the block."""
+
+        def policy(ids: torch.Tensor) -> torch.Tensor | None:
+            if ctx.pipeline is None:
+                return pair_forward(model, ids, ctx)
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            return ctx.pipeline.output(ids, positions)
+
+        with torch.no_grad():
+            if self.reference is not None:
+                yield self.reference
+            elif self._policy_as_reference is not None:
+                with adapters_disabled(self._policy_as_reference):
+                    yield policy
+            elif self._swapped is not None:
+                with self._swapped.swapped():
+                    yield policy
+            else:
+                raise ValueError(
+                    "--stage dpo needs a reference: a reference model (the starting weights or "
+                    "--ref-model DIR) or precomputed ref_chosen_logps/ref_rejected_logps in the "
+                    "data"
+                )
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether this rank holds shards of the policy (pipeline stages or DTensor parameters)."""
+    if getattr(model, "runner", None) is not None:
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -4,10 +4,12 @@
 service before starting a job). `sft` runs under every layout the loop has. The preference stages
 (`rm`, `dpo`, `simpo`, `orpo`) have been run and checked in one process on full weights
 (tests/training/test_alignment_train.py), under data parallelism with replicated weights
-(ZeRO-0/1: tests/training/test_alignment_dist.py) and, for `dpo`, with LoRA adapters (the
-reference is the base: adapters disabled); tensor/pipeline/context/expert parallelism, sharded
-weights (ZeRO-2/3), other adapters, recompute and torch.compile are refused by flag until a test
-shows them equal to one process.
+(ZeRO-0/1: tests/training/test_alignment_dist.py), with sharded weights (ZeRO-2/3), tensor
+parallelism with and without sequence parallelism, pipeline parallelism and their combinations
+(tests/training/test_alignment_layouts.py) and, for `dpo`, with LoRA adapters (the reference is
+the base: adapters disabled). Context and expert parallelism (`PAIRWISE_REFUSALS`), other
+adapters, recompute and torch.compile are refused by flag until a test shows them equal to one
+process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ RL_STAGES = ("grpo", "ppo")
 """Stages that train on their own rollouts of a prompt file (training/objectives/rl_layout.py)."""
 
 
+PAIRWISE_REFUSALS = {
+    "--context-parallel-size": "a pair's log-probability or last-token reward is a sum over "
+    "whole sequences, which context parallelism splits over ranks, and the pairwise batch "
+    "(chosen/rejected, padded per side) is not cut into the load-balanced chunks ring attention "
+    "needs",
+    "--expert-model-parallel-size": "the preference stages have not been run on a mixture of "
+    "experts against one process (the routers' auxiliary loss is a next-token-loss term)",
+}
+"""Why each layout the preference stages cannot run is refused (docs/decisions.md)."""
+
+
 def check_stage(config: TrainingConfig, world_size: int) -> None:
     """Refuse a --stage the rest of the configuration cannot run with, naming the flag."""
     stage = config.run.stage
@@ -40,23 +53,15 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
     where = f"--stage {stage}"
     par = config.parallel
     for flag, size in (
-        ("--tensor-model-parallel-size", par.tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
         ("--context-parallel-size", par.context_parallel_size),
         ("--expert-model-parallel-size", par.expert_model_parallel_size),
     ):
         if size > 1:
             raise ValueError(
                 f"{flag} {size} with {where}: the preference stages run under data parallelism "
-                f"only so far (not checked against one process under model parallelism); use "
-                f"{flag} 1"
+                "(ZeRO 0-3), tensor/sequence and pipeline parallelism, but not this one: "
+                f"{PAIRWISE_REFUSALS[flag]}; use {flag} 1 (docs/training.md)"
             )
-    if world_size > 1 and par.zero_stage > 1:
-        raise ValueError(
-            f"--zero-stage {par.zero_stage} with {where}: the preference stages run with "
-            "replicated weights (--zero-stage 0 or 1) so far; sharded weights are not checked "
-            "against one process yet"
-        )
     peft = config.peft.peft_method
     refused = {
         "--peft-method": peft is not None and not (peft == "lora" and stage == DPOLoss.name),

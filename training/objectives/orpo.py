@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch.distributed.tensor import DTensor
 
 from training.objectives.base import ForwardContext, ObjectiveOutput
-from training.objectives.pairs import check_pairwise, concatenated, sequence_logps
-from training.objectives.preference import PairwiseObjective, reward_metrics
+from training.objectives.pairs import concatenated, sequence_logps, token_logps
+from training.objectives.preference import REWARD_METRICS, PairwiseObjective, reward_metrics
 from training.objectives.preference_losses import orpo_odds_ratio
 
 
@@ -27,30 +27,36 @@ class ORPOLoss(PairwiseObjective):
     """Summed per-pair ORPO loss, normalised by the pair count."""
 
     name: ClassVar[str] = "orpo"
+    metric_names: ClassVar[tuple[str, ...]] = (
+        *REWARD_METRICS,
+        "nll_loss",
+        "log_odds_ratio",
+        "log_odds_chosen",
+    )
 
     def __init__(self, *, beta: float = 0.1) -> None:
         if not beta > 0:
             raise ValueError(f"--orpo-beta must be > 0, got {beta}")
         self.beta = beta
 
-    def compute(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    def score(
+        self, output: torch.Tensor, batch: dict[str, torch.Tensor], ctx: ForwardContext
     ) -> ObjectiveOutput:
-        """Policy forward under the run's precision; log-probabilities and the loss in fp32."""
-        check_pairwise(batch, self.name)
-        if ctx.feed is not None:
-            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        """Log-probabilities and the loss in fp32."""
         ids = concatenated(batch, "input_ids")
         mask = concatenated(batch, "loss_mask")
-        with ctx.autocast():
-            logits_BSV = model(ids)
         pairs = batch["chosen_input_ids"].shape[0]
         tokens = mask[:, 1:].sum(dim=1).clamp(min=1).float()
-        chosen, rejected = (sequence_logps(logits_BSV, ids, mask) / tokens).chunk(2)
+        chosen, rejected = (sequence_logps(output, ids, mask) / tokens).chunk(2)
         terms, ratio, log_odds = orpo_odds_ratio(chosen, rejected, beta=self.beta)
-        nll = chosen_nll(
-            logits_BSV[:pairs], batch["chosen_input_ids"], batch["chosen_attention_mask"]
-        )
+        if isinstance(output, DTensor):  # vocabulary-sharded: from the loss-parallel log-probs
+            attention = concatenated(batch, "attention_mask")[:pairs, 1:]
+            logps = token_logps(output, ids)[:pairs]
+            nll = -(logps * attention).sum() / attention.sum().clamp(min=1)
+        else:
+            nll = chosen_nll(
+                output[:pairs], batch["chosen_input_ids"], batch["chosen_attention_mask"]
+            )
         metrics = reward_metrics(terms, chosen, rejected) | {
             "nll_loss": float(nll.detach()) * pairs,
             "log_odds_ratio": float(ratio.sum()),

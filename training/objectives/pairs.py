@@ -12,6 +12,10 @@ first (as trl concatenates them).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tokendata.datasets.samples import IGNORE_INDEX
 
 SIDES = ("chosen", "rejected")
 """The two responses of a pair, in the order of the concatenated forward."""
@@ -44,9 +48,23 @@ def sequence_logps(
 
     The logits are taken in fp32 (as trl's fused head does): a sum over hundreds of tokens in
     bf16 loses the differences DPO is made of."""
-    logps_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
-    token_logps_BS = logps_BSV.gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
+    token_logps_BS = token_logps(logits_BSV, ids_BS)
     return (token_logps_BS * mask_BS[:, 1:].to(token_logps_BS.dtype)).sum(dim=1)
+
+
+def token_logps(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
+    """Log-probability [B,S-1] of each token after the first, predicted from the ones before it.
+
+    Vocabulary-sharded logits (a DTensor under tensor parallelism) are never gathered: the
+    loss-parallel cross entropy of the shifted ids is the negated log-probability (run inside
+    the feed's `loss_parallel` context, as the loop does)."""
+    if isinstance(logits_BSV, DTensor):
+        from parallel.tensor_parallel import tp_token_cross_entropy
+
+        labels_BS = F.pad(ids_BS[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return -tp_token_cross_entropy(logits_BSV, labels_BS)[:, :-1]
+    logps_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
+    return logps_BSV.gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
 
 
 def last_token_index(attention_mask_BS: torch.Tensor) -> torch.Tensor:

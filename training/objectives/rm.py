@@ -13,12 +13,13 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.transformer import CausalLM
 from models.value_head import attach_value_head, has_value_head
 from training.objectives.base import ForwardContext, ObjectiveOutput
-from training.objectives.pairs import check_pairwise, concatenated, last_token_index
-from training.objectives.preference import PairwiseObjective
+from training.objectives.pairs import concatenated, last_token_index
+from training.objectives.preference import PairwiseObjective, pair_forward
 from training.objectives.preference_losses import reward_pair_loss
 
 
@@ -26,12 +27,21 @@ def pair_rewards(
     model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards [B] each, in fp32: the last real token's score."""
-    ids = concatenated(batch, "input_ids")
-    attention = concatenated(batch, "attention_mask")
     with ctx.autocast():
-        scores_BS1 = model(ids)
+        scores_BS1 = pair_forward(model, concatenated(batch, "input_ids"), ctx)
+    return last_token_rewards(scores_BS1, batch, ctx)
+
+
+def last_token_rewards(
+    scores_BS1: torch.Tensor, batch: dict[str, torch.Tensor], ctx: ForwardContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards [B] each from the concatenated pair's scores [2B,S,1]."""
+    if isinstance(scores_BS1, DTensor):  # a sequence-parallel head's output: gather it
+        scores_BS1 = scores_BS1.full_tensor()
+    attention = concatenated(batch, "attention_mask")
     last = last_token_index(attention)
-    rewards = scores_BS1[torch.arange(ids.shape[0], device=ids.device), last, 0].float()
+    rows = torch.arange(attention.shape[0], device=scores_BS1.device)
+    rewards = scores_BS1[rows, last.to(scores_BS1.device), 0].float()
     chosen, rejected = rewards.chunk(2)
     return chosen, rejected
 
@@ -40,6 +50,13 @@ class RewardLoss(PairwiseObjective):
     """Summed pairwise reward loss, normalised by the pair count."""
 
     name: ClassVar[str] = "rm"
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "pairs",
+        "accuracy",
+        "margin",
+        "rewards/chosen",
+        "rewards/rejected",
+    )
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
@@ -52,16 +69,19 @@ class RewardLoss(PairwiseObjective):
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
     ) -> ObjectiveOutput:
-        """Score both responses; −log σ(r_w − r_l − margin) per pair."""
-        check_pairwise(batch, self.name)
-        if ctx.feed is not None:
-            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
-        if not has_value_head(model):
+        """Score both responses in one forward (`score`)."""
+        if not has_value_head(model) and getattr(model, "runner", None) is None:
             raise ValueError(
                 f"--stage {self.name} trains a reward model: the model needs a scalar value head "
                 "(models.value_head.attach_value_head)"
             )
-        chosen, rejected = pair_rewards(model, batch, ctx)
+        return super().compute(model, batch, ctx)
+
+    def score(
+        self, output: torch.Tensor, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> ObjectiveOutput:
+        """−log σ(r_w − r_l − margin) per pair, r the last real token's score."""
+        chosen, rejected = last_token_rewards(output, batch, ctx)
         margin = batch["margin"].float() if "margin" in batch else 0.0
         losses = reward_pair_loss(chosen, rejected, margin)
         chosen, rejected = chosen.detach(), rejected.detach()

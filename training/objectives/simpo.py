@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from training.objectives.base import ForwardContext, ObjectiveOutput
-from training.objectives.pairs import check_pairwise, concatenated, sequence_logps
+from training.objectives.pairs import concatenated, sequence_logps
 from training.objectives.preference import PairwiseObjective, reward_metrics
 from training.objectives.preference_losses import simpo_loss
 
@@ -33,18 +32,13 @@ class SimPOLoss(PairwiseObjective):
         self.beta = beta
         self.gamma = gamma_beta_ratio * beta
 
-    def compute(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
+    def score(
+        self, output: torch.Tensor, batch: dict[str, torch.Tensor], ctx: ForwardContext
     ) -> ObjectiveOutput:
-        """Policy forward under the run's precision; averaged log-probs and the loss in fp32."""
-        check_pairwise(batch, self.name)
-        if ctx.feed is not None:
-            raise ValueError(f"--stage {self.name} runs without tensor/context/expert parallelism")
+        """Averaged log-probabilities and the loss in fp32."""
         ids = concatenated(batch, "input_ids")
         mask = concatenated(batch, "loss_mask")
-        with ctx.autocast():
-            logits = model(ids)
         tokens = mask[:, 1:].sum(dim=1).clamp(min=1).float()
-        chosen, rejected = (sequence_logps(logits, ids, mask) / tokens).chunk(2)
+        chosen, rejected = (sequence_logps(output, ids, mask) / tokens).chunk(2)
         terms = simpo_loss(chosen, rejected, beta=self.beta, gamma=self.gamma)
         return ObjectiveOutput(terms.losses.sum(), reward_metrics(terms, chosen, rejected))

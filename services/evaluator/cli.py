@@ -25,6 +25,7 @@ from pathlib import Path
 from checkpoints.registry import SERVE_CHOICES
 from services.common import megatron_compat
 from services.evaluator.models.base import LanguageModel
+from services.evaluator.models.kind import checkpoint_is_reward
 from services.evaluator.results import format_table, write_results
 from services.evaluator.runner import (
     DEFAULT_TEMPERATURE,
@@ -197,20 +198,6 @@ def open_judges(args: argparse.Namespace) -> JudgeModels | None:
         raise
 
 
-def _value_head(directory: Path, load_format: str = "auto") -> bool | None:
-    """Whether a checkpoint directory is a reward model, from its config file alone (None:
-    that cannot tell, e.g. Megatron or unreadable; the loader then reports or decides)."""
-    from checkpoints.config_files import read_model_config
-    from checkpoints.registry import AUTO, detect_format
-
-    try:
-        fmt = detect_format(directory) if load_format == AUTO else load_format
-    except (OSError, ValueError):
-        return None
-    config = read_model_config(fmt, directory)
-    return None if config is None else bool(config.value_head)
-
-
 def check_judge_flags(args: argparse.Namespace, selected: list[Task]) -> None:
     """rm_win_rate needs a reference and a reward model, other tasks take neither; checkpoint
     kinds that cannot serve their role are refused from their config files, before any model
@@ -248,7 +235,7 @@ def check_judge_flags(args: argparse.Namespace, selected: list[Task]) -> None:
             f"--num-fewshot {args.num_fewshot}: task rm_win_rate compares answers to bare "
             "prompts, which take no few-shot examples; give 0 or leave it out"
         )
-    if args.load and _value_head(args.load, args.load_format):
+    if args.load and checkpoint_is_reward(args.load, args.load_format):
         raise ValueError(
             f"--load {args.load} is a reward model (a scalar value head): rm_win_rate's "
             "evaluated model (the policy) answers prompts, so it must be a causal LM"
@@ -256,10 +243,10 @@ def check_judge_flags(args: argparse.Namespace, selected: list[Task]) -> None:
     check_judge_kinds(
         "--reference-load",
         str(args.reference_load),
-        _value_head(args.reference_load) if args.reference_load else None,
+        checkpoint_is_reward(args.reference_load) if args.reference_load else None,
         "--reward-load",
         str(args.reward_load),
-        _value_head(args.reward_load) if args.reward_load else None,
+        checkpoint_is_reward(args.reward_load) if args.reward_load else None,
     )
 
 

@@ -176,3 +176,64 @@ def test_bad_prompt_records_name_the_line(tmp_path):
         (tmp_path / "rm_win_rate.jsonl").write_text(line + "\n")
         with pytest.raises(ValueError, match=rf"rm_win_rate.jsonl:1: .*{message}"):
             task.load(tmp_path)
+
+
+def test_evaluator_service(setup, tmp_path, tmp_path_factory):
+    """StartEvaluation with reference_local and reward_local gives the CLI's scores; requests
+    that cannot run are refused (INVALID_ARGUMENT naming the field) before any job starts."""
+    import grpc
+
+    from meshline.common.v1 import checkpoint_pb2, operations_pb2, operations_pb2_grpc
+    from meshline.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
+    from services.common.operations import OperationsStore
+    from services.evaluator.config import EvaluatorServiceConfig
+    from services.evaluator.servicer import bindings
+
+    def local(key: str) -> evaluator_pb2.LocalModel:
+        return evaluator_pb2.LocalModel(
+            load_dir=str(setup[key]), load_format=checkpoint_pb2.CHECKPOINT_FORMAT_HF
+        )
+
+    roots = (tmp_path_factory.getbasetemp(),)
+    evaluator = ServerThread(
+        bindings(EvaluatorServiceConfig(data_roots=roots), OperationsStore(None))
+    )
+    channel = grpc.insecure_channel(evaluator.address)
+    try:
+        stub = evaluator_pb2_grpc.EvaluatorServiceStub(channel)
+        ops = operations_pb2_grpc.OperationsServiceStub(channel)
+
+        def request(**fields) -> evaluator_pb2.StartEvaluationRequest:
+            base = dict(tasks=["rm_win_rate"], task_data_path=str(setup["data"]),
+                        output_path=str(tmp_path / "out"), max_new_tokens=MAX_NEW,
+                        local=local("policy"))  # fmt: skip
+            return evaluator_pb2.StartEvaluationRequest(**{**base, **fields})
+
+        good = request(reference_local=local("reference"), reward_local=local("rm"))
+        started = stub.StartEvaluation(good).operation
+        done = ops.WaitOperation(
+            operations_pb2.WaitOperationRequest(name=started.name, timeout_seconds=120)
+        ).operation
+        assert done.state == operations_pb2.OPERATION_STATE_SUCCEEDED, done.error.message
+        _check(tmp_path / "out", setup)
+
+        for bad, message in (
+            (request(reward_local=local("rm")), "reference: task rm_win_rate needs"),
+            (request(reference_local=local("reference"), reward_endpoint="no port"),
+             "reward_endpoint: 'no port' is not host:port"),
+            (request(tasks=["boolq"], reward_endpoint="localhost:1"),
+             "reward_endpoint: only task rm_win_rate uses it"),
+            (request(reference_local=local("reference"), reward_local=local("reference")),
+             "reward_local.load_dir: "),
+            (request(reference_local=local("rm"), reward_local=local("rm")),
+             "reference_local.load_dir: "),
+            (request(local=local("rm"), reference_local=local("reference"),
+                     reward_local=local("rm")), "local.load_dir: "),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                stub.StartEvaluation(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert message in err.value.details(), err.value.details()
+    finally:
+        channel.close()
+        evaluator.stop()

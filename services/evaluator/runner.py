@@ -140,14 +140,14 @@ def prepare_task(task: Task, config: EvalConfig) -> PreparedTask:
                 "which take no few-shot examples; give 0 or leave it out"
             )
         max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        kwargs = {"until": [], "max_gen_toks": max_new}
+        settings = {"until": [], "max_gen_toks": max_new}
         both = []
         for doc in docs:
-            arg = [task.doc_to_text(doc), kwargs]
+            ask = [task.doc_to_text(doc), settings]
             both.append(
                 [
-                    (request_key("policy_generate", arg), arg),
-                    (request_key("reference_generate", arg), arg),
+                    (request_key("policy_generate", ask), ask),
+                    (request_key("reference_generate", ask), ask),
                 ]
             )
         return PreparedTask(task, docs, 0, both)

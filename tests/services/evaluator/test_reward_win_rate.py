@@ -91,15 +91,23 @@ def _check(out, setup) -> None:
     assert [s["resps"][1] for s in samples] == setup["answers"]["reference"]
 
 
-def test_in_process_equals_transformers(setup, tmp_path, capsys):
+def test_in_process_equals_transformers(setup, tmp_path, capsys, monkeypatch):
+    from services.evaluator.models import local
+
     argv = _argv(setup, tmp_path, "--load", str(setup["policy"]), "--reference-load",
                  str(setup["reference"]), "--reward-load", str(setup["rm"]))  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     _check(tmp_path, setup)
     assert "|rm_win_rate|" in capsys.readouterr().out
-    # A rerun answers from the cache: the same scores.
+    # A rerun answers from the cache: the same scores, no generation or reward computed.
     first = _results(tmp_path)
-    assert main(argv) == 0
+
+    def never(*args, **kwargs):
+        raise AssertionError("a cached answer was asked again")
+
+    monkeypatch.setattr(local.LocalLanguageModel, "generate_ids", never)
+    monkeypatch.setattr(local.LocalLanguageModel, "reward_ids", never)
+    assert main(argv) == 0, capsys.readouterr().err
     assert _results(tmp_path) == first
 
 

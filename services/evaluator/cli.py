@@ -3,6 +3,8 @@
     meshline evaluate --tasks mmlu,gsm8k_cot --task-data-path data/eval \\
         --endpoint localhost:50054 --output-path runs/eval [--num-fewshot N] [--limit N]
     meshline evaluate --tasks boolq --task-data-path data/eval --load ckpt --load-format hf
+    meshline evaluate --tasks rm_win_rate --task-data-path prompts.jsonl --load policy \
+        --reference-load sft --reward-load rm [--max-new-tokens 64]
 
 ModelLink's evaluation command runs with the entry point renamed: `--task` is `--tasks`, its task
 names (`human_eval`, `ceval`) are aliases, `--evaluation-batch-size` is `--batch-size`,
@@ -24,8 +26,15 @@ from checkpoints.registry import SERVE_CHOICES
 from models.config import ModelConfig
 from services.common import megatron_compat
 from services.evaluator.models.base import LanguageModel
+from services.evaluator.models.kind import checkpoint_is_reward
 from services.evaluator.results import format_table, write_results
-from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
+from services.evaluator.runner import (
+    DEFAULT_TEMPERATURE,
+    EvalConfig,
+    JudgeModels,
+    check_judge_kinds,
+    evaluate,
+)
 from services.evaluator.sandbox.runner import (
     UNSAFE_FLAG,
     SandboxError,
@@ -33,6 +42,8 @@ from services.evaluator.sandbox.runner import (
     require_isolation,
 )
 from services.evaluator.tasks import groups, list_tasks, resolve
+from services.evaluator.tasks.base import Task
+from services.evaluator.tasks.reward_win_rate import REWARD_WIN_RATE
 
 LOAD_FORMATS = SERVE_CHOICES
 """`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
@@ -59,6 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--endpoint", help="host:port of a running meshline InferenceService")
     model.add_argument("--load", type=Path, help="checkpoint directory to load in-process")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    reference = parser.add_mutually_exclusive_group()
+    reference.add_argument(
+        "--reference-load",
+        type=Path,
+        help="rm_win_rate: the reference causal LM (a checkpoint directory, format detected, "
+        "tokenizer stored in it) that the evaluated model is compared with",
+    )
+    reference.add_argument(
+        "--reference-endpoint", help="rm_win_rate: host:port of an InferenceService serving it"
+    )
+    reward = parser.add_mutually_exclusive_group()
+    reward.add_argument(
+        "--reward-load",
+        type=Path,
+        help="rm_win_rate: the reward model (a `meshline train --stage rm` checkpoint "
+        "directory, format detected, tokenizer stored in it) that judges both answers",
+    )
+    reward.add_argument(
+        "--reward-endpoint", help="rm_win_rate: host:port of an InferenceService serving it"
+    )
     parser.add_argument(
         "--tokenizer",
         "--tokenizer-name-or-path",
@@ -165,6 +196,94 @@ def open_model(
     )
 
 
+def _open_role(args: argparse.Namespace, role: str, add_bos: bool | None) -> LanguageModel:
+    """The --{role}-load or --{role}-endpoint model, its errors naming that flag."""
+    endpoint = getattr(args, f"{role}_endpoint")
+    if endpoint:
+        from services.evaluator.models.grpc_client import GrpcLanguageModel
+
+        return GrpcLanguageModel(
+            endpoint,
+            batch_size=args.batch_size,
+            add_bos_token=add_bos,
+            flag=f"--{role}-endpoint",
+        )
+    from services.evaluator.models.local import LocalLanguageModel
+
+    return LocalLanguageModel(
+        getattr(args, f"{role}_load"),
+        batch_size=args.batch_size,
+        add_bos_token=add_bos,
+        flag=f"--{role}-load",
+    )
+
+
+def open_judges(args: argparse.Namespace) -> JudgeModels | None:
+    """The reference (answers with the evaluated model's --add-bos-token) and reward model of
+    rm_win_rate, or None where neither is given."""
+    if not (args.reference_load or args.reference_endpoint):
+        return None
+    add_bos = None if args.add_bos_token is None else args.add_bos_token == "true"
+    reference = _open_role(args, "reference", add_bos)
+    try:
+        return JudgeModels(reference, _open_role(args, "reward", None))
+    except BaseException:
+        reference.close()
+        raise
+
+
+def check_judge_flags(args: argparse.Namespace, selected: list[Task]) -> None:
+    """rm_win_rate needs a reference and a reward model, other tasks take neither; checkpoint
+    kinds that cannot serve their role are refused from their config files, before any model
+    is opened."""
+    wanted = any(task.output_type == REWARD_WIN_RATE for task in selected)
+    given = {
+        flag: value
+        for flag, value in (
+            ("--reference-load", args.reference_load),
+            ("--reference-endpoint", args.reference_endpoint),
+            ("--reward-load", args.reward_load),
+            ("--reward-endpoint", args.reward_endpoint),
+        )
+        if value
+    }
+    if not wanted:
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: only task rm_win_rate uses a reference and a reward "
+                "model, and it is not among --tasks; leave them out or add rm_win_rate"
+            )
+        return
+    missing = [
+        flags
+        for flags in ("--reference-load/--reference-endpoint", "--reward-load/--reward-endpoint")
+        if not any(f in given for f in flags.split("/"))
+    ]
+    if missing:
+        raise ValueError(
+            f"task rm_win_rate compares the evaluated model with a reference under a reward "
+            f"model: give {' and '.join(missing)}"
+        )
+    if args.num_fewshot:
+        raise ValueError(
+            f"--num-fewshot {args.num_fewshot}: task rm_win_rate compares answers to bare "
+            "prompts, which take no few-shot examples; give 0 or leave it out"
+        )
+    if args.load and checkpoint_is_reward(args.load, args.load_format):
+        raise ValueError(
+            f"--load {args.load} is a reward model (a scalar value head): rm_win_rate's "
+            "evaluated model (the policy) answers prompts, so it must be a causal LM"
+        )
+    check_judge_kinds(
+        "--reference-load",
+        str(args.reference_load),
+        checkpoint_is_reward(args.reference_load) if args.reference_load else None,
+        "--reward-load",
+        str(args.reward_load),
+        checkpoint_is_reward(args.reward_load) if args.reward_load else None,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run an evaluation; 0 on success, 2 on bad flags or data."""
     parser = build_parser()
@@ -210,12 +329,21 @@ def main(argv: list[str] | None = None) -> int:
             )
         if any(task.name == "humaneval" for task in selected):
             require_isolation(config.allow_unsafe_code_execution)
+        check_judge_flags(args, selected)
         model = open_model(args, compat)
     except (ValueError, ConnectionError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
     try:
-        outcomes = evaluate(config, model, show_bar=False if args.no_progress else None)
+        judges = open_judges(args)
+    except (ValueError, ConnectionError) as exc:
+        model.close()
+        print(f"meshline evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        outcomes = evaluate(
+            config, model, judges=judges, show_bar=False if args.no_progress else None
+        )
     except (ValueError, SandboxUnavailable) as exc:
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
@@ -224,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         model.close()
+        if judges is not None:
+            judges.close()
     settings = {
         "model": "meshline-grpc" if args.endpoint else "meshline-local",
         "model_args": args.endpoint or str(args.load),
@@ -234,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         "num_samples": config.num_samples,
         "temperature": config.temperature if config.num_samples > 1 else None,
     }
+    if judges is not None:
+        settings["reference_args"] = judges.reference.name
+        settings["reward_args"] = judges.reward.name
     path, document = write_results(args.output_path, outcomes, settings, start)
     print(format_table(document))
     print(f"results: {path}")

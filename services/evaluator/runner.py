@@ -2,8 +2,10 @@
 
 `evaluate(config, model)` is the library entry point used by the CLI, the gRPC servicer and the
 demo. Multiple-choice tasks send one log-likelihood request per choice, generation tasks one
-greedy generation per repeat, reward tasks (rm_pairs) one reward request per response of a pair; requests go out `batch_size` at a time, every answered batch is
-cached, and progress is reported after each batch.
+greedy generation per repeat, reward tasks (rm_pairs) one reward request per response of a pair;
+the win-rate task (rm_win_rate) one greedy generation per prompt from the policy and one from the
+reference, then one reward request per answer (`JudgeModels`). Requests go out `batch_size` at a
+time, every answered batch is cached, and progress is reported after each batch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from services.evaluator.tasks import resolve_with_origin
 from services.evaluator.tasks.base import MULTIPLE_CHOICE, MissingData, Task
 from services.evaluator.tasks.humaneval import HumanEval
 from services.evaluator.tasks.reward_pairs import REWARD_PAIRS, RewardPairs
+from services.evaluator.tasks.reward_win_rate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    REWARD_WIN_RATE,
+    RewardWinRate,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_TEMPERATURE = 0.8
@@ -83,6 +90,22 @@ class EvalConfig:
 
 
 @dataclass
+class JudgeModels:
+    """The two extra models of the win-rate task (rm_win_rate): the policy (the evaluated model)
+    is compared with `reference`, both answers judged by `reward`."""
+
+    reference: LanguageModel
+    """The causal LM the policy is compared with (`--reference-load` / `--reference-endpoint`)."""
+    reward: LanguageModel
+    """The reward model that scores both answers (`--reward-load` / `--reward-endpoint`)."""
+
+    def close(self) -> None:
+        """Release both models."""
+        self.reference.close()
+        self.reward.close()
+
+
+@dataclass
 class PreparedTask:
     """A task's loaded docs and, per doc, its requests as (cache key, arguments)."""
 
@@ -110,6 +133,24 @@ def prepare_task(task: Task, config: EvalConfig) -> PreparedTask:
         pairs = [task.requests(doc) for doc in docs]
         keyed = [[(request_key("reward", a), a) for a in doc] for doc in pairs]
         return PreparedTask(task, docs, 0, keyed)
+    if isinstance(task, RewardWinRate):
+        if shots:
+            raise ValueError(
+                f"--num-fewshot {shots}: task {task.name} compares answers to bare prompts, "
+                "which take no few-shot examples; give 0 or leave it out"
+            )
+        max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        settings = {"until": [], "max_gen_toks": max_new}
+        both = []
+        for doc in docs:
+            ask = [task.doc_to_text(doc), settings]
+            both.append(
+                [
+                    (request_key("policy_generate", ask), ask),
+                    (request_key("reference_generate", ask), ask),
+                ]
+            )
+        return PreparedTask(task, docs, 0, both)
     task.reset_sampler(config.seed)
     repeats = 1
     if isinstance(task, HumanEval):
@@ -160,31 +201,79 @@ def _answer(
         elif prepared.task.output_type == REWARD_PAIRS:
             responses = [float(r) for r in model.reward([(a[0], a[1]) for _, a in batch])]
         else:
-            responses = model.generate_until(
-                [
-                    GenerationRequest(
-                        a[0],
-                        tuple(a[1]["until"]),
-                        a[1]["max_gen_toks"],
-                        a[1].get("temperature"),
-                        a[1].get("seed", 0),
-                    )
-                    for _, a in batch
-                ]
-            )
+            responses = _generate(model, batch)
         cache.add([(key, resp) for (key, _), resp in zip(batch, responses, strict=True)])
         on_batch(len(batch))
+
+
+def _generate(model: LanguageModel, batch: list[tuple[str, Any]]) -> list[str]:
+    return model.generate_until(
+        [
+            GenerationRequest(
+                a[0],
+                tuple(a[1]["until"]),
+                a[1]["max_gen_toks"],
+                a[1].get("temperature"),
+                a[1].get("seed", 0),
+            )
+            for _, a in batch
+        ]
+    )
+
+
+def _answer_win_rate(
+    prepared: PreparedTask,
+    policy: LanguageModel,
+    judges: JudgeModels,
+    cache: ResponseCache,
+    batch_size: int,
+    on_batch: Callable[[int], None],
+    cancelled: Callable[[], bool],
+) -> list[list[Any]]:
+    """Both models' answers, then the reward of each (prompt, answer); per doc [policy answer,
+    reference answer, r(policy), r(reference)]."""
+    for side, model in ((0, policy), (1, judges.reference)):
+        pending = list({doc[side][0]: doc[side][1] for doc in prepared.requests}.items())
+        pending = [(key, args) for key, args in pending if key not in cache]
+        for start in range(0, len(pending), batch_size):
+            if cancelled():
+                raise InterruptedError("evaluation cancelled")
+            batch = pending[start : start + batch_size]
+            cache.add(list(zip((k for k, _ in batch), _generate(model, batch), strict=True)))
+            on_batch(len(batch))
+    answered = [
+        [(doc[0][1][0], cache.get(doc[0][0])), (doc[1][1][0], cache.get(doc[1][0]))]
+        for doc in prepared.requests
+    ]
+    keyed = [[(request_key("reward", list(pair)), pair) for pair in doc] for doc in answered]
+    unique = {key: pair for doc in keyed for key, pair in doc}
+    pending_rewards = [(key, pair) for key, pair in unique.items() if key not in cache]
+    on_batch(2 * len(keyed) - len(pending_rewards))  # judged already (or the same pair twice)
+    for start in range(0, len(pending_rewards), batch_size):
+        if cancelled():
+            raise InterruptedError("evaluation cancelled")
+        batch = pending_rewards[start : start + batch_size]
+        rewards = [float(r) for r in judges.reward.reward([p for _, p in batch])]
+        cache.add(list(zip((k for k, _ in batch), rewards, strict=True)))
+        on_batch(len(batch))
+    return [
+        [doc[0][1], doc[1][1], cache.get(keys[0][0]), cache.get(keys[1][0])]
+        for doc, keys in zip(answered, keyed, strict=True)
+    ]
 
 
 def evaluate(
     config: EvalConfig,
     model: LanguageModel,
     *,
+    judges: JudgeModels | None = None,
     progress: Progress | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     show_bar: bool | None = None,
 ) -> list[TaskOutcome]:
-    """Evaluate every selected task; returns per-task outcomes (scores and samples)."""
+    """Evaluate every selected task; returns per-task outcomes (scores and samples). `judges`
+    are the reference and reward model of the win-rate task, required by it and refused
+    without it."""
     prepared = []
     skipped: dict[str, list[str]] = {}
     for task, explicit in resolve_with_origin(list(config.tasks)):
@@ -206,12 +295,18 @@ def evaluate(
         # Refuse before any completion is generated where the code could not be contained.
         require_isolation(config.allow_unsafe_code_execution)
     _check_model_kind(prepared, model)
+    _check_judges(prepared, judges)
     if not prepared:
         raise ValueError(
             f"--task-data-path {config.task_data_path}: no data for any task of "
             f"{', '.join(config.tasks)}"
         )
-    total = sum(len(r) for p in prepared for r in p.requests)
+    # A win-rate doc's two generations are followed by two rewards.
+    total = sum(
+        len(r) * (2 if p.task.output_type == REWARD_WIN_RATE else 1)
+        for p in prepared
+        for r in p.requests
+    )
     cache_root = Path(config.output_path) / "cache"
     fingerprint = model.fingerprint
     bar = _progress_bar(total, show_bar)
@@ -219,7 +314,14 @@ def evaluate(
     outcomes = []
     for index, item in enumerate(prepared):
         name = item.task.name
-        cache = ResponseCache(cache_root, fingerprint, name)
+        judged = item.task.output_type == REWARD_WIN_RATE and judges is not None
+        if judged:
+            assert judges is not None
+            # The answers depend on all three models: a different one misses the cache.
+            key = f"{fingerprint}|{judges.reference.fingerprint}|{judges.reward.fingerprint}"
+            cache = ResponseCache(cache_root, key, name)
+        else:
+            cache = ResponseCache(cache_root, fingerprint, name)
         done += sum(1 for r in item.requests for key, _ in r if key in cache)
         bar(done)
 
@@ -234,10 +336,16 @@ def evaluate(
             progress(name, index, len(prepared), done, total)
         start = time.perf_counter()
         try:
-            _answer(item, model, cache, config.batch_size, on_batch, cancelled)
+            if judged:
+                assert judges is not None
+                responses = _answer_win_rate(
+                    item, model, judges, cache, config.batch_size, on_batch, cancelled
+                )
+            else:
+                _answer(item, model, cache, config.batch_size, on_batch, cancelled)
+                responses = [[cache.get(key) for key, _ in r] for r in item.requests]
         finally:
             cache.close()
-        responses = [[cache.get(key) for key, _ in r] for r in item.requests]
         outcomes.append(
             aggregate_task(
                 item.task, item.docs, item.num_fewshot, item.requests, responses,
@@ -265,6 +373,56 @@ def _check_model_kind(prepared: list[PreparedTask], model: LanguageModel) -> Non
         raise ValueError(
             f"{model.flag} {model.name} is a causal LM, not a reward model (no scalar value "
             f"head): {reward} need a `meshline train --stage rm` checkpoint"
+        )
+
+
+def _check_judges(prepared: list[PreparedTask], judges: JudgeModels | None) -> None:
+    """The win-rate task needs a reference and a reward model, other tasks take neither; a
+    reward model as the reference or a causal LM as the judge is refused where its kind is
+    known."""
+    names = [p.task.name for p in prepared if p.task.output_type == REWARD_WIN_RATE]
+    if names and judges is None:
+        raise ValueError(
+            f"{names} compare the model with a reference under a reward model: give "
+            "--reference-load DIR (or --reference-endpoint HOST:PORT) and --reward-load DIR "
+            "(or --reward-endpoint HOST:PORT)"
+        )
+    if judges is None:
+        return
+    if not names:
+        raise ValueError(
+            f"{judges.reference.flag} and {judges.reward.flag} are used by rm_win_rate only, "
+            "which is not among --tasks; leave them out or add rm_win_rate"
+        )
+    check_judge_kinds(
+        judges.reference.flag,
+        judges.reference.name,
+        judges.reference.is_reward_model,
+        judges.reward.flag,
+        judges.reward.name,
+        judges.reward.is_reward_model,
+    )
+
+
+def check_judge_kinds(
+    reference_flag: str,
+    reference: str,
+    reference_is_reward: bool | None,
+    reward_flag: str,
+    reward: str,
+    reward_is_reward: bool | None,
+) -> None:
+    """ValueError naming the flag of a reference that is a reward model or of a judge that is a
+    causal LM (None: not known before asking a server)."""
+    if reference_is_reward is True:
+        raise ValueError(
+            f"{reference_flag} {reference} is a reward model (a scalar value head): the "
+            "reference answers prompts, so it must be a causal LM (the policy's starting point)"
+        )
+    if reward_is_reward is False:
+        raise ValueError(
+            f"{reward_flag} {reward} is a causal LM, not a reward model (no scalar value head): "
+            "it must be a `meshline train --stage rm` checkpoint"
         )
 
 

@@ -34,8 +34,15 @@ from services.common.paths import confine_tree, resolve_under_roots
 from services.common.server import ServiceBinding
 from services.evaluator.config import EvaluatorServiceConfig
 from services.evaluator.models.base import LanguageModel
+from services.evaluator.models.kind import checkpoint_is_reward
 from services.evaluator.results import TaskOutcome, aggregate_groups, write_results
-from services.evaluator.runner import DEFAULT_TEMPERATURE, EvalConfig, evaluate
+from services.evaluator.runner import (
+    DEFAULT_TEMPERATURE,
+    EvalConfig,
+    JudgeModels,
+    check_judge_kinds,
+    evaluate,
+)
 from services.evaluator.sandbox.runner import (
     UNSAFE_FLAG,
     SandboxError,
@@ -122,28 +129,58 @@ def check_fields(
     which = request.WhichOneof("model")
     if which is None:
         check.require(False, "model", "set endpoint (host:port) or local (load_dir + load_format)")
-    elif which == "endpoint":
-        match = _HOST_PORT.fullmatch(request.endpoint)
+    else:
+        _check_model(check, request, which, "")
+    win_rate = "rm_win_rate" in tasks
+    for role, why in (
+        ("reference", "the causal LM the evaluated model is compared with"),
+        ("reward", "the reward model that judges both answers"),
+    ):
+        chosen = request.WhichOneof(role)
+        if chosen is None:
+            check.require(
+                not win_rate,
+                role,
+                f"task rm_win_rate needs {why}: set {role}_endpoint or {role}_local",
+            )
+        elif not win_rate:
+            check.require(
+                False,
+                chosen,
+                'only task rm_win_rate uses it; add "rm_win_rate" to tasks or leave it unset',
+            )
+        else:
+            _check_model(check, request, chosen, f"{role}_")
+    check.raise_if_any()
+
+
+def _check_model(
+    check: Validator, request: evaluator_pb2.StartEvaluationRequest, which: str, prefix: str
+) -> None:
+    """The `{prefix}endpoint` or `{prefix}local` field `which` (one model of the request)."""
+    if which == f"{prefix}endpoint":
+        endpoint = getattr(request, which)
+        match = _HOST_PORT.fullmatch(endpoint)
         check.require(
             match is not None and 1 <= int(match["port"]) <= 65535,
-            "endpoint",
-            f"{request.endpoint!r} is not host:port of an inference service",
+            which,
+            f"{endpoint!r} is not host:port of an inference service",
         )
+        return
+    local = getattr(request, which)
+    check.require(bool(local.load_dir), f"{which}.load_dir", "must not be empty")
+    load_format = local.load_format
+    if load_format == checkpoint_pb2.CHECKPOINT_FORMAT_UNSPECIFIED:
+        why = ""
+    elif load_format in KEYS:
+        why = f" ({load_format} is {KEYS[load_format].upper()}: convert it first)"
     else:
-        check.require(bool(request.local.load_dir), "local.load_dir", "must not be empty")
-        load_format = request.local.load_format
-        if load_format == checkpoint_pb2.CHECKPOINT_FORMAT_UNSPECIFIED:
-            why = ""
-        elif load_format in KEYS:
-            why = f" ({load_format} is {KEYS[load_format].upper()}: convert it first)"
-        else:
-            why = f" ({load_format} is not a CheckpointFormat value)"
-        check.require(
-            load_format in _LOAD_FORMATS,
-            "local.load_format",
-            f"set {format_names(SERVE_FORMATS)}{why}",
-        )
-    check.raise_if_any()
+        why = f" ({load_format} is not a CheckpointFormat value)"
+    check.require(
+        load_format in _LOAD_FORMATS,
+        f"{which}.load_format",
+        f"set {format_names(SERVE_FORMATS)}{why}",
+    )
 
 
 def check_paths(
@@ -154,22 +191,61 @@ def check_paths(
     data = resolve_under_roots(request.task_data_path, roots, "task_data_path")
     if not data.is_dir():
         raise NotFound(f"task_data_path: {request.task_data_path!r} is not an existing directory")
-    if request.WhichOneof("model") == "local":
-        load_dir = resolve_under_roots(request.local.load_dir, roots, "local.load_dir")
-        if not load_dir.is_dir():
-            raise NotFound(f"local.load_dir: {request.local.load_dir!r} is not a directory")
-        confine_tree(load_dir, roots, "local.load_dir")
-        if request.local.tokenizer_path:
-            tokenizer = resolve_under_roots(
-                request.local.tokenizer_path, roots, "local.tokenizer_path"
-            )
-            if not tokenizer.exists():
-                raise NotFound(
-                    f"local.tokenizer_path: {request.local.tokenizer_path!r} does not exist"
-                )
-            confine_tree(tokenizer, roots, "local.tokenizer_path")
+    for field in ("local", "reference_local", "reward_local"):
+        if request.HasField(field):
+            _check_local_paths(getattr(request, field), field, roots)
     if request.output_path:
         resolve_under_roots(request.output_path, roots, "output_path")
+
+
+def _check_local_paths(
+    local: evaluator_pb2.LocalModel, field: str, roots: tuple[Path, ...]
+) -> None:
+    load_dir = resolve_under_roots(local.load_dir, roots, f"{field}.load_dir")
+    if not load_dir.is_dir():
+        raise NotFound(f"{field}.load_dir: {local.load_dir!r} is not a directory")
+    confine_tree(load_dir, roots, f"{field}.load_dir")
+    if local.tokenizer_path:
+        tokenizer = resolve_under_roots(local.tokenizer_path, roots, f"{field}.tokenizer_path")
+        if not tokenizer.exists():
+            raise NotFound(f"{field}.tokenizer_path: {local.tokenizer_path!r} does not exist")
+        confine_tree(tokenizer, roots, f"{field}.tokenizer_path")
+
+
+def check_kinds(
+    request: evaluator_pb2.StartEvaluationRequest, config: EvaluatorServiceConfig
+) -> None:
+    """rm_win_rate: a local policy or reference that is a reward model, or a local judge that is
+    a causal LM, is refused from its config file before any weight is read (served models say
+    their kind when first asked)."""
+    if "rm_win_rate" not in request.tasks:
+        return
+
+    def kind(field: str) -> bool | None:
+        if not request.HasField(field):
+            return None
+        local = getattr(request, field)
+        path = resolve_under_roots(local.load_dir, config.data_roots, f"{field}.load_dir")
+        return checkpoint_is_reward(path, _LOAD_FORMATS[local.load_format])
+
+    if kind("local"):
+        raise InvalidArgument(
+            "local.load_dir",
+            f"{request.local.load_dir!r} is a reward model (a scalar value head): rm_win_rate's "
+            "evaluated model (the policy) answers prompts, so it must be a causal LM",
+        )
+    try:
+        check_judge_kinds(
+            "reference_local.load_dir",
+            repr(request.reference_local.load_dir),
+            kind("reference_local"),
+            "reward_local.load_dir",
+            repr(request.reward_local.load_dir),
+            kind("reward_local"),
+        )
+    except ValueError as exc:
+        field, _, message = str(exc).partition(" ")
+        raise InvalidArgument(field, message) from None
 
 
 class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
@@ -186,6 +262,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         """Validates the request, then starts the evaluation and returns its operation."""
         check_fields(request, self._config)
         check_paths(request, self._config)
+        check_kinds(request, self._config)
         return self._start_job(request)
 
     async def GetEvaluationResult(
@@ -306,16 +383,21 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         try:
             self._config.resolve(str(output), "output_path")
             model = self._open_model(request)
+            judges: JudgeModels | None = None
             try:
+                judges = self._open_judges(request)
                 outcomes = evaluate(
                     config,
                     model,
+                    judges=judges,
                     progress=on_progress,
                     cancelled=handle.cancel_requested.is_set,
                     show_bar=False,
                 )
             finally:
                 model.close()
+                if judges is not None:
+                    judges.close()
         except InterruptedError:
             raise Cancelled(f"{handle.name} was cancelled") from None
         except SandboxUnavailable as exc:
@@ -340,6 +422,9 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             "num_samples": config.num_samples,
             "temperature": config.temperature if config.num_samples > 1 else None,
         }
+        if judges is not None:
+            settings["reference_args"] = judges.reference.name
+            settings["reward_args"] = judges.reward.name
         # Written through the folder opened beneath its data root: a folder swapped for a
         # symlink meanwhile is refused (PERMISSION_DENIED), never followed.
         path, _ = write_results(output, outcomes, settings, start, self._config.data_roots)
@@ -350,24 +435,43 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
             elapsed_seconds=time.time() - start,
         )
 
-    def _open_model(self, request: evaluator_pb2.StartEvaluationRequest) -> LanguageModel:
+    def _open_model(
+        self, request: evaluator_pb2.StartEvaluationRequest, role: str = ""
+    ) -> LanguageModel:
+        """The model of the `{role}endpoint` / `{role}local` fields (role "" is the evaluated
+        one), its errors naming that field."""
         batch = request.batch_size if request.HasField("batch_size") else DEFAULT_BATCH_SIZE
-        if request.WhichOneof("model") == "endpoint":
+        field = request.WhichOneof(role.rstrip("_") or "model")
+        if field == f"{role}endpoint":
             from services.evaluator.models.grpc_client import GrpcLanguageModel
 
-            return GrpcLanguageModel(request.endpoint, batch_size=batch)
+            flag = field if role else "--endpoint"  # the evaluated model's errors as before
+            return GrpcLanguageModel(getattr(request, field), batch_size=batch, flag=flag)
         from services.evaluator.models.local import LocalLanguageModel
 
         roots = self._config.data_roots
-        tokenizer = request.local.tokenizer_path
+        local = getattr(request, f"{role}local")
+        tokenizer = local.tokenizer_path
         return LocalLanguageModel(
-            resolve_under_roots(request.local.load_dir, roots, "local.load_dir"),
-            load_format=_LOAD_FORMATS[request.local.load_format],
-            tokenizer=resolve_under_roots(tokenizer, roots, "local.tokenizer_path")
+            resolve_under_roots(local.load_dir, roots, f"{role}local.load_dir"),
+            load_format=_LOAD_FORMATS[local.load_format],
+            tokenizer=resolve_under_roots(tokenizer, roots, f"{role}local.tokenizer_path")
             if tokenizer
             else None,
             batch_size=batch,
+            flag=f"{role}local.load_dir" if role else "--load",
         )
+
+    def _open_judges(self, request: evaluator_pb2.StartEvaluationRequest) -> JudgeModels | None:
+        """rm_win_rate's reference and reward model, or None where the request sets neither."""
+        if request.WhichOneof("reference") is None:
+            return None
+        reference = self._open_model(request, "reference_")
+        try:
+            return JudgeModels(reference, self._open_model(request, "reward_"))
+        except BaseException:
+            reference.close()
+            raise
 
     def _task_infos(self) -> list[evaluator_pb2.TaskInfo]:
         infos = []

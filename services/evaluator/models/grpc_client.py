@@ -32,9 +32,10 @@ class GrpcLanguageModel(LanguageModel):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         channel: grpc.Channel | None = None,
         add_bos_token: bool | None = None,
+        flag: str = "--endpoint",
     ) -> None:
         self.name = endpoint
-        self.flag = "--endpoint"
+        self.flag = flag  # the flag that named the endpoint, for errors
         self.add_bos_token = add_bos_token
         self._channel = channel or grpc.insecure_channel(
             endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -48,7 +49,7 @@ class GrpcLanguageModel(LanguageModel):
             info = self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
             raise ConnectionError(
-                f"--endpoint {endpoint}: the inference service did not answer GetModelInfo "
+                f"{flag} {endpoint}: the inference service did not answer GetModelInfo "
                 f"({err.code().name}: {err.details()}); start it with `meshline serve inference "
                 "--load DIR`"
             ) from None
@@ -155,7 +156,7 @@ class GrpcLanguageModel(LanguageModel):
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
                     raise
-                raise ValueError(f"--endpoint {self.name}: {err.details()}") from None
+                raise ValueError(f"{self.flag} {self.name}: {err.details()}") from None
             rewards.extend(reply.rewards)
         return rewards
 
@@ -179,7 +180,13 @@ class GrpcLanguageModel(LanguageModel):
                     strict=True,
                 )
             ]
-            texts.extend(f.result().sequences[0].text for f in futures)
+            try:
+                texts.extend(f.result().sequences[0].text for f in futures)
+            except grpc.RpcError as err:
+                # e.g. a served reward model: the server says why, naming no flag of ours
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                raise ValueError(f"{self.flag} {self.name}: {err.details()}") from None
         return texts
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ class LocalLanguageModel(LanguageModel):
         batch_size: int = 8,
         add_bos_token: bool | None = None,
         dtype: str = "auto",
+        flag: str = "--load",
     ) -> None:
         from engine.build import LoadSpec, build_engine, build_reward_model
         from engine.config import EngineConfig
@@ -40,7 +41,7 @@ class LocalLanguageModel(LanguageModel):
         from kernels import device as devices
 
         self.name = str(load_dir)
-        self.flag = "--load"
+        self.flag = flag  # the flag that named the checkpoint, for errors
         self.add_bos_token = add_bos_token
         spec = LoadSpec(Path(load_dir), load_format, tokenizer)
         device = devices.current().torch_device()
@@ -56,7 +57,8 @@ class LocalLanguageModel(LanguageModel):
             self._context = self._engine.context_length
         if self._loaded.tokenizer is None:
             raise ValueError(
-                f"--load {load_dir}: the checkpoint holds no tokenizer; give --tokenizer PATH"
+                f"{flag} {load_dir}: the checkpoint holds no tokenizer; "
+                + ("give --tokenizer PATH" if flag == "--load" else "store one in it")
             )
         self._tokens = TokenizerInfo.from_tokenizer(
             self._loaded.tokenizer, self._loaded.config.vocab_size
@@ -76,7 +78,7 @@ class LocalLanguageModel(LanguageModel):
     def _causal_engine(self) -> Engine:
         if self._engine is None:
             raise ValueError(
-                f"--load {self.name} is a reward model (a scalar value head): it answers reward "
+                f"{self.flag} {self.name} is a reward model (a scalar value head): it answers reward "
                 "tasks (rm_pairs) only; log-likelihood and generation tasks need a causal LM"
             )
         return self._engine

@@ -18,10 +18,11 @@ from services.evaluator.tasks import (
     humaneval,
     mmlu,
     reward_pairs,
+    reward_win_rate,
 )
 from services.evaluator.tasks.base import Task
 
-_MODULES = (boolq, mmlu, gsm8k, humaneval, agieval, bbh, ceval, reward_pairs)
+_MODULES = (boolq, mmlu, gsm8k, humaneval, agieval, bbh, ceval, reward_pairs, reward_win_rate)
 GROUP_VERSIONS = {"mmlu": "2", "agieval": "0.0", "bbh": "3.0", "ceval-valid": "2.0"}
 
 

@@ -39,6 +39,7 @@ class Counting:
     def __init__(self, model):
         self.model, self.name, self.calls = model, model.name, 0
         self.fingerprint = model.fingerprint
+        self.flag, self.is_reward_model = model.flag, model.is_reward_model
 
     def loglikelihood(self, requests):
         self.calls += len(requests)

@@ -203,6 +203,7 @@ def test_cancelled_run_stops_before_asking_the_model(tmp_path: Path):
 
     class Unreachable:
         name = fingerprint = "unreachable"
+        flag, is_reward_model = "--endpoint", None
 
         def loglikelihood(self, requests):
             raise AssertionError("a cancelled run must not send requests")

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -48,6 +48,7 @@ from services.common.job_processes import (
 )
 from services.common.state_db import ProcessRecord, process_started
 from services.trainer.train_config import TrainConfig
+from services.trainer.warm_start import SPARE_ENV, SPARE_PID_ENV
 from training.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
 from training.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 
@@ -82,8 +83,10 @@ class LaunchOptions:
             )
 
 
-def torchrun_command(train_argv: list[str], options: LaunchOptions) -> list[str]:
-    """The full command line that starts the job."""
+def torchrun_command(
+    train_argv: list[str], options: LaunchOptions, entry: str = "services.trainer.train"
+) -> list[str]:
+    """The full command line that starts the job (`entry`: the workers' module)."""
     cmd = [
         sys.executable,
         "-m",
@@ -99,8 +102,46 @@ def torchrun_command(train_argv: list[str], options: LaunchOptions) -> list[str]
         ]
     else:
         cmd.append("--standalone")
-    cmd += [f"--max-restarts={options.max_restarts}", "-m", "services.trainer.train", *train_argv]
+    cmd += [f"--max-restarts={options.max_restarts}", "-m", entry, *train_argv]
     return cmd
+
+
+@contextlib.contextmanager
+def warm_spare(
+    directory: Path, token: str, env: dict[str, str], wanted: bool
+) -> Iterator[dict[str, str]]:
+    """Starts a warm spare (`services.trainer.warm_spare`) for the job when `wanted`; yields the
+    environment its workers need to find it (empty without one) and stops it on exit.
+
+    The spare carries the job token and dies with this process like the agent, so the restart
+    sweep and the parent-death signal cover it and the workers it forks.
+    """
+    if not wanted or not sys.platform.startswith("linux"):
+        yield {}
+        return
+    socket_path = directory / "spare.sock"
+    with open(directory / "spare.log", "w") as log:
+        spare = subprocess.Popen(
+            die_with_parent_command(
+                token,
+                [sys.executable, "-m", "services.trainer.warm_spare", str(socket_path)],
+                sys.executable,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, JOB_TOKEN_ENV: token},
+            start_new_session=True,
+        )
+    try:
+        yield {SPARE_ENV: str(socket_path), SPARE_PID_ENV: str(spare.pid)}
+    finally:
+        spare.terminate()
+        try:
+            spare.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            spare.kill()
+            spare.wait()
 
 
 def config_argv(config: TrainConfig, directory: str | Path) -> list[str]:
@@ -142,7 +183,8 @@ def launch(
     token = secrets.token_hex(16)
     nonce = secrets.token_hex(16)
     prefix = f"{METRICS_PREFIX}{nonce} "
-    with tempfile.TemporaryDirectory(prefix="meshline-launch-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshline-launch-")))
         argv = config_argv(config, tmp) if isinstance(config, TrainConfig) else list(config)
         child_env = {
             **os.environ,
@@ -152,8 +194,11 @@ def launch(
             JOB_TOKEN_ENV: token,
             "PYTHONUNBUFFERED": "1",
         }
+        spare_env = stack.enter_context(warm_spare(tmp, token, child_env, max_restarts > 0))
+        child_env.update(spare_env)
+        entry = "services.trainer.warm_start" if spare_env else "services.trainer.train"
         proc = subprocess.Popen(
-            die_with_parent_command(token, torchrun_command(argv, options), sys.executable),
+            die_with_parent_command(token, torchrun_command(argv, options, entry), sys.executable),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -190,7 +235,9 @@ def launch(
                 watcher.join()
             return code
         finally:
-            if proc.poll() is None or find_processes(token):
+            spare_pid = int(spare_env.get(SPARE_PID_ENV, "0"))
+            leftovers = [p for p in find_processes(token) if p.pid != spare_pid]
+            if proc.poll() is None or leftovers:
                 # Something above raised: never leave the job running without a reader (its
                 # claim is released when this returns).
                 _kill_job(proc, token)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -120,7 +121,18 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     return report
 
 
-def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]:
+def _restart_gaps(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> list[float]:
+    """Seconds from each kill to the restarted worker's first step (the step after the
+    checkpoint it resumed from; records of the killed worker still in the pipe come earlier)."""
+    gaps = []
+    for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True):
+        first = next((t for t, step in arrivals if t > killed_at and step == checkpoint + 1), None)
+        if first is not None:
+            gaps.append(round(first - killed_at, 2))
+    return gaps
+
+
+def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
     """Uninterrupted vs killed-every-`every`-steps training of `iters` steps."""
     at = list(range(every, iters, every))
     # The same launch (--max-restarts, hence the warm spare) without the kills: the difference
@@ -129,8 +141,11 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]
     reference = run(base / "reference", iters, None, len(at), save_interval=every)
     clean_s = time.monotonic() - started
     killer = WorkerKiller(base / "chaos", at)
+    arrivals: list[tuple[float, int]] = []
     started = time.monotonic()
-    interrupted = run(base / "chaos", iters, killer, len(at), save_interval=every)
+    interrupted = run(
+        base / "chaos", iters, killer, len(at), save_interval=every, arrivals=arrivals
+    )
     chaos_s = time.monotonic() - started
     return {
         "iters": iters,
@@ -140,6 +155,11 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]
         "goodput": round(clean_s / chaos_s, 3),
         "loss_curve_identical": interrupted == reference,
         "restart_cost_s": round((chaos_s - clean_s) / max(len(killer.kills), 1), 1),
+        "kill_to_first_step_s": _restart_gaps(killer, arrivals),
+        "steps_redone": [
+            max(step for t, step in arrivals if t <= killed_at) - checkpoint
+            for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True)
+        ],
     }
 
 
@@ -150,6 +170,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=37, help="random seed of the kills")
     parser.add_argument("--goodput-iters", type=int, default=60, help="steps of each run (0: skip)")
     parser.add_argument("--kill-every", type=int, default=20, help="steps between worker kills")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="goodput pairs to run (the machine is shared: noise)"
+    )
     args = parser.parse_args()
     result: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="meshline-chaos-") as tmp:
@@ -160,8 +183,13 @@ def main() -> None:
             report = kill_round(args.kills, args.seed, base / "kills")
             result["kills"] = {**report.__dict__, "wall_s": round(time.monotonic() - started)}
         if args.goodput_iters:
-            (base / "goodput").mkdir()
-            result["goodput"] = goodput(args.goodput_iters, args.kill_every, base / "goodput")
+            rounds = []
+            for i in range(args.rounds):
+                (base / f"goodput-{i}").mkdir()
+                rounds.append(goodput(args.goodput_iters, args.kill_every, base / f"goodput-{i}"))
+            result["goodput"] = rounds[0] if len(rounds) == 1 else rounds
+            if len(rounds) > 1:
+                result["goodput_median"] = statistics.median(float(r["goodput"]) for r in rounds)
     print(json.dumps(result, indent=1))
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -41,6 +42,16 @@ import sys
 import threading
 import traceback
 
+# Imported lazily by a worker's first steps (sys.modules after a tiny-llama run on CPU, beside
+# `services.trainer.train`'s own imports): ~0.1 s of each restart when left to the fork.
+WARM_MODULES = (
+    "kernels.cpu.fused",
+    "kernels.cpu.train_ops",
+    "kernels.optim",
+    "parallel.clip",
+    "parallel.data_parallel",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+)
 MAX_REQUEST_BYTES = 8 << 20
 POLL_S = 0.05
 FD_COUNT = 3
@@ -213,6 +224,11 @@ def main(argv: list[str]) -> int:
         return 2
     import services.trainer.train  # noqa: F401  (the point: pay the imports once, before forks)
 
+    for module in WARM_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:  # an optional extra missing here: the fork imports it if used
+            print(f"warm spare: not preloading {module}: {exc}", file=sys.stderr, flush=True)
     Spare(argv[0]).serve()
     return 0
 

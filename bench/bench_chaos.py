@@ -4,11 +4,12 @@ whose worker is killed every N steps under --max-restarts.
     python -m bench.bench_chaos --kills 50 --seed 37
     python -m bench.bench_chaos --kills 0 --goodput-iters 60 --kill-every 20
 
-Part 1 kills the preprocess or trainer service (chosen at random) at a random moment of a job,
-restarts it on the same --state-dir and checks from outside, as tests/chaos does: every process
-the killed service had started is gone, the job's operation is in a final state (FAILED
+Part 1 kills the converter, preprocess or trainer service (chosen at random) at a random moment
+of a job, restarts it on the same --state-dir and checks from outside, as tests/chaos does: every
+process the killed service had started is gone, the job's operation is in a final state (FAILED
 UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is empty and the claim's flock
-free, and no staging folder is left. Part 2 trains `--goodput-iters` steps uninterrupted, then
+free, no staging folder is left (a conversion's is swept by the restart), and a conversion's
+output is there exactly when it SUCCEEDED, whole. Part 2 trains `--goodput-iters` steps uninterrupted, then
 again with the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss
 curves' equality and the goodput: useful steps over wall time, against the uninterrupted run
 (launched the same way, --max-restarts included).
@@ -17,6 +18,7 @@ curves' equality and the goodput: useful steps over wall time, against the unint
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -26,9 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.converter.v1 import converter_pb2_grpc
 from meshline.preprocess.v1 import preprocess_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.chaos.procs import Service, alive, db_rows, lock_is_free, start_service
+from tests.chaos.test_converter_kills import (
+    convert_request,
+    make_checkpoint,
+    output_whole_or_absent,
+    staging_left,
+)
 from tests.chaos.test_killed_worker_resume import WorkerKiller, run
 from tests.chaos.test_preprocess_kills import make_corpus, request
 from tests.chaos.test_trainer_lifetime import training_args
@@ -69,7 +78,7 @@ def _kill_and_restart(
 
 
 def kill_round(kills: int, seed: int, base: Path) -> KillReport:
-    """`kills` random SIGKILLs across preprocess and trainer jobs."""
+    """`kills` random SIGKILLs across converter, preprocess and trainer jobs."""
     from tests.fixtures.tokenizers import build_sentencepiece
 
     rng = random.Random(seed)
@@ -78,7 +87,8 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     data.mkdir()
     model = build_sentencepiece(data / "sp")
     make_corpus(data / "corpus", files=6, docs=6000)
-    states = {"preprocess": base / "state-preprocess", "trainer": base / "state-trainer"}
+    source = make_checkpoint(data / "hf")
+    states = {name: base / f"state-{name}" for name in ("converter", "preprocess", "trainer")}
     services = {name: start_service(name, data, states[name]) for name in states}
     try:
         for i in range(kills):
@@ -92,6 +102,11 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                     req = request(Path(model), data / "corpus", output)
                     name = stub.StartPreprocess(req, timeout=60).operation.name
                     delay = rng.uniform(0.1, 2.5)
+                elif which == "converter":
+                    cstub = converter_pb2_grpc.ConverterServiceStub(channel)
+                    creq = convert_request(source, output)
+                    name = cstub.Convert(creq, timeout=60).operation.name
+                    delay = rng.uniform(0.2, 6.0)
                 else:
                     tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
                     treq = trainer_pb2.StartTrainingRequest(args=training_args(output))
@@ -113,8 +128,12 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                 f"{tag}: a claim survived",
             )
             _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
-            staged = list(output.parent.glob(".*.partial-*"))
+            staged = list(output.parent.glob(".*.partial-*")) + staging_left(output)
             _check(report, not staged, f"{tag}: staging left: {staged}")
+            if which == "converter":
+                _check(report, output_whole_or_absent(output), f"{tag}: half-visible output")
+                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
+                _check(report, succeeded == output.exists(), f"{tag}: output and state disagree")
     finally:
         for service in services.values():
             service.stop()
@@ -132,6 +151,23 @@ def _restart_gaps(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> li
     return gaps
 
 
+def _lost_seconds(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> list[float]:
+    """Seconds each kill cost the run: from the last new step before it to the first new step
+    after it (detection, restart, resume and the steps redone), less one ordinary step."""
+    times = [t for t, _ in arrivals]
+    step_s = statistics.median(b - a for a, b in itertools.pairwise(times))
+    lost = []
+    for killed_at in killer.kill_times:
+        before = [(t, step) for t, step in arrivals if t <= killed_at]
+        if not before:
+            continue
+        last_t, last_step = max(before, key=lambda ts: ts[1])
+        after = [t for t, step in arrivals if t > killed_at and step > last_step]
+        if after:
+            lost.append(round(after[0] - last_t - step_s, 2))
+    return lost
+
+
 def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
     """Uninterrupted vs killed-every-`every`-steps training of `iters` steps."""
     at = list(range(every, iters, every))
@@ -147,6 +183,7 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
         base / "chaos", iters, killer, len(at), save_interval=every, arrivals=arrivals
     )
     chaos_s = time.monotonic() - started
+    lost = _lost_seconds(killer, arrivals)
     return {
         "iters": iters,
         "kills": len(killer.kills),
@@ -156,6 +193,10 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
         "loss_curve_identical": interrupted == reference,
         "restart_cost_s": round((chaos_s - clean_s) / max(len(killer.kills), 1), 1),
         "kill_to_first_step_s": _restart_gaps(killer, arrivals),
+        "lost_s": lost,
+        # Robust to the shared machine's load swings between the two runs: the share of the
+        # killed run's wall time not lost to the kills.
+        "goodput_from_lost_time": round(1 - sum(lost) / chaos_s, 3),
         "steps_redone": [
             max(step for t, step in arrivals if t <= killed_at) - checkpoint
             for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True)

@@ -134,11 +134,9 @@ def test_serve_all_children_serve_tls_and_secure_metrics(
             with grpc.secure_channel(f"127.0.0.1:{base + offset}", credentials) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 health.Check(health_pb2.HealthCheckRequest(), timeout=30)
-            with grpc.insecure_channel(f"127.0.0.1:{base + offset}") as plain:
-                with pytest.raises(grpc.RpcError):
-                    health_pb2_grpc.HealthStub(plain).Check(
-                        health_pb2.HealthCheckRequest(), timeout=5
-                    )
+            plain = grpc.insecure_channel(f"127.0.0.1:{base + offset}")
+            with plain, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
     finally:
         parent.send_signal(signal.SIGTERM)
         try:

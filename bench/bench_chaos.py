@@ -152,17 +152,23 @@ def _restart_gaps(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> li
 
 
 def _lost_seconds(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> list[float]:
-    """Seconds each kill cost the run: from the last new step before it to the first new step
-    after it (detection, restart, resume and the steps redone), less one ordinary step."""
+    """Seconds each kill cost the run: from the last new step before the restart to the first
+    new step after it (detection, restart, resume and the steps redone), less one ordinary step.
+
+    The restart is the first record of the step after the checkpoint once the kill was sent;
+    records the killed worker printed before dying may still arrive after the kill."""
     times = [t for t, _ in arrivals]
     step_s = statistics.median(b - a for a, b in itertools.pairwise(times))
     lost = []
-    for killed_at in killer.kill_times:
-        before = [(t, step) for t, step in arrivals if t <= killed_at]
-        if not before:
+    for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True):
+        restarted = next(
+            (t for t, step in arrivals if t > killed_at and step == checkpoint + 1), None
+        )
+        if restarted is None:
             continue
+        before = [(t, step) for t, step in arrivals if t < restarted]
         last_t, last_step = max(before, key=lambda ts: ts[1])
-        after = [t for t, step in arrivals if t > killed_at and step > last_step]
+        after = [t for t, step in arrivals if t >= restarted and step > last_step]
         if after:
             lost.append(round(after[0] - last_t - step_s, 2))
     return lost

@@ -4,12 +4,14 @@ whose worker is killed every N steps under --max-restarts.
     python -m bench.bench_chaos --kills 50 --seed 37
     python -m bench.bench_chaos --kills 0 --goodput-iters 60 --kill-every 20
 
-Part 1 kills the converter, preprocess or trainer service (chosen at random) at a random moment
-of a job, restarts it on the same --state-dir and checks from outside, as tests/chaos does: every
-process the killed service had started is gone, the job's operation is in a final state (FAILED
-UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is empty and the claim's flock
-free, no staging folder is left (a conversion's is swept by the restart), and a conversion's
-output is there exactly when it SUCCEEDED, whole. Part 2 trains `--goodput-iters` steps uninterrupted, then
+Part 1 kills the converter, preprocess, trainer or inference service (chosen at random) at a
+random moment of a job, restarts it on the same --state-dir and checks from outside, as
+tests/chaos does: every process the killed service had started is gone, the job's operation is
+in a final state (FAILED UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is
+empty and the claim's flock free, no staging folder is left (a conversion's is swept by the
+restart), and a conversion's output is there exactly when it SUCCEEDED, whole. Inference is
+killed during a streamed greedy generation: the stream must end UNAVAILABLE and the restarted
+service answer the same tokens. The evaluator is not in it yet. Part 2 trains `--goodput-iters` steps uninterrupted, then
 again with the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss
 curves' equality and the goodput: useful steps over wall time, against the uninterrupted run
 (launched the same way, --max-restarts included).
@@ -27,8 +29,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+import psutil
+
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2_grpc
+from meshline.inference.v1 import inference_pb2_grpc
 from meshline.preprocess.v1 import preprocess_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.chaos.procs import Service, alive, db_rows, lock_is_free, start_service
@@ -38,9 +44,11 @@ from tests.chaos.test_converter_kills import (
     output_whole_or_absent,
     staging_left,
 )
+from tests.chaos.test_inference_kills import generate, greedy
 from tests.chaos.test_killed_worker_resume import WorkerKiller, run
 from tests.chaos.test_preprocess_kills import make_corpus, request
 from tests.chaos.test_trainer_lifetime import training_args
+from tests.services.inference.http_served import make_checkpoint as make_inference_checkpoint
 
 
 @dataclass
@@ -77,8 +85,61 @@ def _kill_and_restart(
     return restarted, leftover, operation
 
 
+class _Folders:
+    """`tmp_path_factory.mktemp` for the test fixtures this bench reuses."""
+
+    def __init__(self, base: Path) -> None:
+        self.base, self.made = base, 0
+
+    def mktemp(self, name: str) -> Path:
+        self.made += 1
+        path = self.base / f"{name}{self.made}"
+        path.mkdir(parents=True)
+        return path
+
+
+def _kill_inference(
+    service: Service, state: Path, load: Path, expected: list[int], after: int, tag: str
+) -> tuple[Service, list[str]]:
+    """Kills the service once `after` tokens of a greedy stream arrived; restarts it. (restarted,
+    problems): the stream must end UNAVAILABLE with a prefix of `expected`, nothing the service
+    started may survive, and the restarted service must answer `expected` again."""
+    problems: list[str] = []
+    streamed: list[int] = []
+    started: list[psutil.Process] | None = None
+    code = grpc.StatusCode.OK
+    with service.channel() as channel:
+        stream = inference_pb2_grpc.InferenceServiceStub(channel).GenerateStream(
+            greedy(), timeout=120
+        )
+        try:
+            for message in stream:
+                streamed.extend(message.token_ids)
+                if len(streamed) >= after and started is None:
+                    started = service.kill9()
+        except grpc.RpcError as exc:
+            code = exc.code()
+    if started is None:
+        problems.append(f"{tag}: the stream ended before the kill")
+        started = service.kill9()
+    elif code != grpc.StatusCode.UNAVAILABLE:
+        problems.append(f"{tag}: the broken stream ended with {code}, not UNAVAILABLE")
+    if streamed != expected[: len(streamed)]:
+        problems.append(f"{tag}: streamed tokens differ from the greedy answer")
+    deadline = time.monotonic() + 90
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(started):
+        problems.append(f"{tag}: processes outlived the service: {alive(started)}")
+    restarted = start_service("inference", None, state, "--load", str(load))
+    if generate(restarted) != expected:
+        problems.append(f"{tag}: the restarted service answers differently")
+    return restarted, problems
+
+
 def kill_round(kills: int, seed: int, base: Path) -> KillReport:
-    """`kills` random SIGKILLs across converter, preprocess and trainer jobs."""
+    """`kills` random SIGKILLs across converter, preprocess and trainer jobs and inference
+    streams."""
     from tests.fixtures.tokenizers import build_sentencepiece
 
     rng = random.Random(seed)
@@ -90,10 +151,25 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     source = make_checkpoint(data / "hf")
     states = {name: base / f"state-{name}" for name in ("converter", "preprocess", "trainer")}
     services = {name: start_service(name, data, states[name]) for name in states}
+    load, _, _ = make_inference_checkpoint(_Folders(data / "inference"), model, seed=7)
+    states["inference"] = base / "state-inference"
+    services["inference"] = start_service(
+        "inference", None, states["inference"], "--load", str(load)
+    )
+    expected = generate(services["inference"])
     try:
         for i in range(kills):
             which = rng.choice(sorted(services))
             service = services[which]
+            if which == "inference":
+                after = rng.randint(1, len(expected) // 2)
+                tag = f"kill {i} (inference, after {after} streamed tokens)"
+                services[which], problems = _kill_inference(
+                    service, states[which], load, expected, after, tag
+                )
+                report.kills[which] = report.kills.get(which, 0) + 1
+                report.violations.extend(problems)
+                continue
             output = data / "out" / f"{which}-{i}"
             output.parent.mkdir(exist_ok=True)
             with service.channel() as channel:
@@ -106,7 +182,7 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                     cstub = converter_pb2_grpc.ConverterServiceStub(channel)
                     creq = convert_request(source, output)
                     name = cstub.Convert(creq, timeout=60).operation.name
-                    delay = rng.uniform(0.2, 6.0)
+                    delay = rng.uniform(0.1, 2.5)
                 else:
                     tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
                     treq = trainer_pb2.StartTrainingRequest(args=training_args(output))

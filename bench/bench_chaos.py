@@ -4,17 +4,17 @@ whose worker is killed every N steps under --max-restarts.
     python -m bench.bench_chaos --kills 50 --seed 37
     python -m bench.bench_chaos --kills 0 --goodput-iters 60 --kill-every 20
 
-Part 1 kills the converter, preprocess, trainer or inference service (chosen at random) at a
-random moment of a job, restarts it on the same --state-dir and checks from outside, as
-tests/chaos does: every process the killed service had started is gone, the job's operation is
-in a final state (FAILED UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is
-empty and the claim's flock free, no staging folder is left (a conversion's is swept by the
-restart), and a conversion's output is there exactly when it SUCCEEDED, whole. Inference is
-killed during a streamed greedy generation: the stream must end UNAVAILABLE and the restarted
-service answer the same tokens. The evaluator is not in it yet. Part 2 trains `--goodput-iters` steps uninterrupted, then
-again with the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss
-curves' equality and the goodput: useful steps over wall time, against the uninterrupted run
-(launched the same way, --max-restarts included).
+Part 1 kills one of the five services (chosen at random) at a random moment of a job, restarts
+it on the same --state-dir and checks from outside, as tests/chaos does: every process the
+killed service had started is gone, the job's operation is in a final state (FAILED
+UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is empty and the claim's flock
+free, no staging folder is left (a conversion's is swept by the restart), and a conversion's
+output (an evaluation's results.json) is there exactly when it SUCCEEDED. Inference is killed
+during a streamed greedy generation: the stream must end UNAVAILABLE and the restarted service
+answer the same tokens. Part 2 trains `--goodput-iters` steps uninterrupted, then again with
+the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss curves'
+equality and the goodput: useful steps over wall time, against the uninterrupted run (launched
+the same way, --max-restarts included).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import psutil
 
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
 from meshline.converter.v1 import converter_pb2_grpc
+from meshline.evaluator.v1 import evaluator_pb2_grpc
 from meshline.inference.v1 import inference_pb2_grpc
 from meshline.preprocess.v1 import preprocess_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -44,6 +45,7 @@ from tests.chaos.test_converter_kills import (
     output_whole_or_absent,
     staging_left,
 )
+from tests.chaos.test_evaluator_kills import evaluation, make_task_data
 from tests.chaos.test_inference_kills import generate, greedy
 from tests.chaos.test_killed_worker_resume import WorkerKiller, run
 from tests.chaos.test_preprocess_kills import make_corpus, request
@@ -138,8 +140,8 @@ def _kill_inference(
 
 
 def kill_round(kills: int, seed: int, base: Path) -> KillReport:
-    """`kills` random SIGKILLs across converter, preprocess and trainer jobs and inference
-    streams."""
+    """`kills` random SIGKILLs across converter, evaluator, preprocess and trainer jobs and
+    inference streams."""
     from tests.fixtures.tokenizers import build_sentencepiece
 
     rng = random.Random(seed)
@@ -149,9 +151,11 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     model = build_sentencepiece(data / "sp")
     make_corpus(data / "corpus", files=6, docs=6000)
     source = make_checkpoint(data / "hf")
-    states = {name: base / f"state-{name}" for name in ("converter", "preprocess", "trainer")}
+    jobs = ("converter", "evaluator", "preprocess", "trainer")
+    states = {name: base / f"state-{name}" for name in jobs}
     services = {name: start_service(name, data, states[name]) for name in states}
     load, _, _ = make_inference_checkpoint(_Folders(data / "inference"), model, seed=7)
+    tasks = make_task_data(data / "tasks")
     states["inference"] = base / "state-inference"
     services["inference"] = start_service(
         "inference", None, states["inference"], "--load", str(load)
@@ -178,6 +182,11 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                     req = request(Path(model), data / "corpus", output)
                     name = stub.StartPreprocess(req, timeout=60).operation.name
                     delay = rng.uniform(0.1, 2.5)
+                elif which == "evaluator":
+                    estub = evaluator_pb2_grpc.EvaluatorServiceStub(channel)
+                    ereq = evaluation(load, tasks, output)
+                    name = estub.StartEvaluation(ereq, timeout=60).operation.name
+                    delay = rng.uniform(0.5, 8.0)
                 elif which == "converter":
                     cstub = converter_pb2_grpc.ConverterServiceStub(channel)
                     creq = convert_request(source, output)
@@ -206,6 +215,10 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
             _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
             staged = list(output.parent.glob(".*.partial-*")) + staging_left(output)
             _check(report, not staged, f"{tag}: staging left: {staged}")
+            if which == "evaluator":
+                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
+                visible = (output / "results.json").exists()
+                _check(report, succeeded == visible, f"{tag}: results.json and state disagree")
             if which == "converter":
                 _check(report, output_whole_or_absent(output), f"{tag}: half-visible output")
                 succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED

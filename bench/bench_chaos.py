@@ -4,32 +4,53 @@ whose worker is killed every N steps under --max-restarts.
     python -m bench.bench_chaos --kills 50 --seed 37
     python -m bench.bench_chaos --kills 0 --goodput-iters 60 --kill-every 20
 
-Part 1 kills the preprocess or trainer service (chosen at random) at a random moment of a job,
-restarts it on the same --state-dir and checks from outside, as tests/chaos does: every process
-the killed service had started is gone, the job's operation is in a final state (FAILED
+Part 1 kills one of the five services (chosen at random) at a random moment of a job, restarts
+it on the same --state-dir and checks from outside, as tests/chaos does: every process the
+killed service had started is gone, the job's operation is in a final state (FAILED
 UNAVAILABLE, or SUCCEEDED if it had finished), the claims table is empty and the claim's flock
-free, and no staging folder is left. Part 2 trains `--goodput-iters` steps uninterrupted, then
-again with the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss
-curves' equality and the goodput: useful steps over wall time, against the uninterrupted run.
+free, no staging folder is left (a conversion's is swept by the restart), and a conversion's
+output (an evaluation's results.json) is there exactly when it SUCCEEDED. Inference is killed
+during a streamed greedy generation: the stream must end UNAVAILABLE and the restarted service
+answer the same tokens. Part 2 trains `--goodput-iters` steps uninterrupted, then again with
+the worker SIGKILLed after each `--kill-every`-step checkpoint, and reports the loss curves'
+equality and the goodput: useful steps over wall time, against the uninterrupted run (launched
+the same way, --max-restarts included).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+import psutil
+
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
+from meshline.converter.v1 import converter_pb2_grpc
+from meshline.evaluator.v1 import evaluator_pb2_grpc
+from meshline.inference.v1 import inference_pb2_grpc
 from meshline.preprocess.v1 import preprocess_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.chaos.procs import Service, alive, db_rows, lock_is_free, start_service
+from tests.chaos.test_converter_kills import (
+    convert_request,
+    make_checkpoint,
+    output_whole_or_absent,
+    staging_left,
+)
+from tests.chaos.test_evaluator_kills import evaluation, make_task_data
+from tests.chaos.test_inference_kills import generate, greedy
 from tests.chaos.test_killed_worker_resume import WorkerKiller, run
 from tests.chaos.test_preprocess_kills import make_corpus, request
 from tests.chaos.test_trainer_lifetime import training_args
+from tests.services.inference.http_served import make_checkpoint as make_inference_checkpoint
 
 
 @dataclass
@@ -66,8 +87,61 @@ def _kill_and_restart(
     return restarted, leftover, operation
 
 
+class _Folders:
+    """`tmp_path_factory.mktemp` for the test fixtures this bench reuses."""
+
+    def __init__(self, base: Path) -> None:
+        self.base, self.made = base, 0
+
+    def mktemp(self, name: str) -> Path:
+        self.made += 1
+        path = self.base / f"{name}{self.made}"
+        path.mkdir(parents=True)
+        return path
+
+
+def _kill_inference(
+    service: Service, state: Path, load: Path, expected: list[int], after: int, tag: str
+) -> tuple[Service, list[str]]:
+    """Kills the service once `after` tokens of a greedy stream arrived; restarts it. (restarted,
+    problems): the stream must end UNAVAILABLE with a prefix of `expected`, nothing the service
+    started may survive, and the restarted service must answer `expected` again."""
+    problems: list[str] = []
+    streamed: list[int] = []
+    started: list[psutil.Process] | None = None
+    code = grpc.StatusCode.OK
+    with service.channel() as channel:
+        stream = inference_pb2_grpc.InferenceServiceStub(channel).GenerateStream(
+            greedy(), timeout=120
+        )
+        try:
+            for message in stream:
+                streamed.extend(message.token_ids)
+                if len(streamed) >= after and started is None:
+                    started = service.kill9()
+        except grpc.RpcError as exc:
+            code = exc.code()
+    if started is None:
+        problems.append(f"{tag}: the stream ended before the kill")
+        started = service.kill9()
+    elif code != grpc.StatusCode.UNAVAILABLE:
+        problems.append(f"{tag}: the broken stream ended with {code}, not UNAVAILABLE")
+    if streamed != expected[: len(streamed)]:
+        problems.append(f"{tag}: streamed tokens differ from the greedy answer")
+    deadline = time.monotonic() + 90
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(started):
+        problems.append(f"{tag}: processes outlived the service: {alive(started)}")
+    restarted = start_service("inference", None, state, "--load", str(load))
+    if generate(restarted) != expected:
+        problems.append(f"{tag}: the restarted service answers differently")
+    return restarted, problems
+
+
 def kill_round(kills: int, seed: int, base: Path) -> KillReport:
-    """`kills` random SIGKILLs across preprocess and trainer jobs."""
+    """`kills` random SIGKILLs across converter, evaluator, preprocess and trainer jobs and
+    inference streams."""
     from tests.fixtures.tokenizers import build_sentencepiece
 
     rng = random.Random(seed)
@@ -76,12 +150,30 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     data.mkdir()
     model = build_sentencepiece(data / "sp")
     make_corpus(data / "corpus", files=6, docs=6000)
-    states = {"preprocess": base / "state-preprocess", "trainer": base / "state-trainer"}
+    source = make_checkpoint(data / "hf")
+    jobs = ("converter", "evaluator", "preprocess", "trainer")
+    states = {name: base / f"state-{name}" for name in jobs}
     services = {name: start_service(name, data, states[name]) for name in states}
+    load, _, _ = make_inference_checkpoint(_Folders(data / "inference"), model, seed=7)
+    tasks = make_task_data(data / "tasks")
+    states["inference"] = base / "state-inference"
+    services["inference"] = start_service(
+        "inference", None, states["inference"], "--load", str(load)
+    )
+    expected = generate(services["inference"])
     try:
         for i in range(kills):
             which = rng.choice(sorted(services))
             service = services[which]
+            if which == "inference":
+                after = rng.randint(1, len(expected) // 2)
+                tag = f"kill {i} (inference, after {after} streamed tokens)"
+                services[which], problems = _kill_inference(
+                    service, states[which], load, expected, after, tag
+                )
+                report.kills[which] = report.kills.get(which, 0) + 1
+                report.violations.extend(problems)
+                continue
             output = data / "out" / f"{which}-{i}"
             output.parent.mkdir(exist_ok=True)
             with service.channel() as channel:
@@ -89,6 +181,16 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                     stub = preprocess_pb2_grpc.PreprocessServiceStub(channel)
                     req = request(Path(model), data / "corpus", output)
                     name = stub.StartPreprocess(req, timeout=60).operation.name
+                    delay = rng.uniform(0.1, 2.5)
+                elif which == "evaluator":
+                    estub = evaluator_pb2_grpc.EvaluatorServiceStub(channel)
+                    ereq = evaluation(load, tasks, output)
+                    name = estub.StartEvaluation(ereq, timeout=60).operation.name
+                    delay = rng.uniform(0.5, 8.0)
+                elif which == "converter":
+                    cstub = converter_pb2_grpc.ConverterServiceStub(channel)
+                    creq = convert_request(source, output)
+                    name = cstub.Convert(creq, timeout=60).operation.name
                     delay = rng.uniform(0.1, 2.5)
                 else:
                     tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -111,24 +213,72 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
                 f"{tag}: a claim survived",
             )
             _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
-            staged = list(output.parent.glob(".*.partial-*"))
+            staged = list(output.parent.glob(".*.partial-*")) + staging_left(output)
             _check(report, not staged, f"{tag}: staging left: {staged}")
+            if which == "evaluator":
+                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
+                visible = (output / "results.json").exists()
+                _check(report, succeeded == visible, f"{tag}: results.json and state disagree")
+            if which == "converter":
+                _check(report, output_whole_or_absent(output), f"{tag}: half-visible output")
+                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
+                _check(report, succeeded == output.exists(), f"{tag}: output and state disagree")
     finally:
         for service in services.values():
             service.stop()
     return report
 
 
-def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]:
+def _restart_gaps(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> list[float]:
+    """Seconds from each kill to the restarted worker's first step (the step after the
+    checkpoint it resumed from; records of the killed worker still in the pipe come earlier)."""
+    gaps = []
+    for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True):
+        first = next((t for t, step in arrivals if t > killed_at and step == checkpoint + 1), None)
+        if first is not None:
+            gaps.append(round(first - killed_at, 2))
+    return gaps
+
+
+def _lost_seconds(killer: WorkerKiller, arrivals: list[tuple[float, int]]) -> list[float]:
+    """Seconds each kill cost the run: from the last new step before the restart to the first
+    new step after it (detection, restart, resume and the steps redone), less one ordinary step.
+
+    The restart is the first record of the step after the checkpoint once the kill was sent;
+    records the killed worker printed before dying may still arrive after the kill."""
+    times = [t for t, _ in arrivals]
+    step_s = statistics.median(b - a for a, b in itertools.pairwise(times))
+    lost = []
+    for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True):
+        restarted = next(
+            (t for t, step in arrivals if t > killed_at and step == checkpoint + 1), None
+        )
+        if restarted is None:
+            continue
+        before = [(t, step) for t, step in arrivals if t < restarted]
+        last_t, last_step = max(before, key=lambda ts: ts[1])
+        after = [t for t, step in arrivals if t >= restarted and step > last_step]
+        if after:
+            lost.append(round(after[0] - last_t - step_s, 2))
+    return lost
+
+
+def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
     """Uninterrupted vs killed-every-`every`-steps training of `iters` steps."""
-    started = time.monotonic()
-    reference = run(base / "reference", iters, None, 0, save_interval=every)
-    clean_s = time.monotonic() - started
     at = list(range(every, iters, every))
-    killer = WorkerKiller(base / "chaos", at)
+    # The same launch (--max-restarts, hence the warm spare) without the kills: the difference
+    # is what the kills cost, not what the spare saves at the first start.
     started = time.monotonic()
-    interrupted = run(base / "chaos", iters, killer, len(at), save_interval=every)
+    reference = run(base / "reference", iters, None, len(at), save_interval=every)
+    clean_s = time.monotonic() - started
+    killer = WorkerKiller(base / "chaos", at)
+    arrivals: list[tuple[float, int]] = []
+    started = time.monotonic()
+    interrupted = run(
+        base / "chaos", iters, killer, len(at), save_interval=every, arrivals=arrivals
+    )
     chaos_s = time.monotonic() - started
+    lost = _lost_seconds(killer, arrivals)
     return {
         "iters": iters,
         "kills": len(killer.kills),
@@ -137,6 +287,15 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, float | int | bool]
         "goodput": round(clean_s / chaos_s, 3),
         "loss_curve_identical": interrupted == reference,
         "restart_cost_s": round((chaos_s - clean_s) / max(len(killer.kills), 1), 1),
+        "kill_to_first_step_s": _restart_gaps(killer, arrivals),
+        "lost_s": lost,
+        # Robust to the shared machine's load swings between the two runs: the share of the
+        # killed run's wall time not lost to the kills.
+        "goodput_from_lost_time": round(1 - sum(lost) / chaos_s, 3),
+        "steps_redone": [
+            max(step for t, step in arrivals if t <= killed_at) - checkpoint
+            for killed_at, checkpoint in zip(killer.kill_times, killer.kills, strict=True)
+        ],
     }
 
 
@@ -147,6 +306,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=37, help="random seed of the kills")
     parser.add_argument("--goodput-iters", type=int, default=60, help="steps of each run (0: skip)")
     parser.add_argument("--kill-every", type=int, default=20, help="steps between worker kills")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="goodput pairs to run (the machine is shared: noise)"
+    )
     args = parser.parse_args()
     result: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="meshline-chaos-") as tmp:
@@ -157,8 +319,13 @@ def main() -> None:
             report = kill_round(args.kills, args.seed, base / "kills")
             result["kills"] = {**report.__dict__, "wall_s": round(time.monotonic() - started)}
         if args.goodput_iters:
-            (base / "goodput").mkdir()
-            result["goodput"] = goodput(args.goodput_iters, args.kill_every, base / "goodput")
+            rounds = []
+            for i in range(args.rounds):
+                (base / f"goodput-{i}").mkdir()
+                rounds.append(goodput(args.goodput_iters, args.kill_every, base / f"goodput-{i}"))
+            result["goodput"] = rounds[0] if len(rounds) == 1 else rounds
+            if len(rounds) > 1:
+                result["goodput_median"] = statistics.median(float(r["goodput"]) for r in rounds)
     print(json.dumps(result, indent=1))
 
 

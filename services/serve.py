@@ -22,6 +22,7 @@ import time
 from types import FrameType
 
 from services.cli import SERVICES
+from services.common.config import ServerConfig
 
 DEFAULT_BASE_PORT = 50051
 # Child processes get this long after the stop signal before they are killed; a child's own
@@ -32,6 +33,12 @@ _PR_SET_PDEATHSIG = 1
 # Torch-free checks a service runs on its flags before it is imported: module with
 # `precheck(argv) -> exit code | None`.
 PRECHECKS = {"inference": "services.inference.precheck"}
+SECURITY_FILE_FLAGS = {
+    "--auth-token-file": "bearer token file every service requires (default: no authentication)",
+    "--tls-cert": "PEM certificate chain every service listens with (enables TLS)",
+    "--tls-key": "PEM private key for --tls-cert",
+    "--tls-client-ca": "PEM CA client certificates must chain to (mTLS; needs --tls-cert)",
+}
 
 
 def _all_parser() -> argparse.ArgumentParser:
@@ -74,7 +81,36 @@ def _all_parser() -> argparse.ArgumentParser:
         help="serve each service's Prometheus /metrics on consecutive ports from this one, in "
         "the same order as the gRPC ports (default: off)",
     )
+    # Passed to every child unchanged: each service validates and applies them as it would when
+    # started alone (`services.common.config`), and `serve all` checks them first (below).
+    for flag, help_text in SECURITY_FILE_FLAGS.items():
+        parser.add_argument(flag, default=None, metavar="FILE", help=help_text)
+    parser.add_argument(
+        "--metrics-secure",
+        action="store_true",
+        default=False,
+        help="serve every /metrics with the services' --tls-cert/--tls-key (HTTPS, mTLS with "
+        "--tls-client-ca) and require the --auth-token-file token (needs --metrics-base-port)",
+    )
     return parser
+
+
+def _check_security(args: argparse.Namespace) -> str | None:
+    """The first error in the TLS/auth flags, as `serve all` spells them; None when they hold."""
+    if args.metrics_secure and args.metrics_base_port is None:
+        return "--metrics-secure needs --metrics-base-port (the endpoints it secures)"
+    try:
+        ServerConfig(
+            auth_token_file=args.auth_token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            metrics_port=0 if args.metrics_base_port is not None else None,
+            metrics_secure=args.metrics_secure,
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -88,6 +124,12 @@ def child_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             command += ["--metrics-port", str(args.metrics_base_port + offset)]
         if args.state_dir:
             command += ["--state-dir", f"{args.state_dir}/{name}"]
+        for flag in SECURITY_FILE_FLAGS:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                command += [flag, value]
+        if args.metrics_secure:
+            command.append("--metrics-secure")
         if name != "inference":
             for root in args.data_roots:
                 command += ["--data-root", root]
@@ -134,6 +176,9 @@ def serve_all(argv: list[str]) -> int:
             f"[1, {65535 - len(SERVICES) + 1}], got {args.metrics_base_port}",
             file=sys.stderr,
         )
+        return 2
+    if (error := _check_security(args)) is not None:
+        print(f"meshline serve all: {error}", file=sys.stderr)
         return 2
     stop: list[int] = []
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,8 +175,15 @@ class TrainingJobSpec:
     """Name of the operation the job belongs to (an annotation)."""
     namespace: str = ""
     """Namespace the job runs in (for the pods' full DNS names); "" = short names."""
+    metrics_nonce: str = field(default_factory=lambda: secrets.token_hex(16))
+    """Frames rank 0's metrics lines (`MESHLINE_METRICS <nonce> {json}`, via
+    $MESHLINE_METRICS_STDOUT); fresh per job, so data echoed in a pod's log cannot forge one."""
 
     def __post_init__(self) -> None:
+        if re.fullmatch(r"[0-9a-f]{16,64}", self.metrics_nonce) is None:
+            raise ValueError(
+                f"metrics_nonce must be 16-64 lower-case hex digits, not {self.metrics_nonce!r}"
+            )
         if len(self.name) > 40 or _DNS_LABEL.fullmatch(self.name) is None:
             raise ValueError(
                 f"job name {self.name!r} must be a DNS label of at most 40 characters "
@@ -237,7 +245,7 @@ def _configure_pod(
     base_env = [
         {"name": "JOB_NAME", "value": spec.name},
         {"name": "MAX_RESTARTS", "value": str(spec.max_restarts)},
-        {"name": "MESHLINE_METRICS_STDOUT", "value": "1"},
+        {"name": "MESHLINE_METRICS_STDOUT", "value": spec.metrics_nonce},
         {"name": "MESHLINE_SAVE_ON_STOP", "value": "1" if spec.save_on_stop else "0"},
     ]
     user_env = [{"name": k, "value": v} for k, v in spec.env]

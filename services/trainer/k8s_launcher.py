@@ -3,7 +3,8 @@
 `KubernetesLauncher.launch` takes the arguments of `services.trainer.launcher.launch` (the local
 torchrun launcher) and runs the job as a workload built by `services.trainer.k8s_jobs`: it
 creates the objects, follows the worker pods (their state every `poll_s`, their logs as
-streams: `MESHLINE_METRICS {json}` lines become metrics records, other lines go to `output`),
+streams: `MESHLINE_METRICS <nonce> {json}` lines, framed with the job's own random nonce,
+become metrics records, other lines go to `output`),
 stops the workload when `stop_event` is set (its pods get SIGTERM; the workers save to --save
 first) and maps pod failures to the operation's outcome (`pod_outcome`): a worker's non-zero
 exit is returned as the exit code; OOM kills, unpullable images, evictions and jobs that stay
@@ -199,7 +200,7 @@ class _Follower:
     def _stream(self, pod: str, container: str, since_s: int | None) -> None:
         try:
             for line in self.launcher.client.follow_log(pod, container, since_s):
-                record = metrics_record(line)
+                record = metrics_record(line, self.spec.metrics_nonce)
                 if record is None:
                     self._write(f"[{pod}] {line}")
                     continue

@@ -10,6 +10,7 @@ from typing import Any
 from services.common.errors import FailedPrecondition, MeshlineError, ResourceExhausted, Unavailable
 
 METRICS_PREFIX = "MESHLINE_METRICS "
+MAX_METRICS_LINE = 1 << 16
 # Container waiting reasons that never resolve by themselves.
 _CONFIG_ERRORS = frozenset(
     {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -102,12 +103,14 @@ def pod_outcome(pods: list[dict[str, Any]], nnodes: int) -> PodOutcome:
     return PodOutcome("pending", f"{phases.count('Running')}/{nnodes} worker pods running")
 
 
-def metrics_record(line: str) -> dict[str, Any] | None:
-    """The metrics record of a `MESHLINE_METRICS {json}` log line, else None."""
-    if not line.startswith(METRICS_PREFIX):
+def metrics_record(line: str, nonce: str) -> dict[str, Any] | None:
+    """The metrics record of a `MESHLINE_METRICS <nonce> {json}` log line, else None (any other
+    line, an unframed or wrongly framed one included, is output)."""
+    prefix = f"{METRICS_PREFIX}{nonce} "
+    if not line.startswith(prefix) or len(line) > MAX_METRICS_LINE:
         return None
     try:
-        record = json.loads(line[len(METRICS_PREFIX) :])
+        record = json.loads(line[len(prefix) :])
     except json.JSONDecodeError:
         return None
     return record if isinstance(record, dict) and "step" in record else None

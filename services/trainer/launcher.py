@@ -28,11 +28,12 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,6 +41,7 @@ from typing import Any, TextIO
 import psutil
 import yaml
 
+from checkpoints.safe_fs import open_dir_beneath
 from services.common.job_processes import (
     JOB_TOKEN_ENV,
     die_with_parent_command,
@@ -48,6 +50,7 @@ from services.common.job_processes import (
 )
 from services.common.state_db import ProcessRecord, process_started
 from services.trainer.train_config import TrainConfig
+from services.trainer.warm_start import SPARE_ENV, SPARE_PID_ENV
 from training.ckpt.signals import NO_SAVE_SIGNAL, SAVE_SIGNAL
 from training.loop import METRICS_PREFIX, METRICS_STDOUT_ENV, SAVE_ON_STOP_ENV
 
@@ -82,8 +85,19 @@ class LaunchOptions:
             )
 
 
-def torchrun_command(train_argv: list[str], options: LaunchOptions) -> list[str]:
-    """The full command line that starts the job."""
+def torchrun_command(
+    train_argv: list[str],
+    options: LaunchOptions,
+    entry: str = "services.trainer.train",
+    static_port: int | None = None,
+) -> list[str]:
+    """The full command line that starts the job (`entry`: the workers' module).
+
+    A single-node job meets through `--standalone` (c10d rendezvous on a port torchrun picks),
+    or, given `static_port`, through the static rendezvous on 127.0.0.1:`static_port`: each
+    restart then reuses the agent's store at once instead of a new c10d round (0.4-1 s here,
+    which polls its state once a second).
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -97,18 +111,70 @@ def torchrun_command(train_argv: list[str], options: LaunchOptions) -> list[str]
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={options.rdzv_endpoint}",
         ]
+    elif static_port is not None:
+        cmd += ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1"]
+        cmd.append(f"--master-port={static_port}")
     else:
         cmd.append("--standalone")
-    cmd += [f"--max-restarts={options.max_restarts}", "-m", "services.trainer.train", *train_argv]
+    cmd += [f"--max-restarts={options.max_restarts}", "-m", entry, *train_argv]
     return cmd
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at this moment (for the static rendezvous' store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def warm_spare(
+    directory: Path, token: str, env: dict[str, str], wanted: bool
+) -> Iterator[dict[str, str]]:
+    """Starts a warm spare (`services.trainer.warm_spare`) for the job when `wanted`; yields the
+    environment its workers need to find it (empty without one) and stops it on exit.
+
+    The spare carries the job token and dies with this process like the agent, so the restart
+    sweep and the parent-death signal cover it and the workers it forks.
+    """
+    if not wanted or not sys.platform.startswith("linux"):
+        yield {}
+        return
+    socket_path = directory / "spare.sock"
+    with open(directory / "spare.log", "w") as log:
+        spare = subprocess.Popen(
+            die_with_parent_command(
+                token,
+                [sys.executable, "-m", "services.trainer.warm_spare", str(socket_path)],
+                sys.executable,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, JOB_TOKEN_ENV: token},
+            start_new_session=True,
+        )
+    try:
+        yield {SPARE_ENV: str(socket_path), SPARE_PID_ENV: str(spare.pid)}
+    finally:
+        spare.terminate()
+        try:
+            spare.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            spare.kill()
+            spare.wait()
+
+
 def config_argv(config: TrainConfig, directory: str | Path) -> list[str]:
-    """Write `config` as YAML under `directory` and return the `--config FILE` flags for it."""
-    path = Path(directory) / "train_config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    return ["--config", str(path)]
+    """Write `config` as YAML under `directory` and return the `--config FILE` flags for it.
+
+    Written through `safe_fs` (beneath `directory` resolved now, atomically, never through a
+    symlink), so a folder swapped after this call cannot redirect the file the workers read.
+    """
+    with open_dir_beneath(directory, roots=(), create=True) as opened:
+        opened.write_text("train_config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+        # The workers read it through the opened folder's real path, resolved at write time.
+        return ["--config", str(Path(os.path.realpath(opened.proc_path())) / "train_config.yaml")]
 
 
 def launch(
@@ -142,7 +208,8 @@ def launch(
     token = secrets.token_hex(16)
     nonce = secrets.token_hex(16)
     prefix = f"{METRICS_PREFIX}{nonce} "
-    with tempfile.TemporaryDirectory(prefix="meshline-launch-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshline-launch-")))
         argv = config_argv(config, tmp) if isinstance(config, TrainConfig) else list(config)
         child_env = {
             **os.environ,
@@ -152,8 +219,14 @@ def launch(
             JOB_TOKEN_ENV: token,
             "PYTHONUNBUFFERED": "1",
         }
+        spare_env = stack.enter_context(warm_spare(tmp, token, child_env, max_restarts > 0))
+        child_env.update(spare_env)
+        entry = "services.trainer.warm_start" if spare_env else "services.trainer.train"
+        # Restarts on one node skip the c10d round when a spare makes them otherwise fast.
+        port = free_port() if spare_env and not options.rdzv_endpoint else None
+        command = torchrun_command(argv, options, entry, port)
         proc = subprocess.Popen(
-            die_with_parent_command(token, torchrun_command(argv, options), sys.executable),
+            die_with_parent_command(token, command, sys.executable),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -190,7 +263,9 @@ def launch(
                 watcher.join()
             return code
         finally:
-            if proc.poll() is None or find_processes(token):
+            spare_pid = int(spare_env.get(SPARE_PID_ENV, "0"))
+            leftovers = [p for p in find_processes(token) if p.pid != spare_pid]
+            if proc.poll() is None or leftovers:
                 # Something above raised: never leave the job running without a reader (its
                 # claim is released when this returns).
                 _kill_job(proc, token)

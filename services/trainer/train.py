@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from checkpoints.safe_fs import Escape, open_dir_beneath
 from kernels import device
 from kernels.cpu.allocator import keep_freed_memory
 from services.common.errors import PermissionDenied
@@ -109,11 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main:
         print(format_summary(summary, config.run.log_dir), flush=True)
         if config.run.log_dir:
-            target = Path(config.run.log_dir) / "summary.json"
-            tmp = target.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(asdict(summary), indent=2))
-            tmp.replace(target)
+            try:
+                write_summary(summary, config.run.log_dir)
+            except Escape as exc:
+                print(
+                    f"meshline train: {PERMISSION_DENIED_TAG} --log-dir: {exc.filename!r}: "
+                    f"{exc.strerror}; it changed during the run, summary.json not written",
+                    file=sys.stderr,
+                )
+                return 2
     return 0
+
+
+def write_summary(summary: RunSummary, log_dir: str | Path) -> None:
+    """`summary.json` in `log_dir`, written atomically beneath the data root (`safe_fs`): a log
+    dir swapped for a symlink since the run began makes this raise `Escape`, writing nothing."""
+    with open_dir_beneath(log_dir, create=True) as directory:
+        directory.write_text("summary.json", json.dumps(asdict(summary), indent=2))
 
 
 if __name__ == "__main__":

@@ -78,10 +78,14 @@ class Service:
         return "\n".join(self.lines[-40:])
 
 
-def start_service(name: str, data_root: Path, state_dir: Path, *extra: str) -> Service:
-    """Starts `python -m services.<name> serve` on a free port; waits until it serves."""
+def start_service(name: str, data_root: Path | None, state_dir: Path, *extra: str) -> Service:
+    """Starts `python -m services.<name> serve` on a free port; waits until it serves.
+
+    `data_root` None: no --data-root (inference takes one only for run-time LoRA adapters)."""
     command = [sys.executable, "-m", f"services.{name}", "serve", "--port", "0"]
-    command += ["--grace-period", "5", "--data-root", str(data_root)]
+    command += ["--grace-period", "5"]
+    if data_root is not None:
+        command += ["--data-root", str(data_root)]
     command += ["--state-dir", str(state_dir), *extra]
     process = subprocess.Popen(
         command,

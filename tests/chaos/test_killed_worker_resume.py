@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import signal
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -39,6 +40,8 @@ class WorkerKiller:
         self.save, self.pending = save, list(at_steps)
         self.agent: ProcessRecord | None = None
         self.kills: list[int] = []
+        self.kill_times: list[float] = []
+        """`time.monotonic()` of each kill."""
         self.lock = threading.Lock()
 
     def on_started(self, record: ProcessRecord) -> None:
@@ -53,19 +56,29 @@ class WorkerKiller:
             for worker in workers:
                 worker.send_signal(signal.SIGKILL)
             if workers:
+                self.kill_times.append(time.monotonic())
                 self.kills.append(read_latest(self.save))
                 self.pending.pop(0)
 
 
 def run(
-    save: Path, iters: int, killer: WorkerKiller | None, restarts: int, save_interval: int = 3
+    save: Path,
+    iters: int,
+    killer: WorkerKiller | None,
+    restarts: int,
+    save_interval: int = 3,
+    arrivals: list[tuple[float, int]] | None = None,
 ) -> dict[int, float]:
-    """Trains `iters` steps into `save` (resuming from it); returns the last loss of each step."""
+    """Trains `iters` steps into `save` (resuming from it); returns the last loss of each step.
+
+    `arrivals`, when given, gets (`time.monotonic()`, step) of every metrics record."""
     losses: dict[int, float] = {}
     output = io.StringIO()
 
     def on_metrics(record: dict) -> None:
         losses[int(record["step"])] = record["loss"]
+        if arrivals is not None:
+            arrivals.append((time.monotonic(), int(record["step"])))
         if killer is not None:
             killer.on_metrics(record)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 
 def pod(name, phase="Running", *, terminated=None, waiting=None, running=False, **status):
@@ -76,14 +77,27 @@ class FakeCluster:
             return self.after_stop
         return self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
 
+    def metrics_nonce(self):
+        """The nonce the last workload gave its pods in $MESHLINE_METRICS_STDOUT."""
+        found = re.search(
+            r'"name": "MESHLINE_METRICS_STDOUT", "value": "([0-9a-f]+)"',
+            json.dumps(self.created[-1]),
+        )
+        assert found, "the workload gives its pods no metrics nonce"
+        return found[1]
+
     def follow_log(self, pod, container, since_s=None):
+        """The scripted lines; `METRICS:{json}` is printed as rank 0 would, framed with the nonce
+        the pod was given (other lines, forged metrics lines included, go out verbatim)."""
         self.log_opens.append((pod, since_s))
         lines = self.logs.get(pod, [])
         # A list of lists plays a stream the API server drops: one part per opening.
         if lines and isinstance(lines[0], list):
-            yield from lines.pop(0) if len(lines) > 1 else lines[0]
-            return
-        yield from lines
+            lines = lines.pop(0) if len(lines) > 1 else lines[0]
+        for line in lines:
+            if line.startswith("METRICS:"):
+                line = f"MESHLINE_METRICS {self.metrics_nonce()} {line[len('METRICS:') :]}"
+            yield line
 
     def stop(self, obj):
         self.stopped.append(obj["metadata"]["name"])

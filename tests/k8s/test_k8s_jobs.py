@@ -4,6 +4,8 @@ settings, validate strictly, and match the kustomize templates they are built fr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torch.distributed.run import get_args_parser
 
@@ -81,7 +83,9 @@ def test_indexed_job_ranks_rendezvous_and_resources(nnodes, nproc, accelerator):
     assert args.rdzv_endpoint == f"{name}-0.{name}.research.svc.cluster.local:29400"
     assert args.rdzv_id == name
     assert tuple(flags) == FLAGS
-    assert env["NCCL_IB_HCA"] == "mlx5" and env["MESHLINE_METRICS_STDOUT"] == "1"
+    assert env["NCCL_IB_HCA"] == "mlx5"
+    # #37: a per-job random nonce frames the metrics lines (the local launcher's framing).
+    assert re.fullmatch(r"[0-9a-f]{32}", env["MESHLINE_METRICS_STDOUT"])
     resources = container["resources"]
     assert resources["requests"]["cpu"] == "3" and resources["limits"]["cpu"] == "6"
     if accelerator == "gpu":
@@ -203,6 +207,10 @@ def test_launcher_jobs_come_from_the_kustomize_templates():
             if key in ("RDZV_ENDPOINT", "MASTER_ADDR"):
                 # The template names pods by short or namespaced DNS; both resolve the same pod.
                 assert built_env[key].split(".")[0] == value.split(".")[0]
+            elif key == "MESHLINE_METRICS_STDOUT":
+                # A job applied by hand prints unframed lines ("1"); the launcher's jobs get a
+                # fresh nonce, which only the launcher reading their logs knows.
+                assert value == "1" and re.fullmatch(r"[0-9a-f]{32}", built_env[key])
             else:
                 assert built_env[key] == value, (kind, key)
 

@@ -54,10 +54,15 @@ def test_pod_outcome_maps_pod_states():
 
 
 def test_metrics_record_reads_only_metrics_lines():
-    assert metrics_record('MESHLINE_METRICS {"step": 10, "loss": 2.5}') == {"step": 10, "loss": 2.5}
-    assert metrics_record("step 10 | loss 2.5") is None
-    assert metrics_record("MESHLINE_METRICS {broken") is None
-    assert metrics_record('MESHLINE_METRICS {"loss": 1}') is None
+    nonce = "0123456789abcdef"
+    framed = f'MESHLINE_METRICS {nonce} {{"step": 10, "loss": 2.5}}'
+    assert metrics_record(framed, nonce) == {"step": 10, "loss": 2.5}
+    # #37: unframed or wrongly framed lines (user data echoed in a pod's log) are not records.
+    assert metrics_record('MESHLINE_METRICS {"step": 10, "loss": 2.5}', nonce) is None
+    assert metrics_record(framed.replace(nonce, "f" * 16), nonce) is None
+    assert metrics_record("step 10 | loss 2.5", nonce) is None
+    assert metrics_record(f"MESHLINE_METRICS {nonce} {{broken", nonce) is None
+    assert metrics_record(f'MESHLINE_METRICS {nonce} {{"loss": 1}}', nonce) is None
 
 
 def test_launcher_choice(tmp_path: Path, monkeypatch):
@@ -81,8 +86,9 @@ def _launcher(cluster, **config):
 
 def test_launch_creates_the_workload_streams_metrics_and_succeeds():
     logs = {
-        "p-0": ["rank 0 starting", 'MESHLINE_METRICS {"step": 5, "loss": 3.0}',
-                'MESHLINE_METRICS {"step": 10, "loss": 2.0}', "done"],
+        "p-0": ["rank 0 starting", 'METRICS:{"step": 5, "loss": 3.0}',
+                'MESHLINE_METRICS {"step": 99999, "loss": 0.1}',  # echoed, not framed
+                'METRICS:{"step": 10, "loss": 2.0}', "done"],
         "p-1": ["rank 1 starting"],
     }  # fmt: skip
     cluster = FakeCluster(
@@ -103,7 +109,9 @@ def test_launch_creates_the_workload_streams_metrics_and_succeeds():
     assert [r["step"] for r in records] == [5, 10]
     text = out.getvalue()
     assert "[p-0] rank 0 starting" in text and "[p-1] rank 1 starting" in text
-    assert "MESHLINE_METRICS" not in text
+    # The echoed unframed line is output; no framed line is.
+    assert '[p-0] MESHLINE_METRICS {"step": 99999' in text
+    assert f"MESHLINE_METRICS {cluster.metrics_nonce()}" not in text
     assert not cluster.stopped
 
 
@@ -165,8 +173,8 @@ def test_stop_suspends_the_workload_and_returns_once_its_pods_are_gone():
 
 def test_a_dropped_log_stream_is_reopened_and_steps_pass_once():
     metrics = [
-        'MESHLINE_METRICS {"step": 5, "loss": 3.0}',
-        'MESHLINE_METRICS {"step": 10, "loss": 2.0}',
+        'METRICS:{"step": 5, "loss": 3.0}',
+        'METRICS:{"step": 10, "loss": 2.0}',
     ]
     cluster = FakeCluster(
         [[running("p-0")], [running("p-0")], [running("p-0")], [done("p-0")]],

@@ -25,7 +25,7 @@ from tests.services.common.helpers import arun
 def _record(step: int, loss: float) -> str:
     values = dict(step=step, loss=loss, grad_norm=1.0, lr=1e-3, tokens_per_s=100.0, tflops=0.1,
                   mfu=0.0, mem_gb=0.5, skipped=0, nan=0, elapsed_s=2.0)  # fmt: skip
-    return "MESHLINE_METRICS " + json.dumps(values)
+    return "METRICS:" + json.dumps(values)  # framed by the fake cluster with the job's nonce
 
 
 def _start(tmp_path, monkeypatch, cluster: FakeCluster, nnodes: int):

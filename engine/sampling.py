@@ -118,7 +118,9 @@ def warp(
     min_keep: int = 1,
 ) -> torch.Tensor:
     """Temperature, top-k and top-p of each row's config (rows that do not sample pass through)."""
-    if not any(c.sampling for c in configs):  # greedy rows only: no tensor, no device sync
+    if all(
+        not c.sampling or (c.temperature == 1 and c.top_k == 0 and c.top_p >= 1) for c in configs
+    ):  # greedy rows, or sampling the plain softmax (GRPO's default): no tensor, no device sync
         return logits_BV
     device = logits_BV.device
     temp_B = torch.tensor([c.temperature if c.sampling else 1.0 for c in configs], device=device)

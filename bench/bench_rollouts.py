@@ -1,14 +1,16 @@
 """GRPO rollouts: the colocated engine vs trl's own generation path (transformers `generate`).
 
     python -m bench.bench_rollouts [--quick] [--threads 2] [--prompts 8] [--generations 8]
-                                   [--new 64] [--rounds 3] [--stat median|min]
+                                   [--new 64] [--rounds 3] [--prompt-len 32]
+                                   [--stat median|min]
 
 The same random Llama (bench.bench_inference.build_pair: HF and Meshline with equal weights),
 the same prompts and group size, sampling as trl's GRPO defaults (temperature 1, top-p 1, no
 top-k), EOS disabled so every completion has `--new` tokens. trl without vLLM repeats each
 prompt `num_generations` times and calls `generate` on the batch (do_sample); Meshline's path
-is `engine.colocated.ColocatedEngine.generate` over the module being trained (dense weights,
-the KV cache allocated for the call and freed after, as a training step sees it). Rounds
+is `engine.colocated.ColocatedEngine.generate` over the module being trained (dense weights
+read in place by the C decode step, each group's prompt prefilled once, the KV cache allocated
+for the call and freed after, as a training step sees it). Rounds
 alternate the two; ratio = HF time / ours (> 1: the engine is faster). Rollout tokens/s counts
 generated tokens (prompts x generations x new) over the wall time of the whole call.
 """
@@ -25,6 +27,7 @@ import torch
 from bench.bench_inference import build_pair
 from engine.colocated import ColocatedEngine, RolloutSampling
 from engine.config import EngineConfig
+from engine.native_step import NativeStep
 from engine.tokens import TokenizerInfo
 
 
@@ -42,6 +45,14 @@ def _alternated(
     return pick(times[0]), pick(times[1])
 
 
+def _decode_path(colocated: ColocatedEngine) -> str:
+    """Which decode step the colocated engine runs, and for how many rows."""
+    step = colocated.engine.runner.decode_step
+    if isinstance(step, NativeStep):
+        return f"C step (<= {step.max_rows} rows)"
+    return "module forward" if step is None else "lean step"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print one line per setting; returns 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--stat", choices=("median", "min"), default="median")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     new = args.new or (16 if args.quick else 64)
     rounds = args.rounds or (2 if args.quick else 3)
     group = args.generations
-    prompt_len = 32
+    prompt_len = args.prompt_len
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, config.vocab_size, (prompts_n, prompt_len), generator=gen).tolist()
     colocated = ColocatedEngine(
@@ -100,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         f"x {group} generations x {new} new tokens (prompt {prompt_len}), {args.threads} "
         f"threads, {args.stat} of {rounds} rounds: trl/transformers generate "
         f"{tokens / hf_time:.1f} tok/s, colocated engine {tokens / our_time:.1f} tok/s, "
-        f"ratio {hf_time / our_time:.2f}x; weight bytes copied {colocated.weight_bytes_copied()} "
+        f"ratio {hf_time / our_time:.2f}x; decode path {_decode_path(colocated)}; weight "
+        f"bytes copied {colocated.weight_bytes_copied()} "
         f"({time.perf_counter() - start:.0f} s)"
     )
     return 0

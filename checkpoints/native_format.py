@@ -79,10 +79,12 @@ class NativeSource:
             {self.step_dir / info.relative_path for info in metadata.storage_data.values()},
             str(self.step_dir),
         )
+        self._prefix = _model_prefix(metadata.state_dict_metadata)
+        """Where the model's tensors are: `model.`, or a PPO run's policy under `model.policy.`."""
         self._meta: dict[str, TensorStorageMetadata] = {}
         for key, item in metadata.state_dict_metadata.items():
-            if key.startswith(_PREFIX) and isinstance(item, TensorStorageMetadata):
-                self._meta[key.removeprefix(_PREFIX)] = item
+            if key.startswith(self._prefix) and isinstance(item, TensorStorageMetadata):
+                self._meta[key.removeprefix(self._prefix)] = item
         self._check_shapes()
 
     def _check_shapes(self) -> None:
@@ -92,12 +94,12 @@ class NativeSource:
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ValueError(
-                    f"{self.step_dir}: no tensor {_PREFIX}{name}; the checkpoint does not hold "
+                    f"{self.step_dir}: no tensor {self._prefix}{name}; the checkpoint does not hold "
                     "this model (check --model / config.json)"
                 )
             if tuple(item.size) != tuple(shape):
                 raise ValueError(
-                    f"{self.step_dir}: {_PREFIX}{name} has shape {tuple(item.size)}, the model "
+                    f"{self.step_dir}: {self._prefix}{name} has shape {tuple(item.size)}, the model "
                     f"config needs {tuple(shape)} (check --model / config.json)"
                 )
 
@@ -110,7 +112,7 @@ class NativeSource:
             and not (n == "lm_head.weight" and self.config.tie_word_embeddings)
         ]
         state = {
-            _PREFIX + n: torch.empty(
+            self._prefix + n: torch.empty(
                 tuple(self._meta[n].size), dtype=self._meta[n].properties.dtype
             )
             for n in names
@@ -123,7 +125,25 @@ class NativeSource:
                 )
             except (Exception, dcp.CheckpointException) as exc:
                 raise ValueError(f"{self.step_dir}: reading {unit!r} failed ({exc})") from exc
-        return {n.removeprefix(_PREFIX): t for n, t in state.items()}
+        return {n.removeprefix(self._prefix): t for n, t in state.items()}
+
+
+_PPO_POLICY = _PREFIX + "policy."
+_PPO_CRITIC = _PREFIX + "critic."
+
+
+def _model_prefix(items: dict[str, object]) -> str:
+    """`model.`, or `model.policy.` for a `--stage ppo` checkpoint: its model is the policy and
+    its critic side by side (training/objectives/ppo.py, PolicyAndCritic), and config.json is
+    the policy's, so the policy is what converts (the model a PPO run trains, to serve)."""
+    keys = list(items)
+    ppo = any(k.startswith(_PPO_POLICY) for k in keys) and any(
+        k.startswith(_PPO_CRITIC) for k in keys
+    )
+    plain = any(
+        k.startswith(_PREFIX) and not k.startswith((_PPO_POLICY, _PPO_CRITIC)) for k in keys
+    )
+    return _PPO_POLICY if ppo and not plain else _PREFIX
 
 
 class _PullPlanner(DefaultSavePlanner):

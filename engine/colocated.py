@@ -12,6 +12,12 @@ column-major layout would rewrite the weights the optimizer updates) and CUDA gr
 into huge pages once when it is built (kernels/cpu/hugepages.py, counted in `build_bytes_moved`),
 keeping the Parameter objects the optimizer holds.
 
+Decode path: with dense fp32 (or bf16) weights the engine runs every step of up to 64 rows in
+one C call (engine/native_step.py, cpu_decode.c), which reads each weight through the address
+of the parameter's own storage; nothing is packed or copied, and an in-place optimizer step is
+what the next rollout reads. A group's prompt is prefilled once and its KV row copied to the
+group's other samples (Engine._prefill), and sampling draws one number a row (sample_rows).
+
 Between rollouts the KV cache is released (`sleep`: a one-row, two-slot stand-in) so training
 has the memory; `generate` reserves it again for the rollout and releases it after.
 """
@@ -27,7 +33,6 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.requests import SequenceResult
 from engine.sampling import SamplingConfig
-from engine.slots import SlotPool
 from engine.tokens import TokenizerInfo
 from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
@@ -56,8 +61,8 @@ class RolloutSampling:
 
 
 class _DenseEngine(Engine):
-    """An Engine with dense KV rows: sleep/wake swap its SlotPool between rollouts (the paged
-    pool's block tables are not released this way yet)."""
+    """An Engine with dense KV rows: sleep/wake resize its cache between rollouts
+    (`Engine.resize_cache`; a paged pool's block tables are not released this way yet)."""
 
     pages_kv = False
 
@@ -89,7 +94,7 @@ class ColocatedEngine:
         )
         """Bytes the engine moved once when built (into huge pages on CPU; 0 elsewhere)."""
         self._rows = self.engine.pool.max_rows
-        self._max_len = self.engine.pool.max_seq_len
+        self._max_len = self.engine.max_seq_len
         self.sleep()
 
     def weight_bytes_copied(self) -> int:
@@ -105,13 +110,14 @@ class ColocatedEngine:
 
     def sleep(self) -> None:
         """Release the KV cache (keep a one-row, two-slot stand-in)."""
-        if self.engine.has_work():
-            raise RuntimeError("ColocatedEngine.sleep: requests are still running")
-        self.engine.runner.pool = SlotPool(self.model, 1, 2)
+        self.engine.resize_cache(1, 2)
 
-    def wake(self) -> None:
-        """Allocate the KV cache again for a rollout."""
-        self.engine.runner.pool = SlotPool(self.model, self._rows, self._max_len)
+    def wake(self, rows: int | None = None, slots: int | None = None) -> None:
+        """Allocate the KV cache again for a rollout: `rows` rows (at most --max-batch-rows)
+        of `slots` slots (at most --max-model-len); the largest by default."""
+        rows = self._rows if rows is None else min(rows, self._rows)
+        slots = self._max_len if slots is None else min(slots, self._max_len)
+        self.engine.resize_cache(rows, slots)
 
     @torch.no_grad()
     def generate(
@@ -142,7 +148,9 @@ class ColocatedEngine:
         ]
         was_training = model.training
         model.eval()
-        self.wake()
+        # Only as many rows and slots as this call can use: zeroing the cache is part of its time.
+        longest = max((len(p) for p in prompts), default=0) + sampling.max_completion_length
+        self.wake(len(prompts) * n, longest)
         try:
             return self.engine.generate(list(prompts), configs)
         finally:

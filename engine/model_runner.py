@@ -25,7 +25,7 @@ from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, En
 from engine.cuda_graphs import GraphedDecode
 from engine.decode_step import DecodeStep
 from engine.linear_choice import choose_cpu_linear, to_column_major
-from engine.native_step import C_ROWS, NativeStep
+from engine.native_step import C_ROWS, MAX_ROWS, NativeStep
 from engine.paged_pool import PagedPool, Prefill
 from engine.slots import SlotPool
 from kernels import registry
@@ -207,6 +207,12 @@ class ModelRunner:
         if step is None or self.config.decode_step != "auto" or self.device.type != "cpu":
             return step
         native, why = NativeStep.build(step)
+        if native is not None and self.cpu_linear == "dense" and native.max_rows == C_ROWS:
+            # C_ROWS bounds C steps where a packed layout runs larger ones faster; with dense
+            # weights the lean step's product is MKL's over the same row-major weights, which
+            # the C step matched or beat at 32 and 64 rows (hidden 128 and 512, fp32; the
+            # colocated rollouts of bench/bench_rollouts.py run there).
+            native.max_rows = MAX_ROWS
         log.info(
             "decode steps in C: %s (%s)",
             f"up to {native.max_rows} row(s)" if native else "none, the lean step",
@@ -321,6 +327,23 @@ class ModelRunner:
         for prefill in prefills:
             self.pool.prefilled(prefill, tokens)
         return logits
+
+    def resize_cache(self, rows: int, max_seq_len: int) -> None:
+        """Replace the dense KV-cache pool, which must hold no row, by one of `rows` rows of
+        `max_seq_len` slots (colocated rollouts release it between calls for training)."""
+        if not isinstance(self.pool, SlotPool) or self.graphs is not None:
+            raise ValueError(
+                "ModelRunner.resize_cache: only a dense pool without CUDA graphs is resized (a "
+                "paged pool's block tables and captured graphs hold the old buffers)"
+            )
+        if self.pool.num_rows:
+            raise RuntimeError(f"ModelRunner.resize_cache: {self.pool.num_rows} rows in use")
+        if rows <= 0 or not 0 < max_seq_len <= self.max_model_len:
+            raise ValueError(
+                f"ModelRunner.resize_cache: {rows} rows of {max_seq_len} slots (rows > 0, "
+                f"slots in 1..{self.max_model_len})"
+            )
+        self.pool = SlotPool(self.model, rows, max_seq_len)
 
     def row_length(self, row: int) -> int:
         """Tokens cached in active pool row `row` (speculative decoding's `TargetRows`)."""

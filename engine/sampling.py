@@ -4,7 +4,7 @@ Shapes: B rows (sequences or beams), V vocab.
 
 Order (as `transformers` builds it): repetition penalty, then — only when sampling — temperature,
 top-k, top-p. A filtered logit becomes -inf, so softmax gives it probability exactly 0 and
-`torch.multinomial` can never draw it.
+`sample_rows` can never draw it.
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def warp(
     min_keep: int = 1,
 ) -> torch.Tensor:
     """Temperature, top-k and top-p of each row's config (rows that do not sample pass through)."""
-    if not any(c.sampling for c in configs):  # greedy rows only: no tensor, no device sync
+    if all(
+        not c.sampling or (c.temperature == 1 and c.top_k == 0 and c.top_p >= 1) for c in configs
+    ):  # greedy rows, or sampling the plain softmax (GRPO's default): no tensor, no device sync
         return logits_BV
     device = logits_BV.device
     temp_B = torch.tensor([c.temperature if c.sampling else 1.0 for c in configs], device=device)
@@ -171,13 +173,30 @@ def sample_rows(
     logits_BV: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """One token per row: drawn with the row's generator from softmax(logits), or the arg-max
-    where the generator is None. Returns ids [B]."""
-    next_B = argmax_rows(logits_BV)
-    probs_BV = None
-    for row, gen in enumerate(generators):
-        if gen is None:
-            continue
-        if probs_BV is None:
-            probs_BV = logits_BV.float().softmax(dim=-1)
-        next_B[row] = torch.multinomial(probs_BV[row], 1, generator=gen)[0]
+    where the generator is None. Returns ids [B].
+
+    A draw is by inverse CDF: one uniform u from the row's generator, then the first token whose
+    cumulative probability exceeds u times the row's total, for all sampled rows at once. That is
+    exactly the categorical distribution, seeded per row, and costs one random number a row:
+    `torch.multinomial` draws V exponentials a row (~0.3 ms a row at a 4k vocabulary on the
+    2-core box, the larger part of a 32-row rollout step of a small model). A token of
+    probability 0 is never drawn (its cumulative sum equals its predecessor's)."""
+    sampled = [row for row, gen in enumerate(generators) if gen is not None]
+    if len(sampled) < len(generators):
+        next_B = argmax_rows(logits_BV)
+    else:
+        next_B = torch.empty(len(generators), dtype=torch.long, device=logits_BV.device)
+    if not sampled:
+        return next_B
+    cdf_RV = logits_BV[sampled].double().softmax(dim=-1).cumsum(dim=-1)
+    total_R = cdf_RV[:, -1]
+    if not bool(torch.isfinite(total_R).all()):  # before any generator draws
+        raise ValueError("sample_rows: a sampled row's probabilities are not finite (NaN logits)")
+    u_R = torch.cat(
+        [torch.rand(1, generator=generators[row], device=logits_BV.device) for row in sampled]
+    ).double()
+    # Strictly below the total (u * total can round up to it), so some token's sum exceeds it.
+    target_R = torch.minimum(u_R * total_R, torch.nextafter(total_R, torch.zeros_like(total_R)))
+    drawn_R = torch.searchsorted(cdf_RV, target_R[:, None], right=True)[:, 0]
+    next_B[sampled] = drawn_R
     return next_B

@@ -118,6 +118,17 @@ class SlotPool:
         slots = self.cache.slots
         return sum(min(n, slots) for n in self.lengths())
 
+    def copy_row(self, src: int, start: int, stop: int) -> None:
+        """Make rows [start, stop) copies of row `src` (a prompt prefilled once for several
+        samples of it): its keys and values up to its length, its mask and length."""
+        pool = self.cache
+        used = min(int(pool.lengths_B[src]), pool.slots)
+        for store in (pool.k_BSKD, pool.v_BSKD):
+            for buf in store.values():
+                buf[start:stop, :used] = buf[src, :used].clone()  # src may be in the range
+        pool.key_mask_BS[start:stop] = pool.key_mask_BS[src].clone()
+        pool.lengths_B[start:stop] = int(pool.lengths_B[src])
+
     def gather(self, rows: list[int]) -> None:
         """Keep active rows `rows`, in that order, as the new rows [0, len(rows)).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, cast
 
@@ -195,6 +196,32 @@ def checkpoint_state(trainer: TrainerState, *, loading: bool = False) -> TrainSt
     )
 
 
+def _saved_value_head(manager: CheckpointManager) -> bool:
+    """Whether the latest step under `manager` (--load) is a reward model's (its config.json
+    says value_head); a causal LM's is not (nor a step without one)."""
+    step = manager.latest()
+    if step is None:
+        return False  # the load itself reports the missing checkpoint
+    path = manager.step_dir(step) / "config.json"
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--load {manager.save_dir}: {path} is unreadable ({exc})") from exc
+    return isinstance(saved, dict) and saved.get("value_head") is True
+
+
+def _backbone(module: nn.Module) -> nn.Module:
+    """The tensors of `module` less its output head: --stage rm --finetune from a causal LM loads
+    the backbone, and the value head keeps its fresh initialisation (a vocabulary head has
+    another shape and another meaning)."""
+    named = module.named_parameters(remove_duplicate=False)
+    return tensor_tree(
+        (name, param)
+        for name, param in named
+        if finetune.clean_name(name).split(".")[0] != "lm_head"
+    )
+
+
 def _manager(trainer: TrainerState, directory: str | None) -> CheckpointManager:
     if directory is None:
         raise ValueError("no checkpoint directory: pass --save DIR (or --load DIR to resume)")
@@ -251,7 +278,10 @@ def load_checkpoint(trainer: TrainerState) -> int:
     """Restore the latest step under --load (honouring --finetune/--no-load-optim/--no-load-rng)."""
     run = trainer.config.run
     state = checkpoint_state(trainer, loading=True)
-    step = _manager(trainer, run.load).load("latest", state)
+    manager = _manager(trainer, run.load)
+    if run.finetune and run.stage == "rm" and not _saved_value_head(manager):
+        state.model = _backbone(state.model)
+    step = manager.load("latest", state)
     optimizer = trainer.optimizer
     if optimizer.plan.mode == "master":
         with torch.no_grad():

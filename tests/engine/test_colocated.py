@@ -104,3 +104,49 @@ def test_a_packed_layout_is_refused() -> None:
     model, config = _model()
     with pytest.raises(ValueError, match="--cpu-linear must be dense"):
         ColocatedEngine(model, TokenizerInfo(config.vocab_size), EngineConfig(cpu_linear="packed"))
+
+
+@torch.no_grad()
+def _sampled_reference(model, prompt: list[int], seed: int, new: int) -> list[int]:
+    """A loop over the module's forward, drawing as the engine does (one generator a sample)."""
+    from engine.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(new):
+        logits = model(torch.tensor([ids]))[0, -1:]
+        ids.append(int(sample_rows(logits, [gen])[0]))
+    return ids[len(prompt) :]
+
+
+def test_group_rollouts_run_in_c_over_the_trained_weights() -> None:
+    """24 rows a step (3 groups of 8, past the C step's 8-row bound of packed layouts) run in C
+    on the dense weights; each group's prompt is prefilled once; after training steps every
+    sample equals a sampled loop over the module's own forward with the sample's seed."""
+    from engine.native_step import NativeStep, available
+
+    if not available()[0]:
+        pytest.skip(available()[1])
+    model, config = _model()
+    colocated = ColocatedEngine(
+        model, TokenizerInfo(config.vocab_size), sampling=RolloutSampling(max_completion_length=5)
+    )
+    step = colocated.engine.runner.decode_step
+    assert isinstance(step, NativeStep) and step.max_rows >= 24
+    _train_steps(model, 2)
+    prefilled: list[int] = []
+    real_prefill = colocated.engine.runner.prefill
+
+    def counting_prefill(prompts, *args, **kwargs):
+        prefilled.append(len(prompts))
+        return real_prefill(prompts, *args, **kwargs)
+
+    colocated.engine.runner.prefill = counting_prefill
+    groups = colocated.generate(model, PROMPTS, [10, 20, 30], 8)
+    assert sum(prefilled) == len(PROMPTS)  # one prompt row per group, copied to its samples
+    assert colocated.weight_bytes_copied() == 0
+    model.eval()
+    for prompt, seed, group in zip(PROMPTS, [10, 20, 30], groups, strict=True):
+        assert [s.token_ids for s in group] == [
+            _sampled_reference(model, prompt, seed + j, 5) for j in range(8)
+        ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.trainer.arguments import parse_args
@@ -127,6 +128,51 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
     assert summary.val_loss is not None and summary.val_loss < 0.5 * summary.first_loss
 
 
+def test_reward_model_starts_from_sft_weights_with_a_fresh_value_head(
+    sentencepiece_model, pair_prefix, tmp_path
+):
+    """--stage rm --load SFT --finetune: the backbone is the SFT checkpoint's, the value head
+    the fresh initialisation the run would have had without --load; then it learns the pairs."""
+    sft_dir = tmp_path / "sft"
+    sft_flags = _flags(
+        sentencepiece_model,
+        pair_prefix,
+        "sft",
+        "--mock-data",
+        "--vocab-size",
+        "512",
+        "--save",
+        str(sft_dir),
+    )
+    sft_flags[sft_flags.index("--train-iters") + 1] = "2"
+    for flag in ("--data-path", "--split"):  # mock token data, not the pairs
+        at = sft_flags.index(flag)
+        del sft_flags[at : at + 2]
+    sft, _, _ = _run(sft_flags)
+    sft.save()
+    sft_weights = {n: p.detach().clone() for n, p in sft.model.named_parameters()}
+    assert sft.model.lm_head is None or sft.model.lm_head.out_features > 1
+
+    flags = _flags(sentencepiece_model, pair_prefix, "rm")
+    fresh = Trainer(parse_args(flags)).model.lm_head.weight.detach().clone()
+    trainer = Trainer(parse_args([*flags, "--load", str(sft_dir), "--finetune"]))
+    trainer.load()
+    loaded = dict(trainer.model.named_parameters())
+    assert torch.equal(loaded.pop("lm_head.weight"), fresh)
+    assert set(loaded) == {n for n in sft_weights if not n.startswith("lm_head")}
+    for name, param in loaded.items():
+        assert torch.equal(param, sft_weights[name]), name
+    summary = trainer.fit()
+    assert summary.final_loss < 0.5 * summary.first_loss
+    # A reward model's checkpoint (config.json says value_head) loads whole, its head included.
+    rm_dir = tmp_path / "rm"
+    trainer.config.run.save = str(rm_dir)
+    trainer.save()
+    again = Trainer(parse_args([*flags, "--load", str(rm_dir), "--finetune"]))
+    again.load()
+    assert torch.equal(again.model.lm_head.weight, trainer.model.lm_head.weight)
+
+
 @pytest.mark.parametrize(
     ("extra", "world", "message"),
     [
@@ -140,7 +186,6 @@ def test_reward_model_run_learns_to_rank_the_pairs(sentencepiece_model, pair_pre
         (("--recompute-granularity", "full"), 1, "--recompute-granularity with --stage dpo"),
         (("--dpo-beta", "0"), 1, "--dpo-beta must be > 0"),
         (("--dpo-loss-type", "hinge", "--dpo-label-smoothing", "0.1"), 1, "no effect on"),
-        (("--stage", "rm", "--load", "/x", "--finetune"), 1, "--finetune with --stage rm"),
         (("--eod-mask-loss",), 1, "--eod-mask-loss with --stage dpo"),
         (("--variable-seq-lengths",), 1, "--variable-seq-lengths with --stage dpo"),
     ],

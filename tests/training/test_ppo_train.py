@@ -61,3 +61,42 @@ def test_ppo_trains_policy_and_critic_on_its_rollouts(digit_task, tmp_path) -> N
     worker.load()
     with pytest.raises(ValueError, match="resumed at step 2"):
         worker.train_step()
+
+
+@pytest.mark.slow  # a PPO step, then the converter's process (~1 min on the busy 2-core box)
+def test_a_ppo_checkpoint_converts_its_policy_to_transformers(digit_task, tmp_path) -> None:  # noqa: F811
+    """`meshline convert` of a --stage ppo checkpoint (policy and critic side by side) writes
+    the trained policy as an HF model; transformers loads it and its logits are the policy's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    save, out = tmp_path / "ppo", tmp_path / "hf"
+    trainer = Trainer(
+        parse_args([*_ppo_flags(digit_task, "--train-iters", "1"), "--save", str(save)]),
+        rollouts=colocated_rollouts,
+    )
+    trainer.fit()
+    script = Path(sys.executable).with_name("meshline")
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "services.cli"]
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [*command, "convert", "--load-format", "native", "--save-format", "hf",
+         "--load-dir", str(save), "--save-dir", str(out)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    policy = trainer.model.policy.eval()
+    ids = torch.tensor([[1, 4, 5, 6, 14, 7]])
+    with torch.no_grad():
+        expected = policy(ids).float()
+        got = hf(ids).logits.float()
+    assert (got - expected).abs().max() < 1e-4

@@ -86,12 +86,6 @@ def check_stage(config: TrainingConfig, world_size: int) -> None:
                 "train full weights, or LoRA adapters under dpo, on pairwise shards padded per "
                 f"side, without recompute or compile); drop {flag} (docs/alignment.md)"
             )
-    if stage == "rm" and config.run.load and config.run.finetune:
-        raise ValueError(
-            "--finetune with --stage rm: starting a reward model from saved causal-LM weights "
-            "(dropping their vocabulary head for the value head) is not built yet; train it from "
-            "the registry initialisation, or resume an rm checkpoint (--load without --finetune)"
-        )
     if stage == DPOLoss.name:  # the settings' ranges, before any worker builds the objective
         DPOLoss(
             beta=config.run.dpo_beta,

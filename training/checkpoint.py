@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from checkpoints.native_format import FORMAT
+from checkpoints.safe_fs import open_dir_beneath
 from checkpoints.safe_reader import SafeFileSystemReader
 from training.ckpt.signals import LastGasp
 from training.ckpt.state import (
@@ -63,10 +64,10 @@ PathGuard = Callable[[Path, str], object]
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    """Write JSON to `path` via a temporary name, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    """Write JSON to `path` atomically beneath its data root (`checkpoints.safe_fs`: the folder
+    is opened without following a link swapped in, then written through a temporary name)."""
+    with open_dir_beneath(path.parent) as folder:
+        folder.write_text(path.name, json.dumps(payload, indent=1, sort_keys=True))
 
 
 class CheckpointManager:
@@ -198,23 +199,23 @@ class CheckpointManager:
             return
         self._guard(tmp)
         final = self.step_dir(step)
-        if final.exists():
-            # Re-saving a step (e.g. a last-gasp save right after a resume): swap, never merge.
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        pointer = self.save_dir / "latest"
-        pointer_tmp = self.save_dir / "latest.partial"
-        pointer_tmp.write_text(f"{step}\n")
-        os.replace(pointer_tmp, pointer)
-        if self.keep_last:
-            for old_step in self.steps()[: -self.keep_last]:
-                if old_step != step:
-                    shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+        # Every rename, the pointer and pruning go through the save folder opened beneath its
+        # data root: a folder swapped for a symlink meanwhile is refused, nothing outside moves.
+        with open_dir_beneath(self.save_dir) as save:
+            if save.lstat(final.name) is not None:
+                # Re-saving a step (e.g. a last-gasp save right after a resume): swap, never merge.
+                old = final.name + ".old"
+                save.rmtree(old)
+                save.rename(final.name, old)
+                save.rename(tmp.name, final.name)
+                save.rmtree(old)
+            else:
+                save.rename(tmp.name, final.name)
+            save.write_text("latest", f"{step}\n")
+            if self.keep_last:
+                for old_step in self.steps()[: -self.keep_last]:
+                    if old_step != step:
+                        save.rmtree(self.step_dir(old_step).name)
         log.info("saved checkpoint %s", final)
 
     def _finish_async(self, done: Future, step: int, tmp: Path) -> None:

@@ -67,3 +67,32 @@ def test_resolved_config_is_written_whole_into_the_folder_opened(tmp_path: Path)
     assert written.parent == (tmp_path / "launch").resolve()
     assert sorted(p.name for p in written.parent.iterdir()) == ["train_config.yaml"]
     assert parse_args(flags, read_files=True).run.train_iters == 2
+
+
+def test_checkpoint_publish_pointer_and_pruning_stay_beneath_the_root(
+    root: Path, outside: Path
+) -> None:
+    """The checkpoint manager publishes a step, moves `latest` and prunes old steps through the
+    save folder opened beneath the data root: once that folder is swapped for a symlink, a
+    publish is refused and nothing appears (or disappears) outside."""
+    from training.checkpoint import CheckpointManager, read_latest
+
+    save = root / "ckpt"
+    manager = CheckpointManager(save, keep_last=1)
+    for step in (1, 2):  # an ordinary run: publish, pointer, prune
+        tmp = save / f"step-{step:06d}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "train_state.json").write_text("{}")
+        manager._finalize(step, tmp)
+    assert read_latest(save) == 2 and sorted(p.name for p in save.iterdir()) == [
+        "latest",
+        "step-000002",
+    ]
+    (root / "real").mkdir()
+    (save / "step-000003.tmp").mkdir()
+    save.rename(root / "real" / "ckpt")
+    save.symlink_to(outside, target_is_directory=True)  # the folder swapped for a link
+    (outside / "step-000003.tmp").mkdir()
+    with pytest.raises(safe_fs.Escape):
+        manager._finalize(3, save / "step-000003.tmp")
+    assert sorted(p.name for p in outside.iterdir()) == ["sentinel", "step-000003.tmp"]

@@ -8,9 +8,8 @@
  * The input stays fp32 (it is not rounded to int8 as llama.cpp's Q8_0 dot products do), so the
  * result is the dequantized weight's F.linear to fp32 rounding (tested).
  *
- * Zero points: sum_i (c_i - z) x_i = sum_i c_i x_i - z sum_i x_i, the group's input sum taken
- * in the same loop, so an affine matrix costs one add per eight inputs more, not one subtract
- * per weight.
+ * Zero points: sum_i (c_i - z) x_i = sum_i c_i x_i - z sum_i x_i, the groups' input sums taken
+ * once per product (q_group_sums) rather than one subtract per weight.
  *
  * int4 without unpacking shuffles: eight packed bytes widened to eight 32-bit lanes hold codes
  * 0,2,..,14 in their low nibbles and 1,3,..,15 in their high ones. Shifting a lane's wanted
@@ -74,6 +73,16 @@ static void q_reorder(const float *x, long n, long G, float *xp) {
     }
 }
 
+/* sums[g] = the sum of x's inputs in group g (of `G`), in any order. */
+static void q_group_sums(const float *x, long n, long G, float *sums) {
+    for (long g0 = 0, g = 0; g0 < n; g0 += G, g++) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (long i = g0; i < g0 + G; i++) s += x[i];
+        sums[g] = s;
+    }
+}
+
 /* This thread's buffer of at least `floats` floats, kept for its next products (a pool thread
  * lives as long as the process); NULL when it cannot be had. */
 static float *q_buffer(long floats) {
@@ -91,12 +100,13 @@ static float *q_buffer(long floats) {
 
 /* out[r] = row (o + r) . x for r < 4 (rows past o1 repeat row o; their sums are not used): four
  * rows, two sums each (eight chains of multiply-adds in flight), each group's sums scaled into
- * its row's total. `bits` 8 or 4, `affine` whether zero points apply, `perm` whether x is in
- * q_reorder's order (int4). */
+ * its row's total. `bits` 8 or 4; `affine` 0: no zero points, 1: zero points with x's group
+ * sums in `gsum`, 2: zero points, group sums taken here (no buffer could be had); `perm` whether
+ * x is in q_reorder's order (int4). */
 static inline __attribute__((always_inline)) void q_dot4(const Lin *l, const int bits,
                                                          const int affine, const int perm,
                                                          long o, long o1, const float *x,
-                                                         float out[4]) {
+                                                         const float *gsum, float out[4]) {
     const long n = l->in, G = l->group, groups = n / G, rs = l->rs;
     const uint8_t *row[4];
     const float *sc[4];
@@ -111,7 +121,7 @@ static inline __attribute__((always_inline)) void q_dot4(const Lin *l, const int
      * consumed, never past the thread's last row */
     const char *pf = (const char *)row[0] + Q_PREFETCH;
     const char *pf_end = (const char *)l->w + o1 * rs;
-    const float unit = bits == 4 ? 0x1p-28f : 1.f; /* int4 sums are of code * 2^28 */
+    const float unit = bits == 4 ? 0x1p-28f : 1.f;
     __m256 total[4];
     float shift[4] = {0.f, 0.f, 0.f, 0.f}; /* sum over groups of zero * scale * group input sum */
     for (int r = 0; r < 4; r++) total[r] = _mm256_setzero_ps();
@@ -126,7 +136,7 @@ static inline __attribute__((always_inline)) void q_dot4(const Lin *l, const int
             if ((consumed & 63) == 0 && pf + consumed < pf_end)
                 _mm_prefetch(pf + consumed, _MM_HINT_T0);
             const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-            if (affine) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
+            if (affine == 2) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
             for (int r = 0; r < 4; r++) {
                 __m256 w0, w1;
                 if (bits == 8) {
@@ -144,35 +154,48 @@ static inline __attribute__((always_inline)) void q_dot4(const Lin *l, const int
         }
         if (i < end) { /* 8 inputs left: read in natural order */
             const __m256 x0 = _mm256_loadu_ps(x + i);
-            if (affine) xsum = _mm256_add_ps(xsum, x0);
+            if (affine == 2) xsum = _mm256_add_ps(xsum, x0);
             for (int r = 0; r < 4; r++) {
                 const __m256 w0 = bits == 8 ? q8_load8((const int8_t *)row[r] + i)
                                             : q4_load8(row[r] + i / 2);
                 a[r] = _mm256_fmadd_ps(w0, x0, a[r]);
             }
         }
-        const float xs = affine ? hsum(xsum) : 0.f;
+        const float xs = affine == 2 ? hsum(xsum) : 0.f;
         for (int r = 0; r < 4; r++) {
             const float s = sc[r][g];
-            total[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), _mm256_set1_ps(s * unit), total[r]);
-            if (affine) shift[r] += (float)zp[r][g] * s * xs;
+            total[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), _mm256_set1_ps(s), total[r]);
+            if (affine == 2) shift[r] += (float)zp[r][g] * s * xs;
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum(total[r]) - shift[r];
+    if (affine == 1) /* the zero points' share, eight groups at a time */
+        for (int r = 0; r < 4; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            long g = 0;
+            for (; g + 8 <= groups; g += 8) {
+                const __m256 zs = _mm256_mul_ps(q8_load8(zp[r] + g), _mm256_loadu_ps(sc[r] + g));
+                acc = _mm256_fmadd_ps(zs, _mm256_loadu_ps(gsum + g), acc);
+            }
+            shift[r] = hsum(acc);
+            for (; g < groups; g++) shift[r] += (float)zp[r][g] * sc[r][g] * gsum[g];
+        }
+    /* int4 sums are of code * 2^28: scaled back (exactly: a power of two) */
+    for (int r = 0; r < 4; r++) out[r] = hsum(total[r]) * unit - shift[r];
 }
 
 /* Y[b, o0:o1] = W[o0:o1] X[b], four weight rows at a time against every input row (the four
  * rows' codes stay in the core's cache from one input row to the next); one copy of the loop
- * per (bits, affine, perm), so none is tested inside it. `X` is in q_reorder's order when perm. */
+ * per (bits, affine, perm), so none is tested inside it. `X` is in q_reorder's order when perm;
+ * affine, `S` holds each input row's group sums, `gs` apart. */
 #define LIN_QUANT(bits, affine, perm)                                                            \
     static void lin_quant_##bits##_##affine##_##perm(const Lin *l, long B, const float *X,      \
-                                                     long xs, float *Y, long ys, long o0,       \
-                                                     long o1) {                                 \
+                                                     long xs, const float *S, long gs,          \
+                                                     float *Y, long ys, long o0, long o1) {     \
         for (long o = o0; o < o1; o += 4) {                                                     \
             const long nr = o1 - o < 4 ? o1 - o : 4;                                            \
             for (long b = 0; b < B; b++) {                                                      \
                 float sums[4];                                                                  \
-                q_dot4(l, bits, affine, perm, o, o1, X + b * xs, sums);                         \
+                q_dot4(l, bits, affine, perm, o, o1, X + b * xs, S + b * gs, sums);             \
                 for (long r = 0; r < nr; r++) Y[b * ys + o + r] = sums[r];                      \
             }                                                                                   \
         }                                                                                       \
@@ -183,20 +206,33 @@ LIN_QUANT(4, 0, 0)
 LIN_QUANT(4, 1, 0)
 LIN_QUANT(4, 0, 1)
 LIN_QUANT(4, 1, 1)
+LIN_QUANT(8, 2, 0)
+LIN_QUANT(4, 2, 0)
 #undef LIN_QUANT
 
 static void lin_quant(const Lin *l, long B, const float *X, long xs, float *Y, long ys, long o0,
                       long o1) {
-    if (l->qbits == 8) {
-        (l->zero ? lin_quant_8_1_0 : lin_quant_8_0_0)(l, B, X, xs, Y, ys, o0, o1);
+    const long n = l->in, G = l->group, groups = n / G;
+    const int perm = l->qbits == 4 && G >= 16;
+    /* per input row: the reordered inputs (int4) and the group sums (affine) */
+    const long row = (perm ? n : 0) + (l->zero ? groups : 0);
+    float *buf = row ? q_buffer(B * row) : NULL;
+    if (row && !buf) { /* no memory for the buffer: natural order, group sums in the loop */
+        if (l->qbits == 8)
+            lin_quant_8_2_0(l, B, X, xs, NULL, 0, Y, ys, o0, o1);
+        else
+            (l->zero ? lin_quant_4_2_0 : lin_quant_4_0_0)(l, B, X, xs, NULL, 0, Y, ys, o0, o1);
         return;
     }
-    const long n = l->in;
-    float *xp = l->group >= 16 ? q_buffer(B * n) : NULL;
-    if (!xp) { /* groups of 8, or no buffer: natural order */
-        (l->zero ? lin_quant_4_1_0 : lin_quant_4_0_0)(l, B, X, xs, Y, ys, o0, o1);
-        return;
+    const float *S = buf + (perm ? B * n : 0);
+    for (long b = 0; b < B; b++) {
+        if (perm) q_reorder(X + b * xs, n, G, buf + b * n);
+        if (l->zero) q_group_sums(X + b * xs, n, G, buf + (perm ? B * n : 0) + b * groups);
     }
-    for (long b = 0; b < B; b++) q_reorder(X + b * xs, n, l->group, xp + b * n);
-    (l->zero ? lin_quant_4_1_1 : lin_quant_4_0_1)(l, B, xp, n, Y, ys, o0, o1);
+    if (l->qbits == 8)
+        (l->zero ? lin_quant_8_1_0 : lin_quant_8_0_0)(l, B, X, xs, S, groups, Y, ys, o0, o1);
+    else if (perm)
+        (l->zero ? lin_quant_4_1_1 : lin_quant_4_0_1)(l, B, buf, n, S, groups, Y, ys, o0, o1);
+    else
+        (l->zero ? lin_quant_4_1_0 : lin_quant_4_0_0)(l, B, X, xs, S, groups, Y, ys, o0, o1);
 }

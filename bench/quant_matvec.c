@@ -15,7 +15,7 @@
  * the bytes a pass streams (codes + scales + zero points + fp32 weights), the best and mean
  * pass and the bytes/s of the best. One thread is timed in thread CPU time (a shared machine's
  * other processes then cost it less), several in wall time. `bw` prints the best bytes/s of an
- * AVX2 sum over 256 MiB, the roofline. */
+ * AVX2 sum over 256 MiB (same clocks), the roofline. */
 #include "../engine/cpu_decode.c"
 
 #include <stdio.h>
@@ -96,7 +96,10 @@ static int bandwidth(int threads) {
 }
 
 int main(int argc, char **argv) {
-    if (argc == 3 && !strcmp(argv[1], "bw")) return bandwidth(atoi(argv[2]));
+    if (argc == 3 && !strcmp(argv[1], "bw")) {
+        cpu_clock = atoi(argv[2]) == 1; /* the same clock as the products' */
+        return bandwidth(atoi(argv[2]) > 0 ? atoi(argv[2]) : 1);
+    }
     if (argc < 6) {
         fprintf(stderr, "usage: %s BITS GROUP AFFINE THREADS REPEATS [HEAD [LAYERS]] | bw THREADS\n",
                 argv[0]);

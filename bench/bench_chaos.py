@@ -24,6 +24,7 @@ import itertools
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -299,7 +300,7 @@ def goodput(iters: int, every: int, base: Path) -> dict[str, object]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Runs both parts and prints one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=50, help="random service kills (0: none)")
@@ -309,7 +310,14 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="goodput pairs to run (the machine is shared: noise)"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="5 kills and one 20-step goodput pair (`python -m bench`)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.kills, args.goodput_iters, args.kill_every, args.rounds = 5, 20, 10, 1
     result: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="meshline-chaos-") as tmp:
         base = Path(tmp)
@@ -327,7 +335,8 @@ def main() -> None:
             if len(rounds) > 1:
                 result["goodput_median"] = statistics.median(float(r["goodput"]) for r in rounds)
     print(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -205,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(RUNS),
         help=f"comma-separated subset of {','.join(RUNS)} (default: all)",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 2-layer, 256-wide model (what `python -m bench` runs)",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.ffn, args.vocab = 2, 256, 688, 1024
     runs = args.runs.split(",")
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:

@@ -140,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--served", action="store_true", help="time `meshline serve` processes over gRPC"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="16 tokens, one round (what `python -m bench` runs)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("DIR", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.rounds = 16, 1
     if args.served:
         from bench.quant_served import run_served
 

@@ -187,6 +187,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             if key in s
         )
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the staging and swap buffers allocated so far (what the chunked step holds)."""
+        return sum(t.numel() * t.element_size() for slot in self._buffers for t in slot.values())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore torch AdamW's `state_dict` layout into this tier (files for nvme)."""
         saved_groups = state_dict["param_groups"]

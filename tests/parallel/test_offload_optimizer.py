@@ -128,6 +128,7 @@ def test_nvme_tier_keeps_states_out_of_memory(tmp_path):
         optimizer.step()
         grown[name] = _rss_anon() - before
         assert optimizer.state_bytes_in_memory() == (8 * numel if name == "cpu" else 0)
+        assert optimizer.buffer_bytes() == (0 if name == "cpu" else 4 * 2 * 4 * (1 << 18))
         optimizer.close()
         del optimizer, param
     assert grown["cpu"] > 120 * 2**20, grown
@@ -219,3 +220,12 @@ def test_offload_losses_and_nvme_resume(tmp_path):
             assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) < 1e-6, key
         assert out["resumed"] == out[("2", "nvme")][SAVE_AT:]
     assert os.listdir(tmp_path / "swap" / "2") == []  # swap files are unlinked at creation
+
+
+def test_pin_memory_has_nothing_to_pin_on_a_cpu_run(tmp_path):
+    """--offload-pin-memory on a CPU run: fp32 host parameters are stepped in place, no staging
+    buffer exists to pin, and the update is the unpinned one (docs/decisions.md)."""
+    plain, _, _ = _train(lambda p: _adamw(p, OptimizerOffload("cpu")))
+    pinned, _, optimizer = _train(lambda p: _adamw(p, OptimizerOffload("cpu", pin_memory=True)))
+    assert pinned == plain
+    assert optimizer.buffer_bytes() == 0

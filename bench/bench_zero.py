@@ -219,26 +219,34 @@ def _ladder(args: argparse.Namespace) -> None:
         f"layers={args.layers} vocab={args.vocab} seq={args.seq}, AdamW fp32, {args.steps} steps"
     )
     first = rows["zero-2"]
-    params_total = first[0]["local_params"]  # ZeRO-2 ranks hold every parameter
-    print(f"parameters: {params_total / 1e6:.2f}M ({params_total * 4 / 2**20:.1f} MiB fp32)")
+    local_params = first[0]["local_params"]
+    print(
+        f"parameters held per rank (FSDP2 shards under ZeRO-2 and 3): {local_params / 1e6:.2f}M "
+        f"({local_params * 4 / 2**20:.1f} MiB fp32)"
+    )
     print(
         f"{'rung':45s} {'peak RSS MiB/rank':>18s} {'drop vs previous':>17s} "
-        f"{'moved off the process':>22s}  max |loss - ZeRO-2 loss|"
+        f"{'moved off the process':>22s}  max |loss - ZeRO-2 loss| (relative)"
     )
     previous = None
     for name, ranks in rows.items():
         peak = max(r["peak_rss"] for r in ranks)
         local = max(r["local_params"] for r in ranks)
-        # What leaves the process's memory on a CPU run: sharded parameters (ZeRO-3, their
-        # share of params) and the NVMe tier (m and v, 8 bytes a local parameter element).
+        # What leaves the process's memory on a CPU run (the device is the host): the NVMe
+        # tier's m and v, 8 bytes a local parameter element.
         moved = 8 * local if "NVMe" in name else 0
-        diff = max(
-            abs(a - b)
+        pairs = [
+            (a, b)
             for r, f in zip(ranks, first, strict=True)
             for a, b in zip(r["losses"], f["losses"], strict=True)
-        )
+        ]
+        diff = max(abs(a - b) for a, b in pairs)
+        rel = max(abs(a - b) / abs(b) for a, b in pairs)
         drop = "" if previous is None else f"{(previous - peak) / 2**20:17.1f}"
-        print(f"{name:45s} {peak / 2**20:18.1f} {drop:>17s} {moved / 2**20:22.1f}  {diff:.2e}")
+        print(
+            f"{name:45s} {peak / 2**20:18.1f} {drop:>17s} {moved / 2**20:22.1f}  "
+            f"{diff:.2e} ({rel:.1e})"
+        )
         previous = peak
 
 

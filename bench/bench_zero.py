@@ -6,7 +6,9 @@ nvme tiers) against `torch.optim.AdamW` foreach and fused on the same fp32 param
 
 `--ladder`: the memory ladder (ZeRO-2 -> + optimizer offload -> ZeRO-3 -> + parameter offload ->
 + NVMe optimizer tier), each rung in fresh gloo processes training the same model `--steps`
-steps through `training.loop.Trainer`: peak resident set per rank (VmHWM), the bytes the rung
+steps through `training.loop.Trainer`: peak resident set per rank (VmHWM) and the resident set
+after the steps (VmRSS; the drop rung to rung is taken on it, the peak being dominated by
+transient buffers whose size varies run to run), the bytes the rung
 moves off the "device" (on a CPU run the device is the host, so only the NVMe tier and sharding
 take bytes out of the process), and the largest loss difference from the ZeRO-2 run.
 
@@ -19,6 +21,7 @@ per-rank optimizer-state bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -172,13 +175,14 @@ LADDER = {
 }  # fmt: skip
 
 
-def _peak_rss() -> int:
+def _status_bytes(key: str) -> int:
+    """A size field of /proc/self/status (VmHWM: peak resident set, VmRSS: resident set now)."""
     from pathlib import Path
 
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def _ladder_rank(rank: int, world_size: int, flags: list[str], args: argparse.Namespace) -> dict:
@@ -200,7 +204,13 @@ def _ladder_rank(rank: int, world_size: int, flags: list[str], args: argparse.Na
     local = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.model.parameters()
     )
-    return {"losses": losses, "peak_rss": _peak_rss(), "local_params": local}
+    gc.collect()
+    return {
+        "losses": losses,
+        "peak_rss": _status_bytes("VmHWM"),
+        "rss": _status_bytes("VmRSS"),
+        "local_params": local,
+    }
 
 
 def _ladder(args: argparse.Namespace) -> None:
@@ -225,12 +235,13 @@ def _ladder(args: argparse.Namespace) -> None:
         f"({local_params * 4 / 2**20:.1f} MiB fp32)"
     )
     print(
-        f"{'rung':45s} {'peak RSS MiB/rank':>18s} {'drop vs previous':>17s} "
-        f"{'moved off the process':>22s}  max |loss - ZeRO-2 loss| (relative)"
+        f"{'rung':45s} {'peak RSS':>9s} {'RSS after':>10s} {'drop vs previous':>17s} "
+        f"{'moved off':>10s}  max |loss - ZeRO-2 loss| (relative)   (MiB per rank)"
     )
     previous = None
     for name, ranks in rows.items():
         peak = max(r["peak_rss"] for r in ranks)
+        after = max(r["rss"] for r in ranks)
         local = max(r["local_params"] for r in ranks)
         # What leaves the process's memory on a CPU run (the device is the host): the NVMe
         # tier's m and v, 8 bytes a local parameter element.
@@ -242,12 +253,12 @@ def _ladder(args: argparse.Namespace) -> None:
         ]
         diff = max(abs(a - b) for a, b in pairs)
         rel = max(abs(a - b) / abs(b) for a, b in pairs)
-        drop = "" if previous is None else f"{(previous - peak) / 2**20:17.1f}"
+        drop = "" if previous is None else f"{(previous - after) / 2**20:.1f}"
         print(
-            f"{name:45s} {peak / 2**20:18.1f} {drop:>17s} {moved / 2**20:22.1f}  "
-            f"{diff:.2e} ({rel:.1e})"
+            f"{name:45s} {peak / 2**20:9.1f} {after / 2**20:10.1f} {drop:>17s} "
+            f"{moved / 2**20:10.1f}  {diff:.2e} ({rel:.1e})"
         )
-        previous = peak
+        previous = after
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ladder:
         args.hidden, args.layers, args.vocab, args.seq = (
-            (64, 2, 512, 32) if args.quick else (512, 8, 16384, 128)
+            (64, 2, 512, 32) if args.quick else (512, 8, 32768, 32)
         )
         _ladder(args)
         return 0

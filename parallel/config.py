@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from parallel.offload_optimizer import OptimizerOffload
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -45,6 +47,12 @@ class ParallelConfig:
     """Data-parallel ranks per HSDP shard group (0: the ranks of one node)."""
     cpu_offload: bool = False
     """Keep sharded parameters, grads and optimizer state on the CPU (ZeRO-3)."""
+    optimizer_cpu_offload: bool = False
+    """AdamW's states and step on the CPU (ZeRO-Offload), under any ZeRO stage."""
+    optimizer_nvme_path: str | None = None
+    """With optimizer_cpu_offload: hold the states in swap files in this directory (NVMe tier)."""
+    offload_pin_memory: bool = False
+    """Pin the offload's host buffers (where an accelerator exists; a no-op on a CPU run)."""
     zero3_prefetch_layers: int = 0
     """ZeRO-3: layers whose parameters are all-gathered ahead of use (0: FSDP2's default)."""
     recompute_granularity: str | None = None
@@ -62,6 +70,16 @@ class ParallelConfig:
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
+        )
+
+    def optimizer_offload(self) -> OptimizerOffload | None:
+        """The offloaded optimizer's tier (None: the optimizer steps where the parameters are)."""
+        if not self.optimizer_cpu_offload:
+            return None
+        return OptimizerOffload(
+            device="nvme" if self.optimizer_nvme_path else "cpu",
+            nvme_path=self.optimizer_nvme_path,
+            pin_memory=self.offload_pin_memory,
         )
 
     def parallel_config(self) -> ParallelConfig:

@@ -122,6 +122,7 @@ def apply_data_parallel(
     zero_stage: int,
     hsdp: bool = False,
     cpu_offload: bool = False,
+    pin_memory: bool = False,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     prefetch_layers: int = 0,
@@ -137,6 +138,8 @@ def apply_data_parallel(
     explicitly, so the gathers overlap compute further ahead than FSDP2's implicit one-block
     backward prefetch (more memory held: N gathered blocks). `ignored_params` (ZeRO 2/3) are
     left to the caller: neither sharded, cast nor reduced (expert parallelism's experts).
+    `pin_memory` pins the offloaded shards (`cpu_offload`) where the device is an accelerator;
+    on a CPU device the shards never leave host memory, so there is nothing to pin.
     """
     _check_options(mesh, zero_stage, hsdp, cpu_offload, param_dtype)
     if ignored_params and zero_stage < 2:
@@ -147,7 +150,8 @@ def apply_data_parallel(
 
     shard_mesh = mesh if hsdp else dp_mesh_1d(mesh)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
+    pin = pin_memory and device.current().type != "cpu"
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     reshard = zero_stage == 3
     layers = getattr(model, "layers", None)
     blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
@@ -186,13 +190,14 @@ def apply_run_data_parallel(
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """`apply_data_parallel` with a run's settings (--zero-stage, --hsdp, --cpu-offload,
-    --zero3-prefetch-layers of its `ParallelConfig`)."""
+    --offload-pin-memory, --zero3-prefetch-layers of its `ParallelConfig`)."""
     return apply_data_parallel(
         model,
         mesh,
         zero_stage=par.zero_stage,
         hsdp=par.hsdp,
         cpu_offload=par.cpu_offload,
+        pin_memory=par.offload_pin_memory,
         param_dtype=param_dtype,
         prefetch_layers=par.zero3_prefetch_layers,
         ignored_params=ignored_params,

@@ -19,6 +19,7 @@ from training.config_sections import BatchSection, DataSection, ModelSection, Op
 from training.finetune import PeftSection, check
 from training.model_config import registry_model_config
 from training.objectives.layout import check_stage
+from training.optimizer import open_nvme_path
 from training.rl_sections import RLSection
 from training.run_sections import ParallelSection, PrecisionSection, RunSection
 
@@ -100,6 +101,7 @@ class TrainingConfig:
                 f"(world size {world_size} / tensor x pipeline x context parallel size {mp}): "
                 "expert-parallel ranks are carved out of the data-parallel ranks"
             )
+        check_optimizer_offload(par, self.optim.optimizer)
         mbs = self.batch.micro_batch_size
         gbs = self.batch.global_batch_size
         if gbs is not None and gbs % (mbs * dp):
@@ -203,3 +205,20 @@ class TrainingConfig:
         if self.optim.lr_warmup_fraction is not None:
             return int(self.optim.lr_warmup_fraction * self.lr_decay_iters())
         return self.optim.lr_warmup_iters
+
+
+# The offloaded optimizer is AdamW (DeepSpeedCPUAdam's role); Megatron's "adam" is AdamW too.
+OFFLOAD_OPTIMIZERS = ("adam", "adamw", "fused_adam")
+
+
+def check_optimizer_offload(par: ParallelSection, optimizer: str) -> None:
+    """ValueError naming the flag when --optimizer-cpu-offload cannot apply."""
+    if not par.optimizer_cpu_offload:
+        return
+    if optimizer not in OFFLOAD_OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer-cpu-offload steps AdamW on the CPU; --optimizer {optimizer} has no "
+            f"offloaded form: use --optimizer one of {OFFLOAD_OPTIMIZERS} or drop the offload"
+        )
+    if par.optimizer_nvme_path:
+        open_nvme_path(par.optimizer_nvme_path, "--optimizer-nvme-path").close()

@@ -178,7 +178,11 @@ class Trainer(TrainerState):
                 config.parallel.auto_recompute_profiling_step,
             )
         self.optimizer = build_training_optimizer(
-            self.model, config.optim, self.plan, wrap_inner=wrap_inner
+            self.model,
+            config.optim,
+            self.plan,
+            wrap_inner=wrap_inner,
+            offload=config.parallel_config().optimizer_offload(),
         )
         self.scheduler = LRScheduler(
             self.optimizer,

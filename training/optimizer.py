@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from checkpoints.safe_fs import Dir, Escape, open_dir_beneath
+from parallel.offload_optimizer import OffloadAdamW, OptimizerOffload
 from training.config_sections import OptimSection
 from training.precision import PrecisionOptimizer, PrecisionPlan
 
@@ -54,11 +56,28 @@ def _mesh_key(param: torch.Tensor) -> tuple[str, ...]:
 MEGATRON_OPTIMIZER_NAMES = {"adam": "adamw"}
 
 
-def build_inner_optimizer(optim: OptimSection, groups: list[dict]) -> torch.optim.Optimizer:
-    """The optimizer named by --optimizer from kernels.optim's registry over `groups`."""
+def build_inner_optimizer(
+    optim: OptimSection, groups: list[dict], offload: OptimizerOffload | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer named by --optimizer from kernels.optim's registry over `groups`, or with
+    `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier."""
     from kernels.optim import build_optimizer
 
     clean = [{k: v for k, v in g.items() if k != "names"} for g in groups]
+    if offload is not None:
+        # Validated with the config (training.config.check_optimizer_offload): an AdamW name.
+        swap_dir = None
+        if offload.nvme_path is not None:
+            swap_dir = open_nvme_path(offload.nvme_path, "--optimizer-nvme-path")
+        return OffloadAdamW(
+            clean,
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+            eps=optim.adam_eps,
+            offload=offload,
+            swap_dir=swap_dir,
+        )
     extra = {"momentum": optim.sgd_momentum} if optim.optimizer == "sgd" else {}
     return build_optimizer(
         MEGATRON_OPTIMIZER_NAMES.get(optim.optimizer, optim.optimizer),
@@ -78,11 +97,13 @@ def build_training_optimizer(
     *,
     wrap_inner=None,
     group: torch.distributed.ProcessGroup | None = None,
+    offload: OptimizerOffload | None = None,
 ) -> PrecisionOptimizer:
-    """Param groups -> kernels optimizer (optionally wrapped, e.g. ZeRO-1) -> precision handling."""
+    """Param groups -> kernels optimizer, or the offloaded AdamW (`offload`), optionally wrapped
+    (e.g. ZeRO-1) -> precision handling."""
 
     def build(groups: list[dict]) -> torch.optim.Optimizer:
-        inner = build_inner_optimizer(optim, groups)
+        inner = build_inner_optimizer(optim, groups, offload)
         return wrap_inner(inner) if wrap_inner is not None else inner
 
     groups = param_groups(model, optim.weight_decay)
@@ -93,3 +114,20 @@ def build_training_optimizer(
         clip_grad=optim.clip_grad,
         group=group,
     )
+
+
+def open_nvme_path(path: str, flag: str) -> Dir:
+    """`path` opened (created if missing) as a directory inside the data roots reached through
+    no symlink; ValueError naming `flag` otherwise."""
+    try:
+        return open_dir_beneath(path, create=True)
+    except Escape as exc:
+        raise ValueError(
+            f"{flag} {path!r}: {exc.strerror}; give a directory inside the data roots reached "
+            "through no symbolic link"
+        ) from None
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path!r} is not a usable directory ({exc.strerror}); give a writable local "
+            "directory for the optimizer's swap files"
+        ) from None

@@ -282,6 +282,15 @@ class ParallelSection:
     HYBRID_SHARD; all of them when the launcher's processes per node are unknown)."""
     cpu_offload: bool = False
     """Keep sharded parameters, grads and optimizer state on the CPU (ZeRO-3)."""
+    optimizer_cpu_offload: bool = False
+    """Keep AdamW's states (m, v) and its step on the CPU (ZeRO-Offload, DeepSpeed's
+    offload_optimizer; Megatron's flag), under any --zero-stage; needs --optimizer adam/adamw."""
+    optimizer_nvme_path: str | None = None
+    """With --optimizer-cpu-offload: hold the optimizer states in swap files in this local
+    directory, streamed through bounded host buffers at each step (ZeRO-Infinity's NVMe tier)."""
+    offload_pin_memory: bool = False
+    """Pin the host buffers of --cpu-offload and --optimizer-cpu-offload where an accelerator
+    exists (faster copies); a CPU run makes no host-device copies, so it changes nothing there."""
     overlap_grad_reduce: bool = False
     """Under pipeline parallelism: reduce a stage's gradients as soon as its last micro-batch
     backward is done (overlapping the rest of the schedule), not after the whole schedule."""
@@ -349,6 +358,16 @@ class ParallelSection:
             )
         if self.hsdp and self.zero_stage < 2:
             raise ValueError("--hsdp needs --zero-stage 2 or 3 (it shards within groups)")
+        if self.optimizer_nvme_path and not self.optimizer_cpu_offload:
+            raise ValueError(
+                "--optimizer-nvme-path holds the offloaded optimizer's states: add "
+                "--optimizer-cpu-offload (the step runs on the CPU)"
+            )
+        if self.offload_pin_memory and not (self.cpu_offload or self.optimizer_cpu_offload):
+            raise ValueError(
+                "--offload-pin-memory pins offloaded tensors: add --cpu-offload (ZeRO-3) or "
+                "--optimizer-cpu-offload, or drop it"
+            )
         if self.overlap_grad_reduce and self.pipeline_model_parallel_size < 2:
             warnings.warn(
                 "--overlap-grad-reduce applies under --pipeline-model-parallel-size > 1; ignored",

@@ -626,82 +626,106 @@ def _bf16(ctx: _Ctx, path: str, value: Any) -> None:
 
 # --- ZeRO
 
-_NVME = (
-    'NVMe offload is not implemented yet; use device "cpu" with ZeRO stage 3 '
-    "(--zero-stage 3 --cpu-offload)"
+_NVME_PARAM = (
+    "parameter offload to NVMe is not implemented; use offload_param.device cpu (ZeRO-3 "
+    "--cpu-offload) with offload_optimizer.device nvme (--optimizer-nvme-path DIR)"
 )
 _BUCKET = (
     "bucket sizes are not configurable: ZeRO-2/3 (FSDP2) reduce and gather per decoder "
     'layer, DDP in 25 MB buckets; drop the key or set "auto"'
 )
+_SWAP_KNOB = "a swap performance knob at DeepSpeed's default; results do not depend on it"
+# Keys of an offload block that tune DeepSpeed's swapping: (default, what to do otherwise).
+_SWAP_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "buffer_count": (4, "the optimizer tier streams through 4 buffers; drop the key or set 4"),
+    "buffer_size": (1e8, "the tier's buffers are sized by Meshline; drop the key or set 1e8"),
+    "max_in_cpu": (1e9, "drop the key or set 1e9"),
+    "fast_init": (False, "the swap files start as zeros (sparse); drop the key"),
+}
 
 
-def _offload_device(ctx: _Ctx, path: str, value: Any, stage: int, which: str) -> bool:
-    """Map one offload block; True when it asks for CPU offload."""
+def _offload_device(ctx: _Ctx, path: str, value: Any, stage: int, which: str) -> str:
+    """Map one offload block; returns its device ("none", "cpu" or "nvme")."""
     block = _dict(path, value)
     device = block.get("device", "none")
     device = _choice(f"{path}.device", device, ("none", "cpu", "nvme"))
-    on_cpu = device == "cpu"
-    if device == "nvme":
-        ctx.refuse_all(path, block, _NVME)
-        return False
+    if which == "param" and device == "nvme":
+        ctx.refuse_all(path, block, _NVME_PARAM)
+        return device
     for key, val in block.items():
         at = f"{path}.{key}"
         if key == "device":
-            if device == "none":
-                ctx.same(at, val, "nothing offloaded, Meshline's default")
-            elif stage == -1:
-                ctx.refuse(at, val, 'CPU offload needs zero_optimization.stage 3 (not "auto")')
-            elif stage != 3:
-                ctx.refuse(
-                    at,
-                    val,
-                    f"{which} offload under ZeRO-{stage} is not implemented "
-                    "yet; use stage 3 with offload_param and offload_optimizer on cpu "
-                    "(--zero-stage 3 --cpu-offload)",
-                )
+            _offload_target(ctx, at, val, stage, which, device, block)
+        elif key == "pin_memory":
+            if device == "none" or _bool(at, val) is False:
+                ctx.same(at, val, "nothing pinned (nothing offloaded, or pin_memory false)")
             else:
                 ctx.set(
                     at,
                     val,
-                    "cpu_offload",
+                    "offload_pin_memory",
                     True,
-                    "ZeRO-3 parameters, gradients and "
-                    "optimizer state on the CPU; the optimizer steps there",
+                    "host buffers pinned where an accelerator exists; a CPU run makes no "
+                    "host-device copies",
                 )
-        elif key == "pin_memory":
-            _bool(at, val)
-            if not on_cpu:
-                ctx.same(at, val, "nothing offloaded, so nothing pinned")
-            elif val:
-                ctx.refuse(
-                    at,
-                    val,
-                    "offloaded tensors live in pageable host memory (FSDP2 "
-                    "CPUOffloadPolicy(pin_memory=False)); set pin_memory false",
-                )
-            else:
-                ctx.same(at, val, "pageable host memory, as Meshline's offload")
         elif key == "ratio":
             _only(
                 1.0,
                 "everything offloaded, as Meshline",
                 "partial offload is not implemented; set ratio 1.0",
             )(ctx, at, val)
-        elif key in (
-            "nvme_path",
-            "buffer_count",
-            "buffer_size",
-            "max_in_cpu",
-            "fast_init",
-            "pipeline_read",
-            "pipeline_write",
-            "pipeline",
-        ):
-            ctx.refuse_all(at, val, _NVME)
+        elif key == "nvme_path":
+            if not isinstance(val, str) or not val:
+                raise ValueError(f"{at}: expected a directory path, got {val!r}")
+            if device == "nvme":
+                ctx.set(at, val, "optimizer_nvme_path", val, "the optimizer states' swap files")
+            else:
+                ctx.same(at, val, f"unused: device is {device}, as DeepSpeed")
+        elif key in _SWAP_DEFAULTS:
+            default, use = _SWAP_DEFAULTS[key]
+            _only(default, _SWAP_KNOB, use)(ctx, at, val)
+        elif key in ("pipeline_read", "pipeline_write", "pipeline"):
+            _bool(at, val)
+            ctx.same(
+                at,
+                val,
+                "the optimizer tier always reads ahead and writes behind the step; results do "
+                "not depend on it",
+            )
         else:
             ctx.refuse_all(at, val, f"not a key of DeepSpeed's offload_{which} block; remove it")
-    return on_cpu
+    return device
+
+
+def _offload_target(
+    ctx: _Ctx, at: str, val: Any, stage: int, which: str, device: str, block: dict[str, Any]
+) -> None:
+    """The row of an offload block's `device` key."""
+    if device == "none":
+        ctx.same(at, val, "nothing offloaded, Meshline's default")
+    elif which == "optimizer":
+        if device == "nvme" and "nvme_path" not in block:
+            ctx.refuse(at, val, "NVMe offload needs nvme_path (a local directory for swap files)")
+            return
+        ctx.set(
+            at,
+            val,
+            "optimizer_cpu_offload",
+            True,
+            "AdamW's states and step on the CPU"
+            + (", states in swap files under nvme_path" if device == "nvme" else ""),
+        )
+    elif stage == -1:
+        ctx.refuse(at, val, 'parameter offload needs zero_optimization.stage 3 (not "auto")')
+    elif stage != 3:
+        ctx.refuse(
+            at,
+            val,
+            f"parameter offload needs ZeRO-3 (as DeepSpeed), got stage {stage}; use "
+            "offload_optimizer for ZeRO-1/2",
+        )
+    else:
+        ctx.set(at, val, "cpu_offload", True, "ZeRO-3 parameters and gradients on the CPU")
 
 
 def _zero(ctx: _Ctx, path: str, value: Any) -> None:
@@ -711,7 +735,6 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
         stage = _number(f"{path}.stage", stage, integer=True)
         if stage > 3:
             raise ValueError(f"{path}.stage: 0, 1, 2 or 3, got {stage}")
-    offload: dict[str, bool] = {}
     perf_same = "a performance knob at DeepSpeed's default; results do not depend on it"
     default_only: dict[str, tuple[Any, str, str]] = {
         "allgather_partitions": (
@@ -753,7 +776,7 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
         "round_robin_gradients": (
             False,
             perf_same,
-            "applies to optimizer CPU offload under ZeRO-1/2, not implemented; drop the key",
+            "gradients are copied to the offloaded optimizer in parameter order; drop the key",
         ),
         "grad_hooks": (
             True,
@@ -834,11 +857,6 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
             "flat all-gather",
             "MiCS is not implemented; drop the key",
         ),
-        "cpu_offload_use_pin_memory": (
-            False,
-            "pageable host memory, as Meshline's offload",
-            "offloaded tensors are not pinned; drop the key",
-        ),
         "use_multi_rank_bucket_allreduce": (True, perf_same, _BUCKET),
         "log_trace_cache_warnings": (
             False,
@@ -883,27 +901,24 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
                 ctx.set(at, val, "zero_stage", stage)
         elif key in ("offload_param", "offload_optimizer"):
             which = key.split("_")[1]
-            offload[which] = _offload_device(ctx, at, val, -1 if _is_auto(stage) else stage, which)
-        elif key in ("cpu_offload", "cpu_offload_param"):
-            which = "optimizer" if key == "cpu_offload" else "param"  # deprecated spellings
+            _offload_device(ctx, at, val, -1 if _is_auto(stage) else stage, which)
+        elif key == "cpu_offload":  # deprecated spelling of offload_optimizer.device cpu
+            if _bool(at, val) is False:
+                ctx.same(at, val, "nothing offloaded (deprecated key)")
+            else:
+                ctx.set(at, val, "optimizer_cpu_offload", True, "deprecated key")
+        elif key == "cpu_offload_param":  # deprecated spelling of offload_param.device cpu
             if _bool(at, val) is False:
                 ctx.same(at, val, "nothing offloaded (deprecated key)")
             elif stage == 3:
-                offload[which] = True
-                ctx.set(
-                    at,
-                    val,
-                    "cpu_offload",
-                    True,
-                    f"deprecated spelling of offload_{which}.device cpu",
-                )
+                ctx.set(at, val, "cpu_offload", True, "deprecated key")
             else:
-                ctx.refuse(
-                    at,
-                    val,
-                    f"{which} offload under ZeRO-{stage} is not implemented "
-                    "yet; use stage 3 with offload_param/offload_optimizer device cpu",
-                )
+                ctx.refuse(at, val, f"parameter offload needs ZeRO-3, got stage {stage}")
+        elif key == "cpu_offload_use_pin_memory":  # deprecated spelling of pin_memory
+            if _bool(at, val):
+                ctx.set(at, val, "offload_pin_memory", True, "deprecated key")
+            else:
+                ctx.same(at, val, "nothing pinned (deprecated key)")
         elif key == "memory_efficient_linear":
             _bool(at, val)
             ctx.same(
@@ -921,12 +936,6 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
                 val,
                 "not a key of DeepSpeed's zero_optimization block Meshline knows; remove it",
             )
-    if offload.get("optimizer") and offload.get("param") is not True and stage == 3:
-        ctx.refuse(
-            f"{path}.offload_optimizer",
-            block["offload_optimizer"],
-            "Meshline's ZeRO-3 CPU offload moves parameters too: add offload_param.device cpu",
-        )
 
 
 # --- activation checkpointing, logging, monitors
@@ -1080,8 +1089,8 @@ _TOP: dict[str, Handler] = {
     ),
     "torch_autocast": _feature("use --bf16 or --fp16 (fp32 master weights)"),
     "zero_force_ds_cpu_optimizer": _any_bool(
-        "picks DeepSpeed's CPU optimizer under optimizer offload; Meshline's ZeRO-3 CPU offload "
-        "steps its own optimizer on the CPU"
+        "picks DeepSpeed's CPU optimizer under optimizer offload; Meshline's offload always "
+        "steps its own vectorised CPU AdamW"
     ),
     "dataloader_drop_last": _only(
         True,
@@ -1100,7 +1109,25 @@ _TOP: dict[str, Handler] = {
     "comet": _feature("Comet is not supported: use --log-dir (metrics.csv and TensorBoard)"),
     "autotuning": _feature("use `meshline estimate` to rank layouts"),
     "elasticity": _feature("elastic batch sizes are not supported: fix --global-batch-size"),
-    "aio": _refuse(_NVME),
+    "aio": _block(
+        {
+            key: _only(
+                default,
+                _SWAP_KNOB,
+                "Meshline's swap I/O is pread/pwrite on a thread pool, not libaio; drop the key",
+            )
+            for key, default in (
+                ("block_size", 1048576),
+                ("queue_depth", 8),
+                ("thread_count", 1),
+                ("single_submit", False),
+                ("overlap_events", True),
+                ("intra_op_parallelism", 1),
+                ("use_gds", False),
+            )
+        },
+        "aio",
+    ),
     "checkpoint": _block(
         {
             "tag_validation": _only("Warn", "checkpoints are validated on load", "drop the key"),

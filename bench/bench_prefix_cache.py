@@ -82,8 +82,12 @@ def count_prompt(k: int) -> str:
     return f"Count upward forever: {', '.join(str(start + i) for i in range(6))},"
 
 
-async def _until(condition, poll_s: float = 0.005) -> None:
+async def _until(condition, tasks: list[asyncio.Future], poll_s: float = 0.005) -> None:
+    """Wait for `condition`; a stream that ended first fails the run instead of hanging it."""
     while not condition():
+        if ended := [t for t in tasks if t.done()]:
+            ended[0].result()  # raises the stream's error, if it failed
+            raise AssertionError("a stream ended before the measurement did; raise --stream-tokens")
         await asyncio.sleep(poll_s)
 
 
@@ -97,11 +101,11 @@ async def long_prompt_itl(server: Server, args: argparse.Namespace, vocab: int) 
         for k, s in enumerate(streams)
     ]
     before_n = args.warm_tokens + args.idle_tokens
-    await _until(lambda: all(len(s.arrivals) > before_n for s in streams))
+    await _until(lambda: all(len(s.arrivals) > before_n for s in streams), tasks)
     arrived = time.perf_counter()
     long = await stream_completion(client, _ids(random.Random(1), args.long_tokens, vocab), 1)
     first_long = long.arrivals[0]
-    await _until(lambda: all(s.arrivals[-1] > first_long for s in streams))
+    await _until(lambda: all(s.arrivals[-1] > first_long for s in streams), tasks)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -200,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--warm-tokens", type=int, default=4)
     parser.add_argument("--idle-tokens", type=int, default=24)
-    parser.add_argument("--stream-tokens", type=int, default=4096)
+    # Each stream reserves KV blocks for its whole max_tokens at admission: keep it near what
+    # the measurement needs, or the default budget admits fewer than --streams at once.
+    parser.add_argument("--stream-tokens", type=int, default=256)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--chunk-budget", type=int, default=64)
     parser.add_argument(

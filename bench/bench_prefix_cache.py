@@ -86,8 +86,11 @@ async def _until(condition, tasks: list[asyncio.Future], poll_s: float = 0.005) 
     """Wait for `condition`; a stream that ended first fails the run instead of hanging it."""
     while not condition():
         if ended := [t for t in tasks if t.done()]:
-            ended[0].result()  # raises the stream's error, if it failed
-            raise AssertionError("a stream ended before the measurement did; raise --stream-tokens")
+            stream = ended[0].result()  # raises the stream's error, if it failed
+            raise AssertionError(
+                f"a stream ended ({stream.finish_reason}, {stream.completion_tokens} tokens) "
+                "before the measurement did; raise --stream-tokens"
+            )
         await asyncio.sleep(poll_s)
 
 

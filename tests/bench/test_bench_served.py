@@ -12,17 +12,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.bench_prefix_cache import long_prompt_itl, shared_prefix
 from bench.served import MODEL, Server, Stream, percentile, stream_completion
+from tests.services.inference.helpers import hf_reference, save_hf_checkpoint
 from tests.services.inference.http_served import ServerHarness, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+EOS_ID = 2  # the fixture SentencePiece model's (ids 0-3: unk, bos, eos, pad)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, sentencepiece_model):
-    directory, hf, config = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=3)
+    hf, _, config = hf_reference("llama-gqa", seed=11, vocab_size=512, max_position_embeddings=1024)
+    with torch.no_grad():  # EOS (id 2) never wins: every stream runs to its max_tokens
+        hf.lm_head.weight[EOS_ID] = 0.0
+    directory = save_hf_checkpoint(hf, tmp_path_factory.mktemp("ckpt"), sentencepiece_model)
     harness = ServerHarness(directory, hf, config, served_model_name=MODEL)
     front = harness.start()
     port = int(front.http_url.rsplit(":", 1)[1])
@@ -65,7 +71,7 @@ def test_shared_prefix_and_long_prompt_measurements(served):
         streams=2,
         warm_tokens=2,
         idle_tokens=3,
-        stream_tokens=400,
+        stream_tokens=800,
         long_tokens=120,
     )
     prefix = asyncio.run(shared_prefix(server, args, vocab))
@@ -80,7 +86,7 @@ def test_shared_prefix_and_long_prompt_measurements(served):
 
 @pytest.mark.slow
 def test_prefix_cache_bench_runs_against_a_server_process(tmp_path_factory, sentencepiece_model):
-    directory, _, _ = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=3)
+    directory, _, _ = make_checkpoint(tmp_path_factory, sentencepiece_model, seed=11)
     command = [sys.executable, "-m", "bench.bench_prefix_cache", "--quick", "--skip", "chunked"]
     done = subprocess.run(
         [*command, "--load", str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=300

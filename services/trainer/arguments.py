@@ -10,10 +10,7 @@ defaults < `--config FILE` (YAML or TOML; nested `{section: {field: value}}` or 
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
-import inspect
-import itertools
 import sys
 import types
 import typing
@@ -24,9 +21,9 @@ from typing import Any
 import tomllib
 import yaml
 
-from services.trainer import megatron_flags, model_arch
+from services.common.dataclass_flags import attribute_docs
+from services.trainer import megatron_flags
 from services.trainer.train_config import SECTIONS, TrainConfig
-from training import config_sections, finetune, rl_sections, run_sections
 
 # Older spellings that scripts still use, mapped to the field they set.
 ALIASES: dict[str, str] = megatron_flags.FIELD_ALIASES
@@ -36,24 +33,8 @@ ALIASES: dict[str, str] = megatron_flags.FIELD_ALIASES
 def field_docs() -> dict[str, str]:
     """Attribute docstrings of every section field, keyed by field name."""
     docs: dict[str, str] = {}
-    body = [
-        node
-        for m in (config_sections, run_sections, finetune, model_arch, rl_sections)
-        for node in ast.parse(inspect.getsource(m)).body
-    ]
-    for node in body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        body = node.body
-        for stmt, nxt in itertools.pairwise(body):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[stmt.target.id] = nxt.value.value
+    for cls in SECTIONS.values():
+        docs.update(attribute_docs(cls))
     return docs
 
 

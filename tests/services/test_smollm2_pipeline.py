@@ -94,19 +94,29 @@ class Server:
         """Its output so far."""
         return self.launched.lines
 
+    @property
+    def grpc_port(self) -> int:
+        """gRPC port."""
+        return self.launched.ports["grpc"]
+
+    @property
+    def http_port(self) -> int:
+        """OpenAI HTTP port."""
+        return self.launched.ports["http"]
+
     def stub(self):
         """An InferenceService stub on the gRPC port."""
         import grpc
 
         from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.launched.ports['grpc']}")
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         return pb_grpc.InferenceServiceStub(channel)
 
     def client(self):
         """The `openai` client on the HTTP front."""
         return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.launched.ports['http']}/v1",
+            base_url=f"http://127.0.0.1:{self.http_port}/v1",
             api_key="unused",
             max_retries=0,
         )

@@ -25,6 +25,8 @@ from services.evaluator.tasks.base import Doc, MetricSpec, Task, find_file, read
 REWARD_PAIRS = "reward_pairs"
 """Output type: each doc asks for the rewards of (prompt, chosen) and (prompt, rejected)."""
 FIELDS = ("prompt", "chosen", "rejected")
+MAX_TEXT_CHARS = 100_000
+"""Longest prompt or response accepted (a bound on untrusted input, as rm_win_rate's prompts)."""
 
 
 @dataclass
@@ -51,6 +53,11 @@ class RewardPairs(Task):
                     raise ValueError(
                         f"{where}: {key!r} must be a string (records need {list(FIELDS)}, "
                         "plain text)"
+                    )
+                if len(record[key]) > MAX_TEXT_CHARS:
+                    raise ValueError(
+                        f"{where}: {key!r} has {len(record[key])} characters; at most "
+                        f"{MAX_TEXT_CHARS} are accepted"
                     )
             if not record["chosen"] or not record["rejected"]:
                 raise ValueError(f"{where}: an empty response (chosen or rejected)")

@@ -148,6 +148,7 @@ def test_bad_pair_records_name_the_line(tmp_path, capsys):
         ({"prompt": "p", "chosen": "a"}, "'rejected' must be a string"),
         ({"prompt": "p", "chosen": "a", "rejected": "a"}, "chosen equals rejected"),
         ({"prompt": "p", "chosen": "", "rejected": "a"}, "an empty response"),
+        ({"prompt": "p" * 100_001, "chosen": "a", "rejected": "b"}, "'prompt' has 100001 char"),
     ):
         (tmp_path / "rm_pairs.jsonl").write_text(json.dumps(record) + "\n")
         with pytest.raises(ValueError, match=rf"rm_pairs.jsonl:1: .*{message}"):

@@ -164,6 +164,40 @@ async def serve(
 
     Logs one line `serving <names> on <host>:<port>` once listening, and calls `ready(port)`.
     """
+    # Signals are ours before the port answers: a client that sees SERVING may send SIGTERM at
+    # once (while a companion is still starting), and that must drain, not kill, the process.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+            handled.append(sig)
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            # Only the main thread of a process may own signals; elsewhere the caller stops us.
+            logger.warning(
+                "not handling %s here (%s); stop the server from its owner", sig.name, exc
+            )
+    try:
+        await _serve_until_stopped(bindings, config, ready, stop, received)
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve_until_stopped(
+    bindings: Sequence[ServiceBinding],
+    config: ServerConfig,
+    ready: Callable[[int], None] | None,
+    stop: asyncio.Event,
+    received: list[str],
+) -> None:
     server, port, health = await create_server(bindings, config)
     metrics = None
     if config.metrics_port is not None:
@@ -186,24 +220,6 @@ async def serve(
     if ready is not None:
         ready(port)
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    received: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        stop.set()
-
-    handled = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, on_signal, sig)
-            handled.append(sig)
-        except (RuntimeError, ValueError, NotImplementedError) as exc:
-            # Only the main thread of a process may own signals; elsewhere the caller stops us.
-            logger.warning(
-                "not handling %s here (%s); stop the server from its owner", sig.name, exc
-            )
     try:
         terminated = asyncio.ensure_future(server.wait_for_termination())
         stopping = asyncio.ensure_future(stop.wait())
@@ -219,8 +235,6 @@ async def serve(
         with contextlib.suppress(asyncio.CancelledError):
             await terminated
     finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()

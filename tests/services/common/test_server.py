@@ -226,3 +226,48 @@ def test_run_reports_start_up_problems_as_exit_code(tmp_path) -> None:
             if handler not in saved[1]:
                 root.removeHandler(handler)
         root.setLevel(saved[0])
+
+
+SIGNAL_DURING_START = """
+import dataclasses, os, signal, sys
+from services.common.config import ServerConfig
+from services.common.operations import OperationsStore
+from services.common.operations_servicer import operations_binding
+from services.common.server import run
+
+
+class Companion:
+    async def stop(self, grace_s):
+        print("companion stopped", flush=True)
+
+
+async def start(config):
+    # The port already answers health checks here: a client may send SIGTERM at this moment.
+    os.kill(os.getpid(), signal.SIGTERM)
+    return Companion()
+
+
+binding = dataclasses.replace(operations_binding(OperationsStore(None)), companion=start)
+sys.exit(run([binding], ServerConfig(port=0, grace_s=1.0)))
+"""
+
+
+def test_sigterm_while_the_server_starts_drains_it_with_exit_code_0() -> None:
+    """A SIGTERM that lands once the port answers but before start-up ends stops the server
+    gracefully (exit 0), not by the default action (-15): CI once saw a trainer killed so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_DURING_START],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "SIGTERM received" in output and "companion stopped" in output, output
+    assert "stopped serving" in output, output

@@ -13,6 +13,7 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,37 @@ def _parse_jsonl(lines: Any, path: Path) -> list[Doc]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
     return docs
+
+
+def text_records(
+    path: Path,
+    fields: tuple[str, ...],
+    *,
+    max_chars: int,
+    need: str,
+    non_empty: tuple[str, ...] = (),
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """(`path:N`, the record's `fields`) for each record of a JSON-lines file of plain-text fields.
+
+    Records are untrusted: each must be an object whose `fields` are strings (non-empty for those
+    in `non_empty`) of at most `max_chars` characters; ValueError names the record, the field and
+    what the records need (`need`, e.g. "a plain-text prompt").
+    """
+    for number, record in enumerate(read_jsonl(path), 1):
+        where = f"{path}:{number}"
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: a record must be a JSON object")
+        for key in fields:
+            text = record.get(key)
+            required = key in non_empty
+            if not isinstance(text, str) or (required and not text):
+                kind = "a non-empty string" if required else "a string"
+                raise ValueError(f"{where}: {key!r} must be {kind} (records need {need})")
+            if len(text) > max_chars:
+                raise ValueError(
+                    f"{where}: {key!r} has {len(text)} characters; at most {max_chars} are accepted"
+                )
+        yield where, {key: record[key] for key in fields}
 
 
 def find_file(data_path: Path, candidates: list[str], task: str, family: str) -> Path:

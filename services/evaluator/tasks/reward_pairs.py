@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.evaluator.tasks.base import Doc, MetricSpec, Task, find_file, read_jsonl
+from services.evaluator.tasks.base import Doc, MetricSpec, Task, find_file, text_records
 
 REWARD_PAIRS = "reward_pairs"
 """Output type: each doc asks for the rewards of (prompt, chosen) and (prompt, rejected)."""
@@ -44,26 +44,13 @@ class RewardPairs(Task):
         """The pairs file's records (checked); no few-shot pool."""
         path = find_file(data_path, ["rm_pairs*.jsonl", "pairs*.jsonl"], self.name, "rm_pairs")
         docs = []
-        for number, record in enumerate(read_jsonl(path), 1):
-            where = f"{path}:{number}"
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: a record must be a JSON object")
-            for key in FIELDS:
-                if not isinstance(record.get(key), str):
-                    raise ValueError(
-                        f"{where}: {key!r} must be a string (records need {list(FIELDS)}, "
-                        "plain text)"
-                    )
-                if len(record[key]) > MAX_TEXT_CHARS:
-                    raise ValueError(
-                        f"{where}: {key!r} has {len(record[key])} characters; at most "
-                        f"{MAX_TEXT_CHARS} are accepted"
-                    )
+        need = f"{list(FIELDS)}, plain text"
+        for where, record in text_records(path, FIELDS, max_chars=MAX_TEXT_CHARS, need=need):
             if not record["chosen"] or not record["rejected"]:
                 raise ValueError(f"{where}: an empty response (chosen or rejected)")
             if record["chosen"] == record["rejected"]:
                 raise ValueError(f"{where}: chosen equals rejected")
-            docs.append({key: record[key] for key in FIELDS})
+            docs.append(record)
         return docs, []
 
     def doc_to_text(self, doc: Doc) -> str:

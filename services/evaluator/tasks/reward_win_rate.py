@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.evaluator.tasks.base import Doc, MetricSpec, Task, find_file, read_jsonl
+from services.evaluator.tasks.base import Doc, MetricSpec, Task, find_file, text_records
 
 REWARD_WIN_RATE = "reward_win_rate"
 """Output type: each doc asks both causal LMs for an answer, then the reward model for both."""
@@ -49,23 +49,14 @@ class RewardWinRate(Task):
         path = find_file(
             data_path, ["rm_win_rate*.jsonl", "prompts*.jsonl"], self.name, "rm_win_rate"
         )
-        docs = []
-        for number, record in enumerate(read_jsonl(path), 1):
-            where = f"{path}:{number}"
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: a record must be a JSON object")
-            prompt = record.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(
-                    f"{where}: 'prompt' must be a non-empty string (records need a plain-text "
-                    "prompt)"
-                )
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise ValueError(
-                    f"{where}: the prompt has {len(prompt)} characters; at most "
-                    f"{MAX_PROMPT_CHARS} are accepted"
-                )
-            docs.append({"prompt": prompt})
+        records = text_records(
+            path,
+            ("prompt",),
+            max_chars=MAX_PROMPT_CHARS,
+            need="a plain-text prompt",
+            non_empty=("prompt",),
+        )
+        docs: list[Doc] = [record for _, record in records]
         return docs, []
 
     def doc_to_text(self, doc: Doc) -> str:

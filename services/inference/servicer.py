@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.loading import LoadedModel
 from engine.requests import Finish, RequestError, StepEvent
 from engine.sampling import SamplingConfig
+from engine.tokens import TokenizerInfo
 from engine.validation import (
     MAX_LOGPROBS,
     InvalidRequest,
@@ -572,33 +574,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return inference_pb2.DetokenizeResponse(text=text)
 
     async def _run_model_info(self, engine: ServingEngine) -> inference_pb2.GetModelInfoResponse:
-        loaded, tokens = engine.loaded, engine.tokens
-        info = inference_pb2.GetModelInfoResponse(
-            model_name=loaded.name,
-            family=loaded.config.family,
-            vocab_size=loaded.config.vocab_size,
+        info = _model_info(
+            engine.loaded,
+            engine.tokens,
             context_length=engine.engine.max_seq_len,
             dtype=engine.dtype_name,
-            parallel_layout=inference_pb2.ParallelLayout(
-                tensor_parallel_size=engine.tensor_parallel_size,
-                pipeline_parallel_size=engine.pipeline_parallel_size,
-                data_parallel_size=1,
-            ),
-            checkpoint_path=str(loaded.path),
-            load_format=loaded.load_format,
-            checkpoint_format=VALUES[loaded.load_format],
             device=engine.engine.device.type,
             num_parameters=engine.num_parameters(),
+            task=inference_pb2.MODEL_TASK_GENERATE,
         )
+        info.parallel_layout.tensor_parallel_size = engine.tensor_parallel_size
+        info.parallel_layout.pipeline_parallel_size = engine.pipeline_parallel_size
         if engine.engine.adapters is not None:
             info.lora_adapters.extend(engine.engine.adapters.names())
-        for name, value in (
-            ("eos_token_id", tokens.eos_id),
-            ("bos_token_id", tokens.bos_id),
-            ("pad_token_id", tokens.pad_id),
-        ):
-            if value is not None:
-                setattr(info, name, value)
         return info
 
 
@@ -645,21 +633,43 @@ def check_reward_request(
 
 def _reward_model_info(reward: ServingRewardModel) -> inference_pb2.GetModelInfoResponse:
     """GetModelInfo of a served reward model (one process; no adapters)."""
-    loaded, tokens = reward.loaded, reward.tokens
+    return _model_info(
+        reward.loaded,
+        reward.tokens,
+        context_length=reward.max_seq_len,
+        dtype=reward.dtype_name,
+        device=reward.scorer.device.type,
+        num_parameters=reward.num_parameters(),
+        task=inference_pb2.MODEL_TASK_REWARD,
+    )
+
+
+def _model_info(
+    loaded: LoadedModel,
+    tokens: TokenizerInfo,
+    *,
+    context_length: int,
+    dtype: str,
+    device: str,
+    num_parameters: int,
+    task: int,
+) -> inference_pb2.GetModelInfoResponse:
+    """The fields every served model reports (one process layout; the caller adds the rest)."""
     info = inference_pb2.GetModelInfoResponse(
         model_name=loaded.name,
         family=loaded.config.family,
         vocab_size=loaded.config.vocab_size,
-        context_length=reward.max_seq_len,
-        dtype=reward.dtype_name,
+        context_length=context_length,
+        dtype=dtype,
         parallel_layout=inference_pb2.ParallelLayout(
             tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1
         ),
         checkpoint_path=str(loaded.path),
         load_format=loaded.load_format,
         checkpoint_format=VALUES[loaded.load_format],
-        device=reward.scorer.device.type,
-        num_parameters=reward.num_parameters(),
+        device=device,
+        num_parameters=num_parameters,
+        task=task,  # type: ignore[arg-type]
     )
     for name, value in (
         ("eos_token_id", tokens.eos_id),

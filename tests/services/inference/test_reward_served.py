@@ -110,6 +110,7 @@ def test_reward_model_refuses_generation(served):
     assert error["param"] == "model" and "reward model" in error["message"]
     info = served.grpc_stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.family == "llama" and info.vocab_size == 512
+    assert info.task == pb.MODEL_TASK_REWARD
     models = requests.get(f"{served.http_url}/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == [served.model_name]
     assert models[0]["max_model_len"] == info.context_length

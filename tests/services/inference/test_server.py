@@ -59,6 +59,7 @@ def test_model_info(served):
     assert info.checkpoint_format == checkpoint_pb2.CHECKPOINT_FORMAT_HF
     assert info.eos_token_id == engine.tokens.eos_id and info.bos_token_id == engine.tokens.bos_id
     assert info.parallel_layout.tensor_parallel_size == 1
+    assert info.task == pb.MODEL_TASK_GENERATE
     assert info.num_parameters == sum(p.numel() for p in engine.loaded.model.parameters())
 
 

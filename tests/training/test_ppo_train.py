@@ -132,7 +132,14 @@ def test_a_ppo_checkpoint_converts_its_critic_to_transformers(digit_task, tmp_pa
     assert expected.abs().max() > 1e-3  # a trained head, not zeros
     assert (per_token - expected).abs().max() < 1e-5
     assert (pooled - expected[:, -1]).abs().max() < 1e-5
-    # The critic is not the policy: --ppo-model policy (the default) writes the language model.
+    # --ppo-model policy (also the default) writes the language model.
+    from transformers import AutoModelForCausalLM
+
+    convert(ConvertOptions("native", "hf", save, tmp_path / "policy", ppo_model="policy"))
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    with torch.no_grad():
+        logits = trainer.model.policy.eval()(ids).float()
+        assert (lm(ids).logits.float() - logits).abs().max() < 1e-4
     with pytest.raises(ValueError, match=r"--ppo-model critic with --load-format hf"):
         ConvertOptions("hf", "native", out, tmp_path / "x", ppo_model="critic")
     with pytest.raises(ValueError, match=r"--ppo-model critic: .* is not a --stage ppo"):

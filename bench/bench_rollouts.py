@@ -2,7 +2,7 @@
 
     python -m bench.bench_rollouts [--quick] [--threads 2] [--prompts 8] [--generations 8]
                                    [--new 64] [--rounds 3] [--prompt-len 32]
-                                   [--stat median|min]
+                                   [--stat median|min] [--profile N]
 
 The same random Llama (bench.bench_inference.build_pair: HF and Meshline with equal weights),
 the same prompts and group size, sampling as trl's GRPO defaults (temperature 1, top-p 1, no
@@ -13,11 +13,16 @@ read in place by the C decode step, each group's prompt prefilled once, the KV c
 for the call and freed after, as a training step sees it). Rounds
 alternate the two; ratio = HF time / ours (> 1: the engine is faster). Rollout tokens/s counts
 generated tokens (prompts x generations x new) over the wall time of the whole call.
+`--profile N` then runs each path once more under cProfile and prints its N functions with the
+most own time (where a rollout's time goes: the C decode step, the prefill, sampling, Python).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--stat", choices=("median", "min"), default="median")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="top-N own-time profile"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf, ours, config = build_pair(args.quick, torch.float32)
@@ -116,7 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         f"bytes copied {colocated.weight_bytes_copied()} "
         f"({time.perf_counter() - start:.0f} s)"
     )
+    for name, fn in (("trl/transformers generate", trl_path), ("colocated engine", engine_path)):
+        if args.profile > 0:
+            print(f"profile of one {name} call:\n{_profile(fn, args.profile)}")
     return 0
+
+
+def _profile(fn: Callable[[], object], top: int) -> str:
+    """The `top` functions of one `fn()` call by own time (cProfile's table)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from checkpoints.bounds import check_declared_size
 from checkpoints.safe_reader import SafeFileSystemReader
 from checkpoints.units import PRE, Tensors, Unit, expected_shapes, reconcile, unit_of
 from models.config import ModelConfig
+from models.value_head import value_head_config
 
 FORMAT = "meshline-dcp-1"
 """The `format` value in a native step's train_state.json (written by the trainer's CheckpointManager)."""
@@ -69,6 +70,7 @@ class NativeSource:
         elif config is None:
             raise FileNotFoundError(f"{config_path} is missing; pass --model NAME")
         self.config = config
+        self._saved_config = config  # a PPO run's: the policy's (its critic's is derived)
         tokenizer = self.step_dir / "tokenizer"
         self.tokenizer_files = sorted(tokenizer.iterdir()) if tokenizer.is_dir() else []
         self.iteration = int(self.step_dir.name.rpartition("-")[2] or 0)
@@ -79,12 +81,43 @@ class NativeSource:
             {self.step_dir / info.relative_path for info in metadata.storage_data.values()},
             str(self.step_dir),
         )
-        self._prefix = _model_prefix(metadata.state_dict_metadata)
-        """Where the model's tensors are: `model.`, or a PPO run's policy under `model.policy.`."""
+        self._items = metadata.state_dict_metadata
+        self._prefix = _model_prefix(self._items)
+        """Where the model's tensors are: `model.`, or a PPO run's policy under `model.policy.`
+        (its critic under `model.critic.` after `select_ppo_model("critic")`)."""
         self._meta: dict[str, TensorStorageMetadata] = {}
-        for key, item in metadata.state_dict_metadata.items():
-            if key.startswith(self._prefix) and isinstance(item, TensorStorageMetadata):
-                self._meta[key.removeprefix(self._prefix)] = item
+        self._collect()
+
+    @property
+    def is_ppo(self) -> bool:
+        """Whether this is a `--stage ppo` checkpoint (a policy and a critic side by side)."""
+        return self._prefix in (_PPO_POLICY, _PPO_CRITIC)
+
+    def select_ppo_model(self, part: str) -> None:
+        """Read the PPO run's `policy` (the default) or its `critic`: the value model, a copy
+        of the policy's network whose vocabulary head is a scalar value head, so it converts as
+        a reward model does (HF: `...ForSequenceClassification`, one label)."""
+        if not self.is_ppo:
+            raise ValueError(
+                f"--ppo-model {part}: {self.step_dir} is not a --stage ppo checkpoint (it holds "
+                "no policy and critic side by side); drop --ppo-model"
+            )
+        if part not in PPO_MODELS:
+            raise ValueError(f"--ppo-model {part!r}: choose one of {list(PPO_MODELS)}")
+        wanted = _PPO_CRITIC if part == "critic" else _PPO_POLICY
+        if wanted == self._prefix:
+            return
+        policy = self._saved_config
+        self.config = value_head_config(policy) if part == "critic" else policy
+        self._prefix = wanted
+        self._collect()
+
+    def _collect(self) -> None:
+        self._meta = {
+            key.removeprefix(self._prefix): item
+            for key, item in self._items.items()
+            if key.startswith(self._prefix) and isinstance(item, TensorStorageMetadata)
+        }
         self._check_shapes()
 
     def _check_shapes(self) -> None:
@@ -130,6 +163,8 @@ class NativeSource:
 
 _PPO_POLICY = _PREFIX + "policy."
 _PPO_CRITIC = _PREFIX + "critic."
+PPO_MODELS = ("policy", "critic")
+"""The models of a `--stage ppo` checkpoint the converter can write (`--ppo-model`)."""
 
 
 def _model_prefix(items: dict[str, object]) -> str:

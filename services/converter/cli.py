@@ -15,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from checkpoints.native_format import PPO_MODELS
 from checkpoints.registry import DEFAULT_INT4_GROUP, GGUF_TYPES, QUANTIZE_CHOICES
 from checkpoints.units import DTYPES
 from services.converter import modellink_flags
@@ -237,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="affine codes (a zero point per group over [min, max]) instead of symmetric ones",
     )
+    p(
+        "--ppo-model",
+        choices=PPO_MODELS,
+        default=None,
+        help="of a `meshline train --stage ppo` checkpoint (native), which model to write: "
+        "policy (the trained language model, the default) or critic (the value model: a "
+        "reward-model-style network with a scalar head, written as HF "
+        "...ForSequenceClassification with one label, or native/megatron)",
+    )
     modellink_flags.add_flags(parser)
     return parser
 
@@ -279,6 +289,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         quantize_affine=args.quantize_affine,
         tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
         lora_target_modules=tuple(args.lora_target_modules or ()),
+        ppo_model=args.ppo_model,
     )
 
 

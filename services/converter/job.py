@@ -18,6 +18,7 @@ import torch
 
 from checkpoints.lora import LoraAdapter, open_adapter
 from checkpoints.megatron_lora import MegatronLoraAdapter
+from checkpoints.native_format import NativeSource
 from checkpoints.registry import GGUF_QUANTIZED, SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
@@ -74,7 +75,12 @@ def open_source(options: ConvertOptions, named: ModelConfig | None) -> Source:
         what = "directory or file" if spec.single_file else "directory"
         raise FileNotFoundError(f"--load-dir {options.load_dir} is not an existing {what}")
     iteration = options.load_iteration if spec.iterations else None
-    return spec.open_source(options.load_dir, named, iteration)
+    source = spec.open_source(options.load_dir, named, iteration)
+    if options.ppo_model is not None:
+        if not isinstance(source, NativeSource):  # options refuse other formats; a safeguard
+            raise ValueError(f"--ppo-model {options.ppo_model} reads a native checkpoint only")
+        source.select_ppo_model(options.ppo_model)
+    return source
 
 
 def open_sink(options: ConvertOptions, directory: Path, source: Source, dtype: torch.dtype) -> Sink:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES
+from checkpoints.native_format import PPO_MODELS
 from checkpoints.registry import (
     GGUF_TYPES,
     QUANTIZE_CHOICES,
@@ -100,6 +101,10 @@ class ConvertOptions:
     """--lora-target-modules (ModelLink's merge): the modules the --lora-load adapter adapts, in
     Megatron or HF spelling; an adapter module outside them is an error, since ModelLink's merge
     would not load it."""
+    ppo_model: str | None = None
+    """--ppo-model: which model of a `--stage ppo` native checkpoint to write, "policy" or
+    "critic" (the value model, written as a reward model is); None: the policy. Given with a
+    source that is no PPO checkpoint, it is refused (CLI only so far: no service request field)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form notes (ignored by the conversion)."""
 
@@ -157,6 +162,13 @@ class ConvertOptions:
             )
         if self.quantize_affine and self.quantize is None:
             raise ValueError("--quantize-affine needs --quantize")
+        if self.ppo_model is not None and self.ppo_model not in PPO_MODELS:
+            raise ValueError(f"--ppo-model {self.ppo_model!r}: choose one of {list(PPO_MODELS)}")
+        if self.ppo_model is not None and self.load_format != "native":
+            raise ValueError(
+                f"--ppo-model {self.ppo_model} with --load-format {self.load_format}: a --stage "
+                "ppo checkpoint is a native one (the trainer's --save); use --load-format native"
+            )
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:

@@ -245,6 +245,11 @@ def check_data(config: TrainConfig) -> None:
             if config.run.stage in PREFERENCE_STAGES:  # pairwise shards, not token ones
                 _check_pairs(flag, prefix, data.data_format)
                 continue
+            if config.run.stage in RL_STAGES:  # a JSON-lines prompt file, read as the trainer does
+                from training.prompt_data import read_prompts
+
+                read_prompts(prefix, flag)
+                continue
             try:
                 if data.is_instruction_dataset:
                     open_instruction(prefix, data.data_format)

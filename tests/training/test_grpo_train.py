@@ -17,6 +17,7 @@ from services.trainer.arguments import parse_args
 from services.trainer.rollouts import colocated_rollouts
 from training.loop import Trainer
 from training.objectives.grpo import GRPOLoss
+from training.rl_sections import RLSection
 
 DIGITS = [str(d) for d in range(10)]
 
@@ -158,3 +159,56 @@ def test_1x8_and_8x1_accumulation_give_the_same_loss_curve(digit_task, loss_type
         curves.append([r["loss"] for r in records])
     assert curves[0] == pytest.approx(curves[1], abs=1e-3)
     assert abs(curves[0][-1] - curves[0][0]) > 1e-3  # the weights moved
+
+
+def test_batch_scaled_advantages_do_not_depend_on_the_micro_batching(digit_task) -> None:
+    """--scale-rewards batch divides by the std of the whole step's rewards (trl's gathered
+    generation batch), not of each micro-batch: 2x5 and 1x10 prompts give the same steps (the
+    on-policy loss is 0 here, one-token completions: the gradients tell)."""
+    curves = []
+    for mbs in ("5", "10"):
+        flags = _flags(
+            digit_task, "--train-iters", "2", "--micro-batch-size", mbs, "--scale-rewards",
+            "batch", "--loss-type", "dapo",
+        )  # fmt: skip
+        records: list[dict] = []
+        Trainer(parse_args(flags), on_metrics=records.append, rollouts=colocated_rollouts).fit()
+        curves.append([v for r in records for v in (r["loss"], r["grad_norm"])])
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5, abs=1e-6)
+    assert all(norm > 0.1 for norm in curves[0][1::2])
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "flag"),
+    [
+        ("tensor_model_parallel_size", 2, "--tensor-model-parallel-size 2"),
+        ("pipeline_model_parallel_size", 2, "--pipeline-model-parallel-size 2"),
+        ("zero_stage", 3, "--zero-stage 3"),
+    ],
+)
+def test_online_rl_beyond_replicated_data_parallelism_is_refused_by_flag(
+    digit_task, setting, value, flag
+) -> None:
+    for stage in ("grpo", "ppo"):
+        config = parse_args(_flags(digit_task, "--global-batch-size", "20"))
+        config.run.stage = stage
+        config.rl = RLSection()  # the digit task's GRPO settings, which ppo does not read
+        setattr(config.parallel, setting, value)
+        with pytest.raises(ValueError, match=f"{flag} with --stage {stage}"):
+            config.validate(2)
+    config = parse_args(_flags(digit_task, "--global-batch-size", "20"))
+    assert config.validate(2) is config  # plain data parallelism runs
+
+
+def test_the_launcher_reads_a_prompt_file_as_the_trainer_does(digit_task, tmp_path) -> None:
+    """`meshline train --nproc-per-node N` checks the inputs before starting workers: a prompt
+    file passes (it was looked up as a token dataset and refused), a broken line is named."""
+    from services.trainer.launch_checks import check_inputs
+
+    check_inputs(parse_args(_flags(digit_task)))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1 =", "answer": "1"}\nnot json\n')
+    flags = _flags(digit_task)
+    flags[flags.index("--data-path") + 1] = str(broken)
+    with pytest.raises(ValueError, match=r"broken.jsonl:2"):
+        check_inputs(parse_args(flags))

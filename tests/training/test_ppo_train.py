@@ -100,3 +100,58 @@ def test_a_ppo_checkpoint_converts_its_policy_to_transformers(digit_task, tmp_pa
         expected = policy(ids).float()
         got = hf(ids).logits.float()
     assert (got - expected).abs().max() < 1e-4
+
+
+def test_a_ppo_checkpoint_converts_its_critic_to_transformers(digit_task, tmp_path) -> None:  # noqa: F811
+    """`--ppo-model critic` writes the PPO run's value model as a reward model is written:
+    transformers' AutoModelForSequenceClassification loads it, its `score` of every position is
+    the critic's value there and its pooled logit the value of the last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    from services.converter.job import convert
+    from services.converter.options import ConvertOptions
+
+    save, out = tmp_path / "ppo", tmp_path / "critic"
+    trainer = Trainer(
+        parse_args([*_ppo_flags(digit_task, "--train-iters", "1"), "--save", str(save)]),
+        rollouts=colocated_rollouts,
+    )
+    trainer.fit()
+    report = convert(ConvertOptions("native", "hf", save, out, dtype="fp32", ppo_model="critic"))
+    assert report.verify is not None and report.verify.passed  # the converter's own check
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert hf.config.num_labels == 1
+    critic = trainer.model.critic.eval()
+    ids = torch.tensor(
+        [[1, 4, 5, 6, 14, 7], [1, 9, 14, 12, 5, 6]]
+    )  # no <pad> (3): HF pools before it
+    with torch.no_grad():
+        expected = critic(ids)[..., 0].float()
+        per_token = hf.score(hf.model(ids).last_hidden_state)[..., 0].float()
+        pooled = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, 0].float()
+    assert expected.abs().max() > 1e-3  # a trained head, not zeros
+    assert (per_token - expected).abs().max() < 1e-5
+    assert (pooled - expected[:, -1]).abs().max() < 1e-5
+    # --ppo-model policy (also the default) writes the language model.
+    from transformers import AutoModelForCausalLM
+
+    convert(ConvertOptions("native", "hf", save, tmp_path / "policy", ppo_model="policy"))
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    with torch.no_grad():
+        logits = trainer.model.policy.eval()(ids).float()
+        assert (lm(ids).logits.float() - logits).abs().max() < 1e-4
+    with pytest.raises(ValueError, match=r"--ppo-model critic with --load-format hf"):
+        ConvertOptions("hf", "native", out, tmp_path / "x", ppo_model="critic")
+    with pytest.raises(ValueError, match=r"--ppo-model critic: .* is not a --stage ppo"):
+        convert(ConvertOptions("native", "hf", _policy_only(tmp_path, out), tmp_path / "y",
+                               ppo_model="critic"))  # fmt: skip
+
+
+def _policy_only(tmp_path, critic_hf):
+    """A native checkpoint of one model (not a PPO run): the critic's export read back."""
+    from services.converter.job import convert
+    from services.converter.options import ConvertOptions
+
+    native = tmp_path / "native"
+    convert(ConvertOptions("hf", "native", critic_hf, native, dtype="fp32"))
+    return native

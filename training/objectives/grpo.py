@@ -13,19 +13,21 @@ detached, unless the batch brings `old_logps`.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.dpo import frozen_copy
 from training.objectives.rl_losses import (
     GRPO_LOSS_TYPES,
     SCALE_REWARDS,
+    STD_EPS,
     aggregate,
     group_advantages,
     grpo_token_terms,
@@ -112,6 +114,28 @@ class GRPOLoss(Objective):
 
     # ------------------------------------------------------------------ counting
 
+    def prepare_step(
+        self, model: nn.Module, micro: list[dict[str, torch.Tensor]], ctx: ForwardContext
+    ) -> None:
+        """Roll out the step's prompt micro-batches before any forward (every completion of a
+        step comes from the weights before it, as trl generates them). With --scale-rewards
+        batch, the advantages are divided by the standard deviation of the whole step's rewards:
+        every micro-batch of every data-parallel rank (trl's gathered generation batch), so the
+        loss does not depend on how the step is cut into micro-batches or ranks."""
+        del model, ctx
+        rollouts = [self._rollout_of(batch) for batch in micro if not is_rollout_batch(batch)]
+        if self.scale_rewards != "batch" or not rollouts:
+            return
+        rewards = torch.cat([r["rewards"].double().cpu() for r in rollouts])
+        mean = _global_sum(torch.tensor([rewards.sum().item(), rewards.numel()]))
+        count = mean[1].item()
+        centre = mean[0].item() / count
+        squares = _global_sum(torch.tensor([((rewards - centre) ** 2).sum().item()]))
+        std = math.sqrt(squares[0].item() / max(count - 1.0, 1.0))
+        for rollout in rollouts:
+            deviations = group_advantages(rollout["rewards"], self.num_generations, "none")
+            rollout["advantages"] = (deviations / (std + STD_EPS)).float()
+
     def count(self, batch: dict[str, torch.Tensor]) -> float:
         """What --loss-type normalises by (`rl_losses.aggregate`). For prompts this rolls them
         out (the loop counts every micro-batch of a step before its first forward, so a step's
@@ -149,7 +173,7 @@ class GRPOLoss(Objective):
                 "run's starting weights, which a checkpoint does not hold; resume with --beta 0 "
                 "(trl's default) or start again from the weights with --finetune"
             )
-        self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+        self.reference = frozen_copy(model)  # not a deepcopy: `replicate`'s hooks stay behind
 
     def compute(
         self, model: nn.Module, batch: dict[str, torch.Tensor], ctx: ForwardContext
@@ -292,3 +316,13 @@ class GRPOLoss(Objective):
 def _batch_key(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
     """A prompt batch's identity: its samples' seeds (unique per sample of the run)."""
     return tuple(int(s) for s in batch["seed"].tolist())
+
+
+def _global_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` (float64) summed over the job's ranks. Online RL runs in one process or under
+    data parallelism alone (rl_layout refuses every other layout), so the world is the
+    data-parallel group."""
+    values = values.double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+    return values

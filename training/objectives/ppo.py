@@ -34,6 +34,7 @@ from torch import nn
 from models.transformer import CausalLM
 from models.value_head import attach_value_head, has_value_head
 from training.objectives.base import ForwardContext, Objective, ObjectiveOutput
+from training.objectives.dpo import frozen_copy
 from training.objectives.rl_losses import gae, masked_whiten, ppo_terms, token_logps
 from training.objectives.rollouts import (
     RewardFn,
@@ -154,8 +155,7 @@ class PPOLoss(Objective):
                 f"--stage ppo resumed at step {step}: the reference is the run's starting "
                 "policy, which a checkpoint does not hold; start again from the weights"
             )
-        policy = _parts(model)[0]
-        self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
+        self.reference = frozen_copy(_parts(model)[0])
 
     def count(self, batch: dict[str, torch.Tensor]) -> float:
         """One per micro-batch (the losses are means over its completion tokens)."""
@@ -178,9 +178,8 @@ class PPOLoss(Objective):
             batch, metrics = self.roll_out(policy, critic, batch, ctx)
         ids = batch["input_ids"]
         mask = batch["completion_mask"][:, 1:].float()
-        with ctx.autocast():
-            logits = policy(ids)
-            values_NS = critic(ids)[..., 0]
+        with ctx.autocast():  # through the root: data parallelism's hooks sync the gradients
+            logits, values_NS = model(ids)
         logps = token_logps(logits, ids)
         values = values_NS[:, :-1].float()
         old_logps = batch["old_logps"].float()

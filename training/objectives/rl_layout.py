@@ -1,4 +1,5 @@
-"""What `--stage grpo|ppo` has been run under: one process, full weights, a prompt file.
+"""What `--stage grpo|ppo` has been run under: one process or data parallelism with replicated
+weights (ZeRO-0/1), full weights, a prompt file.
 
 `layout.check_stage` calls `check_rl_stage` (the CLI before launching workers, the service before
 starting a job); everything else is refused by flag, before any worker starts or weight is read.
@@ -45,10 +46,24 @@ def check_rl_stage(config: TrainingConfig, world_size: int) -> None:
     """Refuse a configuration --stage grpo/ppo cannot run, naming the flag."""
     stage = config.run.stage
     where = f"--stage {stage}"
-    if world_size > 1:
+    par = config.parallel
+    for flag, size in (
+        ("--tensor-model-parallel-size", par.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
+        ("--context-parallel-size", par.context_parallel_size),
+        ("--expert-model-parallel-size", par.expert_model_parallel_size),
+    ):
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size} with {where}: online RL runs in one process or under data "
+                "parallelism (each rank's colocated engine generates with its whole replica of "
+                f"the policy); use {flag} 1 (docs/alignment.md)"
+            )
+    if world_size > 1 and par.zero_stage >= 2:
         raise ValueError(
-            f"{where} runs in one process so far (colocated rollouts); this job has "
-            f"{world_size}: run one process"
+            f"--zero-stage {par.zero_stage} with {where} on {world_size} ranks: the colocated "
+            "engine reads each rank's whole weights in place, which ZeRO-2/3 shards; use "
+            "--zero-stage 0 or 1 (docs/alignment.md)"
         )
     data, rl = config.data, config.rl
     refused = {
@@ -70,8 +85,8 @@ def check_rl_stage(config: TrainingConfig, world_size: int) -> None:
     for flag, given in refused.items():
         if given:
             raise ValueError(
-                f"{flag} with {where}: not supported for online RL yet (one process, full "
-                f"weights, a JSON-lines prompt file); drop {flag} (docs/alignment.md)"
+                f"{flag} with {where}: not supported for online RL yet (data parallelism, "
+                f"full weights, a JSON-lines prompt file); drop {flag} (docs/alignment.md)"
             )
     for flag, paths in (
         ("--data-path", data.data_path),

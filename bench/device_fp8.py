@@ -1,5 +1,7 @@
 """`make device-check`'s FP8 phase: bf16 `--compile` against `--fp8 tensorwise|rowwise --compile`.
 
+    python -m bench.device_check --phases fp8 --out DIR   (not among the default phases)
+
 Each side runs in its own child process (`python -m bench.device_check --worker fp8:<side>`) on
 the check's ~1.2B Llama shape (bench/device_workers.py `SHAPES`), through the trainer library
 with the same flags as the check's `ours-compile` side plus `--fp8 <recipe>`:

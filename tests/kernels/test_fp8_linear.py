@@ -136,6 +136,45 @@ def _check_against_fp32(granularity, grad_dtype, dtype, target):
     assert _rel(linear.bias.grad, b32.grad) < 1e-2  # the bias is added outside the FP8 matmul
 
 
+def _cuda_rules(calls: list[str]):
+    """A `torch._scaled_mm` that first asserts what CUDA's FP8 GEMMs require (the CPU kernel
+    accepts more), records the call, then runs the real one."""
+    real = torch._scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False, **kwargs):
+        assert a.stride(1) == 1, "first operand must be row-major"
+        assert b.stride(0) == 1, "second operand must be column-major"
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
+        assert not (a.dtype == E5M2 and b.dtype == E5M2), "no e5m2 x e5m2 GEMM"
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        if scale_a.numel() == 1 and scale_b.numel() == 1:
+            kind = "tensorwise"
+        else:
+            kind = "rowwise"
+            assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+            assert scale_a.stride(0) == 1 and scale_b.stride(1) == 1
+            assert a.dtype == b.dtype == E4M3 and out_dtype == torch.bfloat16
+        calls.append(kind)
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                    use_fast_accum=use_fast_accum, **kwargs)  # fmt: skip
+
+    return checked
+
+
+@pytest.mark.parametrize(("granularity", "grad_dtype"), RECIPES)
+@pytest.mark.parametrize("tokens", [64, 40])
+def test_every_fp8_gemm_obeys_cudas_layout_and_scale_rules(
+    granularity, grad_dtype, tokens, monkeypatch
+):
+    calls: list[str] = []
+    monkeypatch.setattr(torch, "_scaled_mm", _cuda_rules(calls))
+    linear, _ = _pair(bias=True, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    Fp8Linear(linear, granularity, grad_dtype)(x).sum().backward()
+    # forward and grad_x always; grad_W only when the tokens split into 16s
+    assert calls == [granularity] * (3 if tokens % 16 == 0 else 2)
+
+
 def test_autocast_runs_bf16_operands_and_gives_fp32_weights_fp32_grads():
     linear, _ = _pair()
     layer = Fp8Linear(linear, "tensorwise")

@@ -252,6 +252,9 @@ def test_cuda_tensorwise_agrees_with_torchao_float8():
     ours.weight.data.copy_(theirs[0].weight.data)
     convert_to_float8_training(theirs)
     x = torch.randn(2048, 512, device=target, dtype=torch.bfloat16)
-    want, got = theirs(x), ours(x)
-    # both round the same operands to e4m3; torchao's scales are not powers of two
-    assert _rel(got, want) < 0.03
+    exact = reference_linear(x, ours.weight, None)
+    theirs_error, ours_error = _rel(theirs(x), exact), _rel(ours(x), exact)
+    # Different scales (torchao's are not powers of two) round differently, so the two are
+    # compared by their error against fp32: ours no worse than torchao's.
+    assert theirs_error < E4M3_TOL
+    assert ours_error <= 1.2 * theirs_error + 0.005

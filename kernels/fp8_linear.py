@@ -33,7 +33,7 @@ forward and both gradients at FP8 tolerances (kernels/fp8_linear tests, gpu-mark
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,
         x_MK: torch.Tensor,
         w_NK: torch.Tensor,
         rowwise: bool,
@@ -121,15 +121,15 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_MN: torch.Tensor
+        ctx: Any, grad_MN: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x_dtype, w_dtype = ctx.dtypes  # type: ignore[attr-defined]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # type: ignore[attr-defined]
+        x_dtype, w_dtype = ctx.dtypes
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_MN = grad_MN.contiguous()
-        if ctx.rowwise:  # type: ignore[attr-defined]
+        if ctx.rowwise:
             return (*_rowwise_backward(ctx, grad_MN, need_x, need_w), None, None)
-        x_q, x_inv, w_q, w_inv = ctx.saved_tensors  # type: ignore[attr-defined]
-        g_q, g_inv = quantize(grad_MN, ctx.grad_dtype, None)  # type: ignore[attr-defined]
+        x_q, x_inv, w_q, w_inv = ctx.saved_tensors
+        g_q, g_inv = quantize(grad_MN, ctx.grad_dtype, None)
         grad_x = grad_w = None
         if need_x:
             grad_x = _matmul(g_q, g_inv, _column_major(w_q), w_inv, x_dtype, rowwise=False)
@@ -144,10 +144,10 @@ class _Fp8Matmul(torch.autograd.Function):
 
 
 def _rowwise_backward(
-    ctx: torch.autograd.function.FunctionCtx, grad_MN: torch.Tensor, need_x: bool, need_w: bool
+    ctx: Any, grad_MN: torch.Tensor, need_x: bool, need_w: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Row-wise grads: each operand re-scaled along the dimension its matmul contracts."""
-    x_MK, w_NK = ctx.saved_tensors  # type: ignore[attr-defined]
+    x_MK, w_NK = ctx.saved_tensors
     grad_x = grad_w = None
     if need_x:  # contracts N: grad per row, W per column
         g_q, g_inv = quantize(grad_MN, E4M3, 1)  # [M,1]

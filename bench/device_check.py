@@ -17,7 +17,9 @@ device it runs, within one time budget (450 s by default; each phase capped):
 4. each kernel's default backend against HF/torch eager (bench.bench_kernels);
 5. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
    (CUDA-graph decode steps, as served; and with --enforce-eager for diagnosis) against HF
-   `generate` on the same weights (parity checked in fp32 first).
+   `generate` on the same weights (parity checked in fp32 first);
+6. FP8, only when named in `--phases`: bf16 `--compile` against `--fp8 tensorwise|rowwise
+   --compile`, tokens/s and the loss at step 200 (bench/device_fp8.py).
 
 `--phases` runs a subset (for example `--phases tests,decode` on a short device lease).
 
@@ -45,6 +47,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from bench import device_fp8
 from bench.device_workers import (
     SHAPES,
     decode_worker,
@@ -59,7 +62,10 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
 TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
 CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
-PHASES = ("tests", "train", "launch", "kernels", "decode")
+PHASES = ("tests", "train", "launch", "kernels", "decode", "fp8")
+# fp8 (three compiled training runs, ~3 min on an H200) is asked for by name: the others fill
+# the default budget already.
+DEFAULT_PHASES = PHASES[:-1]
 
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
@@ -273,6 +279,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"({row['baseline']}) |"
             for row in kernels["rows"]
         ]
+    lines += device_fp8.markdown_lines(report.get("fp8"))
     return "\n".join(lines) + "\n"
 
 
@@ -284,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument(
         "--phases",
-        default=",".join(PHASES),
+        default=",".join(DEFAULT_PHASES),
         help=f"comma-separated phases to run, in the fixed order {','.join(PHASES)} (default: "
-        "all): a rerun of one phase on a short device lease",
+        "all but fp8): a rerun of one phase on a short device lease",
     )
     parser.add_argument(
         "--budget-s",
@@ -313,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             result = decode_worker(shape, bf16)
         elif args.worker == "kernels":
             result = kernels_worker(args.mode, bf16)
+        elif args.worker.startswith("fp8:"):
+            result = device_fp8.fp8_worker(args.worker.removeprefix("fp8:"), args.mode)
         else:
             result = train_worker(args.worker, shape, bf16, profile_dir=args.out)
         print(json.dumps(result))
@@ -362,12 +371,17 @@ def main(argv: list[str] | None = None) -> int:
         report["decode"] = _child(worker, left(CHILD_CAP_S[mode]))
     else:
         report["decode"] = {"error": "not run: not in --phases"}
+    if "fp8" in phases:
+        report["fp8"] = device_fp8.run_fp8(mode, left, _child, CHILD_CAP_S[mode])
     page = _write(args.out, report)
     print(page)
     failed = any("error" in row for row in report["train"].values())
     failed = failed or ("decode" in phases and "error" in report["decode"])
     tests = report.get("tests", {})
     failed = failed or "error" in tests or bool(tests.get("failed"))
+    failed = failed or any(
+        "error" in row for row in report.get("fp8", {}).get("sides", {}).values()
+    )
     return 1 if failed else 0
 
 

@@ -17,6 +17,7 @@ from parallel.config import ParallelConfig
 from parallel.parallel_dims import check_seq_length, check_world_size
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from training.finetune import PeftSection, check
+from training.fp8 import check_fp8
 from training.model_config import registry_model_config
 from training.objectives.layout import check_stage
 from training.optimizer import open_nvme_path
@@ -167,6 +168,7 @@ class TrainingConfig:
                     f"{run.train_iters}: no step would be profiled; lower it"
                 )
         check(self)
+        check_fp8(self)
         check_stage(self, world_size)
         shard = self.parallel.hsdp_shard_size
         if self.parallel.hsdp and shard and dp % shard:

@@ -42,6 +42,19 @@ class PrecisionSection:
     `meshline convert --save-format quantized --quantize` will store them (models/qat.py)."""
     qat_group_size: int | None = None
     """Inputs per scale under --qat (default: per output channel for int8, 128 for int4)."""
+    fp8: Literal["tensorwise", "rowwise"] | None = None
+    """Run the decoder layers' linear matmuls in FP8 (torch._scaled_mm, dynamic scaling by the
+    current amax per tensor or per row); needs --bf16; weights and optimizer stay bf16/fp32
+    (kernels/fp8_linear.py)."""
+    fp8_grad_format: Literal["e5m2", "e4m3"] | None = None
+    """FP8 encoding of output gradients under --fp8 (default: e5m2 for tensorwise, Megatron's
+    hybrid format; rowwise takes e4m3 only)."""
+
+    def fp8_grad_dtype_name(self) -> str:
+        """'e5m2' or 'e4m3': the gradient encoding --fp8 / --fp8-grad-format resolve to."""
+        if self.fp8_grad_format is not None:
+            return self.fp8_grad_format
+        return "e5m2" if self.fp8 == "tensorwise" else "e4m3"
 
     def qat_scheme(self) -> WeightScheme | None:
         """The `kernels.quantization.WeightScheme` --qat / --qat-group-size describe, or None."""
@@ -65,6 +78,7 @@ class PrecisionSection:
             ) from exc
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are exclusive; choose one")
+        self._check_fp8()
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"--loss-scale must be positive, got {self.loss_scale}")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
@@ -78,6 +92,30 @@ class PrecisionSection:
         if self.release_fp32_grad and not (self.fp16 or self.bf16):
             raise ValueError(
                 "--release-fp32-grad only applies to --fp16 or --bf16 training (fp32 grads are the model's)"
+            )
+
+    def _check_fp8(self) -> None:
+        if self.fp8 is None:
+            if self.fp8_grad_format is not None:
+                raise ValueError(
+                    f"--fp8-grad-format {self.fp8_grad_format} needs --fp8 tensorwise|rowwise"
+                )
+            return
+        flag = f"--fp8 {self.fp8}"
+        if not self.bf16:
+            given = "--fp16" if self.fp16 else "fp32 (no --bf16)"
+            raise ValueError(
+                f"{flag} needs --bf16: FP8 matmuls read and write bf16 activations around bf16 "
+                f"weights with fp32 masters; {given} is not supported with it: add --bf16"
+            )
+        if self.fp8 == "rowwise" and self.fp8_grad_format == "e5m2":
+            raise ValueError(
+                f"{flag} --fp8-grad-format e5m2: row-wise FP8 matmuls take e4m3 operands only; "
+                "use --fp8-grad-format e4m3, or --fp8 tensorwise for e5m2 gradients"
+            )
+        if self.qat is not None:
+            raise ValueError(
+                f"{flag} and --qat {self.qat} both replace the decoder linears; choose one"
             )
 
     @property

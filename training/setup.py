@@ -16,6 +16,7 @@ from training.batching import stack_samples
 from training.checkpoint import CheckpointManager
 from training.ckpt.state import TrainState, tensor_tree
 from training.config import TrainingConfig
+from training.fp8 import apply_fp8
 from training.mock_data import MockDataset
 from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
 from training.precision import PrecisionPlan
@@ -120,10 +121,11 @@ def build_parallel(
     `dims` is the run's layout (`parallel.parallel_dims.build_dims`, built once by the caller).
     With tensor, pipeline, context or expert parallelism `parallel.parallelize` applies them and
     the data parallelism over the named mesh; otherwise DDP/FSDP2 over the (`dp_replicate`,
-    `dp_shard`) mesh of `dims`. --qat's fake-quantized linears (issue #40) and a --peft-method
-    adapter (issue #10) are added first.
+    `dp_shard`) mesh of `dims`. --qat's fake-quantized linears (issue #40), --fp8's FP8 linears
+    (issue #43) and a --peft-method adapter (issue #10) are added first.
     """
     model = finetune.apply_qat(model, config)
+    apply_fp8(model, config)
     model = finetune.prepare_model(model, config)
     par = config.parallel
     if par.recompute_granularity is not None and dims.model_parallel == 1:

@@ -87,6 +87,52 @@ def _virtual_stages(value: Any, given: dict[str, Any]) -> dict[str, Any]:
     return {"num_layers_per_virtual_pipeline_stage": int(layers) // (int(pp) * int(value))}
 
 
+def _fp8_format(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's switch for FP8 training: e4m3 everywhere, or hybrid (e5m2 gradients)."""
+    recipe = given.get("fp8") or "tensorwise"
+    if value not in ("e4m3", "hybrid"):
+        raise ValueError(f"--fp8-format {value} is not supported: use e4m3 or hybrid")
+    if value == "hybrid" and recipe == "rowwise":
+        raise ValueError(
+            "--fp8-format hybrid encodes gradients in e5m2, which --fp8 rowwise does not take: "
+            "use --fp8-format e4m3 with --fp8 rowwise, or --fp8 tensorwise"
+        )
+    return {"fp8": recipe, "fp8_grad_format": "e5m2" if value == "hybrid" else "e4m3"}
+
+
+def _fp8_recipe(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value == "tensorwise":
+        return {"fp8": "tensorwise"}
+    nearest = {
+        "delayed": "Meshline scales each tensor by its current amax (dynamic scaling): use "
+        "--fp8-recipe tensorwise or --fp8 tensorwise",
+        "mxfp8": "no MX block scaling; the nearest is per-row scaling: --fp8 rowwise",
+        "blockwise": "no block scaling; the nearest is per-row scaling: --fp8 rowwise",
+    }.get(str(value), "use --fp8 tensorwise or --fp8 rowwise")
+    raise ValueError(f"--fp8-recipe {value} is not supported: {nearest}")
+
+
+def _fp8_history(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if str(value) == "1":
+        return {}
+    raise ValueError(
+        f"--fp8-amax-history-len {value} is not supported: Meshline scales each tensor by its "
+        "current amax (dynamic scaling, a history of 1); pass 1 or drop the flag"
+    )
+
+
+def _fp8_algo(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value in ("max", "most_recent"):
+        return {}
+    raise ValueError(f"--fp8-amax-compute-algo {value} is not supported: use max or most_recent")
+
+
+_FP8_ROWS = ("--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-margin")
+"""Rows that tune FP8 training without turning it on."""
+_FP8_SCALING = (
+    "dynamic scaling: each tensor's current amax, so over a history of 1 (the only length) max "
+    "and most_recent agree"
+)
 _SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
 _NO_FUSION = (
     "kernel fusion is chosen per device by kernels/; fused and reference kernels agree within "
@@ -248,10 +294,22 @@ TABLE: tuple[CompatFlag, ...] = (
                "--min-lr", nargs=1),
     CompatFlag("--apply-layernorm-1p", "refuse", "norm weights are plain (not 1 + w); drop "
                "the flag (convert such checkpoints with `meshline convert`)"),
-    CompatFlag("--fp8-format", "refuse", "no FP8 training; use --bf16", nargs=1),
-    CompatFlag("--fp8-amax-history-len", "refuse", "no FP8 training; use --bf16", nargs=1),
-    CompatFlag("--fp8-amax-compute-algo", "refuse", "no FP8 training; use --bf16", nargs=1),
-    CompatFlag("--fp8-param-gather", "refuse", "no FP8 training; use --bf16"),
+    # --- FP8 (training/fp8.py): each needs FP8 training on (checked in apply)
+    CompatFlag("--fp8-format", "map", "e4m3 -> --fp8 tensorwise --fp8-grad-format e4m3, hybrid "
+               "-> --fp8 tensorwise (e5m2 gradients); scaling is dynamic, not delayed",
+               nargs=1, convert=_fp8_format),
+    CompatFlag("--fp8-recipe", "map", "tensorwise -> --fp8 tensorwise; delayed, mxfp8 and "
+               "blockwise are refused naming the nearest", nargs=1, convert=_fp8_recipe),
+    CompatFlag("--fp8-amax-history-len", "map", "1 only: " + _FP8_SCALING, nargs=1,
+               convert=_fp8_history),
+    CompatFlag("--fp8-amax-compute-algo", "map", "max or most_recent: " + _FP8_SCALING,
+               nargs=1, convert=_fp8_algo),
+    CompatFlag("--fp8-margin", "map", "0 only: scales are the largest power of two that keeps "
+               "the amax representable", nargs=1,
+               convert=_zero_only("--fp8-margin", "scales are the largest power of two that keeps "
+                                  "the amax representable; pass 0 or drop the flag")),
+    CompatFlag("--fp8-param-gather", "refuse", "parameters are gathered in their training "
+               "dtype; --fp8 makes FP8 copies inside each matmul: drop the flag"),
 )  # fmt: skip
 
 # Other spellings of training fields.
@@ -310,6 +368,12 @@ def apply(given: dict[str, Any], *, read_files: bool = False) -> dict[str, Any]:
                 )
             values[field] = new
             origin[field] = row.flag
+    fp8_rows = [rows[dest].flag for dest in given if dest in rows and rows[dest].flag in _FP8_ROWS]
+    if fp8_rows and values.get("fp8") is None:
+        raise ValueError(
+            f"{fp8_rows[0]} sets how FP8 training scales, but FP8 training is off: add --fp8 "
+            "tensorwise|rowwise (or Megatron's --fp8-format hybrid), or drop the flag"
+        )
     if "auto_recompute_device_size" in values and "recompute_granularity" in origin:
         raise ValueError(
             f"{origin['recompute_granularity']} and --auto-recompute-device-size are exclusive: "

@@ -49,7 +49,8 @@ SCRIPT_FLAGS: dict[str, tuple[str, ...]] = {
     "--grad-reduce-in-bf16": (), "--calculate-per-token-loss": (), "--decoupled-lr": ("5e-4",),
     "--decoupled-min-lr": ("1e-5",), "--apply-layernorm-1p": (),
     "--fp8-format": ("hybrid",), "--fp8-amax-history-len": ("1024",),
-    "--fp8-amax-compute-algo": ("max",), "--fp8-param-gather": (),
+    "--fp8-amax-compute-algo": ("max",), "--fp8-param-gather": (), "--fp8-recipe": ("tensorwise",),
+    "--fp8-margin": ("0",),
     # parallelism and recompute
     "--tensor-model-parallel-size": ("1",), "--pipeline-model-parallel-size": ("1",),
     "--sequence-parallel": (), "--context-parallel-size": ("1",),
@@ -142,11 +143,20 @@ NEEDS = {
     "--profile": ["--profile-step-start", "2", "--profile-step-end", "4"],
     "--profile-step-end": ["--profile-step-start", "4"],
     "--lora-modules-to-save": ["--lora-target-modules", "dense"],
+    "--fp8-format": ["--bf16"], "--fp8-recipe": ["--bf16"],
+    "--fp8-amax-history-len": ["--bf16", "--fp8-format", "hybrid"],
+    "--fp8-amax-compute-algo": ["--bf16", "--fp8-format", "hybrid"],
+    "--fp8-margin": ["--bf16", "--fp8", "tensorwise"],
 }  # fmt: skip
 SKIP_BASE = {"--mock-data", "--data-path", "--lora-load"}  # conflict with --mock-data / need data
 # Value flags accepted at Meshline's behaviour (0) and refused, naming the flag, at the
 # scripts' other values.
-VALUE_REFUSED = {"--empty-unused-memory-level", "--num-workers", "--manual-gc-interval"}
+VALUE_REFUSED = {
+    "--empty-unused-memory-level", "--num-workers", "--manual-gc-interval",
+    "--fp8-amax-history-len",
+}  # fmt: skip
+ACCEPTED_VALUE = {"--fp8-amax-history-len": "1"}
+"""The value a VALUE_REFUSED flag is accepted at, where it is not 0."""
 
 
 @pytest.mark.parametrize("flag", sorted(SCRIPT_FLAGS))
@@ -162,7 +172,8 @@ def test_every_script_flag_is_accepted_mapped_or_refused(flag, capsys):
         assert flag in message and "\n" not in message
         assert row.note in message or "drop the flag" in message
         if flag in VALUE_REFUSED:
-            assert parse_args([*base, *NEEDS.get(flag, []), flag, "0"]) is not None
+            accepted = ACCEPTED_VALUE.get(flag, "0")
+            assert parse_args([*base, *NEEDS.get(flag, []), flag, accepted]) is not None
         return
     config = parse_args(argv)
     err = capsys.readouterr().err

@@ -94,6 +94,8 @@ NON_DEFAULT = {
     "release_fp32_grad": ("--release-fp32-grad",),
     "qat": ("--qat", "int4"),
     "qat_group_size": ("--qat-group-size", "64"),
+    "fp8": None,  # needs --bf16, exclusive with --qat: checked separately
+    "fp8_grad_format": None,
     "train_iters": ("--train-iters", "40"),
     "eval_interval": ("--eval-interval", "20"),
     "eval_iters": ("--eval-iters", "3"),
@@ -230,6 +232,8 @@ def test_every_field_has_a_flag_and_parses():
     assert (simpo.run.simpo_beta, simpo.run.gamma_beta_ratio) == (2.0, 0.5)
     assert parse_args(["--stage", "orpo", "--orpo-beta", "0.2"]).run.orpo_beta == 0.2
     assert _values(parse_args(["--openai-gelu"]))["openai_gelu"] is True
+    fp8 = parse_args(["--bf16", "--fp8", "rowwise", "--fp8-grad-format", "e4m3"]).precision
+    assert (fp8.fp8, fp8.fp8_grad_format) == ("rowwise", "e4m3")
     rl = parse_args([*NON_DEFAULT["reward_funcs"], *NON_DEFAULT["reward_weights"]]).rl
     assert (rl.reward_funcs, rl.reward_weights) == (["gsm8k", "regex"], [0.5, 2.0])
     assert (fsdp.parallel.zero_stage, fsdp.parallel.hsdp, fsdp.parallel.hsdp_shard_size) == (

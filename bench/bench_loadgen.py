@@ -79,7 +79,9 @@ class Target:
     """How the server was started ("" for a --url target)."""
 
 
-SendFn = Callable[[str, int], Awaitable[RequestRecord]]
+Prompt = str | list[int]
+"""A prompt as text (what the mix sends) or token ids (the device check's decode timing)."""
+SendFn = Callable[[Prompt, int], Awaitable[RequestRecord]]
 
 
 class HttpTransport:
@@ -94,13 +96,13 @@ class HttpTransport:
         self.model = target.model
         self.temperature = temperature
 
-    async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
+    async def send(self, prompt: Prompt, max_tokens: int) -> RequestRecord:
         """One streamed completion, timed chunk by chunk; a failure is recorded, not raised."""
         record = RequestRecord(time.perf_counter())
         try:
             response = await self.client.completions.create(
                 model=self.model,
-                prompt=prompt,
+                prompt=prompt,  # type: ignore[arg-type]
                 max_tokens=max_tokens,
                 temperature=self.temperature,
                 stream=True,
@@ -134,7 +136,7 @@ class GrpcTransport:
         self.channel: Any = None
         self.stub: Any = None
 
-    async def send(self, prompt: str, max_tokens: int) -> RequestRecord:
+    async def send(self, prompt: Prompt, max_tokens: int) -> RequestRecord:
         """One streamed generation, timed message by message; a failure is recorded."""
         import grpc
 
@@ -150,9 +152,12 @@ class GrpcTransport:
             params.temperature = self.temperature
         record = RequestRecord(time.perf_counter())
         try:
-            call = self.stub.GenerateStream(
-                pb.GenerateRequest(prompt=prompt, params=params), timeout=self.timeout_s
+            request = (
+                pb.GenerateRequest(prompt=prompt, params=params)
+                if isinstance(prompt, str)
+                else pb.GenerateRequest(prompt_token_ids=prompt, params=params)
             )
+            call = self.stub.GenerateStream(request, timeout=self.timeout_s)
             async for message in call:
                 if message.token_ids:
                     record.arrivals.append(time.perf_counter())
@@ -173,7 +178,7 @@ TRANSPORTS = {"http": HttpTransport, "grpc": GrpcTransport}
 
 
 async def run_level(
-    send: SendFn, prompts: list[str], outputs: list[int], streams: int
+    send: SendFn, prompts: list[Prompt], outputs: list[int], streams: int
 ) -> list[RequestRecord]:
     """`streams` closed-loop streams over the requests (prompt i with max_tokens outputs[i]),
     each sending its next request when its last one ended; the records in request order."""
@@ -252,7 +257,7 @@ def replay(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     output = LengthShape(args.output_median, args.output_sigma, args.min_output_tokens,
                          args.max_output_tokens)  # fmt: skip
     specs = build_mix(count, args.seed, prompt, output)
-    texts = materialize(target, specs)
+    texts: list[Prompt] = list(materialize(target, specs))
     outputs = [s.output_tokens for s in specs]
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -17,7 +17,12 @@ device it runs, within one time budget (450 s by default; each phase capped):
 4. each kernel's default backend against HF/torch eager (bench.bench_kernels);
 5. decode: greedy, batch 1 and 8, 128 new tokens after a 128-token prompt, Meshline's engine
    (CUDA-graph decode steps, as served; and with --enforce-eager for diagnosis) against HF
-   `generate` on the same weights (parity checked in fp32 first).
+   `generate` on the same weights (parity checked in fp32 first);
+6. roofline (bench/device_decode.py): an 8B-shaped Llama's batch-1 bf16 decode against the
+   HBM roofline (weight + KV bytes per token over the measured copy bandwidth, formula printed),
+   decode at batch 8/32/64, gRPC and HTTP vs in-process, and bench/bench_loadgen.py's mix at
+   1-64 streams on the served model. It has its own cap (330 s): run it alone with
+   `--phases roofline` where the other phases have spent the budget.
 
 `--phases` runs a subset (for example `--phases tests,decode` on a short device lease).
 
@@ -45,6 +50,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from bench import roofline
+from bench.device_decode import PARTIAL, roofline_worker
 from bench.device_workers import (
     SHAPES,
     decode_worker,
@@ -59,7 +66,8 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
 TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
 CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
-PHASES = ("tests", "train", "launch", "kernels", "decode")
+ROOFLINE_CAP_S = {"gpu": 330.0, "smoke": 240.0}
+PHASES = ("tests", "train", "launch", "kernels", "decode", "roofline")
 
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
@@ -273,6 +281,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"({row['baseline']}) |"
             for row in kernels["rows"]
         ]
+    if "roofline" in report:
+        lines += roofline.markdown(report["roofline"], report["mode"])
     return "\n".join(lines) + "\n"
 
 
@@ -311,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
         if args.worker == "decode":
             result = decode_worker(shape, bf16)
+        elif args.worker == "roofline":
+            result = roofline_worker(args.mode, args.out)
         elif args.worker == "kernels":
             result = kernels_worker(args.mode, bf16)
         else:
@@ -362,12 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         report["decode"] = _child(worker, left(CHILD_CAP_S[mode]))
     else:
         report["decode"] = {"error": "not run: not in --phases"}
+    if "roofline" in phases:
+        _write(args.out, report)
+        work = args.out.resolve() / "roofline"
+        worker = ["--worker", "roofline", "--mode", mode, "--out", str(work)]
+        report["roofline"] = _child(worker, left(ROOFLINE_CAP_S[mode]))
+        if "error" in report["roofline"] and (work / PARTIAL).is_file():  # cut short: keep
+            measured = json.loads((work / PARTIAL).read_text())  # what it measured
+            report["roofline"] = {**measured, "incomplete": report["roofline"]["error"]}
     page = _write(args.out, report)
     print(page)
     failed = any("error" in row for row in report["train"].values())
     failed = failed or ("decode" in phases and "error" in report["decode"])
     tests = report.get("tests", {})
     failed = failed or "error" in tests or bool(tests.get("failed"))
+    failed = failed or any(k in report.get("roofline", {}) for k in ("error", "incomplete"))
     return 1 if failed else 0
 
 

@@ -142,6 +142,8 @@ def in_process(mode: str, partial: Partial, checkpoint: Path) -> float:
     config = model_config(shape)
     torch.manual_seed(0)
     model = build_model(config, device=platform.torch_device(), dtype=dtype).eval()
+    # The served copy's weights, taken before the engine may repack CPU linear layers.
+    state = {k: v.to("cpu").contiguous() for k, v in to_hf(model.state_dict(), config).items()}
     rows = max(BATCHES[mode])
     decoder = Engine(
         model,
@@ -164,7 +166,6 @@ def in_process(mode: str, partial: Partial, checkpoint: Path) -> float:
         step = step_seconds(decoder, ids[:count], shape["new"])
         batches.append({"rows": count, "step_ms": step * 1e3, "tokens_per_s": count / step})
         partial.set("batches", batches)
-    state = {k: v.to("cpu").contiguous() for k, v in to_hf(model.state_dict(), config).items()}
     del decoder, model
     gc.collect()
     if platform.type != "cpu":

@@ -6,6 +6,7 @@ counts. Speed is not asserted."""
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -163,3 +164,19 @@ def test_prompts_are_the_drawn_windows_as_text(served):
     assert texts == materialize(served, specs)  # same seed, same server: same prompts
     assert all(text.strip() for text in texts)
     assert len(set(texts)) == len(texts)
+
+
+def test_main_against_a_running_server_writes_json_and_markdown(served, tmp_path):
+    from bench.bench_loadgen import main
+
+    argv = ["--url", served.http_url + "/v1", "--grpc-address", str(served.grpc_address)]
+    argv += ["--transport", "http", "grpc", "--concurrency", "2", "--requests-per-stream", "1"]
+    argv += ["--prompt-median", "8", "--max-prompt-tokens", "16", "--output-median", "3"]
+    argv += ["--max-output-tokens", "4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "loadgen.json").read_text())
+    assert report["server"] == served.http_url  # /v1 stripped; the model id from /v1/models
+    for name in ("http", "grpc"):
+        (level,) = report["transports"][name]
+        assert level["succeeded"] == 2 and level["errors"] == 0 and level["output_tokens"] >= 2
+    assert "| 2 | 2 | 0 |" in (tmp_path / "loadgen.md").read_text()

@@ -124,6 +124,27 @@ def step_seconds(decoder: Any, prompts: list[list[int]], new: int) -> float:
     return (full - first) / (new - 1)
 
 
+def served_step_seconds(run: Any, send: Any, prompt: list[int], new: int) -> float:
+    """Seconds per decode step of one served request, on the client's clock, as step_seconds
+    measures in-process: (best time of a `new`-token request - best time of a 1-token
+    request) / (tokens - 1), best of 3 after a warm-up. Whole-request times, not chunk gaps: a
+    front that delivers chunks in bursts would make the gaps look faster than the steps.
+    `run` runs a coroutine (asyncio.Runner.run), `send` is a bench_loadgen transport's."""
+
+    def timed(tokens: int) -> tuple[float, int]:
+        record = run(send(prompt, tokens))
+        if record.error or record.done is None or record.tokens < 1:
+            raise RuntimeError(record.error or "no tokens came back")
+        return record.done - record.sent, record.tokens
+
+    timed(new)
+    full, made = min(timed(new) for _ in range(3))
+    if made < 2:
+        raise RuntimeError(f"the model stopped after {made} token (EOS); no step to time")
+    first = min(timed(1)[0] for _ in range(3))
+    return (full - first) / (made - 1)
+
+
 def in_process(mode: str, partial: Partial, checkpoint: Path) -> float:
     """Steps 2-4's in-process side; writes the HF checkpoint; returns batch-1 s/token."""
     import torch
@@ -201,17 +222,11 @@ def served(mode: str, partial: Partial, checkpoint: Path, work: Path, batch1_s: 
             results: dict[str, Any] = {}
             for name, kind in (("grpc", GrpcTransport), ("http", HttpTransport)):
                 transport = kind(target, 0.0, 600.0)
-                runner.run(transport.send(prompt, shape["new"]))  # warm-up
-                best = float("inf")
-                for _ in range(3):
-                    record = runner.run(transport.send(prompt, shape["new"]))
-                    if record.error or record.tokens < 2:
-                        results[name] = {"error": record.error or "fewer than 2 tokens"}
-                        break
-                    tpot = (record.arrivals[-1] - record.arrivals[0]) / (record.tokens - 1)
-                    best = min(best, tpot)
-                else:
-                    results[name] = {"ms": best * 1e3, "ratio": batch1_s / best}
+                try:
+                    step = served_step_seconds(runner.run, transport.send, prompt, shape["new"])
+                    results[name] = {"ms": step * 1e3, "ratio": batch1_s / step}
+                except RuntimeError as exc:
+                    results[name] = {"error": str(exc)[:500]}
                 runner.run(transport.close())
                 partial.set("served", results)
         finally:

@@ -5,6 +5,7 @@ marks a GPU target met. The GPU figures themselves need a device (`make device-c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.device_decode import SHAPES, model_config
+from bench.device_decode import SHAPES, model_config, served_step_seconds
+from bench.loadgen_metrics import RequestRecord
 from bench.roofline import (
     LLAMA_8B,
     kv_bytes,
@@ -61,6 +63,24 @@ def test_kv_bytes_and_the_roofline():
     assert row["fraction"] == pytest.approx(total / 4.0e12 / 5e-3)  # ~75%
     assert "15.010 GB weights" in row["formula"] and "4.000 TB/s" in row["formula"]
     assert row["formula"].endswith(f"{row['fraction']:.1%}")
+
+
+def test_served_step_is_the_difference_of_whole_requests():
+    """A 16-token request taking 0.1 + 15 x 0.004 s and a 1-token one 0.1 s: 4 ms a step,
+    however the chunks were bunched (all 16 arrive at the end here)."""
+
+    async def send(prompt: list[int], tokens: int) -> RequestRecord:
+        wall = 0.1 + (tokens - 1) * 0.004
+        return RequestRecord(10.0, [10.0 + wall] * tokens, [1] * tokens, 10.0 + wall)
+
+    run = asyncio.run
+    assert served_step_seconds(run, send, [4, 5], 16) == pytest.approx(0.004)
+
+    async def eos_at_once(prompt: list[int], tokens: int) -> RequestRecord:
+        return RequestRecord(0.0, [0.1], [1], 0.1)
+
+    with pytest.raises(RuntimeError, match="stopped after 1 token"):
+        served_step_seconds(run, eos_at_once, [4], 16)
 
 
 def test_vendor_bandwidth_by_name():

@@ -174,7 +174,10 @@ class GrpcTransport:
             await self.channel.close()
 
 
-TRANSPORTS = {"http": HttpTransport, "grpc": GrpcTransport}
+TRANSPORTS: dict[str, type[HttpTransport] | type[GrpcTransport]] = {
+    "http": HttpTransport,
+    "grpc": GrpcTransport,
+}
 
 
 async def run_level(

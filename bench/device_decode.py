@@ -103,6 +103,14 @@ class Partial:
         self.path.write_text(json.dumps(self.data, indent=2))
 
 
+def release_memory(platform: Any) -> None:
+    """Hand freed device memory back (the server process needs it): collect, then empty the
+    accelerator's caching allocator (`platform` is a kernels.device Platform)."""
+    gc.collect()
+    if platform.type != "cpu":
+        platform.module.empty_cache()
+
+
 def step_seconds(decoder: Any, prompts: list[list[int]], new: int) -> float:
     """Seconds per greedy decode step of `len(prompts)` rows on `decoder` (an Engine): (best
     time for `new` tokens - best time for 1) / (new - 1), so the prefill is not counted; best
@@ -188,9 +196,7 @@ def in_process(mode: str, partial: Partial, checkpoint: Path) -> float:
         batches.append({"rows": count, "step_ms": step * 1e3, "tokens_per_s": count / step})
         partial.set("batches", batches)
     del decoder, model
-    gc.collect()
-    if platform.type != "cpu":
-        platform.module().empty_cache()
+    release_memory(platform)
     checkpoint.mkdir(parents=True, exist_ok=True)
     save_file(state, str(checkpoint / "model.safetensors"))
     del state

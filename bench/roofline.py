@@ -101,7 +101,7 @@ def markdown(result: dict[str, Any], mode: str) -> list[str]:
     if bw:
         vendor = bw.get("vendor_bytes_s")
         lines.append(
-            f"- HBM bandwidth measured by device copies: {bw['measured_bytes_s'] / 1e12:.3f} TB/s"
+            f"- memory bandwidth measured by device copies: {bw['measured_bytes_s'] / 1e12:.3f} TB/s"
             + (f" ({bw['measured_bytes_s'] / vendor:.0%} of the vendor's {vendor / 1e12:.2f})"
                if vendor else "")
         )  # fmt: skip

@@ -10,10 +10,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench.device_decode import SHAPES, model_config, served_step_seconds
+from bench.device_decode import SHAPES, model_config, release_memory, served_step_seconds
 from bench.loadgen_metrics import RequestRecord
 from bench.roofline import (
     LLAMA_8B,
@@ -81,6 +82,20 @@ def test_served_step_is_the_difference_of_whole_requests():
 
     with pytest.raises(RuntimeError, match="stopped after 1 token"):
         served_step_seconds(run, eos_at_once, [4], 16)
+
+
+def test_release_memory_empties_the_accelerator_cache_only():
+    """The CUDA path with CUDA mocked: `Platform.module` is a property, not a method."""
+    emptied = []
+    cuda = SimpleNamespace(
+        type="cuda", module=SimpleNamespace(empty_cache=lambda: emptied.append(1))
+    )
+    release_memory(cuda)
+    assert emptied == [1]
+    release_memory(SimpleNamespace(type="cpu", module=None))  # nothing to empty on the CPU
+    from kernels import device
+
+    release_memory(device.current())  # the real platform object of this machine
 
 
 def test_vendor_bandwidth_by_name():

@@ -20,6 +20,11 @@ device it runs, within one time budget (450 s by default; each phase capped):
    `generate` on the same weights (parity checked in fp32 first);
 6. FP8, only when named in `--phases`: bf16 `--compile` against `--fp8 tensorwise|rowwise
    --compile`, tokens/s and the loss at step 200 (bench/device_fp8.py).
+7. roofline, only when named in `--phases` (bench/device_decode.py): an 8B-shaped Llama's
+   batch-1 bf16 decode against the HBM roofline (weight + KV bytes per token over the measured
+   copy bandwidth, formula printed), decode at batch 8/32/64, gRPC and HTTP vs in-process, and
+   bench/bench_loadgen.py's mix at 1-64 streams on the served model. It has its own cap (330 s):
+   run it alone with `--phases roofline`, since the default phases spend the budget.
 
 `--phases` runs a subset (for example `--phases tests,decode` on a short device lease).
 
@@ -47,7 +52,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from bench import device_fp8
+from bench import device_fp8, roofline
+from bench.device_decode import PARTIAL, roofline_worker
 from bench.device_workers import (
     SHAPES,
     decode_worker,
@@ -62,10 +68,11 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = {"gpu": 450.0, "smoke": 300.0}
 TESTS_CAP_S = {"gpu": 150.0, "smoke": 120.0}
 CHILD_CAP_S = {"gpu": 100.0, "smoke": 120.0}
-PHASES = ("tests", "train", "launch", "kernels", "decode", "fp8")
-# fp8 (three compiled training runs, ~3 min on an H200) is asked for by name: the others fill
-# the default budget already.
-DEFAULT_PHASES = PHASES[:-1]
+ROOFLINE_CAP_S = {"gpu": 330.0, "smoke": 240.0}
+PHASES = ("tests", "train", "launch", "kernels", "decode", "fp8", "roofline")
+# fp8 (three compiled training runs, ~3 min on an H200) and roofline (its own 330 s cap) are asked
+# for by name: the other phases fill the default budget already.
+DEFAULT_PHASES = PHASES[:-2]
 
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
@@ -280,6 +287,8 @@ def markdown(report: dict[str, Any]) -> str:
             for row in kernels["rows"]
         ]
     lines += device_fp8.markdown_lines(report.get("fp8"))
+    if "roofline" in report:
+        lines += roofline.markdown(report["roofline"], report["mode"])
     return "\n".join(lines) + "\n"
 
 
@@ -293,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "--phases",
         default=",".join(DEFAULT_PHASES),
         help=f"comma-separated phases to run, in the fixed order {','.join(PHASES)} (default: "
-        "all but fp8): a rerun of one phase on a short device lease",
+        "all but fp8 and roofline, which run when named): a rerun of one phase on a short device "
+        "lease",
     )
     parser.add_argument(
         "--budget-s",
@@ -318,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
         if args.worker == "decode":
             result = decode_worker(shape, bf16)
+        elif args.worker == "roofline":
+            result = roofline_worker(args.mode, args.out)
         elif args.worker == "kernels":
             result = kernels_worker(args.mode, bf16)
         elif args.worker.startswith("fp8:"):
@@ -373,6 +385,14 @@ def main(argv: list[str] | None = None) -> int:
         report["decode"] = {"error": "not run: not in --phases"}
     if "fp8" in phases:
         report["fp8"] = device_fp8.run_fp8(mode, left, _child, CHILD_CAP_S[mode])
+    if "roofline" in phases:
+        _write(args.out, report)
+        work = args.out.resolve() / "roofline"
+        worker = ["--worker", "roofline", "--mode", mode, "--out", str(work)]
+        report["roofline"] = _child(worker, left(ROOFLINE_CAP_S[mode]))
+        if "error" in report["roofline"] and (work / PARTIAL).is_file():  # cut short: keep
+            measured = json.loads((work / PARTIAL).read_text())  # what it measured
+            report["roofline"] = {**measured, "incomplete": report["roofline"]["error"]}
     page = _write(args.out, report)
     print(page)
     failed = any("error" in row for row in report["train"].values())
@@ -382,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = failed or any(
         "error" in row for row in report.get("fp8", {}).get("sides", {}).values()
     )
+    failed = failed or any(k in report.get("roofline", {}) for k in ("error", "incomplete"))
     return 1 if failed else 0
 
 

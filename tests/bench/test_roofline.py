@@ -156,7 +156,7 @@ def test_device_check_help_and_phase_names_on_cpu(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "decode,roofline" in bad.stderr
+    assert bad.returncode == 2 and "decode,fp8,roofline" in bad.stderr
 
 
 @pytest.mark.slow

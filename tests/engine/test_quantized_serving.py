@@ -289,3 +289,48 @@ def test_quantize_linears_names_a_layer_whose_inputs_do_not_split():
     model = _model()
     with pytest.raises(ValueError, match=r"layers\.0\..*96 inputs does not split into groups"):
         quantize_linears(copy.deepcopy(model), WeightScheme(4, 64, True))
+
+
+@needs_build
+@pytest.mark.slow  # a server process started and a model loaded twice: ~30 s
+def test_served_quantized_checkpoint_answers_the_dequantized_models_greedy_tokens(
+    tied_llama, tmp_path
+):
+    """`python -m services.inference serve --load` on an int4 checkpoint with its tied embedding
+    and head int8 (convert's defaults but the group), over gRPC, against the same checkpoint
+    dequantized in this process: the same greedy tokens."""
+    import sys
+
+    import grpc
+
+    from meshline.inference.v1 import inference_pb2 as pb
+    from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+    from tests.served_process import GRPC_PORT, launched
+
+    out = tmp_path / "q"
+    convert(
+        ConvertOptions(
+            "hf", "quantized", tied_llama, out, quantize="int4", group_size=32,
+            quantize_affine=True,
+        )
+    )  # fmt: skip
+    dequantized = load_checkpoint(out, quantized_weights=False)
+    engine = Engine(dequantized.model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=1))
+    prompts = [[5, 9, 11], [7] * 8]
+    want = [
+        engine.generate([p], [SamplingConfig(max_new_tokens=10)])[0][0].token_ids for p in prompts
+    ]
+    command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
+    command += ["--load", str(out), "--grace-period", "5"]
+    with launched(command, {"grpc": GRPC_PORT}, ready_s=120) as server:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.ports['grpc']}")
+        stub = pb_grpc.InferenceServiceStub(channel)
+        got = []
+        for prompt in prompts:
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt,
+                params=pb.SamplingParams(max_new_tokens=10, temperature=0.0),
+            )
+            got.append(list(stub.Generate(request, timeout=60).sequences[0].token_ids))
+        channel.close()
+    assert got == want, server.tail()

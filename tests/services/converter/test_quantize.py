@@ -159,6 +159,14 @@ def test_a_tampered_checkpoint_is_refused(llama, tmp_path):
     (out / "quantization.json").write_text(json.dumps({**scheme, "bits": 3}))
     with pytest.raises(ValueError, match="not a Meshline quantization scheme"):
         QuantizedSource(out)
+    # the embedding's scheme is checked as the layers' is, and must match what is stored
+    bad = {**scheme, "embedding": {"bits": 8, "group_size": 0, "symmetric": True}}
+    (out / "quantization.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="embedding.group_size 0"):
+        QuantizedSource(out)
+    (out / "quantization.json").write_text(json.dumps({**scheme, "embedding": None}))
+    with pytest.raises(ValueError, match=r"tensor embed_tokens\.weight is missing"):
+        QuantizedSource(out)
 
 
 @pytest.mark.slow

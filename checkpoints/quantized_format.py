@@ -5,13 +5,17 @@ A directory holds:
 
 - `quantization.json`: the scheme — `{"format": "meshline-quantized-1", "method": "rtn",
   "bits": 8|4, "group_size": N|null (null: one scale per output channel), "symmetric": bool,
-  "dtype": the dtype of the kept tensors and of dequantized weights}`;
+  "dtype": the dtype of the kept tensors and of dequantized weights, "embedding": null or
+  {"bits", "group_size", "symmetric"}}` (the last: how the token embedding and the output head
+  are quantized; null or absent — checkpoints written before it existed — keeps them);
 - `config.json`: the ModelConfig dict (as a native step's);
 - `model.safetensors`: every 2-D weight of a decoder layer (`layers.N.*.weight`: attention and MLP
   projections, fused or not) as `<name>.codes` (int8 [out, in]) for int8 or `<name>.packed`
   (uint8 [out, in/2], two codes a byte) for int4, `<name>.scale` (float32 [out, groups]) and, when
-  affine, `<name>.zero` (int8 [out, groups]); every other tensor — the token embedding, norms,
-  the output head, 3-D MoE expert stacks — as it is;
+  affine, `<name>.zero` (int8 [out, groups]); with an "embedding" scheme the token embedding
+  (`embed_tokens.weight` [vocab, hidden]) and an untied output head (`lm_head.weight`) are stored
+  the same way under that scheme (a tied head is the embedding's codes); every other tensor —
+  norms, position tables, 3-D MoE expert stacks — as it is;
 - `tokenizer/`: the source's tokenizer files.
 
 Reading dequantizes ((codes − zero) · scale per group, `kernels.quantization`) into the recorded
@@ -52,9 +56,25 @@ _STORED = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
            torch.uint8: "U8"}  # fmt: skip
 
 
+EMBEDDING_SCHEME = WeightScheme(8, None, True)
+"""How `convert --quantize` stores the token embedding and output head unless
+`--keep-embedding`: int8, one symmetric scale per row (per token), whatever the layers' bits.
+On SmolLM2-135M it costs +0.11% perplexity alone, int4 group 32 affine rows +9% (bench/
+RESULTS.md), and as the head it is the largest matrix a decode step reads."""
+
+EMBEDDING_NAMES = ("embed_tokens.weight", "lm_head.weight")
+"""The tensors an "embedding" scheme quantizes (the head only where it is not tied)."""
+
+
 def quantized(name: str, shape: tuple[int, ...]) -> bool:
     """Whether a Meshline tensor is stored quantized: a 2-D weight inside a decoder layer."""
     return name.startswith("layers.") and name.endswith(".weight") and len(shape) == 2
+
+
+def embedding_quantizable(config: ModelConfig) -> bool:
+    """Whether the model's token embedding / output head can be stored quantized: a vocabulary
+    head (not a reward model's scalar one) whose rows are used as they are (not normalised)."""
+    return not config.value_head and not config.norm_head
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,16 @@ class Scheme:
     """Bits, group size, symmetric or affine."""
     dtype: torch.dtype
     """Dtype of kept tensors and of dequantized weights."""
+    embedding: WeightScheme | None = None
+    """The token embedding's and output head's scheme; None: kept in `dtype`."""
+
+    def of(self, name: str, shape: tuple[int, ...]) -> WeightScheme | None:
+        """The scheme a Meshline tensor is stored under, None when it is kept as it is."""
+        if quantized(name, shape):
+            return self.weights
+        if name in EMBEDDING_NAMES and len(shape) == 2:
+            return self.embedding
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """The `quantization.json` object."""
@@ -75,6 +105,13 @@ class Scheme:
             "group_size": self.weights.group_size,
             "symmetric": self.weights.symmetric,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "embedding": None
+            if self.embedding is None
+            else {
+                "bits": self.embedding.bits,
+                "group_size": self.embedding.group_size,
+                "symmetric": self.embedding.symmetric,
+            },
         }
 
     @classmethod
@@ -84,20 +121,30 @@ class Scheme:
             assert isinstance(data, dict)
             if data["format"] != FORMAT or data.get("method") != "rtn":
                 raise ValueError(f"format {data['format']!r} / method {data.get('method')!r}")
-            group = data["group_size"]
-            if group is not None and (type(group) is not int or group < 1):
-                raise ValueError(f"group_size {group!r}")
-            if type(data["symmetric"]) is not bool:
-                raise ValueError(f"symmetric {data['symmetric']!r}")
-            bits = data["bits"]
-            if type(bits) is not int:
-                raise ValueError(f"bits {bits!r}")
-            return cls(WeightScheme(bits, group, data["symmetric"]), _DTYPES[data["dtype"]])
+            embedding = data.get("embedding")
+            if embedding is not None:
+                assert isinstance(embedding, dict)
+                embedding = _weight_scheme(embedding, "embedding.")
+            return cls(_weight_scheme(data, ""), _DTYPES[data["dtype"]], embedding)
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where} is not a Meshline quantization scheme ({exc}); expected {FORMAT} with "
-                f"bits 8|4, group_size, symmetric and dtype one of {list(_DTYPES)}"
+                f"bits 8|4, group_size, symmetric, dtype one of {list(_DTYPES)} and embedding "
+                "null or {bits, group_size, symmetric}"
             ) from exc
+
+
+def _weight_scheme(data: dict, prefix: str) -> WeightScheme:
+    """bits / group_size / symmetric of a `quantization.json` object (ValueError, KeyError)."""
+    group = data["group_size"]
+    if group is not None and (type(group) is not int or group < 1):
+        raise ValueError(f"{prefix}group_size {group!r}")
+    if type(data["symmetric"]) is not bool:
+        raise ValueError(f"{prefix}symmetric {data['symmetric']!r}")
+    bits = data["bits"]
+    if type(bits) is not int:
+        raise ValueError(f"{prefix}bits {bits!r}")
+    return WeightScheme(bits, group, data["symmetric"])
 
 
 def part_specs(name: str, shape: tuple[int, ...], scheme: WeightScheme) -> list[TensorSpec]:
@@ -116,26 +163,37 @@ def part_specs(name: str, shape: tuple[int, ...], scheme: WeightScheme) -> list[
     return specs
 
 
-def plan(config: ModelConfig, scheme: Scheme) -> dict[Unit, list[tuple[str, list[TensorSpec]]]]:
+Planned = tuple[str, WeightScheme | None, list[TensorSpec]]
+"""A Meshline tensor, the scheme it is stored under (None: kept) and its stored tensors."""
+
+
+def plan(config: ModelConfig, scheme: Scheme) -> dict[Unit, list[Planned]]:
     """Per unit, each Meshline tensor with the stored tensors it becomes (ValueError when a
-    weight's rows do not split into the scheme's groups)."""
-    out: dict[Unit, list[tuple[str, list[TensorSpec]]]] = {u: [] for u in units(config)}
+    weight's rows do not split into the scheme's groups, or the model's embedding cannot be
+    quantized)."""
+    if scheme.embedding is not None and not embedding_quantizable(config):
+        raise ValueError(
+            "the model's output head is a scalar value head or row-normalised: its embedding "
+            "and head cannot be quantized"
+        )
+    out: dict[Unit, list[Planned]] = {u: [] for u in units(config)}
     for name, size in expected_shapes(config).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = tuple(size)
-        if quantized(name, shape):
-            specs = part_specs(name, shape, scheme.weights)
+        weights = scheme.of(name, shape)
+        if weights is not None:
+            specs = part_specs(name, shape, weights)
         else:
             specs = [TensorSpec(name, scheme.dtype, shape)]
-        out[unit_of(name)].append((name, specs))
+        out[unit_of(name)].append((name, weights, specs))
     return out
 
 
-def check_plan(config: ModelConfig, scheme: WeightScheme) -> None:
+def check_plan(config: ModelConfig, scheme: WeightScheme, embedding: WeightScheme | None) -> None:
     """Refuses (ValueError naming the flag) a scheme the model's weights cannot take."""
     try:
-        plan(config, Scheme(scheme, torch.float32))
+        plan(config, Scheme(scheme, torch.float32, embedding))
     except ValueError as exc:
         raise ValueError(f"--group-size {scheme.group_size}: {exc}") from exc
 
@@ -167,7 +225,7 @@ class QuantizedSource:
         header, _ = read_header(self._path)
         self._plan = plan(self.config, self.scheme)
         for entries in self._plan.values():
-            for _, specs in entries:
+            for _, _, specs in entries:
                 for spec in specs:
                     entry = header.get(spec.name)
                     want = (_STORED[spec.dtype], list(spec.shape))
@@ -189,11 +247,11 @@ class QuantizedSource:
         """The unit's kept tensors (in the recorded dtype) and its quantized weights as stored
         (int4 codes unpacked), by Meshline name: what serving on the codes needs."""
         entries = self._plan[unit]
-        raw = read_tensors(self._path, [s.name for _, specs in entries for s in specs])
+        raw = read_tensors(self._path, [s.name for _, _, specs in entries for s in specs])
         kept: Tensors = {}
         weights: dict[str, QuantizedWeight] = {}
-        for name, specs in entries:
-            if len(specs) == 1:
+        for name, scheme, _ in entries:
+            if scheme is None:
                 kept[name] = raw[name].to(self.scheme.dtype)
                 continue
             codes = raw.get(f"{name}.codes")
@@ -215,24 +273,25 @@ class QuantizedSink:
         dtype: torch.dtype,
         tokenizer: list[Path],
         weights: WeightScheme,
+        embedding: WeightScheme | None = None,
     ) -> None:
         self.directory = directory
         self.config = config
         self.tokenizer = tokenizer
-        self.scheme = Scheme(weights, dtype)
+        self.scheme = Scheme(weights, dtype, embedding)
         self._plan = plan(config, self.scheme)
-        specs = [s for unit in units(config) for _, parts in self._plan[unit] for s in parts]
+        specs = [s for unit in units(config) for _, _, parts in self._plan[unit] for s in parts]
         self._writer = StreamingWriter(directory / WEIGHTS, specs, {"format": FORMAT})
 
     def write_unit(self, unit: Unit, tensors: Tensors) -> None:
         """Quantizes the unit's decoder weights and streams every stored tensor."""
-        for name, specs in self._plan[unit]:
+        for name, scheme, specs in self._plan[unit]:
             tensor = tensors[name]
-            if len(specs) == 1:
+            if scheme is None:
                 self._writer.write(name, tensor.to(self.scheme.dtype))
                 continue
-            q = quantize_weight(tensor, self.scheme.weights)
-            codes = pack_int4(q.codes) if self.scheme.weights.bits == 4 else q.codes
+            q = quantize_weight(tensor, scheme)
+            codes = pack_int4(q.codes) if scheme.bits == 4 else q.codes
             self._writer.write(specs[0].name, codes)
             self._writer.write(f"{name}.scale", q.scale.float())
             if q.zero_point is not None:

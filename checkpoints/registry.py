@@ -57,6 +57,9 @@ class SinkOptions:
     """Inputs per scale of a quantized output (None: one scale per output channel)."""
     quantize_affine: bool = False
     """Affine (zero point) rather than symmetric codes for a quantized output."""
+    keep_embedding: bool = False
+    """A quantized output keeps the token embedding and output head in the dtype (default: int8,
+    checkpoints.quantized_format.EMBEDDING_SCHEME, where the model's head is a vocabulary head)."""
 
 
 OpenSource = Callable[["Path", "ModelConfig | None", "int | None"], "Source"]
@@ -231,20 +234,31 @@ def _quantized_source(directory: Path, named: ModelConfig | None, iteration: int
     return QuantizedSource(directory, named)
 
 
+def _embedding_scheme(config: ModelConfig, layout: SinkOptions) -> WeightScheme | None:
+    """How a quantized output stores the embedding and head: int8 unless --keep-embedding or
+    the model's head is not a vocabulary head (kept then: the default only, no flag asked)."""
+    from checkpoints.quantized_format import EMBEDDING_SCHEME, embedding_quantizable
+
+    if layout.keep_embedding or not embedding_quantizable(config):
+        return None
+    return EMBEDDING_SCHEME
+
+
 def _quantized_sink(
     directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions
 ) -> Sink:
     from checkpoints.quantized_format import QuantizedSink
 
     return QuantizedSink(
-        directory, source.config, dtype, source.tokenizer_files, _weight_scheme(layout)
-    )
+        directory, source.config, dtype, source.tokenizer_files, _weight_scheme(layout),
+        _embedding_scheme(source.config, layout),
+    )  # fmt: skip
 
 
 def _quantized_check(source: Source, layout: SinkOptions) -> None:
     from checkpoints.quantized_format import check_plan
 
-    check_plan(source.config, _weight_scheme(layout))
+    check_plan(source.config, _weight_scheme(layout), _embedding_scheme(source.config, layout))
 
 
 QUANTIZED_SCHEME = "quantization.json"

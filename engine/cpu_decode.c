@@ -79,6 +79,9 @@ typedef struct {
     float rope_scale, scale;
     Layer *layers;
     long dtype; /* DTYPE_F32, DTYPE_BF16 or DTYPE_F16 */
+    /* A quantized token embedding (qembed.qbits 8 or 4; embed is then NULL): row t of the
+     * table is qembed's weight row t, dequantized as it is read (cpu_decode_quant.h). */
+    Lin qembed;
 } Model;
 
 #define DTYPE_F32 0
@@ -238,10 +241,13 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 /* sizeof(Lin): engine/native_step.py checks it against its ctypes mirror, so a build older
  * than the Python tables (another Lin layout) is never called. */
 static PyObject *lin_bytes(PyObject *self, PyObject *args) { return PyLong_FromSize_t(sizeof(Lin)); }
+/* sizeof(Model): checked as lin_bytes is (a build without the quantized embedding differs). */
+static PyObject *model_bytes(PyObject *self, PyObject *args) { return PyLong_FromSize_t(sizeof(Model)); }
 static PyObject *block_tables(PyObject *self, PyObject *args) { Py_RETURN_TRUE; }
 
 static PyMethodDef methods[] = {
     {"lin_bytes", lin_bytes, METH_NOARGS, "sizeof(Lin), the layout this build reads."},
+    {"model_bytes", model_bytes, METH_NOARGS, "sizeof(Model), the layout this build reads."},
     {"step", step, METH_VARARGS, "One decode step of up to 64 rows (addresses as ints)."},
     {"block_tables", block_tables, METH_NOARGS,
      "Whether step() takes block tables (a build older than the paged KV cache does not)."},

@@ -28,6 +28,27 @@
  *
  * The group size is a multiple of 8 (engine/native_step.py checks; others run in torch). */
 
+/* out[i] = row r of the weight, (code - zero) * scale in fp32 (one rounding, as
+ * kernels.quantization.dequantize_weight): a quantized embedding's lookup, one row a token. */
+static void q_row(const Lin *l, long r, float *out) {
+    const long n = l->in, G = l->group, groups = n / G;
+    const uint8_t *row = (const uint8_t *)l->w + r * l->rs;
+    for (long g = 0; g < groups; g++) {
+        const float s = l->scale[r * groups + g];
+        const int z = l->zero ? l->zero[r * groups + g] : 0;
+        for (long i = g * G; i < (g + 1) * G; i++) {
+            int c;
+            if (l->qbits == 8)
+                c = ((const int8_t *)row)[i];
+            else {
+                c = i & 1 ? row[i / 2] >> 4 : row[i / 2] & 15;
+                c = c >= 8 ? c - 16 : c;
+            }
+            out[i] = (float)(c - z) * s;
+        }
+    }
+}
+
 /* Eight int8 codes as fp32. */
 static inline __m256 q8_load8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

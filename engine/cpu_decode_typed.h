@@ -206,8 +206,13 @@ static void NAME(decode)(const Model *m, long B, const long long *tokens,
     float *gu = att + B * H * D, *act = gu + B * 2 * F, *cs = act + B * F, *sn = cs + B * half;
     float *scores = sn + B * half;
     for (long b = 0; b < B; b++) {
-        const WT *row = (const WT *)m->embed + tokens[b] * E;
-        for (long i = 0; i < E; i++) h[b * E + i] = LD1(row[i]);
+        if (m->qembed.qbits) { /* rounded to the model's type, as the torch lookup's rows */
+            q_row(&m->qembed, tokens[b], h + b * E);
+            for (long i = 0; i < E; i++) h[b * E + i] = LD1(ST1(h[b * E + i]));
+        } else {
+            const WT *row = (const WT *)m->embed + tokens[b] * E;
+            for (long i = 0; i < E; i++) h[b * E + i] = LD1(row[i]);
+        }
         for (long j = 0; j < half; j++) {
             const float f = (float)positions[b] * m->inv_freq[j];
             cs[b * half + j] = cosf(f) * m->rope_scale;

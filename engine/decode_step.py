@@ -36,6 +36,7 @@ from kernels.attention import ATTENTION
 from kernels.attention.sdpa import folds_query_groups, grouped_single_query
 from kernels.norm import RMS_NORM, RMSNorm, rms_norm_reference
 from kernels.packed_linear import PackedLinear
+from kernels.quant_embedding import QuantEmbedding
 from kernels.quant_linear import QuantLinear
 from kernels.rotary import APPLY_ROTARY, apply_rotary_reference, inverse_frequencies
 from models.kv_cache import CacheStep, KVCache
@@ -125,8 +126,9 @@ class DecodeStep:
             raise Unsupported("the model is in training mode")
         if model.embed_tokens is None or model.lm_head is None or model.norm is None:
             raise Unsupported("a pipeline stage (no embedding, final norm or head)")
-        if type(model.embed_tokens) is not nn.Embedding or model.embed_layernorm is not None:
-            raise Unsupported("the embedding is not a plain nn.Embedding")
+        embed = model.embed_tokens
+        if type(embed) not in (nn.Embedding, QuantEmbedding) or model.embed_layernorm is not None:
+            raise Unsupported("the embedding is not a plain nn.Embedding (or a quantized one)")
         if model.rotary is None:  # the table declines every configuration without RoPE
             raise Unsupported("no rotary table")
         scaling = model.rotary.scaling
@@ -136,14 +138,18 @@ class DecodeStep:
         if ATTENTION.default() not in ("sdpa", "fused"):
             raise Unsupported(f"attention backend {ATTENTION.default()!r} (this step mirrors sdpa)")
         _no_hooks(model)
-        self.embedding = model.embed_tokens.weight
+        self.embedding: torch.Tensor | QuantEmbedding = (
+            embed if isinstance(embed, QuantEmbedding) else embed.weight
+        )
+        """The table (a quantized one dequantizes the rows it is asked for)."""
+        self.dtype = embed.dtype if isinstance(embed, QuantEmbedding) else embed.weight.dtype
+        """The dtype of the rows, hidden states and logits."""
+        device = embed.scale.device if isinstance(embed, QuantEmbedding) else embed.weight.device
         self.final_norm = _norm(model.norm)
         self.head = _linear(model.lm_head)
         self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.inv_freq = inverse_frequencies(config.head_dim, model.rotary.theta, scaling).to(
-            self.embedding.device
-        )
+        self.inv_freq = inverse_frequencies(config.head_dim, model.rotary.theta, scaling).to(device)
         self.rope_scale = model.rotary.scale
         # The kernels the registry chose for this process (what the module forward calls).
         self.rms_norm = RMS_NORM.get(RMS_NORM.default())
@@ -152,7 +158,7 @@ class DecodeStep:
         self.swiglu_packed = SWIGLU_PACKED.get(SWIGLU_PACKED.default())
         self.layers = [_read_layer(key, layer) for key, layer in model.layers.items()]
         if (
-            self.embedding.dtype == torch.float32
+            self.dtype == torch.float32
             and self.rms_norm is rms_norm_reference
             and self.rotate is apply_rotary_reference
         ):
@@ -220,7 +226,10 @@ class DecodeStep:
         """The decoder over one token per row at positions `pos_B`; `attend(layer, q, k, v)`
         stores k/v and returns attention's output [B, H, 1, D]."""
         b = ids_B1.shape[0]
-        h_B1E = F.embedding(ids_B1, self.embedding)
+        if isinstance(self.embedding, QuantEmbedding):
+            h_B1E = self.embedding(ids_B1)
+        else:
+            h_B1E = F.embedding(ids_B1, self.embedding)
         freqs_B1d = pos_B[:, None, None].float() * self.inv_freq
         emb_B1D = torch.cat((freqs_B1d, freqs_B1d), dim=-1)
         cos_B1D, sin_B1D = emb_B1D.cos(), emb_B1D.sin()

@@ -26,7 +26,11 @@ from pathlib import Path
 import torch
 
 from checkpoints.registry import AUTO, SERVE_CHOICES, SERVE_FORMATS, detect_format, get_format
-from engine.quantized_model import read_quantized_state, swap_in_quant_linears
+from engine.quantized_model import (
+    read_quantized_state,
+    swap_in_quant_linears,
+    tie_quantized_head,
+)
 from models import build_model
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer, build_tokenizer
@@ -160,7 +164,7 @@ def load_checkpoint(
     on_codes = fmt == "quantized" and quantized_weights and lora is None
     if on_codes:  # the engine computes on the codes (engine/quantized_model.py)
         try:
-            config, state, weights, scheme, _, tokenizer_dir = read_quantized_state(directory)
+            config, state, weights, scheme, tokenizer_dir = read_quantized_state(directory)
         except (OSError, ValueError) as exc:
             raise ValueError(f"--load {directory} ({fmt}): {exc}") from exc
     else:
@@ -172,12 +176,13 @@ def load_checkpoint(
         torch_dtype = DTYPES[dtype]
     model = build_model(config, device="meta", dtype=torch_dtype)
     if on_codes:
-        state.update(swap_in_quant_linears(model, weights, scheme))
+        state.update(swap_in_quant_linears(model, weights, scheme.weights, scheme.embedding))
     model.to_empty(device=device)
     model.init_weights(seed=0)
+    tied = tie_quantized_head(model) if on_codes else []
     missing, unexpected = model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
+        missing = [k for k in missing if k != "lm_head.weight" and k not in tied]
     if missing or unexpected:
         raise ValueError(
             f"--load {directory}: checkpoint does not match its config (missing {missing[:5]}, "

@@ -35,6 +35,7 @@ from engine.config_support import FieldSupport, declined, every, only
 from engine.decode_step import LEAN_SUPPORT, DecodeStep, DenseLinear, StepLayer
 from engine.paged_cache import PagedKVCache, PagedStep
 from kernels.packed_linear import PackedLinear
+from kernels.quant_embedding import QuantEmbedding
 from kernels.quant_linear import QuantLinear
 from models.kv_cache import CacheStep, KVCache
 
@@ -119,6 +120,7 @@ class _ModelTable(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(_LayerTable)),
         ("dtype", ctypes.c_long),
+        ("qembed", _Lin),
     ]
 
 
@@ -135,7 +137,13 @@ def available() -> tuple[bool, str]:
     if not _compiled.simd():
         return False, "this CPU lacks AVX2/FMA/F16C, which engine.cpu_decode is built for"
     lin_bytes = getattr(_compiled, "lin_bytes", None)
-    if lin_bytes is None or lin_bytes() != ctypes.sizeof(_Lin):
+    model_bytes = getattr(_compiled, "model_bytes", None)
+    if (
+        lin_bytes is None
+        or lin_bytes() != ctypes.sizeof(_Lin)
+        or model_bytes is None
+        or model_bytes() != ctypes.sizeof(_ModelTable)
+    ):
         return False, (
             "engine.cpu_decode was built from an older cpu_decode.c (another table layout); "
             "rebuild it (build_ext --inplace)"
@@ -161,20 +169,27 @@ class NativeStep:
         self.config = lean.config
         self.lean = lean
         embedding = lean.embedding
-        self.dtype = embedding.dtype
-        tensors = [embedding, lean.final_norm[0]]
+        self.dtype = lean.dtype
+        if isinstance(embedding, QuantEmbedding):  # rows dequantized in C from the codes
+            if _quantized(embedding.tied_linear(), self.dtype) is None:
+                raise Unsupported("the quantized embedding's codes are not what C reads")
+            tensors = [lean.final_norm[0]]
+            hidden, embed_ptr = embedding.embedding_dim, 0
+        else:
+            tensors = [embedding, lean.final_norm[0]]
+            hidden = embedding.shape[1]
+            embed_ptr = embedding.data_ptr() if embedding.is_contiguous() else None
         if self.dtype not in DTYPES or any(
             t.device.type != "cpu" or t.dtype != self.dtype for t in tensors
         ):
             raise Unsupported("not an fp32, bf16 or fp16 model on the CPU")
-        if not embedding.is_contiguous():
+        if embed_ptr is None:
             raise Unsupported("the embedding is not contiguous")
         layers = [_layer_parts(layer, self.dtype) for layer in lean.layers]
         first = lean.layers[0]
         heads = first.q_size // lean.head_dim
         kv_heads = first.kv_size // lean.head_dim
         ffn = _shape(layers[0][2][0])[0] // 2
-        hidden = embedding.shape[1]
         if heads * lean.head_dim != first.q_size or heads % max(kv_heads, 1) or lean.head_dim % 2:
             raise Unsupported("heads that do not split into whole kv-head groups of even size")
         for parts in layers:  # the C loop trusts these sizes: any mismatch keeps the lean step
@@ -198,18 +213,24 @@ class NativeStep:
         head = _plain(lean.head, self.dtype)
         if head is None:
             raise Unsupported(f"the head's weight is not a plain {self.dtype} matrix")
-        _expect(head, head[0].shape[0], hidden, "head")
+        vocab = _shape(head[0])[0]
+        _expect(head, vocab, hidden, "head")
+        qembed = _Lin()
+        if isinstance(embedding, QuantEmbedding):
+            if embedding.num_embeddings != vocab:
+                raise Unsupported("a quantized embedding of another vocabulary than the head's")
+            qembed = self._lin(embedding.tied_linear(), None)
         if lean.inv_freq.numel() != lean.head_dim // 2:
             raise Unsupported("RoPE over part of the head dim")
         self._model = _ModelTable(
-            E=embedding.shape[1],
+            E=hidden,
             H=heads,
             K=kv_heads,
             D=lean.head_dim,
             F=ffn,
-            V=head[0].shape[0],
+            V=vocab,
             L=len(layers),
-            embed=self._ptr(embedding),
+            embed=0 if isinstance(embedding, QuantEmbedding) else self._ptr(embedding),
             final_norm=self._ptr(lean.final_norm[0]),
             final_eps=lean.final_norm[1],
             head=self._lin(*head),
@@ -218,6 +239,7 @@ class NativeStep:
             scale=lean.scale,
             layers=self._layers,
             dtype=DTYPES[self.dtype],
+            qembed=qembed,
         )
         self._model_addr = ctypes.addressof(self._model)
         linears = [

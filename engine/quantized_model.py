@@ -2,6 +2,10 @@
 `QuantLinear` layers (kernels/quant_linear.py) holding int8 / packed int4 codes and scales, never
 a float copy of the weight.
 
+A checkpoint that quantizes the token embedding too holds it as a `QuantEmbedding`
+(kernels/quant_embedding.py: rows dequantized as they are looked up), and a tied output head as
+a `QuantLinear` on the embedding's very tensors (`tie_quantized_head`).
+
 `meshline serve` / `generate` / `evaluate` load a quantized checkpoint this way by default
 (`engine.loading.load_checkpoint`, chosen from the checkpoint's `quantization.json`); a LoRA
 adapter to merge (`--lora-load`) or a tensor-/pipeline-parallel server, which reshard float
@@ -17,8 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from checkpoints.quantized_format import QuantizedSource, quantized
+from checkpoints.quantized_format import QuantizedSource, Scheme, quantized
 from checkpoints.units import units
+from kernels.quant_embedding import QuantEmbedding
 from kernels.quant_linear import QuantLinear
 from kernels.quantization import QuantizedWeight, WeightScheme, pack_int4, quantize_weight
 from models.config import ModelConfig
@@ -28,9 +33,10 @@ StateDict = dict[str, torch.Tensor]
 
 def read_quantized_state(
     directory: Path,
-) -> tuple[ModelConfig, StateDict, dict[str, QuantizedWeight], WeightScheme, torch.dtype, Path]:
-    """(config, kept tensors, quantized weights by Meshline name, scheme, recorded dtype,
-    directory of the tokenizer files) of a quantized checkpoint."""
+) -> tuple[ModelConfig, StateDict, dict[str, QuantizedWeight], Scheme, Path]:
+    """(config, kept tensors, quantized weights by Meshline name, the recorded scheme (bits,
+    groups, the embedding's, dtype), directory of the tokenizer files) of a quantized
+    checkpoint."""
     source = QuantizedSource(directory)
     kept: StateDict = {}
     weights: dict[str, QuantizedWeight] = {}
@@ -39,41 +45,63 @@ def read_quantized_state(
         kept.update(unit_kept)
         weights.update(unit_weights)
     tokenizer_dir = source.tokenizer_files[0].parent if source.tokenizer_files else directory
-    scheme = source.scheme
-    return source.config, kept, weights, scheme.weights, scheme.dtype, tokenizer_dir
+    return source.config, kept, weights, source.scheme, tokenizer_dir
 
 
 def swap_in_quant_linears(
-    model: nn.Module, weights: dict[str, QuantizedWeight], scheme: WeightScheme
+    model: nn.Module,
+    weights: dict[str, QuantizedWeight],
+    scheme: WeightScheme,
+    embedding: WeightScheme | None = None,
 ) -> StateDict:
-    """Replace each linear whose weight `weights` names by a `QuantLinear` on the meta device
-    (call before `to_empty`); returns the state entries (codes or packed, scale, zero) that
-    `load_state_dict` then fills them with."""
+    """Replace each linear whose weight `weights` names by a `QuantLinear`, and the token
+    embedding, when named, by a `QuantEmbedding` (with a tied head: a `QuantLinear` that
+    `tie_quantized_head` later points at the embedding's tensors), on the meta device (call
+    before `to_empty`); returns the state entries (codes or packed, scale, zero) that
+    `load_state_dict` then fills them with. Decoder weights are under `scheme`, the embedding
+    and head under `embedding` (the checkpoint's)."""
     state: StateDict = {}
     for name, q in weights.items():
         path = name.removesuffix(".weight")
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
-        linear = getattr(parent, leaf)
-        if type(linear) is not nn.Linear or tuple(linear.weight.shape) != tuple(q.codes.shape):
-            have = getattr(getattr(linear, "weight", None), "shape", None)
-            raise ValueError(
-                f"{name}: the checkpoint quantizes a {tuple(q.codes.shape)} weight where the "
-                f"model has a {type(linear).__name__} with weight {have}"
-            )
+        module = getattr(parent, leaf)
+        own = scheme if name.startswith("layers.") else embedding
+        if own is None:
+            raise ValueError(f"{name}: quantized, but the checkpoint's scheme names no bits for it")
+        bits = own.bits
         out, columns = q.codes.shape
-        layer = QuantLinear(
-            columns,
-            out,
-            scheme.bits,
-            q.scale.shape[1],
-            q.zero_point is None,
-            linear.bias is not None,
-            device="meta",
-            dtype=linear.weight.dtype,
-        )
+        if name == "embed_tokens.weight":
+            if type(module) is not nn.Embedding or tuple(module.weight.shape) != (out, columns):
+                raise ValueError(
+                    f"{name}: the checkpoint quantizes a {tuple(q.codes.shape)} table where the "
+                    f"model has a {type(module).__name__}"
+                )
+            dtype = module.weight.dtype
+            layer: nn.Module = QuantEmbedding(
+                out, columns, bits, q.scale.shape[1], q.zero_point is None, dtype, device="meta"
+            )
+            if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not None:
+                model.lm_head = layer.tied_linear()  # re-pointed after to_empty
+        else:
+            if type(module) is not nn.Linear or tuple(module.weight.shape) != (out, columns):
+                have = getattr(getattr(module, "weight", None), "shape", None)
+                raise ValueError(
+                    f"{name}: the checkpoint quantizes a {tuple(q.codes.shape)} weight where the "
+                    f"model has a {type(module).__name__} with weight {have}"
+                )
+            layer = QuantLinear(
+                columns,
+                out,
+                bits,
+                q.scale.shape[1],
+                q.zero_point is None,
+                module.bias is not None,
+                device="meta",
+                dtype=module.weight.dtype,
+            )
         setattr(parent, leaf, layer)
-        if scheme.bits == 8:
+        if bits == 8:
             state[f"{path}.codes"] = q.codes
         else:
             state[f"{path}.packed"] = pack_int4(q.codes)
@@ -83,22 +111,45 @@ def swap_in_quant_linears(
     return state
 
 
+def tie_quantized_head(model: nn.Module) -> list[str]:
+    """Point a tied head swapped in by `swap_in_quant_linears` at the embedding's codes, scales
+    and zero points (after `to_empty`, which gave it storage of its own); returns the head's
+    state names, which the checkpoint does not hold (the embedding's fill both)."""
+    embedding = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(embedding, QuantEmbedding) or not isinstance(head, QuantLinear):
+        return []
+    if not model.config.tie_word_embeddings:
+        return []
+    model.lm_head = embedding.tied_linear()
+    return [f"lm_head.{name}" for name, _ in model.lm_head.named_buffers()]
+
+
 def quantized_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of the QuantLinear layers' codes, scales and zero points, bytes every other
-    parameter and buffer takes)."""
-    quant = sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantLinear))
-    total = sum(
-        t.numel() * t.element_size()
-        for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-    )
+    """(bytes of the quantized layers' and embedding's codes, scales and zero points, bytes
+    every other parameter and buffer takes), each tensor counted once (a tied head shares the
+    embedding's)."""
+    quantized = {
+        id(t): t
+        for m in model.modules()
+        if isinstance(m, (QuantLinear, QuantEmbedding))
+        for t in m.buffers()
+    }
+    every = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    quant = sum(t.numel() * t.element_size() for t in quantized.values())
+    total = sum(t.numel() * t.element_size() for t in every.values())
     return quant, total - quant
 
 
-def quantize_linears(model: nn.Module, scheme: WeightScheme) -> list[str]:
+def quantize_linears(
+    model: nn.Module, scheme: WeightScheme, embedding: WeightScheme | None = None
+) -> list[str]:
     """Round to nearest, in place, every linear a quantized checkpoint would store quantized (a
     2-D weight of a decoder layer: `checkpoints.quantized_format.quantized`) into a
-    `QuantLinear` with the same bias; returns the weights' names. ValueError (naming the weight)
-    where a layer's inputs do not split into the scheme's groups."""
+    `QuantLinear` with the same bias, and with `embedding` the token embedding into a
+    `QuantEmbedding` (a tied head onto its codes, an untied one into a QuantLinear), as a
+    checkpoint with that embedding scheme is served; returns the weights' names. ValueError
+    (naming the weight) where a layer's inputs do not split into the scheme's groups."""
     names = [
         name
         for name, param in model.named_parameters()
@@ -116,4 +167,19 @@ def quantize_linears(model: nn.Module, scheme: WeightScheme) -> list[str]:
             raise ValueError(f"{name}: {exc}") from exc
         bias = None if linear.bias is None else linear.bias.detach()
         setattr(parent, leaf, QuantLinear.from_weight(q, scheme.bits, bias))
+    if embedding is not None:
+        table = model.embed_tokens.weight.detach()
+        tied = model.config.tie_word_embeddings
+        model.embed_tokens = QuantEmbedding.from_weight(
+            quantize_weight(table, embedding), embedding.bits, table.dtype
+        )
+        names.append("embed_tokens.weight")
+        if tied:
+            model.lm_head = model.embed_tokens.tied_linear()
+        elif type(model.lm_head) is nn.Linear:
+            head = model.lm_head
+            q = quantize_weight(head.weight.detach(), embedding)
+            bias = None if head.bias is None else head.bias.detach()
+            model.lm_head = QuantLinear.from_weight(q, embedding.bits, bias)
+            names.append("lm_head.weight")
     return names

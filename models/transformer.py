@@ -249,7 +249,10 @@ class CausalLM(nn.Module):
         this again, and so should anyone who loads weights after `to_empty` without it.
         """
         tie = self.config.tie_word_embeddings
-        if tie and self.embed_tokens is not None and self.lm_head is not None:
+        # a quantized embedding (kernels/quant_embedding.py) has no float weight: serving ties
+        # its codes to the head itself (engine/quantized_model.py)
+        plain = isinstance(getattr(self.embed_tokens, "weight", None), torch.Tensor)
+        if tie and plain and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     @staticmethod

@@ -221,9 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZE_CHOICES,
         default=None,
         help="with --save-format quantized: weight-only round-to-nearest quantization of the "
-        "decoder layers' Linear weights (embedding, norms and output head kept): int8 one "
-        "symmetric scale per output channel, int4 one per --group-size inputs; the checkpoint "
-        "records its scheme and every stage reads it dequantized",
+        "decoder layers' Linear weights (norms kept; the token embedding and output head int8 "
+        "with one scale per row unless --keep-embedding): int8 one symmetric scale per output "
+        "channel, int4 one per --group-size inputs; the checkpoint records its scheme; serving "
+        "computes on the codes, other stages read it dequantized",
     )
     p(
         "--group-size",
@@ -246,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
         "policy (the trained language model, the default) or critic (the value model: a "
         "reward-model-style network with a scalar head, written as HF "
         "...ForSequenceClassification with one label, or native/megatron)",
+    )
+    p(
+        "--keep-embedding",
+        action="store_true",
+        help="with --quantize: keep the token embedding and output head in --dtype instead of "
+        "int8 codes with one scale per row",
     )
     modellink_flags.add_flags(parser)
     return parser
@@ -287,6 +294,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         quantize=args.quantize,
         group_size=args.group_size,
         quantize_affine=args.quantize_affine,
+        keep_embedding=args.keep_embedding,
         tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
         lora_target_modules=tuple(args.lora_target_modules or ()),
         ppo_model=args.ppo_model,

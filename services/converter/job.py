@@ -103,6 +103,7 @@ def sink_options(options: ConvertOptions) -> SinkOptions:
         quantize=options.quantize,
         group_size=options.group_size,
         quantize_affine=options.quantize_affine,
+        keep_embedding=options.keep_embedding,
     )
 
 

@@ -93,6 +93,9 @@ class ConvertOptions:
     """Inputs sharing a scale (default: per channel for int8, 128 for int4)."""
     quantize_affine: bool = False
     """Affine codes with a zero point per group instead of symmetric ones."""
+    keep_embedding: bool = False
+    """--keep-embedding: a quantized output keeps the token embedding and output head in the
+    dtype instead of int8 codes with one scale per row (the default)."""
     tokenizer_model: Path | None = None
     """--tokenizer-model (Megatron convert.py): a SentencePiece `tokenizer.model` whose vocabulary
     must fit the model's embedding; carried into the output when the source carries no tokenizer,
@@ -169,6 +172,8 @@ class ConvertOptions:
                 f"--ppo-model {self.ppo_model} with --load-format {self.load_format}: a --stage "
                 "ppo checkpoint is a native one (the trainer's --save); use --load-format native"
             )
+        if self.keep_embedding and self.quantize is None:
+            raise ValueError("--keep-embedding needs --quantize")
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:

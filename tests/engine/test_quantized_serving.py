@@ -25,6 +25,7 @@ from engine.native_step import NativeStep
 from engine.quantized_model import quantize_linears, quantized_bytes
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
+from kernels.quant_embedding import QuantEmbedding
 from kernels.quant_linear import QuantLinear
 from kernels.quantization import WeightScheme
 from services.converter.job import ConvertOptions, convert
@@ -43,15 +44,17 @@ SCHEMES = [
 ]
 
 
-def _quantized_and_dequantized(scheme: WeightScheme, **overrides):
-    """The test model with its decoder linears quantized, and a float copy holding exactly the
-    weights the codes stand for."""
+def _quantized_and_dequantized(
+    scheme: WeightScheme, embedding: WeightScheme | None = None, **overrides
+):
+    """The test model with its decoder linears (and with `embedding` its token embedding and
+    head) quantized, and a float copy holding exactly the weights the codes stand for."""
     quant = _model(**overrides)
-    quantize_linears(quant, scheme)
+    quantize_linears(quant, scheme, embedding)
     floats = _model(**overrides)
     with torch.no_grad():
         for name, module in quant.named_modules():
-            if isinstance(module, QuantLinear):
+            if isinstance(module, (QuantLinear, QuantEmbedding)):
                 floats.get_submodule(name).weight.copy_(module.dequantized())
     return quant, floats
 
@@ -78,9 +81,46 @@ def test_c_step_on_groups_not_a_multiple_of_16(scheme):
     _assert_c_step_matches(scheme, [3, 9, 1], hidden_size=48, ffn_hidden_size=120)
 
 
-def _assert_c_step_matches(scheme: WeightScheme, lengths: list[int], **overrides) -> None:
+EMBEDDINGS = [WeightScheme(8, None, True), WeightScheme(4, 16, False)]
+"""The embedding/head schemes tested: what `convert` writes, and int4 with zero points (the C
+lookup's other branch)."""
+
+
+@needs_build
+@pytest.mark.parametrize("embedding", EMBEDDINGS, ids=str)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("lengths", [(6,), (3, 9, 1)], ids=["one", "three"])
+def test_c_step_on_a_quantized_embedding_and_head(embedding, tied, lengths):
+    """The embedding's rows dequantized in C, the head's product on the same codes (tied) or its
+    own (untied): the dequantized model's logits; no float table is held."""
+    _assert_c_step_matches(
+        WeightScheme(4, 32, False), list(lengths), embedding, tie_word_embeddings=tied
+    )
+
+
+def test_a_quantized_embedding_looks_up_the_dequantized_rows_bit_for_bit():
+    for dtype in (torch.float32, torch.bfloat16):
+        for embedding in EMBEDDINGS:
+            quant, floats = _quantized_and_dequantized(
+                WeightScheme(8, None, True), embedding, tie_word_embeddings=True
+            )
+            table = quant.embed_tokens
+            assert isinstance(table, QuantEmbedding) and isinstance(quant.lm_head, QuantLinear)
+            assert quant.lm_head.scale is table.scale  # tied: the same tensors
+            assert not any(p.shape == (VOCAB, 64) for p in quant.parameters())
+            ids = torch.tensor([[0, 5, VOCAB - 1], [3, 3, 7]])
+            with torch.inference_mode():
+                assert torch.equal(quant(ids), floats(ids))
+            table.dtype = dtype  # rows rounded to the model's dtype as the float table's are
+            want = torch.nn.functional.embedding(ids, floats.embed_tokens.weight.to(dtype))
+            assert torch.equal(table(ids), want)
+
+
+def _assert_c_step_matches(
+    scheme: WeightScheme, lengths: list[int], embedding: WeightScheme | None = None, **overrides
+) -> None:
     """Five C steps on the codes against the lean step on the dequantized weights."""
-    quant, floats = _quantized_and_dequantized(scheme, **overrides)
+    quant, floats = _quantized_and_dequantized(scheme, embedding, **overrides)
     native, why = NativeStep.build(DecodeStep(quant))
     assert native is not None, why
     assert native.max_rows > 1  # codes are row-major: batched steps run in C too
@@ -138,6 +178,40 @@ def test_bf16_model_on_codes_steps_in_c_with_the_upcast_models_tokens():
     assert tokens[0] == tokens[1]
 
 
+@needs_build
+def test_bf16_model_with_a_quantized_tied_embedding_steps_in_c():
+    """bf16 norms and cache around int8 layers and an int8 tied embedding/head: the C prefill
+    and steps look rows up from the codes (rounded to bf16, as the torch lookup) and give the
+    greedy tokens of an fp32 twin holding those rows (peaked logits)."""
+    quant, floats = _model(tie_word_embeddings=True), _model(tie_word_embeddings=True)
+    with torch.no_grad():
+        for model in (quant, floats):
+            model.embed_tokens.weight.mul_(10.0)
+    int8 = WeightScheme(8, None, True)
+    quantize_linears(quant, int8, int8)
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, QuantLinear) and name != "lm_head":
+                floats.get_submodule(name).weight.copy_(module.dequantized())
+        floats.embed_tokens.weight.copy_(quant.embed_tokens.dequantized().bfloat16().float())
+        for name, param in floats.named_parameters():  # norms: the bf16 values, in fp32
+            if "norm" in name:
+                param.data = param.data.bfloat16().float()
+    for param in quant.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    quant.embed_tokens.dtype = torch.bfloat16
+    prompts = [[5, 9, 11], [7] * 8]
+    configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
+    tokens = []
+    for model in (quant, floats):
+        engine = Engine(
+            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
+        )
+        assert isinstance(engine.runner.decode_step, NativeStep)
+        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
+    assert tokens[0] == tokens[1]
+
+
 def test_scales_of_another_dtype_leave_the_layer_to_torch():
     quant, _ = _quantized_and_dequantized(WeightScheme(8, None, True))
     quant.layers["0"].mlp.down_proj.scale.data = quant.layers["0"].mlp.down_proj.scale.half()
@@ -165,28 +239,64 @@ def llama(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    """The `llama` fixture's shape with a tied embedding/head."""
+    directory = tmp_path_factory.mktemp("src") / "tied"
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = _randomise(LlamaForCausalLM(config), seed=6)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    return directory
+
+
 @needs_build
 @pytest.mark.parametrize(
-    ("bits", "group", "affine"), [("int8", None, False), ("int4", 32, True)], ids=["int8", "int4"]
+    ("bits", "group", "affine", "keep"),
+    [("int8", None, False, False), ("int4", 32, True, True), ("int4", 32, True, False)],
+    ids=["int8", "int4-keep-embedding", "int4"],
 )
-def test_a_quantized_checkpoint_is_served_on_its_codes(llama, tmp_path, bits, group, affine):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_quantized_checkpoint_is_served_on_its_codes(
+    llama, tied_llama, tmp_path, bits, group, affine, keep, tied
+):
     out = tmp_path / "q"
     convert(
         ConvertOptions(
-            "hf", "quantized", llama, out, quantize=bits, group_size=group, quantize_affine=affine
+            "hf", "quantized", tied_llama if tied else llama, out,
+            quantize=bits, group_size=group, quantize_affine=affine, keep_embedding=keep,
         )
-    )
+    )  # fmt: skip
     on_codes = load_checkpoint(out)
     dequantized = load_checkpoint(out, quantized_weights=False)
     layers = [m for m in on_codes.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 2 * 4  # q|k|v, o, gate|up, down in each of two layers
-    assert not any(isinstance(m, QuantLinear) for m in dequantized.model.modules())
+    # q|k|v, o, gate|up, down in each of two layers (+ the head, on the embedding's codes if tied)
+    assert len(layers) == 2 * 4 + (not keep)
+    assert isinstance(on_codes.model.embed_tokens, QuantEmbedding) is not keep
+    assert not any(
+        isinstance(m, (QuantLinear, QuantEmbedding)) for m in dequantized.model.modules()
+    )
     quant_bytes, other_bytes = quantized_bytes(on_codes.model)
-    float_quant_bytes = sum(m.in_features * m.out_features * 4 for m in layers)
+    weights = [m for m in layers if m.in_features != 64 or m.out_features != VOCAB]
+    float_quant_bytes = sum(m.in_features * m.out_features * 4 for m in weights)
     per_group = 4 + affine  # fp32 scale (+ int8 zero point)
-    groups = sum(m.out_features * m.groups for m in layers)
-    assert quant_bytes == float_quant_bytes * int(bits[3:]) // 32 + per_group * groups
-    assert other_bytes + float_quant_bytes == sum(
+    groups = sum(m.out_features * m.groups for m in weights)
+    table = VOCAB * 64  # the embedding's (and the untied head's) int8 codes, a scale a row
+    tables = 0 if keep else 1 + (not tied)
+    assert quant_bytes == float_quant_bytes * int(bits[3:]) // 32 + per_group * groups + tables * (
+        table + 4 * VOCAB
+    )
+    assert other_bytes + float_quant_bytes + tables * table * 4 == sum(
         p.numel() * p.element_size() for p in dequantized.model.parameters()
     )
     ids = torch.tensor([[1, 5, 7, 9, 3, 11]])
@@ -213,3 +323,48 @@ def test_quantize_linears_names_a_layer_whose_inputs_do_not_split():
     model = _model()
     with pytest.raises(ValueError, match=r"layers\.0\..*96 inputs does not split into groups"):
         quantize_linears(copy.deepcopy(model), WeightScheme(4, 64, True))
+
+
+@needs_build
+@pytest.mark.slow  # a server process started and a model loaded twice: ~30 s
+def test_served_quantized_checkpoint_answers_the_dequantized_models_greedy_tokens(
+    tied_llama, tmp_path
+):
+    """`python -m services.inference serve --load` on an int4 checkpoint with its tied embedding
+    and head int8 (convert's defaults but the group), over gRPC, against the same checkpoint
+    dequantized in this process: the same greedy tokens."""
+    import sys
+
+    import grpc
+
+    from meshline.inference.v1 import inference_pb2 as pb
+    from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
+    from tests.served_process import GRPC_PORT, launched
+
+    out = tmp_path / "q"
+    convert(
+        ConvertOptions(
+            "hf", "quantized", tied_llama, out, quantize="int4", group_size=32,
+            quantize_affine=True,
+        )
+    )  # fmt: skip
+    dequantized = load_checkpoint(out, quantized_weights=False)
+    engine = Engine(dequantized.model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=1))
+    prompts = [[5, 9, 11], [7] * 8]
+    want = [
+        engine.generate([p], [SamplingConfig(max_new_tokens=10)])[0][0].token_ids for p in prompts
+    ]
+    command = [sys.executable, "-m", "services.inference", "serve", "--port", "0"]
+    command += ["--load", str(out), "--grace-period", "5"]
+    with launched(command, {"grpc": GRPC_PORT}, ready_s=120) as server:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.ports['grpc']}")
+        stub = pb_grpc.InferenceServiceStub(channel)
+        got = []
+        for prompt in prompts:
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt,
+                params=pb.SamplingParams(max_new_tokens=10, temperature=0.0),
+            )
+            got.append(list(stub.Generate(request, timeout=60).sequences[0].token_ids))
+        channel.close()
+    assert got == want, server.tail()

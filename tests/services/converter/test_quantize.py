@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.bench_quantize import perplexity, stdlib_text
 from checkpoints.hf_format import HFSource
-from checkpoints.quantized_format import QuantizedSource
+from checkpoints.quantized_format import EMBEDDING_SCHEME, QuantizedSource
 from checkpoints.registry import detect_format
 from checkpoints.units import units
 from kernels.quantization import WeightScheme, dequantize_weight, quantize_weight
@@ -60,16 +60,20 @@ SCHEMES = [
 ]
 
 
-@pytest.mark.parametrize(("bits", "group", "affine", "scheme"), SCHEMES)
+@pytest.mark.parametrize(
+    ("bits", "group", "affine", "scheme", "keep"),
+    [(*s, False) for s in SCHEMES] + [(*SCHEMES[2], True)],
+)
 def test_quantized_checkpoint_stores_rtn_codes_and_reads_them_back(
-    llama, tmp_path, bits, group, affine, scheme
+    llama, tmp_path, bits, group, affine, scheme, keep
 ):
     out = tmp_path / "q"
     report = convert(
         ConvertOptions(
-            "hf", "quantized", llama, out, quantize=bits, group_size=group, quantize_affine=affine
+            "hf", "quantized", llama, out,
+            quantize=bits, group_size=group, quantize_affine=affine, keep_embedding=keep,
         )
-    )
+    )  # fmt: skip
     assert report.verify is None and "rounds the weights" in (report.verify_skipped or "")
     recorded = json.loads((out / "quantization.json").read_text())
     assert recorded == {
@@ -79,16 +83,23 @@ def test_quantized_checkpoint_stores_rtn_codes_and_reads_them_back(
         "group_size": scheme.group_size,
         "symmetric": scheme.symmetric,
         "dtype": "float32",
+        # the embedding and (untied) head: int8, one scale per row, unless kept
+        "embedding": None if keep else {"bits": 8, "group_size": None, "symmetric": True},
     }
     assert detect_format(out) == "quantized"
     source, back = _state(HFSource(llama)), _state(QuantizedSource(out))
     assert set(source) == set(back)
     for name, tensor in source.items():
+        own = None
         if name.startswith("layers.") and tensor.dim() == 2:
-            expected = dequantize_weight(quantize_weight(tensor, scheme))
+            own = scheme
+        elif name in ("embed_tokens.weight", "lm_head.weight") and not keep:
+            own = EMBEDDING_SCHEME
+        if own is not None:
+            expected = dequantize_weight(quantize_weight(tensor, own))
             assert torch.equal(back[name], expected), name
             assert not torch.equal(back[name], tensor)
-        else:  # embedding, norms, output head kept
+        else:  # norms (and with --keep-embedding the embedding and head) kept
             assert torch.equal(back[name], tensor), name
     # converting the quantized checkpoint on reads it dequantized, exactly
     convert(ConvertOptions("quantized", "hf", out, tmp_path / "hf"))
@@ -125,6 +136,8 @@ def test_misuse_is_refused_by_flag_before_reading(llama, tmp_path):
         ConvertOptions("hf", "native", llama, out, quantize="int8")
     with pytest.raises(ValueError, match="--group-size needs a value >= 1 and --quantize"):
         ConvertOptions("hf", "hf", llama, out, group_size=64, dtype="bf16")
+    with pytest.raises(ValueError, match="--keep-embedding needs --quantize"):
+        ConvertOptions("hf", "hf", llama, out, keep_embedding=True)
     with pytest.raises(ValueError, match="--group-size 128: a row of 64 inputs"):
         convert(ConvertOptions("hf", "quantized", llama, out, quantize="int4"))
     assert not out.exists()
@@ -145,6 +158,14 @@ def test_a_tampered_checkpoint_is_refused(llama, tmp_path):
         QuantizedSource(out)
     (out / "quantization.json").write_text(json.dumps({**scheme, "bits": 3}))
     with pytest.raises(ValueError, match="not a Meshline quantization scheme"):
+        QuantizedSource(out)
+    # the embedding's scheme is checked as the layers' is, and must match what is stored
+    bad = {**scheme, "embedding": {"bits": 8, "group_size": 0, "symmetric": True}}
+    (out / "quantization.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"embedding\.group_size 0"):
+        QuantizedSource(out)
+    (out / "quantization.json").write_text(json.dumps({**scheme, "embedding": None}))
+    with pytest.raises(ValueError, match=r"tensor embed_tokens\.weight is missing"):
         QuantizedSource(out)
 
 

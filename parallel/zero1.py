@@ -45,8 +45,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-GATHER_BUCKET_NUMEL = 1 << 24
-"""Elements of one all-gather's output at most (64 MiB of fp32), unless one parameter is larger."""
+GATHER_BUCKET_NUMEL = 1 << 22
+"""Elements of one all-gather's output at most (16 MiB of fp32, near DDP's 25 MB buckets), unless
+one parameter is larger."""
 
 
 def gather_buckets(sizes: list[int], limit: int) -> list[list[int]]:

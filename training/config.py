@@ -208,8 +208,6 @@ class TrainingConfig:
         return self.optim.lr_warmup_iters
 
 
-
-
 def check_optimizer_offload(par: ParallelSection, optimizer: str) -> None:
     """ValueError naming the flag when --optimizer-cpu-offload cannot apply."""
     if not par.optimizer_cpu_offload:

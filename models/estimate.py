@@ -14,6 +14,13 @@ are the counting `meshline train --dry-run` checks on the built model, rank by r
 
 ranks the layouts that fit (TP, PP, virtual PP, DP/ZeRO, recompute, micro-batch) by the cost
 model of `models/auto_config.py` and prints the `meshline train` command of the best.
+
+    meshline estimate --model llama2-7B --zero-stage 3 --world-size 16 --devices-per-node 8 \
+        --bf16 --deepspeed-estimate
+
+adds DeepSpeed's own model-state table for the same model and devices
+(`estimate_zero3_model_states_mem_needs_all_cold`: every offload choice, bytes equal to
+DeepSpeed's; `models/deepspeed_estimate.py`), the row of the given offload flags marked.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 from models.accounting import count_parameters, format_count
 from models.auto_config import Hardware, candidates, command_line
 from models.config import ModelConfig
+from models.deepspeed_estimate import DEFAULT_BUFFER_FACTOR, ModelCounts, model_counts, table
 from models.memory import RECOMPUTE, DeviceEstimate, TrainingLayout, estimate, parse_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES
 from models.registry import get_config, list_configs
@@ -50,7 +58,34 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--world-size", type=int, help="total devices (default TP·PP·DP)")
     par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     par.add_argument("--sequence-parallel", action="store_true")
-    par.add_argument("--cpu-offload", action="store_true")
+    par.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="ZeRO-3: parameters, gradients and optimizer states in host memory",
+    )
+    par.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="AdamW's moments and step on the host (DeepSpeed's offload_optimizer)",
+    )
+    par.add_argument(
+        "--optimizer-nvme",
+        action="store_true",
+        help="with --optimizer-cpu-offload: the moments in NVMe swap files "
+        "(meshline train --optimizer-nvme-path)",
+    )
+    ds = parser.add_argument_group("DeepSpeed's estimate (--deepspeed-estimate)")
+    ds.add_argument(
+        "--deepspeed-estimate",
+        action="store_true",
+        help="also print DeepSpeed's estimate_zero2/3_model_states_mem_needs table "
+        "(--zero-stage 2 or 3, data parallelism only; nodes = world size / --devices-per-node)",
+    )
+    ds.add_argument(
+        "--additional-buffer-factor",
+        type=float,
+        help=f"DeepSpeed's host-buffer factor (default {DEFAULT_BUFFER_FACTOR})",
+    )
     run = parser.add_argument_group("run shape")
     run.add_argument("--recompute-granularity", choices=RECOMPUTE, default="none")
     run.add_argument("--micro-batch-size", type=int, default=1)
@@ -65,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--auto", action="store_true", help="rank the layouts that fit")
     auto.add_argument("--device-memory", help="memory per device, e.g. 64GiB (needed by --auto)")
     auto.add_argument("--global-batch-size", type=int, help="sequences per step (default 8·DP)")
-    auto.add_argument("--devices-per-node", type=int, default=8)
+    auto.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=8,
+        help="devices per node (--auto, --deepspeed-estimate)",
+    )
     auto.add_argument("--peak-tflops", type=float, default=989.0, help="per-device 16-bit peak")
     auto.add_argument("--top", type=int, default=5, help="layouts to list")
     prec = run.add_mutually_exclusive_group()
@@ -133,10 +173,21 @@ def _layout(args: argparse.Namespace, config: ModelConfig) -> TrainingLayout:
         seq_length=args.seq_length,
         sequence_parallel=args.sequence_parallel,
         cpu_offload=args.cpu_offload,
+        optimizer_offload=_optimizer_offload(args),
         flash_attention=not args.no_flash_attention,
         optimizer=args.optimizer,
         release_fp32_grad=args.release_fp32_grad,
     )
+
+
+def _optimizer_offload(args: argparse.Namespace) -> str | None:
+    if args.optimizer_nvme and not args.optimizer_cpu_offload:
+        raise ValueError(
+            "--optimizer-nvme needs --optimizer-cpu-offload (the step runs on the CPU)"
+        )
+    if not args.optimizer_cpu_offload:
+        return None
+    return "nvme" if args.optimizer_nvme else "cpu"
 
 
 def _gib(n: float) -> str:
@@ -145,11 +196,72 @@ def _gib(n: float) -> str:
 
 def format_table(rows: list[DeviceEstimate]) -> str:
     """The per-device table (GiB)."""
-    head = f"{'ranks':<14}{'params':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'total':>10}{'host':>10}"
+    head = f"{'ranks':<14}{'params':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'total':>10}"
+    head += f"{'host':>10}{'nvme':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        values = (r.parameters, r.gradients, r.optimizer, r.activations, r.total, r.host)
+        values = (r.parameters, r.gradients, r.optimizer, r.activations, r.total, r.host, r.nvme)
         lines.append(f"{r.kind:<14}" + "".join(f" {_gib(v)}" for v in values))
+    return "\n".join(lines)
+
+
+def deepspeed_devices(layout: TrainingLayout, devices_per_node: int) -> tuple[int, int]:
+    """(devices per node, nodes) of DeepSpeed's estimate for `layout` (data parallelism only)."""
+    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
+        raise ValueError(
+            "--deepspeed-estimate covers ZeRO data parallelism alone (DeepSpeed's estimate has no "
+            "tensor or pipeline split): drop --tensor-model-parallel-size and "
+            "--pipeline-model-parallel-size"
+        )
+    if layout.zero_stage not in (2, 3):
+        raise ValueError(
+            f"--deepspeed-estimate: DeepSpeed estimates ZeRO-2 and ZeRO-3 only; give --zero-stage "
+            f"2 or 3 (got {layout.zero_stage})"
+        )
+    if devices_per_node < 1:
+        raise ValueError(f"--devices-per-node {devices_per_node}: must be >= 1")
+    world = layout.data_parallel * layout.context_parallel
+    per_node = min(devices_per_node, world)
+    if world % per_node:
+        raise ValueError(
+            f"--deepspeed-estimate: {world} devices do not fill whole nodes of "
+            f"--devices-per-node {devices_per_node}"
+        )
+    return per_node, world // per_node
+
+
+def format_deepspeed(args: argparse.Namespace, counts: ModelCounts, layout: TrainingLayout) -> str:
+    """DeepSpeed's model-state table for this model and these devices, the flags' row marked."""
+    per_node, nodes = deepspeed_devices(layout, args.devices_per_node)
+    factor = (
+        DEFAULT_BUFFER_FACTOR
+        if args.additional_buffer_factor is None
+        else args.additional_buffer_factor
+    )
+    if factor <= 0:
+        raise ValueError(f"--additional-buffer-factor {factor}: must be > 0 (DeepSpeed's is 1.5)")
+    stage = layout.zero_stage
+    rows = table(stage, counts, per_node, nodes, factor)
+    offload_optimizer = layout.cpu_offload or layout.optimizer_offload == "cpu"
+    lines = [
+        f"DeepSpeed's estimate (estimate_zero{stage}_model_states_mem_needs_all_cold): "
+        f"{nodes} node(s) x {per_node} device(s), {counts.total_params:,} parameters, "
+        f"largest layer {counts.largest_layer_params:,}, additional_buffer_factor {factor}",
+        f"{'per CPU GiB':>12} {'per GPU GiB':>12} {'per CPU bytes':>20} {'per GPU bytes':>20}  options",
+    ]
+    for row in rows:
+        mine = (
+            layout.optimizer_offload != "nvme"
+            and row.offload_optimizer == offload_optimizer
+            and (stage == 2 or (row.offload_param == layout.cpu_offload and row.zero_init))
+        )
+        lines.append(
+            f"{row.cpu_bytes / 2**30:12.2f} {row.gpu_bytes / 2**30:12.2f} "
+            f"{row.cpu_bytes:20d} {row.gpu_bytes:20d}  {row.options(stage)}"
+            + ("   <- these flags" if mine else "")
+        )
+    if layout.optimizer_offload == "nvme":
+        lines.append("(DeepSpeed's estimate has no NVMe rows: --optimizer-nvme matches none)")
     return "\n".join(lines)
 
 
@@ -157,6 +269,12 @@ def auto(args: argparse.Namespace) -> int:
     """`--auto`: list the fastest layouts that fit and the command of the best."""
     if not (args.world_size and args.device_memory):
         raise ValueError("--auto needs --world-size N and --device-memory SIZE (e.g. 64GiB)")
+    for flag in ("cpu_offload", "optimizer_cpu_offload", "optimizer_nvme", "deepspeed_estimate"):
+        if getattr(args, flag):
+            raise ValueError(
+                f"--auto ranks layouts without offload and prints no DeepSpeed table; drop "
+                f"--{flag.replace('_', '-')} (or drop --auto to size that layout)"
+            )
     config = _config(args)
     hw = Hardware(
         device_memory=parse_bytes(args.device_memory),
@@ -204,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(args)
         layout = _layout(args, config)
         rows = estimate(config, layout)
+        deepspeed = None
+        if args.deepspeed_estimate:
+            from models.transformer import build_model
+
+            counts = model_counts(build_model(config, device="meta"))
+            deepspeed = format_deepspeed(args, counts, layout)
+        elif args.additional_buffer_factor is not None:
+            raise ValueError("--additional-buffer-factor is DeepSpeed's: add --deepspeed-estimate")
     except ValueError as exc:
         print(f"meshline estimate: {exc}", file=sys.stderr)
         return 2
@@ -218,10 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(virtual {layout.virtual_stages}) DP={layout.data_parallel} world={world} "
         f"ZeRO-{layout.zero_stage} {layout.precision} recompute={layout.recompute} "
         f"SP={layout.sequence_parallel} offload={layout.cpu_offload} "
+        f"optimizer-offload={layout.optimizer_offload or 'none'} "
         f"micro-batch={layout.micro_batch_size} seq={layout.seq_length}"
     )
     print("per-device memory at the training peak (GiB):")
     print(format_table(rows))
+    if deepspeed is not None:
+        print(deepspeed)
     return 0
 
 

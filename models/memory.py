@@ -9,7 +9,8 @@ element (fp32: 4 + 4 + 8 for AdamW; master precision: 2 B params, 2 B + 4 B fp32
 master + 8 B moments; ZeRO-1 and ZeRO-2/3 under 16-bit train fp32 parameters, with
 autocast or FSDP2's mixed-precision policy). ZeRO-1 chunks the optimizer state, ZeRO-2/3
 (FSDP2) the parameters, gradients and state, over the data x context-parallel ranks; CPU offload
-moves the ZeRO-3 states to host memory.
+moves the ZeRO-3 states to host memory, the offloaded optimizer (`optimizer_offload`) the
+optimizer's moments to host memory or NVMe swap files (`models.model_states`).
 
 Activations per layer generalise Korthikanti et al.'s table to GQA, gated MLPs and optional
 dropout; with GPT's shape (GeLU, F = 4h, K = H, dropout, 16-bit, no flash attention) they reduce
@@ -27,6 +28,8 @@ import torch
 
 from models.config import ModelConfig
 from models.model_states import (
+    OFFLOAD_OPTIMIZERS,
+    OPTIMIZER_OFFLOAD_TIERS,
     OPTIMIZER_STATE_BYTES,
     StateBytes,
     precision_mode,
@@ -36,6 +39,7 @@ from models.model_states import (
 from models.pipeline import StageRange, split_stages
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
 
@@ -77,7 +81,12 @@ class TrainingLayout:
     sequence_parallel: bool = False
     """--sequence-parallel: shard norm/dropout activations over TP too."""
     cpu_offload: bool = False
-    """Optimizer states (and ZeRO-3 parameters) live in host memory."""
+    """--cpu-offload: ZeRO-3's parameters, gradients and optimizer states live in host memory."""
+    optimizer_offload: str | None = None
+    """--optimizer-cpu-offload's tier: "cpu" (moments in host memory), "nvme" (in swap files)."""
+    staged_offload: bool = True
+    """The offloaded step copies parameters and gradients through host buffers (an accelerator
+    run; False where they are fp32 host tensors already: a CPU run)."""
     flash_attention: bool = True
     """Fused attention that never stores the s×s probabilities (SDPA, flash, NPU FA)."""
     context_parallel: int = 1
@@ -130,6 +139,17 @@ class TrainingLayout:
             raise ValueError(
                 f"--optimizer {self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATE_BYTES)}"
             )
+        if self.optimizer_offload is not None:
+            if self.optimizer_offload not in OPTIMIZER_OFFLOAD_TIERS:
+                raise ValueError(
+                    f"optimizer offload tier {self.optimizer_offload!r}: expected one of "
+                    f"{OPTIMIZER_OFFLOAD_TIERS}"
+                )
+            if self.optimizer not in OFFLOAD_OPTIMIZERS:
+                raise ValueError(
+                    f"--optimizer-cpu-offload steps AdamW on the CPU; --optimizer "
+                    f"{self.optimizer} has no offloaded form: use one of {OFFLOAD_OPTIMIZERS}"
+                )
 
     @property
     def mode(self) -> str:
@@ -155,6 +175,8 @@ class DeviceEstimate:
     """Activations saved for backward at the 1F1B peak."""
     host: int
     """Bytes offloaded to host memory."""
+    nvme: int = 0
+    """Bytes in the NVMe tier's swap files."""
 
     @property
     def total(self) -> int:
@@ -272,6 +294,8 @@ def rank_state_bytes(
         optimizer=layout.optimizer,
         release_fp32_grad=layout.release_fp32_grad,
         cpu_offload=layout.cpu_offload,
+        optimizer_offload=layout.optimizer_offload,
+        staged=layout.staged_offload,
     )
 
 
@@ -307,6 +331,7 @@ def estimate(config: ModelConfig, layout: TrainingLayout) -> list[DeviceEstimate
                 states.optimizer,
                 int(rank_activation_bytes(config, layout, rank)),
                 states.host,
+                states.nvme,
             )
         )
     return rows

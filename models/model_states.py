@@ -24,7 +24,16 @@ training/precision.py) — the modes keep different copies:
 
 S is the optimizer's state per element: 8 for Adam/AdamW (two fp32 moments; the per-tensor step
 counter is not counted), 4 for SGD with momentum, 1 for Cadam's int8 momentum (its per-row
-scales are not counted). Tensor-parallel sharding: a plan style shards dim 0 (colwise, the
+scales are not counted).
+
+Offload (the rungs of the memory ladder): `--cpu-offload` (ZeRO-3, FSDP2's offload policy)
+moves the rank's parameters, gradients and optimizer state to host memory; the offloaded
+optimizer (`--optimizer-cpu-offload`, DeepSpeed's `offload_optimizer`) moves only the
+optimizer's moments — S bytes an element; the fp32 parameters, gradients and master copies stay
+on the device — to the host (`cpu` tier) or into swap files (`nvme` tier). Its step stages
+chunks through host buffers (`OFFLOAD_BUFFER_COUNT` slots of `OFFLOAD_BUFFER_NUMEL` fp32
+elements): m and v for the nvme tier, the parameter and gradient where they are not fp32 host
+tensors (any accelerator run); those buffers are counted as host bytes too. Tensor-parallel sharding: a plan style shards dim 0 (colwise, the
 vocabulary-parallel embedding and head, the packed qkv with KV heads split up to their number
 and replicated beyond) or dim 1 (rowwise); the stacked experts keep dim 0 = experts and split the down projection's
 FFN dim, while their packed gate_up stays whole on every TP rank; biases of rowwise layers and
@@ -44,6 +53,26 @@ from models.parallel_plan import tp_plan
 from models.pipeline import StageRange
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fused_adam": 8, "sgd": 4, "cadam": 1}
+OPTIMIZER_OFFLOAD_TIERS = ("cpu", "nvme")
+# The offloaded optimizer is AdamW (DeepSpeedCPUAdam's role); Megatron's "adam" is AdamW too.
+OFFLOAD_OPTIMIZERS = ("adam", "adamw", "fused_adam")
+OFFLOAD_BUFFER_NUMEL = 1 << 22
+"""fp32 elements of one staging/swap buffer of the offloaded optimizer (DeepSpeed's buffer_size)."""
+OFFLOAD_BUFFER_COUNT = 4
+"""Buffer slots in flight: one stepped, the others read ahead / written behind."""
+
+
+def offload_buffer_bytes(
+    tier: str,
+    staged: bool,
+    buffer_numel: int = OFFLOAD_BUFFER_NUMEL,
+    buffer_count: int = OFFLOAD_BUFFER_COUNT,
+) -> int:
+    """Host bytes the offloaded optimizer's chunked step holds at most: per slot, m and v for
+    the nvme tier and, when `staged` (parameters not fp32 host tensors), the parameter and its
+    gradient."""
+    tensors = (2 if tier == "nvme" else 0) + (2 if staged else 0)
+    return tensors * buffer_count * buffer_numel * 4
 
 
 def precision_mode(precision: str, zero_stage: int, sharding_ranks: int) -> str:
@@ -59,12 +88,18 @@ def precision_mode(precision: str, zero_stage: int, sharding_ranks: int) -> str:
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes of one rank's model states, and those moved to host memory by offloading."""
+    """Bytes of one rank's model states, and those moved off the device by offloading."""
 
     parameters: int
+    """Parameters on the device."""
     gradients: int
+    """Gradients on the device (fp32 copies included)."""
     optimizer: int
+    """Optimizer state on the device (fp32 master copies included)."""
     host: int = 0
+    """Bytes in host memory (offloaded states and the offloaded step's buffers)."""
+    nvme: int = 0
+    """Bytes in the NVMe tier's swap files."""
 
 
 def state_bytes(
@@ -75,8 +110,14 @@ def state_bytes(
     optimizer: str = "adamw",
     release_fp32_grad: bool = False,
     cpu_offload: bool = False,
+    optimizer_offload: str | None = None,
+    staged: bool = True,
 ) -> StateBytes:
-    """Bytes of a rank holding `parameters` elements and the state of `optimizer_elements`."""
+    """Bytes of a rank holding `parameters` elements and the state of `optimizer_elements`.
+
+    `optimizer_offload` is the offloaded optimizer's tier ("cpu", "nvme" or None); `staged`
+    whether its step copies parameters and gradients through host buffers (an accelerator run).
+    """
     per_state = OPTIMIZER_STATE_BYTES[optimizer]
     if mode == "master":
         params = 2 * parameters
@@ -84,11 +125,26 @@ def state_bytes(
         optim = (per_state + 4) * optimizer_elements
     else:
         params, grads, optim = 4 * parameters, 4 * parameters, per_state * optimizer_elements
+    host = nvme = 0
+    if optimizer_offload is not None:
+        if optimizer_offload not in OPTIMIZER_OFFLOAD_TIERS:
+            raise ValueError(
+                f"optimizer offload tier {optimizer_offload!r}: expected one of "
+                f"{OPTIMIZER_OFFLOAD_TIERS}"
+            )
+        moments = per_state * optimizer_elements
+        optim -= moments
+        if optimizer_offload == "nvme":
+            nvme = moments
+        else:
+            host = moments
+        # Parameters already fp32 on the host (--cpu-offload) are stepped in place.
+        host += offload_buffer_bytes(optimizer_offload, staged and not cpu_offload)
     if cpu_offload:
         # FSDP2's offload policy keeps the sharded parameters, their gradients and the optimizer
         # step on the host (ZeRO-3 with --cpu-offload).
-        return StateBytes(0, 0, 0, params + grads + optim)
-    return StateBytes(params, grads, optim)
+        return StateBytes(0, 0, 0, host + params + grads + optim, nvme)
+    return StateBytes(params, grads, optim, host, nvme)
 
 
 def chunk_rows(rows: int, ranks: int, index: int) -> int:

@@ -38,6 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from kernels import device
+from models.model_states import OFFLOAD_BUFFER_COUNT, OFFLOAD_BUFFER_NUMEL
 from parallel.nvme_swap import SwapDirectory, SwapFile
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -54,9 +55,9 @@ class OptimizerOffload:
     """Directory for the swap files (device "nvme"); inside the data roots, no symlinks."""
     pin_memory: bool = False
     """Pin the host staging buffers (only where parameters live on an accelerator)."""
-    buffer_numel: int = 1 << 22
+    buffer_numel: int = OFFLOAD_BUFFER_NUMEL
     """Elements per staging/swap buffer (DeepSpeed's `buffer_size`)."""
-    buffer_count: int = 4
+    buffer_count: int = OFFLOAD_BUFFER_COUNT
     """Buffers in flight: one being stepped, the others read ahead / written behind (>= 2)."""
     io_threads: int = 2
     """Threads doing the swap-file reads and writes."""

@@ -26,7 +26,10 @@ Parameters need not all shard over the same ranks: `param_meshes` gives some of 
 held alike only by the ranks along `edp` (x `cp`): their state is chunked over those ranks, not
 over all data-parallel ranks (which hold different experts), and its DTensors live on an
 (ep, edp) mesh built the same way, so a checkpoint still holds the global `[X, ...]` state under
-the experts' global names. The all-gather after the step runs once per (shard mesh, dtype).
+the experts' global names. The all-gather after the step runs per (shard mesh, dtype) in buckets
+whose gathered tensor stays under `GATHER_BUCKET_NUMEL` elements (a larger parameter gets a
+bucket of its own): one bucket for the whole model held a transient of 1.5 fp32 copies of it
+per rank (send + gathered), which made ZeRO-1's peak exceed DDP's (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -41,6 +44,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
+
+GATHER_BUCKET_NUMEL = 1 << 22
+"""Elements of one all-gather's output at most (16 MiB of fp32, near DDP's 25 MB buckets), unless
+one parameter is larger."""
+
+
+def gather_buckets(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of `sizes` grouped so that each group's sum is at most `limit` (an
+    item larger than `limit` alone in its group)."""
+    buckets: list[list[int]] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if not buckets or total + size > limit:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(index)
+        total += size
+    return buckets
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +111,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     `optimizer` must have been built over `model`'s parameters and not stepped yet. The wrapper
     shares the wrapped optimizer's `param_groups` (so LR schedulers work on either) and `state`.
     `param_meshes` maps parameters whose state shards over other ranks than `mesh`'s to their
-    own 1-D mesh (expert parallelism: the experts' `edp` ranks).
+    own 1-D mesh (expert parallelism: the experts' `edp` ranks). `gather_bucket_numel` bounds
+    the all-gathers that rebuild the parameters after the step.
     """
 
     def __init__(
@@ -99,6 +121,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         model: nn.Module,
         mesh: DeviceMesh,
         param_meshes: Mapping[nn.Parameter, DeviceMesh] | None = None,
+        gather_bucket_numel: int = GATHER_BUCKET_NUMEL,
     ):
         if optimizer.state:
             raise ValueError(
@@ -111,6 +134,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     f"ZeRO-1 needs 1-D data-parallel meshes, got {shard_mesh.ndim} dimensions"
                 )
         self.inner = optimizer
+        self.gather_bucket_numel = gather_bucket_numel
+        """Gathered elements of one all-gather after the step at most (`gather_buckets`)."""
         names = {id(p): name for name, p in model.named_parameters()}
         self._state_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
         self.slots: list[_Slot] = []
@@ -184,30 +209,39 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return None
 
     def _all_gather_parameters(self) -> None:
-        """Rebuild the full parameters: one all-gather per (shard mesh, dtype)."""
-        buckets: dict[tuple[DeviceMesh, torch.dtype], list[_Slot]] = {}
+        """Rebuild the full parameters: all-gathers per (shard mesh, dtype), in buckets of at
+        most `GATHER_BUCKET_NUMEL` gathered elements."""
+        groups: dict[tuple[DeviceMesh, torch.dtype], list[_Slot]] = {}
         for slot in self.slots:
-            buckets.setdefault((slot.shard_mesh, slot.full.dtype), []).append(slot)
-        for (shard_mesh, _), slots in buckets.items():
+            groups.setdefault((slot.shard_mesh, slot.full.dtype), []).append(slot)
+        for (shard_mesh, _), members in groups.items():
             world = shard_mesh.size()
-            sizes = [s.rows_per_rank * s.row_numel for s in slots]
-            send = slots[0].shard.new_zeros(sum(sizes))
-            offset = 0
-            for slot, size in zip(slots, sizes, strict=True):
-                local = slot.shard.detach().reshape(-1)
-                send[offset : offset + local.numel()].copy_(local)
-                offset += size
-            gathered = send.new_empty(world * send.numel())
-            dist.all_gather_single(gathered, send, group=shard_mesh.get_group())
-            by_rank = gathered.view(world, -1)
-            offset = 0
-            for slot, size in zip(slots, sizes, strict=True):
-                full = _local(slot.full.detach())
-                padded = by_rank[:, offset : offset + size].reshape(
-                    world * slot.rows_per_rank, *full.shape[1:]
-                )
-                full.copy_(padded[: full.shape[0]])
-                offset += size
+            sizes = [world * slot.rows_per_rank * slot.row_numel for slot in members]
+            for bucket in gather_buckets(sizes, self.gather_bucket_numel):
+                self._all_gather_bucket(shard_mesh, [members[i] for i in bucket])
+
+    @staticmethod
+    def _all_gather_bucket(shard_mesh: DeviceMesh, slots: list[_Slot]) -> None:
+        """One all-gather of `slots`' chunks, copied into their full parameters."""
+        world = shard_mesh.size()
+        sizes = [s.rows_per_rank * s.row_numel for s in slots]
+        send = slots[0].shard.new_zeros(sum(sizes))
+        offset = 0
+        for slot, size in zip(slots, sizes, strict=True):
+            local = slot.shard.detach().reshape(-1)
+            send[offset : offset + local.numel()].copy_(local)
+            offset += size
+        gathered = send.new_empty(world * send.numel())
+        dist.all_gather_single(gathered, send, group=shard_mesh.get_group())
+        by_rank = gathered.view(world, -1)
+        offset = 0
+        for slot, size in zip(slots, sizes, strict=True):
+            full = _local(slot.full.detach())
+            padded = by_rank[:, offset : offset + size].reshape(
+                world * slot.rows_per_rank, *full.shape[1:]
+            )
+            full.copy_(padded[: full.shape[0]])
+            offset += size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the chunks' and the full parameters' gradients."""

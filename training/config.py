@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Self
 
+from models.model_states import OFFLOAD_OPTIMIZERS
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import check_seq_length, check_world_size
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
@@ -207,10 +208,6 @@ class TrainingConfig:
         if self.optim.lr_warmup_fraction is not None:
             return int(self.optim.lr_warmup_fraction * self.lr_decay_iters())
         return self.optim.lr_warmup_iters
-
-
-# The offloaded optimizer is AdamW (DeepSpeedCPUAdam's role); Megatron's "adam" is AdamW too.
-OFFLOAD_OPTIMIZERS = ("adam", "adamw", "fused_adam")
 
 
 def check_optimizer_offload(par: ParallelSection, optimizer: str) -> None:

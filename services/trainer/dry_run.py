@@ -15,6 +15,11 @@ Bytes: parameters and their gradients as the built model stores them (the fp32 g
 of master precision included), optimizer state from the elements the built optimizer steps
 (models.model_states' per-element rule, since states are created at the first step),
 activations from the estimator's formula (`models.memory`; a meta build cannot measure them).
+Offload moves bytes off the device columns as the run would (`models.model_states`):
+`--cpu-offload` all of the rank's states to `host`; `--optimizer-cpu-offload` the optimizer's
+moments to `host` (or, with `--optimizer-nvme-path`, to `nvme`: swap files) plus the offloaded
+step's host buffers (the parameter and gradient staging ones only where this process's device
+is not the CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from kernels import device
 from kernels.activation import trains_fused_swiglu
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
-from models.model_states import OPTIMIZER_STATE_BYTES
+from models.model_states import OPTIMIZER_STATE_BYTES, offload_buffer_bytes
+from parallel.config import ParallelConfig
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
 from services.trainer import deepspeed_config
 from services.trainer.train_config import SECTIONS, TrainConfig
@@ -200,6 +206,7 @@ def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, 
             "param_bytes": param_bytes,
             "grad_bytes": grad_bytes,
             "optimizer_bytes": per_state * state_elements + master_bytes,
+            "moment_bytes": per_state * state_elements,
         }
     finally:
         dist.destroy_process_group()
@@ -229,6 +236,10 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
         seq_length=config.model.seq_length,
         sequence_parallel=par.sequence_parallel,
         cpu_offload=par.cpu_offload,
+        optimizer_offload=config.parallel_config().optimizer_offload().device
+        if par.optimizer_cpu_offload
+        else None,
+        staged_offload=device.current().type != "cpu",
         optimizer=config.optim.optimizer,
         release_fp32_grad=config.precision.release_fp32_grad,
         # The fused CPU SwiGLU runs eagerly; under --compile inductor decides what is saved.
@@ -295,10 +306,8 @@ def dry_run(
             "optimizer": counts["optimizer_bytes"],
             "activations": activations,
         }
-        if par.cpu_offload:
-            by_kind["host"] = by_kind["parameters"] + by_kind["gradients"] + by_kind["optimizer"]
-            by_kind.update(parameters=0, gradients=0, optimizer=0)
-        by_kind["total"] = sum(v for k, v in by_kind.items() if k != "host")
+        offload_bytes(by_kind, counts["moment_bytes"], config.parallel_config())
+        by_kind["total"] = sum(v for k, v in by_kind.items() if k not in ("host", "nvme"))
         dp_index = coords["dp_replicate"] * sizes["dp_shard"] + coords["dp_shard"]
         unique = unique_elements(counts, coords, config)
         ranks.append(
@@ -343,11 +352,35 @@ def dry_run(
     }
 
 
+def offload_bytes(by_kind: dict[str, int], moment_bytes: int, par: ParallelConfig) -> None:
+    """Move the offloaded bytes of one rank from its device columns to `host` and `nvme`, as
+    the run places them (the counting of `models.model_states.state_bytes`)."""
+    host = nvme = 0
+    offload = par.optimizer_offload()
+    if offload is not None:
+        by_kind["optimizer"] -= moment_bytes
+        if offload.device == "nvme":
+            nvme = moment_bytes
+        else:
+            host = moment_bytes
+        # --cpu-offload's fp32 host shards are stepped in place; elsewhere parameters and
+        # gradients are staged unless they already are fp32 host tensors (a CPU run).
+        staged = device.current().type != "cpu" and not par.cpu_offload
+        host += offload_buffer_bytes(
+            offload.device, staged, offload.buffer_numel, offload.buffer_count
+        )
+    if par.cpu_offload:
+        host += by_kind["parameters"] + by_kind["gradients"] + by_kind["optimizer"]
+        by_kind.update(parameters=0, gradients=0, optimizer=0)
+    if host or nvme:
+        by_kind.update(host=host, nvme=nvme)
+
+
 def format_table(report: dict[str, Any]) -> str:
     """One line per distinct rank class (GiB), as printed by the CLI."""
     gib = 2**30
     head = f"{'ranks':<18}{'tp':>4}{'pp':>4}{'dp':>4}{'params':>16}{'param':>9}{'grad':>9}"
-    head += f"{'optim':>9}{'activ':>9}{'total':>9}"
+    head += f"{'optim':>9}{'activ':>9}{'total':>9}{'host':>9}{'nvme':>9}"
     lines = [head, "-" * len(head)]
     groups: dict[tuple, list[int]] = {}
     for r in report["ranks"]:
@@ -364,8 +397,16 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{label:<18}{first['tp']:>4}{first['pp']:>4}{first['dp']:>4}{first['parameters']:>16,}"
             + "".join(
-                f"{b[k] / gib:>9.2f}"
-                for k in ("parameters", "gradients", "optimizer", "activations", "total")
+                f"{b.get(k, 0) / gib:>9.2f}"
+                for k in (
+                    "parameters",
+                    "gradients",
+                    "optimizer",
+                    "activations",
+                    "total",
+                    "host",
+                    "nvme",
+                )
             )
         )
     return "\n".join(lines)

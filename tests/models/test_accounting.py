@@ -137,3 +137,32 @@ def test_pipeline_rows_and_in_flight_microbatches():
     parts = parameter_breakdown(config)
     middle_params = 10 * parts.per_layer
     assert rows[1].parameters == 2 * middle_params
+
+
+def test_optimizer_offload_moves_the_moments_off_the_device():
+    """--optimizer-cpu-offload: AdamW's 8 bytes an element go to the host (cpu tier) or to swap
+    files (nvme tier); the fp32 parameters, gradients and master copies stay on the device; the
+    step's host buffers are counted where it stages (an accelerator run)."""
+    config = get_config("llama-7B")
+    n = count_parameters(config)
+    mib64 = 4 * (1 << 22) * 4  # one buffer kind: 4 slots of 4Mi fp32 elements
+
+    def states(**layout):
+        row = estimate(config, TrainingLayout(**layout))[0]
+        return row.parameters, row.gradients, row.optimizer, row.host, row.nvme
+
+    assert states(optimizer_offload="cpu") == (4 * n, 4 * n, 0, 8 * n + 2 * mib64, 0)
+    assert states(optimizer_offload="nvme") == (4 * n, 4 * n, 0, 4 * mib64, 8 * n)
+    assert states(optimizer_offload="nvme", staged_offload=False) == (
+        4 * n, 4 * n, 0, 2 * mib64, 8 * n
+    )  # fmt: skip
+    assert states(optimizer_offload="cpu", staged_offload=False)[3] == 8 * n
+    # bf16 master weights: the fp32 master copy stays on the device, the moments leave.
+    assert states(precision="bf16", optimizer_offload="cpu")[:3] == (2 * n, 6 * n, 4 * n)
+    # ZeRO-3 with --cpu-offload and the nvme tier: the host keeps the shards (stepped in place,
+    # no staging), the moments go to the files.
+    assert states(zero_stage=3, data_parallel=8, cpu_offload=True, optimizer_offload="nvme") == (
+        0, 0, 0, n + 2 * mib64, n
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--optimizer sgd has no offloaded form"):
+        TrainingLayout(optimizer="sgd", optimizer_offload="cpu")

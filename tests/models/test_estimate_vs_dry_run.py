@@ -78,3 +78,33 @@ def test_estimate_equals_dry_run(name: str, layout: str) -> None:
             got["gradients"],
             got["optimizer"],
         ), rank["rank"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--optimizer-cpu-offload"],
+        ["--optimizer-cpu-offload", "--optimizer-nvme-path", "SWAP"],
+        ["--cpu-offload", "--optimizer-cpu-offload", "--optimizer-nvme-path", "SWAP"],
+    ],
+)
+def test_dry_run_places_offloaded_bytes_as_the_estimate(flags: list[str], tmp_path) -> None:
+    """The dry run moves the offloaded bytes to `host` and `nvme` as the estimate does (on this
+    CPU-only process the offloaded step stages nothing: `staged_offload=False`)."""
+    flags = [str(tmp_path / "swap") if f == "SWAP" else f for f in flags]
+    config = parse_args([*_flags("tiny-llama", ["--zero-stage", "3"]), *flags])
+    report = dry_run(config, 2, None)
+    model_config = build_model_config(config)
+    layout = _layout(config, 2)
+    assert layout.optimizer_offload == ("nvme" if "--optimizer-nvme-path" in flags else "cpu")
+    layout.staged_offload = False
+    for rank in report["ranks"]:
+        _, states = rank_state_bytes(model_config, layout, rank["pp"], rank["dp"])
+        got = rank["bytes"]
+        assert (states.parameters, states.gradients, states.optimizer) == (
+            got["parameters"],
+            got["gradients"],
+            got["optimizer"],
+        )
+        assert (states.host, states.nvme) == (got["host"], got["nvme"])
+        assert got["nvme"] == (8 * rank["parameters"] if "--optimizer-nvme-path" in flags else 0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -60,6 +61,10 @@ MARGIN = 0.9
 """Another layout is chosen only when it takes under this fraction of the dense time."""
 SAME = 1.03
 """A layout counts as no slower than dense at a row count within this factor (probe noise)."""
+NOISY = 1.5
+"""A probe whose rounds of one layout vary more than this (median round over best round) ran
+on a busy machine: its comparison is not trusted and auto keeps dense (logged), rather than
+keep for the whole run a layout that won by another process's timing."""
 LAYOUTS = ("dense", "packed", "colmajor")
 """What "auto" times (dense first: the layout kept without a clear win)."""
 GEMV_COPY = "packed+gemv"
@@ -73,6 +78,7 @@ def choose_cpu_linear(
     skip: tuple[str, ...] = (),
     available_bytes: int | None = None,
     c_rows: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> str:
     """The fastest of "dense", "packed", "colmajor" (and "packed+gemv" when its extra copy fits
     in GEMV_COPY_MEMORY_SHARE of `available_bytes`, default: `available_memory()`) for `model`'s
@@ -81,7 +87,10 @@ def choose_cpu_linear(
 
     `c_rows`: steps of up to this many rows run in C over row-major weights
     (engine.native_step), so only "dense" and "packed+gemv" qualify, judged at 4 x `c_rows`
-    rows, a step the layout runs."""
+    rows, a step the layout runs.
+
+    Where the probe's rounds vary by more than NOISY (a busy machine), the choice is "dense"
+    whatever the times say, logged with the spread. `clock`: the timer (tests inject one)."""
     shapes = _linears_by_shape(model, skip)
     if not shapes:
         return "dense"
@@ -95,6 +104,7 @@ def choose_cpu_linear(
     probed = (4 * c_rows,) if c_rows else PROBE_ROWS
     timed = ("dense", "packed") if c_rows else LAYOUTS  # column-major is no candidate then
     times = {(layout, rows): 0.0 for layout in timed for rows in probed}
+    spread = 1.0
     with torch.inference_mode():
         for same_shape in shapes:
             first = same_shape[0]
@@ -110,16 +120,28 @@ def choose_cpu_linear(
                 x = torch.randn(rows, 1, first.in_features, dtype=first.weight.dtype)
                 calls = max(len(copies), min(CALLS, CALL_ELEMENTS // first.weight.numel()))
                 layers = _layouts(copies, x, timed)
-                for layout, seconds in zip(timed, _time_alternated(layers, calls), strict=True):
+                best, rounds_spread = _time_alternated(layers, calls, clock)
+                spread = max(spread, rounds_spread)
+                for layout, seconds in zip(timed, best, strict=True):
                     times[layout, rows] += seconds
             del copies
     choice = pick_layout(times, allow_copy=allow_copy, row_major=c_rows > 0)
+    if spread > NOISY:
+        log.warning(
+            "--cpu-linear auto: the probe's rounds varied %.1fx (over %.1fx: a busy machine); "
+            "keeping dense instead of %s for this run (pass --cpu-linear to choose)",
+            spread,
+            NOISY,
+            choice,
+        )
+        return "dense"
     log.info(
-        "--cpu-linear auto: %s us per probe -> %s%s",
+        "--cpu-linear auto: %s us per probe (rounds within %.2fx) -> %s%s",
         "; ".join(
             f"{layout} " + "/".join(f"{times[layout, rows] * 1e6:.1f}" for rows in probed)
             for layout in timed
         ),
+        spread,
         choice,
         f" (+{copy_bytes / 2**20:.0f} MiB: the packed weights beside the dense ones, which "
         "one-row calls and the C decode step read; --cpu-linear packed or colmajor keeps one "
@@ -246,15 +268,22 @@ def _layouts(
     return tuple(calls[layout] for layout in timed)
 
 
-def _time_alternated(layers: tuple[Callable[[], object], ...], calls: int) -> list[float]:
-    """Min over alternated rounds of the seconds per call of each layer."""
-    best = [float("inf")] * len(layers)
+def _time_alternated(
+    layers: tuple[Callable[[], object], ...],
+    calls: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[float], float]:
+    """Min over alternated rounds of the seconds per call of each layer, and the rounds' spread:
+    the largest over layers of median round / best round (1.0: steady)."""
+    rounds: list[list[float]] = [[] for _ in layers]
     for fn in layers:  # warm-up (oneDNN builds its primitive on the first call)
         fn()
     for _ in range(ROUNDS):
         for i, fn in enumerate(layers):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    return best
+            rounds[i].append(max(clock() - start, 1e-12) / calls)
+    best = [min(r) for r in rounds]
+    spread = max(statistics.median(r) / b for r, b in zip(rounds, best, strict=True))
+    return best, spread

@@ -3,7 +3,9 @@
 Accelerators are looked up by model name in a table of dense (no structured sparsity) 16-bit
 tensor-core peaks, the figure torchtitan's `get_peak_flops` and most published MFU numbers
 divide by whatever precision the run uses. A CPU has no such figure: its peak is measured once
-per process by a short fp32 matmul on the threads torch uses. `--peak-tflops` overrides both.
+per process by short fp32 matmuls on the threads torch uses (the best of several spaced
+repeats, so that a busy machine reads less low; a busy one is logged). `--peak-tflops`
+overrides both.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,24 +71,61 @@ def lookup(device_type: str, name: str) -> PeakFlops | None:
     return None
 
 
-def measure_cpu_tflops(size: int = 512, repeats: int = 5) -> float:
-    """Best fp32 matmul throughput of this process's torch threads, in TFLOP/s (~50 ms)."""
+REPEATS = 10
+"""Timed matmuls of the CPU measurement, the best kept."""
+SPACING_S = 0.01
+"""Pause between them: on a machine shared with other work, repeats spread over ~0.1 s land in
+different scheduler slices, so one of them likely runs with the cores to itself (back to back,
+five repeats inside one busy slice read 16.8 GFLOP/s of a 2-core box's ~100)."""
+NOISY = 1.5
+"""Median repeat over best repeat above this: the machine was busy while measuring."""
+
+
+@dataclass(frozen=True)
+class CpuMeasurement:
+    """The CPU matmul measurement: best throughput and how steady its repeats were."""
+
+    tflops: float
+    """Best repeat, in TFLOP/s."""
+    spread: float
+    """Median repeat time over best repeat time (1.0: steady; over NOISY: a busy machine)."""
+
+
+def measure_cpu(
+    size: int = 512,
+    repeats: int = REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+    pause: Callable[[float], None] = time.sleep,
+) -> CpuMeasurement:
+    """Best fp32 matmul throughput of this process's torch threads over `repeats` spaced
+    matmuls (~0.15 s), and their spread. `clock` and `pause`: injected by tests."""
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     torch.mm(a, b)  # warm-up: thread pool and packing buffers
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    seconds = []
+    for i in range(repeats):
+        if i:
+            pause(SPACING_S)
+        start = clock()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / max(best, 1e-9) / 1e12
+        seconds.append(max(clock() - start, 1e-9))
+    best = min(seconds)
+    return CpuMeasurement(2.0 * size**3 / best / 1e12, statistics.median(seconds) / best)
 
 
 @functools.lru_cache(maxsize=1)
 def _measured_cpu_peak() -> PeakFlops:
     threads = torch.get_num_threads()
-    tflops = measure_cpu_tflops()
-    return PeakFlops(tflops, f"measured: fp32 matmul on {threads} thread(s) of this CPU")
+    found = measure_cpu()
+    source = f"measured: fp32 matmul on {threads} thread(s) of this CPU, best of {REPEATS}"
+    if found.spread > NOISY:
+        log.warning(
+            "the CPU peak was measured on a busy machine (repeats varied %.1fx): MFU may read "
+            "high; pass --peak-tflops for a fixed denominator",
+            found.spread,
+        )
+        source += f" (busy machine: repeats varied {found.spread:.1f}x)"
+    return PeakFlops(found.tflops, source)
 
 
 def peak_tflops(override: float | None = None) -> PeakFlops:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kernels.cpu.threads import apply_torch_threads
 from services.common.config import ServerConfig
 from services.common.server import ServiceBinding
 from services.common.service_cli import ServiceCli, service_main
@@ -30,6 +31,7 @@ DESCRIPTION = (
 def build(args: argparse.Namespace, server_config: ServerConfig) -> list[ServiceBinding]:
     """The server's bindings from the parsed flags; loads the model when --load is given."""
     config = from_args(args)
+    apply_torch_threads()  # the cgroup quota / affinity mask, not the host's core count
     check_weight_update_auth(config, server_config.auth_token_file)
     http = http_config_from_args(args)
     runtime_lora = server_config.auth_token_file is not None

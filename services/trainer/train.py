@@ -21,6 +21,7 @@ from pathlib import Path
 from checkpoints.safe_fs import Escape, open_dir_beneath
 from kernels import device
 from kernels.cpu.allocator import keep_freed_memory
+from kernels.cpu.threads import apply_torch_threads
 from services.common.errors import PermissionDenied
 from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshline train: {PERMISSION_DENIED_TAG} {exc.message}", file=sys.stderr)
         return 2
     info = device.init_distributed()
+    if device.current().type == "cpu":
+        apply_torch_threads()  # the cgroup quota / affinity mask, not the host's core count
     if device.current().type == "cpu" and keep_freed_memory():
         log.info("CPU worker: freed host memory is kept for the next step (glibc mallopt)")
     if load == "fresh" and info.is_main:

@@ -67,3 +67,34 @@ def test_unknown_accelerator_falls_back_with_a_warning(
         found = peak_flops.peak_tflops()
     assert found.tflops == 312.0
     assert "--peak-tflops" in caplog.text
+
+
+def test_cpu_measurement_keeps_the_best_of_spaced_repeats() -> None:
+    pauses: list[float] = []
+    durations = iter([4.0, 1.0, 3.0, 2.0, 5.0] * 2)  # seconds per timed matmul (start, stop)
+    now = [0.0, False]
+
+    def clock() -> float:
+        if now[1]:
+            now[0] += next(durations)
+        now[1] = not now[1]
+        return now[0]
+
+    found = peak_flops.measure_cpu(size=8, repeats=5, clock=clock, pause=pauses.append)
+    assert found.tflops == pytest.approx(2 * 8**3 / 1.0 / 1e12)
+    assert found.spread == 3.0  # median repeat over best
+    assert pauses == [peak_flops.SPACING_S] * 4  # between repeats, not before the first
+
+
+def test_a_busy_cpu_measurement_is_recorded_in_the_source(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    peak_flops._measured_cpu_peak.cache_clear()
+    monkeypatch.setattr(peak_flops, "measure_cpu", lambda: peak_flops.CpuMeasurement(0.02, 3.0))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.peak_flops"):
+            found = peak_flops._measured_cpu_peak()
+        assert found.tflops == 0.02 and "busy machine: repeats varied 3.0x" in found.source
+        assert "--peak-tflops" in caplog.text
+    finally:
+        peak_flops._measured_cpu_peak.cache_clear()

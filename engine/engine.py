@@ -55,7 +55,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
-from engine.speculative import DraftModel, Speculator, accept_or_resample
+from engine.speculative import AdaptedRows, DraftModel, Speculator, accept_or_resample
 from engine.tokens import TokenizerInfo
 from engine.validation import (
     InvalidRequest,
@@ -545,7 +545,7 @@ class Engine:
 
             try:
                 picks[i] = self.speculation.step_row(
-                    self.runner,
+                    AdaptedRows(self.runner, row.request.adapter),
                     i,
                     (rid, seq.index),
                     context,

@@ -1,7 +1,8 @@
 """LoRA adapters served by a real server on localhost (gRPC and the OpenAI HTTP front, with a
 bearer token): --lora-modules from start-up, run-time load/unload, each request's `model` picking
 its adapter with the tokens of its peft-merged model, bad input refused by name while other
-streams go on untouched."""
+streams go on untouched; prompt-lookup speculation on, verified with each row's adapter;
+per-adapter metrics on /metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import requests
 from peft import PeftModel
 
+from engine.speculative_config import SpeculativeConfig
 from meshline.inference.v1 import inference_pb2 as pb
 from services.common.config import ServerConfig
 from services.common.errors import PermissionDenied
@@ -59,6 +61,9 @@ def served(tmp_path_factory, sentencepiece_model):
         ],
         max_loras=3,
         max_lora_rank=8,
+        # Prompt lookup on: every adapter row's drafts are verified with its own adapter, so
+        # the merged-model equalities below hold with speculation too.
+        speculative_config=SpeculativeConfig("ngram", 3, 3, 1),
     )
     harness = ServerHarness(directory, hf, config, limits=limits, runtime_lora=True)
     s = harness.start(ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file)))

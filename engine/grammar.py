@@ -180,9 +180,9 @@ class GrammarMatcher:
         if after is not None and len(after) <= budget - 1:
             self._next = (token, after)
             return token
-        if not plan:
+        if not plan:  # complete: end here (a vocabulary without EOS cannot; take the pick)
             self._next = None
-            return self._eos
+            return token if self._eos is None else self._eos
         self._next = (plan[0], plan[1:])
         return plan[0]
 

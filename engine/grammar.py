@@ -124,8 +124,8 @@ class GrammarMatcher:
         self._plan: list[int] | object | None = _UNKNOWN
         """Tokens that complete the grammar from this state; None: the walk found none (the
         sequence runs unguided); _UNKNOWN: not computed yet."""
-        self._next: tuple[int, list[int] | None] | None = None
-        """What `steer` decided: the token it returned and the plan after it."""
+        self._after: dict[int, list[int] | None] = {}
+        """Plans already found for this state after a token (None: none fits any budget)."""
 
     def allowed(self, vocab: int) -> np.ndarray:
         """Bool [vocab]: the tokens the grammar allows next (ids past its vocabulary: never)."""
@@ -144,18 +144,15 @@ class GrammarMatcher:
         other._matcher = self._matcher.deep_copy()
         other._eos = self._eos
         other._plan = self._plan
-        other._next = None
+        other._after = dict(self._after)
         return other
 
     def advance(self, token: int) -> None:
         """Take `token` (one `allowed` said yes to)."""
         if not self._matcher.consume_token(token):
             raise GrammarError(f"token {token} breaks the grammar: {self._matcher.get_error()}")
-        if self._next is not None and self._next[0] == token:
-            self._plan = self._next[1]
-        else:
-            self._plan = _UNKNOWN
-        self._next = None
+        self._plan = self._after.get(token, _UNKNOWN)
+        self._after = {}
 
     def is_complete(self) -> bool:
         """Whether the text so far is a whole answer the grammar can only end (EOS next)."""
@@ -167,23 +164,29 @@ class GrammarMatcher:
             self._plan = self._find_plan(self._matcher)
         return self._plan  # type: ignore[return-value]
 
+    def fits(self, token: int, budget: int) -> bool:
+        """Whether the state after `token` (one `allowed` said yes to) has a plan of at most
+        budget - 1 tokens, `budget` counting this one (True where this state has no plan: the
+        sequence runs unguided)."""
+        plan = self.plan()
+        if plan is None:
+            return True
+        if token not in self._after:
+            self._after[token] = self._plan_after(token, plan)
+        after = self._after[token]
+        return after is not None and len(after) <= budget - 1
+
     def steer(self, token: int, budget: int) -> int:
         """The token to take, `budget` tokens (this one included) before the length limit:
-        `token` (the model's pick, one `allowed` said yes to) when the state after it has a
-        plan of at most budget - 1 tokens, else the first token of this state's plan (EOS when
-        the grammar is complete). Call `advance` with the result next."""
+        `token` (the model's pick, one `allowed` said yes to) when it `fits`, else the first
+        token of this state's plan (EOS when the grammar is complete). Call `advance` next."""
+        if self.fits(token, budget):
+            return token
         plan = self.plan()
-        if plan is None:  # no plan: unguided, as before plans existed
-            self._next = None
-            return token
-        after = self._plan_after(token, plan)
-        if after is not None and len(after) <= budget - 1:
-            self._next = (token, after)
-            return token
+        assert plan is not None
         if not plan:  # complete: end here (a vocabulary without EOS cannot; take the pick)
-            self._next = None
             return token if self._eos is None else self._eos
-        self._next = (plan[0], plan[1:])
+        self._after[plan[0]] = plan[1:]
         return plan[0]
 
     def _plan_after(self, token: int, plan: list[int]) -> list[int] | None:

@@ -33,6 +33,9 @@ ORDER = CLOSERS + b"0:.-@_/+ nft[{1" + bytes(range(0x30, 0x3A)) + bytes(range(0x
 """The bytes a walk tries, in order: closers, then short values and separators, then others."""
 EXTRA = bytes(b for b in range(0x20, 0x7F) if b not in ORDER)
 """Printable ASCII bytes tried only when no byte of ORDER is allowed (a pattern's `[A-Z]`)."""
+UTF8_TAIL = bytes(range(0x80, 0xC0))
+"""Continuation bytes: after a token that ends inside a multi-byte character (byte-level
+vocabularies split `é` or an emoji across tokens) only these may come next."""
 
 _lock = threading.Lock()
 _tables: dict[int, tuple[LLTokenizer, dict[int, int]]] = {}
@@ -45,7 +48,7 @@ def byte_tokens(vocab: LLTokenizer) -> dict[int, int]:
         if hit is not None and hit[0] is vocab:
             return hit[1]
     table = {}
-    for b in range(0x20, 0x7F):
+    for b in [*range(0x20, 0x7F), *UTF8_TAIL]:
         ids = vocab.tokenize_bytes(bytes([b]))
         if len(ids) == 1:
             table[b] = ids[0]
@@ -105,8 +108,9 @@ def _progress(probe: LLMatcher, table: dict[int, int], seen: set[frozenset[int]]
     """Inside a lexeme no closer may end: the first allowed byte whose next state allows a set
     of bytes not seen yet on this walk, or the first allowed byte when none does."""
     here = _allowed(probe, table, ORDER) or _allowed(probe, table, EXTRA)
-    if not here:
-        return None
+    if not here:  # inside a multi-byte character: any continuation byte finishes it as well
+        tail = _allowed(probe, table, UTF8_TAIL)
+        return table[min(tail)] if tail else None
     seen.add(here)
     order = [b for b in ORDER + EXTRA if b in here]
     for b in order:

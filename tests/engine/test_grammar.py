@@ -103,7 +103,9 @@ def test_beam_search_with_a_grammar_equals_hf_constrained_beam_search(
     engine_and_hf, grammar, beams, returned
 ):
     """Beams each follow their own copy of the grammar: the hypotheses equal HF `generate` beam
-    search whose `prefix_allowed_tokens_fn` asks the same grammar (llguidance) per prefix."""
+    search whose `prefix_allowed_tokens_fn` asks the same grammar (llguidance) per prefix. The
+    budget leaves room to finish: near the limit beams are steered to complete (HF's are cut
+    mid-answer), tested below."""
     engine, hf = engine_and_hf
     vocab, eos = engine.tokens.vocab_size, engine.tokens.eos_id
     ids = prompt(6, vocab, seed=beams)
@@ -118,11 +120,11 @@ def test_beam_search_with_a_grammar_equals_hf_constrained_beam_search(
         return np.flatnonzero(matcher.allowed(hf.config.vocab_size)).tolist() or [eos]
 
     config = SamplingConfig(
-        max_new_tokens=40, num_beams=beams, num_return_sequences=returned, grammar=grammar
+        max_new_tokens=64, num_beams=beams, num_return_sequences=returned, grammar=grammar
     )
     ours = [r.token_ids for r in engine.generate([ids], [config])[0]]
     theirs = hf_generate(
-        hf, ids, max_new_tokens=40, num_beams=beams, num_return_sequences=returned,
+        hf, ids, max_new_tokens=64, num_beams=beams, num_return_sequences=returned,
         eos_token_id=eos, pad_token_id=engine.tokens.pad_id or 0,
         prefix_allowed_tokens_fn=allowed, early_stopping=False, length_penalty=1.0,
     )  # fmt: skip
@@ -235,3 +237,42 @@ def test_plans_complete_every_kind_of_grammar(engine, grammar, check):
         matcher.advance(token)
     assert matcher.allowed(engine.tokens.vocab_size)[engine.tokens.eos_id], "accepting: EOS may end"
     assert check(engine.tokens.decode(plan))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_beams_under_a_tight_budget_end_in_json_that_validates(engine, sampled):
+    """Beam search steers too: a candidate after which its beam's grammar could not complete in
+    the tokens left is dropped like a forbidden token, so every hypothesis returned, even one
+    finished at the length limit, parses and validates."""
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(5, engine.tokens.vocab_size, seed=12)
+    decode = engine.tokens.decode
+    configs = [
+        SamplingConfig(
+            max_new_tokens=budget, num_beams=3, num_return_sequences=2, grammar=grammar,
+            do_sample=sampled, seed=budget,
+        )
+        for budget in (shortest, shortest + 3, shortest + 12)
+    ]  # fmt: skip
+    for config, result in zip(configs, engine.generate([ids] * 3, configs), strict=True):
+        for answer in result:
+            assert len(answer.token_ids) <= config.max_new_tokens
+            text = decode([t for t in answer.token_ids if t != engine.tokens.eos_id])
+            jsonschema.validate(json.loads(text), UNBOUNDED)
+
+
+def test_a_plan_finishes_a_character_split_across_tokens(engine):
+    """A byte-level token may end inside a multi-byte character (the lead byte of `é`): the
+    plan finishes the character, then the string, so such a pick is not overridden."""
+    from engine.grammar import grammar_tokenizer
+
+    vocab = grammar_tokenizer(engine.tokens)
+    matcher = GrammarMatcher(json_schema_grammar({"type": "string"}), engine.tokens)
+    taken = [vocab.tokenize_bytes(b'"')[0], vocab.tokenize_bytes(b"\xc3")[0]]
+    for token in taken:
+        matcher.advance(token)
+    plan = matcher.plan()
+    assert plan is not None
+    text = vocab.decode_bytes(taken + plan).decode("utf-8")
+    assert isinstance(json.loads(text), str) and len(json.loads(text)) == 1

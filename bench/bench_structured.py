@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,7 @@ class Run:
     tokens: int = 0
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
+    finishes: Counter[str] = field(default_factory=Counter)
 
 
 def messages(name: str, schema: dict[str, Any], i: int) -> list[dict[str, str]]:
@@ -255,6 +257,7 @@ async def one(
         )
     run.requests += 1
     run.tokens += done.usage.completion_tokens if done.usage else 0
+    run.finishes[done.choices[0].finish_reason] += 1
     text = done.choices[0].message.content or ""
     try:
         value = json.loads(text)
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{mode:>13}: {run.valid}/{run.requests} validate ({run.parsed} parse), "
             f"{run.tokens} tokens in {run.seconds:.1f} s = {rates[mode]:.1f} tokens/s, "
-            f"{run.requests / run.seconds:.2f} requests/s"
+            f"{run.requests / run.seconds:.2f} requests/s, finish reasons {dict(run.finishes)}"
         )
         for failure in run.failures[:5]:
             print(f"    {failure}")

@@ -102,14 +102,23 @@ class BeamSearch:
             )
         if cfg.sampling:
             processed_NV = warp(processed_NV, [cfg] * n, min_keep=2)
-        acc_NV = processed_NV + self.running_scores_N[:, None]
-        acc_flat = acc_NV.reshape(-1)
         keep = 2 * n
-        if cfg.sampling:
-            index_C = torch.multinomial(acc_flat.softmax(-1), keep, generator=self.generator)
-            top_C = acc_flat[index_C]
-        else:
-            top_C, index_C = torch.topk(acc_flat, keep)
+        while True:
+            acc_flat = (processed_NV + self.running_scores_N[:, None]).reshape(-1)
+            if cfg.sampling:
+                index_C = torch.multinomial(acc_flat.softmax(-1), keep, generator=self.generator)
+                top_C = acc_flat[index_C]
+            else:
+                top_C, index_C = torch.topk(acc_flat, keep)
+            unfit = self._unfit(index_C, top_C, vocab)
+            if not unfit:
+                break
+            # A candidate after which the grammar could not complete within the tokens left
+            # is forbidden like a token the grammar forbids, and the candidates are taken again
+            # (only near the length limit; until then every candidate fits).
+            processed_NV = processed_NV.clone()
+            for beam, token in unfit:
+                processed_NV[beam, token] = FORBIDDEN
         beam_C, token_C = index_C // vocab, index_C % vocab
         raw_C = self.running_raw_N[beam_C] + logprobs_NV[beam_C, token_C]
         seqs_C_T = self.running_N_T[beam_C].clone()
@@ -161,6 +170,23 @@ class BeamSearch:
                 matchers.append(matcher)
             self.matchers = matchers
         return sources, tokens
+
+    def _unfit(
+        self, index_C: torch.Tensor, top_C: torch.Tensor, vocab: int
+    ) -> list[tuple[int, int]]:
+        """(beam, token) of the live, grammar-allowed candidates after which the beam's grammar
+        has no plan within the tokens left (GrammarMatcher.fits); none without a grammar."""
+        if self.matchers is None:
+            return []
+        left = self.config.max_new_tokens - self.generated
+        unfit = []
+        for index, score in zip(index_C.tolist(), top_C.tolist(), strict=True):
+            beam, token = divmod(index, vocab)
+            if score <= NEG / 2 or float(self.running_scores_N[beam]) <= NEG / 2:
+                continue  # forbidden, or a dead beam's: never kept
+            if not self.matchers[beam].fits(token, left):
+                unfit.append((beam, token))
+        return unfit
 
     def _update_done(self, hits_C: torch.Tensor) -> None:
         """HF's stopping rule: improvement still possible, open beams left, continuations left."""

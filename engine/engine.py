@@ -55,7 +55,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.scoring import score_batch
 from engine.slots import SlotPool
-from engine.speculative import DraftModel, Speculator, accept_or_resample
+from engine.speculative import AdaptedRows, DraftModel, Speculator, accept_or_resample
 from engine.tokens import TokenizerInfo
 from engine.validation import (
     InvalidRequest,
@@ -349,8 +349,27 @@ class Engine:
             reason = grammar_problem(config.grammar, self.tokens)
             if reason is not None:
                 problems = [Problem("grammar", reason)]
+            else:
+                problems = self._grammar_budget_problems(prompt_ids, config)
         if problems:
             raise InvalidRequest(problems)
+
+    def _grammar_budget_problems(
+        self, prompt_ids: list[int], config: SamplingConfig
+    ) -> list[Problem]:
+        """A grammar whose shortest completion found is longer than the tokens the request may
+        emit could only end cut: refused, naming the budget it needs."""
+        budget = min(config.max_new_tokens, self.max_seq_len - len(prompt_ids))
+        plan = GrammarMatcher(config.grammar or "", self.tokens).plan()
+        if plan is None or len(plan) <= budget:
+            return []
+        return [
+            Problem(
+                "max_new_tokens",
+                f"the grammar's shortest answer found takes {len(plan)} tokens, more than the "
+                f"{budget} this request may generate: ask at least {len(plan)} new tokens",
+            )
+        ]
 
     def fits_context(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether prompt + new tokens fit --max-model-len (engine.validation.fit_problems says why)."""
@@ -526,7 +545,7 @@ class Engine:
 
             try:
                 picks[i] = self.speculation.step_row(
-                    self.runner,
+                    AdaptedRows(self.runner, row.request.adapter),
                     i,
                     (rid, seq.index),
                     context,
@@ -837,9 +856,26 @@ class Engine:
         any generator draws when a sampled row has nothing to draw from."""
         processed_PV, logprobs_PV = self._processed(logits_PV, seqs)
         next_t = sample_rows(processed_PV, [s.generator for s in seqs])
+        if any(s.matcher is not None for s in seqs):
+            next_t = self._steered(next_t, seqs)
         picked_P = logprobs_PV.gather(1, next_t[:, None])[:, 0]
         tops = _top_logprobs(logprobs_PV, [s.request.config.logprobs for s in seqs])
         return next_t.tolist(), picked_P.tolist(), tops
+
+    def _steered(self, next_P: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
+        """The picks with each constrained row steered so that its grammar still completes
+        within the tokens it has left (GrammarMatcher.steer: the model's pick, or its plan's)."""
+        picks = next_P.tolist()
+        for p, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                picks[p] = seq.matcher.steer(picks[p], self._tokens_left(seq))
+        return torch.tensor(picks, dtype=next_P.dtype, device=next_P.device)
+
+    def _tokens_left(self, seq: _Sequence) -> int:
+        """How many tokens the sequence may still emit, the next one included."""
+        done = len(seq.tokens)
+        cfg = seq.request.config
+        return min(cfg.max_new_tokens - done, self.max_seq_len - len(seq.request.prompt_ids) - done)
 
     def _processed(
         self, logits_PV: torch.Tensor, seqs: list[_Sequence]
@@ -887,7 +923,10 @@ class Engine:
         elif len(seq.tokens) >= cfg.max_new_tokens or (
             len(seq.request.prompt_ids) + len(seq.tokens) >= self.max_seq_len
         ):
-            finish = Finish.LENGTH
+            # A grammar completed at the limit is a whole answer (only EOS could follow), not
+            # a cut one: OpenAI clients' parse helpers refuse "length" (docs/decisions.md).
+            complete = seq.matcher is not None and seq.matcher.is_complete()
+            finish = Finish.STOP if complete else Finish.LENGTH
         text, matched = seq.tracker.update(seq.tokens, final=finish is not None)
         if matched:
             finish = Finish.STOP_STRING

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.grammar_plan import accepts, byte_tokens, compact, walk
 from engine.tokens import TokenizerInfo
 
 if TYPE_CHECKING:
-    from llguidance import LLTokenizer
+    from llguidance import LLMatcher, LLTokenizer
 
 NEG_INF = float("-inf")
+_UNKNOWN = object()
 _cache_lock = threading.Lock()
 _tokenizers: dict[int, tuple[Any, LLTokenizer]] = {}
 """id(tokenizer) -> (the tokenizer, kept alive so the id stays its own; its LLTokenizer)."""
@@ -108,7 +110,8 @@ def lark_grammar(text: str) -> str:
 
 
 class GrammarMatcher:
-    """The grammar state of one sequence: which tokens may come next, and the ones taken."""
+    """The grammar state of one sequence: which tokens may come next, the ones taken, and a
+    plan that completes the grammar from here (engine/grammar_plan.py)."""
 
     def __init__(self, grammar: str, tokens: TokenizerInfo) -> None:
         from llguidance import LLMatcher
@@ -117,6 +120,12 @@ class GrammarMatcher:
         self._matcher = LLMatcher(self._vocab, grammar, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
+        self._eos = tokens.eos_id
+        self._plan: list[int] | object | None = _UNKNOWN
+        """Tokens that complete the grammar from this state; None: the walk found none (the
+        sequence runs unguided); _UNKNOWN: not computed yet."""
+        self._after: dict[int, list[int] | None] = {}
+        """Plans already found for this state after a token (None: none fits any budget)."""
 
     def allowed(self, vocab: int) -> np.ndarray:
         """Bool [vocab]: the tokens the grammar allows next (ids past its vocabulary: never)."""
@@ -133,12 +142,77 @@ class GrammarMatcher:
         other = object.__new__(GrammarMatcher)
         other._vocab = self._vocab
         other._matcher = self._matcher.deep_copy()
+        other._eos = self._eos
+        other._plan = self._plan
+        other._after = dict(self._after)
         return other
 
     def advance(self, token: int) -> None:
         """Take `token` (one `allowed` said yes to)."""
         if not self._matcher.consume_token(token):
             raise GrammarError(f"token {token} breaks the grammar: {self._matcher.get_error()}")
+        self._plan = self._after.get(token, _UNKNOWN)
+        self._after = {}
+
+    def is_complete(self) -> bool:
+        """Whether the text so far is a whole answer the grammar can only end (EOS next)."""
+        return self._matcher.is_accepting() and self._matcher.is_stopped()
+
+    def plan(self) -> list[int] | None:
+        """Tokens that complete the grammar from this state (None: none was found)."""
+        if self._plan is _UNKNOWN:
+            self._plan = self._find_plan(self._matcher)
+        return self._plan  # type: ignore[return-value]
+
+    def fits(self, token: int, budget: int) -> bool:
+        """Whether the state after `token` (one `allowed` said yes to) has a plan of at most
+        budget - 1 tokens, `budget` counting this one (True where this state has no plan: the
+        sequence runs unguided)."""
+        plan = self.plan()
+        if plan is None:
+            return True
+        if token not in self._after:
+            self._after[token] = self._plan_after(token, plan)
+        after = self._after[token]
+        return after is not None and len(after) <= budget - 1
+
+    def steer(self, token: int, budget: int) -> int:
+        """The token to take, `budget` tokens (this one included) before the length limit:
+        `token` (the model's pick, one `allowed` said yes to) when it `fits`, else the first
+        token of this state's plan (EOS when the grammar is complete). Call `advance` next."""
+        if self.fits(token, budget):
+            return token
+        plan = self.plan()
+        assert plan is not None
+        if not plan:  # complete: end here (a vocabulary without EOS cannot; take the pick)
+            return token if self._eos is None else self._eos
+        self._after[plan[0]] = plan[1:]
+        return plan[0]
+
+    def _plan_after(self, token: int, plan: list[int]) -> list[int] | None:
+        """A plan for this state after `token`: the rest of this state's plan when the token
+        starts it, this state's plan when it still completes (a letter inside a free string),
+        else a fresh walk."""
+        if plan and token == plan[0]:
+            return plan[1:]
+        if token == self._eos:
+            return []
+        probe = self._matcher.deep_copy()
+        if not probe.consume_token(token):
+            return None
+        vocab = self._vocab
+        text, planned = vocab.decode_bytes([token]), vocab.decode_bytes(plan)
+        if plan and len(text) < len(planned) and planned.startswith(text):
+            rest = vocab.tokenize_bytes(planned[len(text) :])
+            if accepts(probe, rest):
+                return rest
+        if plan and accepts(probe, plan):
+            return plan
+        return self._find_plan(probe)
+
+    def _find_plan(self, matcher: LLMatcher) -> list[int] | None:
+        found = walk(matcher, byte_tokens(self._vocab))
+        return None if found is None else compact(matcher, self._vocab, found)
 
 
 def mask_rows(logits_PV: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:

@@ -349,21 +349,28 @@ class ModelRunner:
         """Tokens cached in active pool row `row` (speculative decoding's `TargetRows`)."""
         return self.pool.lengths()[row]
 
-    def decode_one(self, row: int, token: int) -> torch.Tensor:
-        """Logits [1, V] after feeding `token` to pool row `row` alone (the lean or C step)."""
+    def decode_one(self, row: int, token: int, adapter: int = 0) -> torch.Tensor:
+        """Logits [1, V] after feeding `token` to pool row `row` alone (the lean or C step; the
+        module forward with LoRA slot `adapter`'s delta when it is not 0)."""
         ids_11 = torch.tensor([[token]], device=self.device)
-        return self.decode(ids_11, row, row + 1, self.last_logits)
+        adapters_B = torch.tensor([adapter], device=self.device) if adapter else None
+        return self.decode(ids_11, row, row + 1, self.last_logits, adapters_B=adapters_B)
 
-    def forward_tokens(self, row: int, ids: list[int]) -> torch.Tensor:
+    def forward_tokens(self, row: int, ids: list[int], adapter: int = 0) -> torch.Tensor:
         """Logits [S, V] of every position after feeding `ids` to pool row `row` at its length:
         in one C call where the C step runs and S fits its rows (`NativeStep.verify`), else the
-        module forward (the lean step takes one token per row)."""
+        module forward (the lean step takes one token per row), which alone adds LoRA slot
+        `adapter`'s delta (not 0: the C step knows no LoRA)."""
         view = self.pool.view(row, row + 1)
         ids_S = torch.tensor(ids, device=self.device)
         logits_SV = None
-        if isinstance(self.decode_step, NativeStep):
+        if isinstance(self.decode_step, NativeStep) and not adapter:
             logits_SV = self.decode_step.verify(ids_S, view)
-        if logits_SV is None:
+        if logits_SV is None and adapter:
+            assert self.lora is not None
+            with self.lora.rows(torch.tensor([adapter], device=self.device)):
+                logits_SV = self.model(ids_S[None], kv_cache=view)[0]
+        elif logits_SV is None:
             logits_SV = self.model(ids_S[None], kv_cache=view)[0]
         self.pool.sync(view, row)
         return logits_SV

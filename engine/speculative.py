@@ -63,6 +63,39 @@ class TargetRows(Protocol):
         ...
 
 
+class AdaptedRows:
+    """`TargetRows` of a runner whose row runs with one LoRA slot (0: the base model): the
+    draft is verified by the very model the request asked for, adapter delta included."""
+
+    def __init__(self, runner: AdapterRows, adapter: int) -> None:
+        self.runner = runner
+        self.adapter = adapter
+
+    def row_length(self, row: int) -> int:
+        return self.runner.row_length(row)
+
+    def decode_one(self, row: int, token: int) -> torch.Tensor:
+        return self.runner.decode_one(row, token, self.adapter)
+
+    def forward_tokens(self, row: int, ids: list[int]) -> torch.Tensor:
+        return self.runner.forward_tokens(row, ids, self.adapter)
+
+    def truncate(self, row: int, length: int) -> None:
+        self.runner.truncate(row, length)
+
+
+class AdapterRows(Protocol):
+    """`TargetRows` whose one-row calls take a LoRA slot (engine/model_runner.py)."""
+
+    def row_length(self, row: int) -> int: ...
+
+    def decode_one(self, row: int, token: int, adapter: int = 0) -> torch.Tensor: ...
+
+    def forward_tokens(self, row: int, ids: list[int], adapter: int = 0) -> torch.Tensor: ...
+
+    def truncate(self, row: int, length: int) -> None: ...
+
+
 def truncate_cache(cache: KVCache, row: int, length: int) -> None:
     """Roll row `row` of a contiguous KVCache back to `length` positions (its later slots are
     masked out, so a later step of rows of unequal length never reads them)."""

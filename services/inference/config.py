@@ -289,13 +289,6 @@ class InferenceServiceConfig(DataRootsConfig):
                 "--speculative-config serves from one process; drop it or use "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
-        if self.speculative_config is not None and self.lora:
-            # Drafts are verified by the C step or the plain forward, neither of which adds an
-            # adapter's delta: an adapter row would be verified against the base model.
-            raise ValueError(
-                "--speculative-config does not serve LoRA adapters yet (drafts would be verified "
-                "against the base model); drop it or --enable-lora / --lora-modules"
-            )
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -7,7 +7,9 @@ queue depth (requests waiting for rows) and KV-cache use (rows and token slots h
 paged KV cache also its blocks used and free and the prefix cache's lookups and hits (vLLM's
 counters: the hit rate is `rate(hits) / rate(queries)`); on a speculative server
 (--speculative-config) the draft tokens proposed and accepted. Weight updates (issue #41) set the
-served version and observe their receive and swap seconds.
+served version and observe their receive and swap seconds. Requests that name a LoRA adapter
+are also counted per adapter (services/inference/adapter_metrics.py: label values bounded by the
+adapters loaded).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from engine.engine import Engine
 from engine.paged_pool import PagedPool
 from engine.requests import StepEvent
 from engine.sampling import SamplingConfig
+from engine.validation import InvalidRequest
+from services.inference import adapter_metrics
 
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -110,6 +114,9 @@ PREFIX_CACHE_HITS = Counter(
     "Of the prompt tokens looked up, those found cached (their prefill skipped).",
 )
 
+ADAPTERS = adapter_metrics.register(TOKEN_BUCKETS)
+"""Per-adapter requests, tokens and time to first token (label values: loaded adapters)."""
+
 
 _last_step: dict[str, float] = {
     "queue": 0.0,
@@ -171,6 +178,7 @@ def instrument(engine: Engine) -> None:
     load forever (two gauges read non-zero on an idle server, issue 37).
     """
     engine.on_step = _observe_step
+    ADAPTERS.watch(engine)
     for gauge, key in (
         (QUEUE_DEPTH, "queue"),
         (RUNNING_ROWS, "rows"),
@@ -207,14 +215,19 @@ async def metered(
     start = last = time.perf_counter()
     first = True
     finish = "cancelled"
+    refused = False  # an unknown adapter: never served, so never a label value
     try:
         async for event in front.stream(prompt_ids, config, hold=hold, adapter=adapter):
             if event.token_ids:
                 GENERATED_TOKENS.inc(len(event.token_ids))
+                if adapter:
+                    ADAPTERS.generated(adapter, len(event.token_ids))
                 if event.index == 0:
                     now = event.time_s or time.perf_counter()
                     if first:
                         TIME_TO_FIRST_TOKEN.observe(now - start)
+                        if adapter:
+                            ADAPTERS.first_token(adapter, now - start)
                         first = False
                     else:
                         INTER_TOKEN_LATENCY.observe(now - last)
@@ -222,5 +235,10 @@ async def metered(
             if event.finish is not None and event.index == 0:
                 finish = event.finish.value
             yield event
+    except InvalidRequest:
+        refused = True
+        raise
     finally:
         REQUESTS.labels(protocol, finish).inc()
+        if adapter and not refused:
+            ADAPTERS.finished(adapter, len(prompt_ids), finish)

@@ -20,6 +20,7 @@ from engine.grammar import (
     json_schema_grammar,
     regex_grammar,
 )
+from engine.requests import Finish
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest
@@ -102,7 +103,9 @@ def test_beam_search_with_a_grammar_equals_hf_constrained_beam_search(
     engine_and_hf, grammar, beams, returned
 ):
     """Beams each follow their own copy of the grammar: the hypotheses equal HF `generate` beam
-    search whose `prefix_allowed_tokens_fn` asks the same grammar (llguidance) per prefix."""
+    search whose `prefix_allowed_tokens_fn` asks the same grammar (llguidance) per prefix. The
+    budget leaves room to finish: near the limit beams are steered to complete (HF's are cut
+    mid-answer), tested below."""
     engine, hf = engine_and_hf
     vocab, eos = engine.tokens.vocab_size, engine.tokens.eos_id
     ids = prompt(6, vocab, seed=beams)
@@ -117,11 +120,11 @@ def test_beam_search_with_a_grammar_equals_hf_constrained_beam_search(
         return np.flatnonzero(matcher.allowed(hf.config.vocab_size)).tolist() or [eos]
 
     config = SamplingConfig(
-        max_new_tokens=40, num_beams=beams, num_return_sequences=returned, grammar=grammar
+        max_new_tokens=64, num_beams=beams, num_return_sequences=returned, grammar=grammar
     )
     ours = [r.token_ids for r in engine.generate([ids], [config])[0]]
     theirs = hf_generate(
-        hf, ids, max_new_tokens=40, num_beams=beams, num_return_sequences=returned,
+        hf, ids, max_new_tokens=64, num_beams=beams, num_return_sequences=returned,
         eos_token_id=eos, pad_token_id=engine.tokens.pad_id or 0,
         prefix_allowed_tokens_fn=allowed, early_stopping=False, length_penalty=1.0,
     )  # fmt: skip
@@ -156,3 +159,120 @@ def test_grammar_rows_beside_speculation_decode_plainly(engine):
     ours = spec.generate(prompts, configs)
     assert [r[0].token_ids for r in ours] == [r[0].token_ids for r in plain]
     jsonschema.validate(json.loads(engine.tokens.decode(ours[0][0].token_ids)), SCHEMA)
+
+
+UNBOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,3}$"},
+        "code": {"type": "string", "pattern": "^(ab)+c$"},
+        "year": {"type": "integer", "minimum": 1450},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 2}, "minItems": 2},
+        "note": {"type": "string"},
+    },
+    "required": ["name", "email", "code", "year", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_a_tight_token_budget_still_ends_in_json_that_validates(engine):
+    """Strings the schema leaves unbounded (a random model writes them until the limit) are
+    closed in time: at every budget from the shortest answer up, greedy and sampled answers
+    parse, validate with `jsonschema` and end with finish STOP, never cut."""
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(5, engine.tokens.vocab_size, seed=11)
+    decode = engine.tokens.decode
+    budgets = [shortest, shortest + 1, shortest + 7, 2 * shortest, 120]
+    configs = [SamplingConfig(max_new_tokens=b, grammar=grammar) for b in budgets]
+    configs += [
+        SamplingConfig(
+            max_new_tokens=b, do_sample=True, seed=b, num_return_sequences=3, grammar=grammar
+        )
+        for b in budgets[1:4]
+    ]
+    results = engine.generate([ids] * len(configs), configs)
+    for config, result in zip(configs, results, strict=True):
+        for answer in result:
+            assert len(answer.token_ids) <= config.max_new_tokens
+            text = decode([t for t in answer.token_ids if t != engine.tokens.eos_id])
+            jsonschema.validate(json.loads(text), UNBOUNDED)
+            assert answer.finish is Finish.STOP, (config.max_new_tokens, text)
+
+
+def test_a_budget_below_the_shortest_answer_is_refused_by_name(engine):
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(4, engine.tokens.vocab_size, seed=1)
+    with pytest.raises(InvalidRequest) as caught:
+        engine.submit(ids, SamplingConfig(max_new_tokens=shortest - 1, grammar=grammar))
+    assert caught.value.problems[0].field == "max_new_tokens"
+    assert f"takes {shortest} tokens" in caught.value.problems[0].reason
+
+
+@pytest.mark.parametrize(
+    ("grammar", "check"),
+    [
+        (regex_grammar(r"(ab)+c"), lambda text: re.fullmatch(r"(ab)+c", text)),
+        (
+            regex_grammar(r"[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,3}"),
+            lambda text: re.fullmatch(r"[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,3}", text),
+        ),
+        (choice_grammar(["Zürich", "Genève"]), lambda text: text in ("Zürich", "Genève")),
+        (
+            json_schema_grammar({"enum": ["été", 12, None]}),
+            lambda t: json.loads(t) in ("été", 12, None),
+        ),
+        (json_schema_grammar(True), lambda text: json.loads(text) is not Ellipsis),
+    ],
+    ids=["cycle", "email", "choice", "enum", "any-json"],
+)
+def test_plans_complete_every_kind_of_grammar(engine, grammar, check):
+    """A fresh matcher's plan, consumed, is an answer the grammar accepts."""
+    matcher = GrammarMatcher(grammar, engine.tokens)
+    plan = matcher.plan()
+    assert plan is not None
+    for token in plan:
+        matcher.advance(token)
+    assert matcher.allowed(engine.tokens.vocab_size)[engine.tokens.eos_id], "accepting: EOS may end"
+    assert check(engine.tokens.decode(plan))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_beams_under_a_tight_budget_end_in_json_that_validates(engine, sampled):
+    """Beam search steers too: a candidate after which its beam's grammar could not complete in
+    the tokens left is dropped like a forbidden token, so every hypothesis returned, even one
+    finished at the length limit, parses and validates."""
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = len(GrammarMatcher(grammar, engine.tokens).plan())
+    ids = prompt(5, engine.tokens.vocab_size, seed=12)
+    decode = engine.tokens.decode
+    configs = [
+        SamplingConfig(
+            max_new_tokens=budget, num_beams=3, num_return_sequences=2, grammar=grammar,
+            do_sample=sampled, seed=budget,
+        )
+        for budget in (shortest, shortest + 3, shortest + 12)
+    ]  # fmt: skip
+    for config, result in zip(configs, engine.generate([ids] * 3, configs), strict=True):
+        for answer in result:
+            assert len(answer.token_ids) <= config.max_new_tokens
+            text = decode([t for t in answer.token_ids if t != engine.tokens.eos_id])
+            jsonschema.validate(json.loads(text), UNBOUNDED)
+
+
+def test_a_plan_finishes_a_character_split_across_tokens(engine):
+    """A byte-level token may end inside a multi-byte character (the lead byte of `é`): the
+    plan finishes the character, then the string, so such a pick is not overridden."""
+    from engine.grammar import grammar_tokenizer
+
+    vocab = grammar_tokenizer(engine.tokens)
+    matcher = GrammarMatcher(json_schema_grammar({"type": "string"}), engine.tokens)
+    taken = [vocab.tokenize_bytes(b'"')[0], vocab.tokenize_bytes(b"\xc3")[0]]
+    for token in taken:
+        matcher.advance(token)
+    plan = matcher.plan()
+    assert plan is not None
+    text = vocab.decode_bytes(taken + plan).decode("utf-8")
+    assert isinstance(json.loads(text), str) and len(json.loads(text)) == 1

@@ -17,7 +17,7 @@ from engine.lora_files import check_adapter_config
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from engine.validation import InvalidRequest
-from tests.services.inference.helpers import hf_generate, hf_reference, prompt
+from tests.services.inference.helpers import EOS_ID, hf_generate, hf_reference, prompt
 
 ADAPTERS = {
     # name: (rank, alpha, peft target modules)
@@ -164,6 +164,56 @@ def test_same_prompt_under_two_adapters_shares_no_block(chunked):
     engine.remove_adapter("mlp", "unload")
     engine.install_adapter(engine.adapters.prepare("mlp", dirs["qv"], "load"), "load")
     assert hits("mlp") == 0 and hits("mlp") == 32
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_verifies_with_each_rows_adapter(tmp_path, method):
+    """Speculative decoding with adapters: every draft (prompt lookup, or a draft model that
+    knows no adapter) is verified by the target with the row's own adapter, so greedy tokens
+    equal each merged model's HF generate, token for token, while drafts are accepted (a
+    32-token vocabulary makes the random model repeat itself, so n-grams are found)."""
+    from pathlib import Path
+
+    from engine.speculative_config import SpeculativeConfig
+
+    hf, ours, config = hf_reference("llama-gqa", seed=3, vocab_size=32)
+    dirs = {
+        name: save_adapter(hf, tmp_path / name, r, a, t, seed)
+        for seed, (name, (r, a, t)) in enumerate(ADAPTERS.items())
+    }
+    spec = SpeculativeConfig(method, 3, 3, 1, model=Path(".") if method == "draft_model" else None)
+    draft = copy.deepcopy(ours) if method == "draft_model" else None
+    engine = Engine(
+        ours,
+        TokenizerInfo(config.vocab_size, eos_id=EOS_ID),
+        EngineConfig(
+            enable_lora=True, max_loras=3, max_lora_rank=8, max_batch_rows=8,
+            speculative_config=spec,
+        ),
+        draft_model=draft,
+    )  # fmt: skip
+    for name, directory in dirs.items():
+        engine.install_adapter(engine.adapters.prepare(name, directory, "test"), "test")
+    requests = [("qv", prompt(6, 32, 31)), ("all", prompt(9, 32, 32)), ("", prompt(5, 32, 33))]
+    requests.append(("mlp", prompt(7, 32, 34)))
+    greedy = SamplingConfig(max_new_tokens=40)
+    results = engine.generate(
+        [p for _, p in requests], [greedy] * len(requests), [a for a, _ in requests]
+    )
+    references = {name: merged(hf, d) for name, d in dirs.items()}
+    references[""] = hf
+    changed = 0
+    for (adapter, ids), result in zip(requests, results, strict=True):
+        expected = hf_generate(references[adapter], ids, max_new_tokens=40)[0, len(ids) :]
+        expected = expected.tolist()
+        if EOS_ID in expected:  # HF pads after EOS
+            expected = expected[: expected.index(EOS_ID) + 1]
+        assert result[0].token_ids == expected, adapter
+        if adapter:
+            changed += hf_generate(hf, ids, max_new_tokens=40)[0, len(ids) :].tolist() != expected
+    assert changed >= 2  # the adapters change the tokens: the base model would not pass
+    stats = engine.speculation.stats
+    assert 0 < stats.accepted < stats.drafted, stats  # drafts kept and drafts rolled back
 
 
 def test_unknown_adapter_is_refused_naming_it(served):

@@ -129,12 +129,17 @@ def test_batch_wait_out_of_range_names_the_flag(tmp_path: Path, value: float) ->
         InferenceServiceConfig(load=tmp_path, batch_wait_ms=value)
 
 
-def test_speculation_with_lora_adapters_is_refused(tmp_path: Path) -> None:
+def test_speculation_with_lora_adapters_reaches_the_engine(tmp_path: Path) -> None:
+    """Drafts are verified with each row's adapter (tests/engine/test_multi_lora.py), so the
+    two flags go together into the engine's config."""
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     parser = argparse.ArgumentParser()
     add_flags(parser)
     args = parser.parse_args(
         ["--load", str(tmp_path), "--enable-lora", "--speculative-config", spec]
     )
-    with pytest.raises(ValueError, match="--speculative-config does not serve LoRA adapters"):
-        from_args(args).validate()
+    config = from_args(args)
+    engine_config = config.engine_config()
+    assert engine_config.enable_lora
+    assert engine_config.speculative_config is not None
+    assert engine_config.speculative_config.num_speculative_tokens == 2

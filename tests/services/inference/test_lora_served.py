@@ -1,7 +1,8 @@
 """LoRA adapters served by a real server on localhost (gRPC and the OpenAI HTTP front, with a
 bearer token): --lora-modules from start-up, run-time load/unload, each request's `model` picking
 its adapter with the tokens of its peft-merged model, bad input refused by name while other
-streams go on untouched."""
+streams go on untouched; prompt-lookup speculation on, verified with each row's adapter;
+per-adapter metrics on /metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import requests
 from peft import PeftModel
 
+from engine.speculative_config import SpeculativeConfig
 from meshline.inference.v1 import inference_pb2 as pb
 from services.common.config import ServerConfig
 from services.common.errors import PermissionDenied
@@ -59,6 +61,9 @@ def served(tmp_path_factory, sentencepiece_model):
         ],
         max_loras=3,
         max_lora_rank=8,
+        # Prompt lookup on: every adapter row's drafts are verified with its own adapter, so
+        # the merged-model equalities below hold with speculation too.
+        speculative_config=SpeculativeConfig("ngram", 3, 3, 1),
     )
     harness = ServerHarness(directory, hf, config, limits=limits, runtime_lora=True)
     s = harness.start(ServerConfig(host="127.0.0.1", port=0, auth_token_file=str(token_file)))
@@ -225,3 +230,78 @@ def test_lora_flags_are_checked_before_any_weight(tmp_path, served):
         parsed("--lora-modules", f"a={adapters['qv']}", f"b={adapters['mlp']}", "--max-loras", "1")
     with pytest.raises(ValueError, match="one process"):
         parsed("--enable-lora", "--tensor-parallel-size", "2")
+
+
+def test_per_adapter_metrics_on_the_served_endpoint(served):
+    """/metrics counts each adapter's requests, prompt and generated tokens and times to first
+    token under its name (gRPC and HTTP alike); the label values are exactly the adapters
+    loaded: a refused unknown name never appears, an unloaded adapter's series go."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.common.metrics import start_metrics_server
+
+    s, client, _, adapters, _ = served
+    url, headers = s.http_url, {"Authorization": f"Bearer {TOKEN}"}
+    metrics = start_metrics_server("127.0.0.1", 0)
+    scrape_url = f"http://127.0.0.1:{metrics.server_port}/metrics"
+
+    def scrape() -> dict[str, dict[tuple, float]]:
+        out: dict[str, dict[tuple, float]] = {}
+        for family in text_string_to_metric_families(requests.get(scrape_url, timeout=10).text):
+            for sample in family.samples:
+                if sample.name.startswith("meshline_inference_lora_"):
+                    labels = tuple(sorted(sample.labels.items()))
+                    out.setdefault(sample.name, {})[labels] = sample.value
+        return out
+
+    def adapters_in(samples) -> set[str]:
+        return {dict(labels)["adapter"] for series in samples.values() for labels in series}
+
+    try:
+        body = {"lora_name": "metered", "lora_path": str(adapters["late"])}
+        loaded = requests.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers)
+        assert loaded.status_code == 200, loaded.text
+        before = scrape()
+        assert adapters_in(before) == {"qv", "mlp", "metered"}
+        finished_before = before.get("meshline_inference_lora_requests_total", {})
+        assert "metered" not in adapters_in({"r": finished_before})  # none finished yet
+        assert before["meshline_inference_lora_prompt_tokens_total"][(("adapter", "metered"),)] == 0
+
+        vocab = s.config.vocab_size
+        prompts = [prompt(n, vocab, seed) for n, seed in ((5, 21), (7, 22), (4, 23))]
+        generated = 0
+        for ids in prompts[:2]:
+            answer = client.completions.create(model="metered", prompt=ids, max_tokens=6)
+            generated += answer.usage.completion_tokens
+        by_grpc = grpc_generate(s.grpc_stub, prompts[2], "metered", n=5).result()
+        generated += len(by_grpc.sequences[0].token_ids)
+        grpc_generate(s.grpc_stub, prompts[0], "", n=3).result()  # the base model: no label
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="not-loaded-xyz", prompt=prompts[0], max_tokens=2)
+
+        after = scrape()
+        assert adapters_in(after) == {"qv", "mlp", "metered"}
+        label = (("adapter", "metered"),)
+        finished = {
+            dict(k)["finish_reason"]: v
+            for k, v in after["meshline_inference_lora_requests_total"].items()
+            if dict(k)["adapter"] == "metered"
+        }
+        assert sum(finished.values()) == 3
+        prompt_tokens = after["meshline_inference_lora_prompt_tokens_total"][label]
+        assert prompt_tokens == sum(len(p) for p in prompts)
+        assert after["meshline_inference_lora_generated_tokens_total"][label] == generated > 0
+        ttft = after["meshline_inference_lora_time_to_first_token_seconds_count"][label]
+        assert ttft == 3
+        assert after["meshline_inference_lora_time_to_first_token_seconds_sum"][label] > 0
+        qv = (("adapter", "qv"),)
+        tokens = "meshline_inference_lora_generated_tokens_total"
+        assert after[tokens][qv] == before[tokens][qv]  # other adapters' counts stay put
+    finally:
+        requests.post(
+            f"{url}/v1/unload_lora_adapter", json={"lora_name": "metered"}, headers=headers
+        )
+        gone = scrape()
+        metrics.shutdown()
+        metrics.server_close()
+    assert adapters_in(gone) == {"qv", "mlp"}

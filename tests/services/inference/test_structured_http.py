@@ -274,3 +274,35 @@ def test_grpc_structured_output_errors_name_the_field(served):
             "structured_output.choice")  # fmt: skip
     request = pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_new_tokens=4))
     assert served.grpc_stub.Generate(request, timeout=60).sequences  # it goes on serving
+
+
+class Note(BaseModel):
+    title: str
+    body: str
+    tags: list[str]
+
+
+def test_unbounded_strings_under_a_tight_max_tokens_still_parse(client, served):
+    """A random model writes an unbounded string until it is stopped: with a few tokens to
+    spare the server closes it in time, so `parse` gets a valid object (finish "stop") at every
+    budget, and a budget below the shortest answer is a 400 naming max_tokens."""
+    schema = Note.model_json_schema()
+    for max_tokens in (30, 34, 44):  # the shortest answer takes 29 tokens here
+        done = client.chat.completions.parse(
+            model=served.model_name,
+            messages=QUESTION,
+            response_format=Note,
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=max_tokens,
+        )
+        assert done.choices[0].finish_reason == "stop"
+        assert isinstance(done.choices[0].message.parsed, Note)
+        assert done.usage.completion_tokens <= max_tokens
+        jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.parse(
+            model=served.model_name, messages=QUESTION, response_format=Note, max_tokens=28
+        )
+    assert refused.value.body["param"] == "max_tokens"
+    assert "takes 29 tokens" in refused.value.body["message"]

@@ -316,7 +316,7 @@ class ModelRunner:
         assert isinstance(self.pool, PagedPool)
         view = self.pool.prefill_view(prefills)
         ids_BS = torch.tensor(
-            [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills], device=self.device
+            [f.tokens[f.done : f.done + tokens] for f in prefills], device=self.device
         )
         if adapters_B is None:
             logits = forward(ids_BS, view)

@@ -143,6 +143,8 @@ def _rows_of(runner, prompts):
         prefill = pool.admit(GenerationRequest(rid, ids, SamplingConfig(max_new_tokens=16)))
         runner.prefill_chunk([prefill], len(ids), runner.last_logits)
         pool.join(prefill)
+        # Blocks for a verification of up to 7 tokens, as Engine._make_room promises them.
+        assert pool.blocks.cover(rid, pool.blocks_to_write(pool.num_rows - 1, 8))
 
 
 def _slots(pool, row, length):

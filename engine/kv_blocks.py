@@ -11,8 +11,11 @@ module is the bookkeeping, with no tensors:
   so a later request whose prompt starts with the same tokens finds the blocks already computed;
 - eviction: a cached block nobody holds stays cached until a new block is needed and no
   never-used block is left; then the least recently released cached block is reused (LRU);
-- credits: each admitted request may take at most the blocks it reserved at admission
-  (its worst case), so a running request never runs out of blocks and nothing is preempted.
+- credits: each admitted request may take at most the blocks promised to it. A request of
+  several rows (n > 1, beam search) is promised its worst case at admission; a one-row request
+  is promised its prompt (and first new token) at admission and more as it decodes (`cover`,
+  before each step): when no free block is left to promise, the engine preempts the most
+  recently admitted one-row request (engine/engine.py), whose blocks come back here.
 """
 
 from __future__ import annotations
@@ -133,6 +136,18 @@ class BlockAllocator:
         for block in hit:
             self.incref(block)
         self._credits[request_id] = _Credit(new_blocks)
+
+    def cover(self, request_id: int, blocks: int) -> bool:
+        """Make sure `request_id` may take `blocks` more blocks, promising it the shortfall out
+        of the unpromised free blocks; False (nothing promised) when too few are left."""
+        credit = self._credits[request_id]
+        short = blocks - credit.left
+        if short <= 0:
+            return True
+        if short > self.free - self.reserved:
+            return False
+        credit.left += short
+        return True
 
     def release(self, request_id: int) -> None:
         """A request left: its unused credit returns (its blocks are freed by their tables)."""

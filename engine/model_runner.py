@@ -316,8 +316,17 @@ class ModelRunner:
         assert isinstance(self.pool, PagedPool)
         view = self.pool.prefill_view(prefills)
         ids_BS = torch.tensor(
-            [f.request.prompt_ids[f.done : f.done + tokens] for f in prefills], device=self.device
+            [f.tokens[f.done : f.done + tokens] for f in prefills], device=self.device
         )
+        if len(prefills) == 1 and adapters_B is None and isinstance(self.decode_step, NativeStep):
+            # A chunk of a few tokens (a small step budget beside decoding rows) in one C call
+            # that reads the blocks in place: the module forward gathers every key and value of
+            # the context per layer, a fixed cost that made a 4-token chunk cost ~2 decode steps
+            # at 2k tokens of context (bench/RESULTS.md, #39). None beyond the C step's rows.
+            logits_SV = self.decode_step.verify(ids_BS[0], view)
+            if logits_SV is not None:
+                self.pool.prefilled(prefills[0], tokens)
+                return logits_SV[-1:]
         if adapters_B is None:
             logits = forward(ids_BS, view)
         else:

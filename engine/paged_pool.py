@@ -9,10 +9,17 @@ reorders and duplicates tables (beam search, finished rows leaving): only block 
 move, no key or value is copied until a row writes into a block another table shares (copy on
 write, in `PagedKVCache.begin`).
 
-Admission (`admit`): a request reserves its worst case in blocks — the prompt's full blocks
-not found cached, plus per row the blocks from its partial prompt block to prompt +
-max_new_tokens (capped at --max-model-len) — so a running request never runs short and nothing
-is preempted; a request that does not fit waits in the queue. With prefix caching the prompt's
+Admission (`admit`): a one-row request (greedy or sampled, n = 1) is promised the blocks of
+its prompt not found cached and of its first new token; as it decodes, the engine promises it
+each next block before the step that writes into it (`blocks_to_write`, BlockAllocator.cover)
+and, when the pool has none left to promise, preempts the most recently admitted one-row request
+(`preempt`): its blocks return and it is queued again to recompute its prompt and the tokens it
+generated (vLLM's recompute preemption), continuing where it stopped. A request of several rows
+(n > 1, beam search) reserves its worst case at admission — the prompt's full blocks not found
+cached, plus per row the blocks from its partial prompt block to prompt + max_new_tokens (capped
+at --max-model-len) — so it never runs short and is never preempted (its rows diverge after the
+prompt: a recompute would need one prompt per row). A request that does not fit its admission
+promise waits in the queue. With prefix caching the prompt's
 full blocks are looked up by their chained digests (engine/kv_blocks.py), chained from the
 namespace of the weights that computed them (the base model's, or a LoRA adapter's), and
 shared; at least the prompt's last token is always computed (its logits give the first new
@@ -58,11 +65,14 @@ class Prefill:
     """Chained digests of the prompt's full blocks."""
     namespace: bytes = b""
     """The digest the chain starts from (the weights' namespace, see `PagedPool.admit`)."""
+    tokens: list[int] = field(default_factory=list)
+    """The tokens to compute: the prompt, or after a preemption the prompt and the tokens the
+    request had generated."""
 
     @property
     def remaining(self) -> int:
         """Prompt tokens still to compute."""
-        return len(self.request.prompt_ids) - self.done
+        return len(self.tokens) - self.done
 
 
 class PagedPool:
@@ -209,31 +219,62 @@ class PagedPool:
         full = prompt_len // p
         return full + config_rows * (math.ceil(total / p) - full)
 
-    def admit(self, request: GenerationRequest, namespace: bytes = b"") -> Prefill | bool | None:
-        """Reserve `request`'s blocks and look up its cached prefix: its Prefill; None when the
-        blocks are short (it waits, and so do the requests behind it); False when an earlier
-        request is computing its next prompt block (it waits, the ones behind may go).
+    @staticmethod
+    def grows(request: GenerationRequest) -> bool:
+        """Whether `request` takes its decode blocks as it goes (one row) rather than reserving
+        its worst case at admission (several rows; see the module doc)."""
+        return rows_needed(request.config) == 1
 
-        `namespace` starts the chain of its prompt-block digests: requests computed with
-        different weights (a LoRA adapter's, engine/lora_adapters.py) never share blocks."""
+    def admit(
+        self, request: GenerationRequest, namespace: bytes = b"", tokens: list[int] | None = None
+    ) -> Prefill | bool | None:
+        """Promise `request`'s admission blocks and look up its cached prefix: its Prefill;
+        None when the blocks are short (it waits, and so do the requests behind it); False when
+        an earlier request is computing its next prompt block (it waits, the ones behind may go).
+
+        `tokens` are what to compute (default: the prompt; a preempted request's prompt and
+        generated tokens). `namespace` starts the chain of their block digests: requests
+        computed with different weights (a LoRA adapter's, engine/lora_adapters.py) never share
+        blocks."""
         rows = rows_needed(request.config)
         if rows > self.free_rows:
             return None
-        prompt = request.prompt_ids
+        prompt = request.prompt_ids if tokens is None else tokens
         p = self.block_size
         hashes = chain_hashes(prompt, p, namespace) if self.blocks.prefix_caching else []
         usable = hashes[: (len(prompt) - 1) // p]  # the last prompt token is always computed
         hit = self.blocks.lookup(usable)
         if len(hit) < len(usable) and usable[len(hit)] in self._in_flight:
             return False
-        new = self.blocks_needed(len(prompt), rows, request.config.max_new_tokens) - len(hit)
+        new_tokens = 1 if rows == 1 else request.config.max_new_tokens
+        new = self.blocks_needed(len(prompt), rows, new_tokens) - len(hit)
         if not self.blocks.can_reserve(new, hit):
             return None
         self.blocks.reserve(request.request_id, new, hit)
         self.blocks.note_query(len(usable) * p, len(hit) * p)
         self._in_flight.update(hashes[len(hit) :])
         self.prefilling_rows += rows
-        return Prefill(request, rows, list(hit), len(hit) * p, len(hit) * p, hashes, namespace)
+        done = len(hit) * p
+        return Prefill(request, rows, list(hit), done, done, hashes, namespace, list(prompt))
+
+    def blocks_to_write(self, row: int, tokens: int) -> int:
+        """Blocks active row `row` takes to write `tokens` more positions (as
+        PagedKVCache.begin takes them): a copy of its partly filled last block when shared, and
+        the blocks past its table."""
+        p = self.block_size
+        table, length = self.tables[row], self._lengths[row]
+        copies = int(
+            bool(length % p) and length // p < len(table) and self.blocks.shared(table[length // p])
+        )
+        end = min(length + tokens, self.max_seq_len)
+        return copies + max(0, math.ceil(end / p) - len(table))
+
+    def preempt(self, row: int) -> None:
+        """Active row `row`, the only row of its request, leaves: its blocks go back (full ones
+        stay cached by their digests) and so does its request's credit."""
+        owner = self._owners[row]
+        self.gather([i for i in range(self.num_rows) if i != row])
+        self.blocks.release(owner)
 
     def prefill_view(self, prefills: list[Prefill]) -> PagedKVCache:
         """A cache over the prompt tables of prefills at the same length."""

@@ -3,11 +3,12 @@
 Admission is first come, first served: the request at the head of the queue is admitted while
 the pool has the rows it needs (one per beam, else one per returned sequence); a request that
 does not fit blocks the ones behind it, so a wide beam request is never starved by narrow ones.
-Running requests are never preempted: a row, once admitted, holds its slots to the end (the
-dense cache reserves --max-model-len slots per row). With the paged cache (`admit_each`) the
-pool decides per request: admitted with its blocks reserved, wait (blocks short: it and the
-requests behind it wait) or skip for now (its prompt's next block is being computed by an
-earlier request: the ones behind may go).
+With the dense cache a row, once admitted, holds its slots to the end (--max-model-len slots
+per row). With the paged cache (`admit_each`) the pool decides per request: admitted with its
+admission blocks promised, wait (blocks short: it and the requests behind it wait) or skip for
+now (its prompt's next block is being computed by an earlier request: the ones behind may go);
+a running request the engine preempts when blocks run out comes back at the head of the queue
+(`requeue`), ahead of every request that never ran, as vLLM's scheduler does.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Scheduler:
     def add(self, requests: list[GenerationRequest]) -> None:
         """Queue new requests behind the waiting ones."""
         self.waiting.extend(requests)
+
+    def requeue(self, request: GenerationRequest) -> None:
+        """Put a preempted request back at the head of the queue."""
+        self.waiting.appendleft(request)
 
     def admit(self, free_rows: int) -> list[tuple[GenerationRequest, int]]:
         """Take waiting requests, in order, while their rows fit in `free_rows`; each with its

@@ -113,6 +113,10 @@ PREFIX_CACHE_HITS = Counter(
     "meshline_inference_prefix_cache_hits",
     "Of the prompt tokens looked up, those found cached (their prefill skipped).",
 )
+PREEMPTIONS = Counter(
+    "meshline_inference_preemptions",
+    "Paged KV cache: running requests preempted when blocks ran out (recomputed later).",
+)
 
 ADAPTERS = adapter_metrics.register(TOKEN_BUCKETS)
 """Per-adapter requests, tokens and time to first token (label values: loaded adapters)."""
@@ -130,6 +134,8 @@ _prefix_seen = {"queried": 0, "hit": 0}
 """The load gauges' values as of the last model step (read at scrape time, see `instrument`)."""
 _spec_seen: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 """Per engine, its speculation counts already added to the Prometheus counters."""
+_preemptions_seen: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+"""Per engine, its preemptions already added to the Prometheus counter."""
 
 
 def _observe_speculation(engine: Engine) -> None:
@@ -165,6 +171,8 @@ def _observe_step(engine: Engine) -> None:
         PREFIX_CACHE_HITS.inc(stats.hit_tokens - _prefix_seen["hit"])
         _prefix_seen.update(queried=stats.queried_tokens, hit=stats.hit_tokens)
         _last_step["blocks_used"] = pool.blocks.used
+    PREEMPTIONS.inc(engine.preemptions - _preemptions_seen.get(engine, 0))
+    _preemptions_seen[engine] = engine.preemptions
     STEPS.inc()
     _observe_speculation(engine)
 

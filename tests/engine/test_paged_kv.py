@@ -139,7 +139,10 @@ def test_n_rows_share_the_prompt_blocks_and_copy_on_write(model):
     assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
 
 
-def test_requests_wait_for_blocks_instead_of_failing(model):
+def test_requests_beyond_the_blocks_are_preempted_and_recomputed_exactly(model):
+    """Blocks are taken as tokens are generated: more requests run at once than fit at their
+    full max_tokens; when blocks run out the most recently admitted is preempted, recomputed
+    later from its prompt and tokens so far, and every output equals the request run alone."""
     _, config = model
     engine = _engine(
         model,
@@ -148,24 +151,43 @@ def test_requests_wait_for_blocks_instead_of_failing(model):
         enable_prefix_caching=False,
     )
     assert engine.cache_plan.blocks == 12
-    # Prompt 30 + 18 new tokens: 3 blocks a request, so 4 of the 6 fit at once.
+    # Prompt 30 + 18 new tokens: 3 blocks a request at full length, so 4 of the 6 would fit;
+    # prompt + first token take 2 blocks, so all 6 are admitted.
     cfg = SamplingConfig(max_new_tokens=18)
-    for seed in range(6):
-        engine.submit(prompt(30, config.vocab_size, seed=seed), cfg)
+    prompts = [prompt(30, config.vocab_size, seed=seed) for seed in range(6)]
+    ids = [engine.submit(p, cfg) for p in prompts]
     results: dict[int, list[int]] = {}
-    first = True
+    loads = []
     while engine.has_work():
         for event in engine.step():
             assert event.error is None
             results.setdefault(event.request_id, []).extend(event.token_ids)
-        if first:
-            assert engine.load() == (4, 2)
-            first = False
-    assert len(results) == 6 and all(len(t) == 18 for t in results.values())
+        loads.append(engine.load())
+    assert loads[0] == (6, 0)
+    # Writing position 32 needs a third block each: the two newest leave for the four oldest.
+    assert loads[2] == (6, 0) and loads[3] == (4, 2) and engine.preemptions >= 2
+    plain = _engine(model, enable_prefix_caching=False)
+    alone = [_tokens(plain.generate([p], [cfg]))[0][0] for p in prompts]
+    assert [results[i] for i in ids] == alone
+    assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
     # One that could never fit (1 + 4 rows x 3 blocks) is refused at submission.
     too_wide = SamplingConfig(max_new_tokens=30, do_sample=True, num_return_sequences=4)
     with pytest.raises(ValueError, match="needs 13 KV blocks of 16 tokens; the cache holds 12"):
         engine.submit(prompt(30, config.vocab_size), too_wide)
+
+
+def test_a_preempted_sampled_request_draws_the_same_tokens(model):
+    """Recompute preemption keeps a sampled request's generator: its tokens equal its run alone
+    (seeded), and cancelling it while preempted ends it cleanly."""
+    _, config = model
+    engine = _engine(model, max_model_len=64, kv_cache_memory=5 * 16 * _slot_bytes(model))
+    sampled = SamplingConfig(max_new_tokens=30, do_sample=True, top_k=20, seed=11)
+    prompts = [prompt(14, config.vocab_size, seed=s) for s in (21, 22)]
+    got = _tokens(engine.generate(prompts, [sampled, sampled]))
+    assert engine.preemptions >= 1
+    plain = _engine(model)
+    assert got == [_tokens(plain.generate([p], [sampled]))[0] for p in prompts]
+    assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
 
 
 def test_chunked_prefill_interleaves_with_decoding_rows(model):
@@ -279,3 +301,21 @@ def test_generated_blocks_are_cached_for_the_next_turn(model):
         engine.generate([first + answer_ + [7]], [SamplingConfig(max_new_tokens=1)])
         assert stats.hit_tokens - before == 32  # 41 tokens: the prompt's block and one more
     assert engine.pool.blocks.used == 0 and engine.pool.blocks.reserved == 0
+
+
+def test_small_chunks_prefill_in_the_c_step_with_unchunked_tokens(model):
+    """A chunk within the C step's rows runs as one C call reading the blocks in place (no
+    per-layer gather of the context), beside a decoding row: tokens equal unchunked prefill."""
+    _, config = model
+    engine = _engine(model, max_batch_rows=2, max_num_batched_tokens=7)
+    step = engine.runner.decode_step
+    assert isinstance(step, NativeStep) and step.max_rows >= 7
+    calls = []
+    verify = step.verify
+    step.verify = lambda ids, cache: calls.append(len(ids)) or verify(ids, cache)
+    short, long = prompt(5, config.vocab_size, seed=3), prompt(70, config.vocab_size, seed=4)
+    cfg = SamplingConfig(max_new_tokens=9)
+    got = _tokens(engine.generate([short, long], [cfg, cfg]))
+    assert calls and max(calls) <= 7 and sum(calls) >= 70 + 5  # both prompts, in chunks
+    whole = _engine(model, enable_chunked_prefill=False)
+    assert got == _tokens(whole.generate([short, long], [cfg, cfg]))

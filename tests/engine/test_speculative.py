@@ -143,6 +143,8 @@ def _rows_of(runner, prompts):
         prefill = pool.admit(GenerationRequest(rid, ids, SamplingConfig(max_new_tokens=16)))
         runner.prefill_chunk([prefill], len(ids), runner.last_logits)
         pool.join(prefill)
+        # Blocks for a verification of up to 7 tokens, as Engine._make_room promises them.
+        assert pool.blocks.cover(rid, pool.blocks_to_write(pool.num_rows - 1, 8))
 
 
 def _slots(pool, row, length):
@@ -420,3 +422,28 @@ def test_draft_vocabulary_must_match():
             32,
             "--speculative-config model",
         )
+
+
+def test_speculating_rows_preempted_for_blocks_give_plain_tokens(tiny):
+    """Blocks taken as tokens come, with drafts: each step promises a row the blocks of its
+    verification (1 + k positions); rows preempted when the 10 blocks run out are recomputed
+    and every request's tokens equal plain decoding's."""
+    _, ours, config = tiny
+    slot = len(ours.layers) * 2 * ours.config.kv_heads * ours.config.head_dim * 4
+    spec = Engine(
+        ours,
+        TokenizerInfo(VOCAB, eos_id=EOS_ID),
+        EngineConfig(
+            max_batch_rows=8,
+            max_model_len=64,
+            kv_cache_memory=10 * 16 * slot,
+            cpu_linear="dense",
+            speculative_config=ngram(4, prompt_lookup_min=1, prompt_lookup_max=3),
+        ),
+    )
+    prompts = [prompt(12, VOCAB, seed=s) for s in range(5)]
+    cfgs = [SamplingConfig(max_new_tokens=36)] * 5  # 3 blocks each at full length, 15 > 10
+    got = _ids(spec.generate(prompts, cfgs))
+    assert spec.preemptions >= 1 and spec.speculation.stats.drafted > 0
+    assert got == _ids(_engine(ours, config).generate(prompts, cfgs))
+    assert spec.pool.blocks.used == 0 and spec.pool.blocks.reserved == 0

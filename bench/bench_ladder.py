@@ -32,9 +32,10 @@ import gc
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+
+from bench.bench_zero import status_bytes
 
 WORLD = 2
 RUNGS = {
@@ -46,14 +47,6 @@ RUNGS = {
         "--zero-stage", "3", "--optimizer-cpu-offload", "--optimizer-nvme-path",
     ],
 }  # fmt: skip
-
-
-def _status_bytes(key: str) -> int:
-    """A size field of /proc/self/status (VmHWM: peak resident set)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def _rank(rank: int, world_size: int, flags: list[str], layers: int, args: dict) -> dict:
@@ -77,7 +70,7 @@ def _rank(rank: int, world_size: int, flags: list[str], layers: int, args: dict)
         (p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.model.parameters()
     )
     gc.collect()
-    return {"losses": losses, "peak": _status_bytes("VmHWM"), "params": params}
+    return {"losses": losses, "peak": status_bytes("VmHWM"), "params": params}
 
 
 class Ladder:

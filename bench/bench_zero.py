@@ -175,7 +175,7 @@ LADDER = {
 }  # fmt: skip
 
 
-def _status_bytes(key: str) -> int:
+def status_bytes(key: str) -> int:
     """A size field of /proc/self/status (VmHWM: peak resident set, VmRSS: resident set now)."""
     from pathlib import Path
 
@@ -207,8 +207,8 @@ def _ladder_rank(rank: int, world_size: int, flags: list[str], args: argparse.Na
     gc.collect()
     return {
         "losses": losses,
-        "peak_rss": _status_bytes("VmHWM"),
-        "rss": _status_bytes("VmRSS"),
+        "peak_rss": status_bytes("VmHWM"),
+        "rss": status_bytes("VmRSS"),
         "local_params": local,
     }
 

@@ -219,10 +219,9 @@ def test_scales_of_another_dtype_leave_the_layer_to_torch():
     assert native is None and "not a plain" in why
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny HF Llama (GQA) whose layer inputs (64, 96) split into groups of 32."""
-    directory = tmp_path_factory.mktemp("src") / "llama"
+def _llama_dir(root, *, seed: int, tied: bool):
+    """A tiny HF Llama (GQA) whose layer inputs (64, 96) split into groups of 32, with peaked
+    logits (no near-ties that fp32 summation order could flip)."""
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -231,33 +230,25 @@ def llama(tmp_path_factory):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
-    model = _randomise(LlamaForCausalLM(config), seed=5)
-    with torch.no_grad():  # peaked logits: no near-ties that fp32 summation order could flip
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(directory)
-    return directory
+    model = _randomise(LlamaForCausalLM(config), seed=seed)
+    with torch.no_grad():
+        (model.model.embed_tokens if tied else model.lm_head).weight.mul_(8.0)
+    model.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """An untied tiny Llama."""
+    return _llama_dir(tmp_path_factory.mktemp("src") / "llama", seed=5, tied=False)
 
 
 @pytest.fixture(scope="module")
 def tied_llama(tmp_path_factory):
     """The `llama` fixture's shape with a tied embedding/head."""
-    directory = tmp_path_factory.mktemp("src") / "tied"
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = _randomise(LlamaForCausalLM(config), seed=6)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(8.0)
-    model.save_pretrained(directory)
-    return directory
+    return _llama_dir(tmp_path_factory.mktemp("src") / "tied", seed=6, tied=True)
 
 
 @needs_build

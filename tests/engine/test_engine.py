@@ -247,8 +247,14 @@ def test_cpu_engine_serves_weights_from_huge_pages_with_the_same_tokens(monkeypa
     advised = hugepage_tests._mapping(model.lm_head.weight.data_ptr())["VmFlags"].split()
     assert "hg" in advised
     monkeypatch.setattr(runner_module, "move_to_huge_pages", lambda m: Moved(0, 0, "off"))
+    # The reference engine leaves its weights where they are. (Whether that memory already
+    # carries the advice is the allocator's business: after earlier tests it may hand out memory
+    # next to, or once part of, an advised range, so only "unchanged" is checked.)
+    before = hugepage_tests._mapping(plain.lm_head.weight.data_ptr())
+    pointer = plain.lm_head.weight.data_ptr()
     reference = Engine(plain, tokens, dense)
-    assert "hg" not in hugepage_tests._mapping(plain.lm_head.weight.data_ptr())["VmFlags"].split()
+    assert plain.lm_head.weight.data_ptr() == pointer
+    assert hugepage_tests._mapping(pointer)["VmFlags"] == before["VmFlags"]
     got = served.generate([ids], [cfg])[0][0].token_ids
     assert len(got) == 12
     assert got == reference.generate([ids], [cfg])[0][0].token_ids

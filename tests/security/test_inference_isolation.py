@@ -25,6 +25,7 @@ from engine import engine as engine_module
 from engine.beam_search import BeamSearch
 from engine.detokenize import TextTracker
 from engine.engine import Engine
+from engine.native_step import NativeStep
 from engine.requests import RequestError, StepEvent, collect
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
@@ -404,6 +405,16 @@ def test_engine_prefill_failure_fails_one_request(model):
         return real_forward(ids_BS, view)
 
     engine._last_logits = last_logits  # type: ignore[method-assign]
+    step = engine.runner.decode_step
+    if isinstance(step, NativeStep):  # a one-prompt chunk runs in the C step, not the forward
+        real_verify = step.verify
+
+        def verify(ids_S, view):
+            if ids_S.shape[0] > 1 and bool((ids_S == poison).any()):
+                raise RuntimeError("injected: the C step failed on this chunk")
+            return real_verify(ids_S, view)
+
+        step.verify = verify  # type: ignore[method-assign]
     hostile_prompt = [*prompt(4, VOCAB, seed=31), poison]  # same length: prefilled together
     results, bad = _run_with(engine, hostile_prompt, SamplingConfig(max_new_tokens=4))
     assert results == expected

@@ -33,6 +33,7 @@ forward and both gradients at FP8 tolerances (kernels/fp8_linear tests, gpu-mark
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
@@ -61,6 +62,22 @@ def quantize(
     scale = torch.exp2(torch.floor(torch.log2(largest / amax)))
     codes = (t.float() * scale).clamp(-largest, largest).to(dtype)
     return codes, scale.reciprocal()
+
+
+@functools.cache
+def rowwise_supported(device_type: str) -> bool:
+    """Whether this torch's `_scaled_mm` takes row-wise scales on `device_type`: CUDA's does;
+    the CPU kernel of torch 2.13 does, torch 2.11's takes per-tensor scales only (probed once)."""
+    if device_type == "cuda":
+        return True
+    a = torch.zeros(ALIGN, ALIGN, device=device_type).to(E4M3)
+    b = _column_major(torch.zeros(ALIGN, ALIGN, device=device_type).to(E4M3))
+    rows = torch.ones(ALIGN, 1, device=device_type)
+    try:
+        torch._scaled_mm(a, b, scale_a=rows, scale_b=rows.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

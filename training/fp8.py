@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
-from kernels.fp8_linear import GRAD_DTYPES, Fp8Linear, fp8_shape_problem
+from kernels.fp8_linear import GRAD_DTYPES, Fp8Linear, fp8_shape_problem, rowwise_supported
 
 if TYPE_CHECKING:
     from training.config import TrainingConfig
@@ -64,6 +65,12 @@ def apply_fp8(model: nn.Module, config: TrainingConfig) -> list[str]:
         owner = model.get_submodule(owner_name)
         if isinstance(owner, MoE):  # routers stay in their precision
             continue
+        device = module.weight.device.type
+        if precision.fp8 == "rowwise" and device != "meta" and not rowwise_supported(device):
+            raise ValueError(
+                f"--fp8 rowwise: this torch's FP8 matmul on {device} takes per-tensor scales "
+                f"only (torch {torch.__version__}); use --fp8 tensorwise, or torch 2.13 or newer"
+            )
         problem = fp8_shape_problem(module)
         if problem is not None:
             raise ValueError(

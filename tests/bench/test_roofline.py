@@ -176,7 +176,10 @@ def test_smoke_roofline_phase_runs_end_to_end(tmp_path):
     assert result["bandwidth"]["measured_bytes_s"] > 0 and result["batch1"]["fraction"] > 0
     assert [row["rows"] for row in result["batches"]] == [2, 4]
     for name in ("grpc", "http"):
-        assert result["served"][name]["ms"] > 0, result["served"]
+        # On the CPU smoke shape a token costs well under a millisecond, so a front may read
+        # only noise; it then says so rather than report a time (a GPU run's tokens are longer).
+        entry = result["served"][name]
+        assert entry.get("ms", 0) > 0 or "timing noise" in entry.get("error", ""), result["served"]
     levels = result["loadgen"]["report"]["transports"]["http"]
     assert [level["errors"] for level in levels] == [0, 0]
     page = (tmp_path / "report.md").read_text()

@@ -166,16 +166,16 @@ def test_bf16_model_on_codes_steps_in_c_with_the_upcast_models_tokens():
             "lm_head" in name
         ):
             param.data = param.data.to(torch.bfloat16).float()
+    assert _c_step_greedy(quant) == _c_step_greedy(floats)
+
+
+def _c_step_greedy(model) -> list[list[int]]:
+    """Greedy tokens of two prompts served with the C decode step (asserted to be in use)."""
     prompts = [[5, 9, 11], [7] * 8]
     configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
-    tokens = []
-    for model in (quant, floats):
-        engine = Engine(
-            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
-        )
-        assert isinstance(engine.runner.decode_step, NativeStep)
-        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
-    assert tokens[0] == tokens[1]
+    engine = Engine(model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense"))
+    assert isinstance(engine.runner.decode_step, NativeStep)
+    return [req[0].token_ids for req in engine.generate(prompts, configs)]
 
 
 @needs_build
@@ -200,16 +200,7 @@ def test_bf16_model_with_a_quantized_tied_embedding_steps_in_c():
     for param in quant.parameters():
         param.data = param.data.to(torch.bfloat16)
     quant.embed_tokens.dtype = torch.bfloat16
-    prompts = [[5, 9, 11], [7] * 8]
-    configs = [SamplingConfig(max_new_tokens=8) for _ in prompts]
-    tokens = []
-    for model in (quant, floats):
-        engine = Engine(
-            model, TokenizerInfo(VOCAB), EngineConfig(max_batch_rows=2, cpu_linear="dense")
-        )
-        assert isinstance(engine.runner.decode_step, NativeStep)
-        tokens.append([req[0].token_ids for req in engine.generate(prompts, configs)])
-    assert tokens[0] == tokens[1]
+    assert _c_step_greedy(quant) == _c_step_greedy(floats)
 
 
 def test_scales_of_another_dtype_leave_the_layer_to_torch():

@@ -21,6 +21,7 @@ from engine.config import (
     EngineConfig,
     format_size,
 )
+from engine.quantized_model import weight_bytes
 from engine.slots import local_kv_heads
 from models.transformer import CausalLM
 
@@ -109,7 +110,7 @@ def plan_cache(
     max_len = config.max_model_len or context_length
     len_why = "--max-model-len" if config.max_model_len else "the model's context length"
     per_row = row_bytes(model, max_len)
-    weights = format_size(sum(p.numel() * p.element_size() for p in model.parameters()))
+    weights = format_size(weight_bytes(model))
     if config.kv_cache_memory is not None:
         budget, why = config.kv_cache_memory, "--kv-cache-memory"
     else:

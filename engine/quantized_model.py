@@ -141,6 +141,33 @@ def quantized_bytes(model: nn.Module) -> tuple[int, int]:
     return quant, total - quant
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Weights of `model` as a float model would count them, each stored tensor once: a
+    quantized layer or embedding counts its out x in matrix (not its bytes of codes), a tied head
+    sharing the embedding's codes counts once."""
+    seen: set[int] = set()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            codes = module.codes if module.bits == 8 else module.packed
+            if codes.data_ptr() not in seen:
+                seen.add(codes.data_ptr())
+                rows, cols = codes.shape
+                count += rows * cols * (1 if module.bits == 8 else 2)
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            count += param.numel()
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take in memory (parameters and buffers, each tensor once:
+    a quantized model's codes, scales and zero points, not a float model's size)."""
+    quant, other = quantized_bytes(model)
+    return quant + other
+
+
 def quantize_linears(
     model: nn.Module, scheme: WeightScheme, embedding: WeightScheme | None = None
 ) -> list[str]:

@@ -20,6 +20,7 @@ from typing import TypeVar
 from engine.build import build_reward_model
 from engine.engine_thread import EngineThread
 from engine.loading import LoadedModel, is_reward_checkpoint
+from engine.quantized_model import parameter_count
 from engine.reward import RewardScorer
 from engine.tokens import TokenizerInfo
 from engine.validation import RewardLimits
@@ -113,8 +114,8 @@ class ServingRewardModel:
         return str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
 
     def num_parameters(self) -> int:
-        """Parameters of the model."""
-        return sum(p.numel() for p in self.loaded.model.parameters())
+        """Parameters of the model (a quantized layer counts its out x in weights)."""
+        return parameter_count(self.loaded.model)
 
     def limits(self, config: InferenceServiceConfig) -> RewardLimits:
         """The bounds one request meets."""

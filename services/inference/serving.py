@@ -10,6 +10,7 @@ from engine.build import build_engine
 from engine.engine import Engine
 from engine.engine_thread import EngineThread
 from engine.loading import LoadedModel
+from engine.quantized_model import parameter_count
 from engine.tokens import TokenizerInfo
 from engine.validation import RequestLimits
 from kernels import device as devices
@@ -53,8 +54,7 @@ class ServingEngine:
         """Parameters of the whole model (tied matrices once; every shard and stage counted)."""
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             return int(count_parameters(self.loaded.config))
-        unique = {p.data_ptr(): p.numel() for p in self.loaded.model.parameters()}
-        return sum(unique.values())
+        return parameter_count(self.loaded.model)
 
     def stop(self, grace_s: float) -> None:
         """Server on_stop hook: release tensor-parallel followers and wait for them to exit."""

@@ -22,7 +22,13 @@ from engine.decode_step import DecodeStep
 from engine.engine import Engine, EngineConfig
 from engine.loading import load_checkpoint
 from engine.native_step import NativeStep
-from engine.quantized_model import quantize_linears, quantized_bytes
+from engine.quantized_model import (
+    parameter_count,
+    quantize_linears,
+    quantized_bytes,
+    tie_quantized_head,
+    weight_bytes,
+)
 from engine.sampling import SamplingConfig
 from engine.tokens import TokenizerInfo
 from kernels.quant_embedding import QuantEmbedding
@@ -350,3 +356,21 @@ def test_served_quantized_checkpoint_answers_the_dequantized_models_greedy_token
             got.append(list(stub.Generate(request, timeout=60).sequences[0].token_ids))
         channel.close()
     assert got == want, server.tail()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "scheme", [WeightScheme(8, None, True), WeightScheme(4, 16, False)], ids=str
+)
+def test_a_quantized_model_counts_the_float_models_parameters_and_its_own_bytes(scheme, tied):
+    """The served parameter count (GetModelInfo) and the cache plan's weight size see the
+    quantized layers: the count is the float model's, the bytes are the codes' and scales'."""
+    quant, floats = _quantized_and_dequantized(scheme, scheme, tie_word_embeddings=tied)
+    if tied:
+        tie_quantized_head(quant)
+    float_count = sum(p.numel() for p in floats.parameters())
+    assert parameter_count(quant) == float_count
+    assert parameter_count(floats) == float_count
+    float_bytes = weight_bytes(floats)
+    assert weight_bytes(quant) == sum(quantized_bytes(quant))
+    assert weight_bytes(quant) < float_bytes * (0.5 if scheme.bits == 4 else 0.6)

@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
+from services.common.dataclass_flags import FlagSpec, attribute_docs
 from services.common.service_cli import build_parser
 from services.inference.__main__ import CLI
-from services.inference.config import from_args
-from services.inference.http_config import http_config_from_args
+from services.inference.config import FLAG_SPECS, FLAGS, InferenceServiceConfig, from_args
+from services.inference.http_config import FLAG_SPECS as HTTP_FLAG_SPECS
+from services.inference.http_config import HttpConfig, http_config_from_args
 
 GROUPS = {
     "server": ["--host", "--port", "--max-concurrent-rpcs", "--max-message-mb", "--grace-period",
@@ -254,3 +256,15 @@ def test_malformed_values_are_still_usage_errors(
         serve_parser().parse_args(argv)
     assert info.value.code == 2
     assert "error: " in capsys.readouterr().err
+
+
+def test_every_config_field_has_its_flag() -> None:
+    """Both configs are the flags' one source: no field without a flag, whose help is the
+    field's docstring."""
+    assert set(FLAGS) == {f.name for f in dataclasses.fields(InferenceServiceConfig)}
+    helps = {a.dest: a.help for a in serve_parser()._actions}
+    for cls, specs in ((InferenceServiceConfig, FLAG_SPECS), (HttpConfig, HTTP_FLAG_SPECS)):
+        for name, doc in attribute_docs(cls).items():
+            if name != "data_roots":  # the --data-root flag every job service shares
+                dest = specs.get(name, FlagSpec()).dest(name)
+                assert helps[dest].startswith(doc.rstrip(".").replace("%", "%%")), name

@@ -101,7 +101,7 @@ def _default(f: Any) -> Any:
 
 def _default_text(default: Any) -> str:
     """ " (default 16)" for a default worth saying in --help, else ""."""
-    if default is None or isinstance(default, bool) or default in ((), []):
+    if default is None or isinstance(default, bool) or default in ((), [], ""):
         return ""
     if isinstance(default, float):
         return f" (default {default:g})"
@@ -152,7 +152,7 @@ def add_fields(
         if name not in by_name:
             raise KeyError(f"{cls.__name__} has no field {name!r}")
         spec = specs.get(name, FlagSpec())
-        default = _default(by_name[name])
+        default = spec.extra.get("default", _default(by_name[name]))
         if spec.help is not None:
             text = spec.help
         else:  # a docstring is plain text; argparse reads % as a format

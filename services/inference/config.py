@@ -376,7 +376,7 @@ def check_weight_update_auth(config: InferenceServiceConfig, auth_token_file: st
         )
 
 
-def _path_or_none(text: str) -> Path | None:
+def path_or_none(text: str) -> Path | None:
     """A path flag's value; an empty one leaves the setting unset."""
     return Path(text) if text else None
 
@@ -398,11 +398,11 @@ FLAGS = (
 )  # fmt: skip
 """Every `InferenceServiceConfig` field, in the order of its flag in --help."""
 FLAG_SPECS = {
-    "load": FlagSpec(metavar="DIR", convert=_path_or_none),
+    "load": FlagSpec(metavar="DIR", convert=path_or_none),
     "load_format": FlagSpec(choices=LOAD_FORMATS),
-    "tokenizer": FlagSpec(convert=_path_or_none),
+    "tokenizer": FlagSpec(convert=path_or_none),
     "dtype": FlagSpec(choices=DTYPES),
-    "lora_load": FlagSpec(metavar="DIR", convert=_path_or_none),
+    "lora_load": FlagSpec(metavar="DIR", convert=path_or_none),
     "lora_modules": FlagSpec(metavar="NAME=DIR", convert=parse_lora_modules),
     "kv_cache_memory": FlagSpec(metavar="SIZE", convert=parse_size),
     "cpu_linear": FlagSpec(choices=CPU_LINEAR),

@@ -100,7 +100,8 @@ def _default(f: Any) -> Any:
 
 
 def _default_text(default: Any) -> str:
-    """ " (default 16)" for a default worth saying in --help, else ""."""
+    """The end of a help text that says `default` (` (default 16)`), or "" for None, a
+    boolean or an empty value, which say nothing."""
     if default is None or isinstance(default, bool) or default in ((), [], ""):
         return ""
     if isinstance(default, float):

@@ -94,4 +94,3 @@ def test_malformed_values_are_still_usage_errors(
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2 and "error: " in capsys.readouterr().err
-

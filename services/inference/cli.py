@@ -20,77 +20,87 @@ import argparse
 import json
 import secrets
 import sys
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from engine.config import EngineConfig, LoadSpec
 from services.common import megatron_compat
-from services.inference.config import DTYPES, LOAD_FORMATS
+from services.common.dataclass_flags import FlagSpec, add_fields, config_values
+from services.inference.config import DTYPES, LOAD_FORMATS, path_or_none
+from services.inference.generate_config import GenerateInput
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingConfig
 
 PROG = "meshline generate"
 
 
+LOAD_FLAGS = {
+    "path": FlagSpec(flag="--load", required=True, metavar="DIR", convert=Path,
+                     help="Checkpoint directory."),
+    "load_format": FlagSpec(choices=LOAD_FORMATS, help="Layout of --load (auto: detect it)."),
+    "lora": FlagSpec(flag="--lora-load", metavar="DIR", convert=path_or_none,
+                     help="LoRA adapter to merge."),
+    "tokenizer": FlagSpec(aliases=("--tokenizer-name-or-path", "--tokenizer-model"),
+                          convert=path_or_none, help="Tokenizer dir or .model file."),
+}  # fmt: skip
+"""The `LoadSpec` fields' flags (in --help order), as generate spells and explains them."""
+DTYPE_FLAG = {"dtype": FlagSpec(choices=DTYPES, help="Compute dtype (auto: the checkpoint's).")}
+"""`EngineConfig.dtype`'s flag, the one engine setting generate takes."""
+DECODING_FLAGS = {
+    "max_new_tokens": FlagSpec(aliases=("--max-new-token",)),
+    "stop": FlagSpec(
+        help="A stop string: a sequence ends once its text contains one, the text cut before it "
+        "(repeatable).",
+        extra={"action": "append", "nargs": None},
+    ),
+    "seed": FlagSpec(
+        help="Sampler seed, seed + i for the i-th sequence (default: a random one).",
+        extra={"default": None},
+    ),
+}
+"""What the decoding flags add to `SamplingConfig`: ModelLink's --max-new-token, one --stop per
+string, a random seed unless one is given."""
+REQUEST_ONLY = ("logprobs", "grammar")
+"""`SamplingConfig` fields the servers take per request and generate has no flag for."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Flags of `meshline generate`."""
+    """Flags of `meshline generate`, derived from `LoadSpec` and `EngineConfig.dtype` (the
+    model), `GenerateInput` and `SamplingConfig` (decoding)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False
     )
     load = parser.add_argument_group("model")
-    load.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
-    load.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    load.add_argument("--lora-load", default=None, metavar="DIR", help="LoRA adapter to merge")
-    load.add_argument(
-        "--tokenizer",
-        "--tokenizer-name-or-path",
-        "--tokenizer-model",
-        default=None,
-        help="tokenizer dir or .model file",
-    )
-    load.add_argument("--dtype", default="auto", choices=DTYPES)
-    load.add_argument("--fp16", dest="dtype", action="store_const", const="float16")
-    load.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16")
-    what = parser.add_argument_group("input (one of)")
-    what.add_argument(
-        "--prompt", default=None, help="prompt text (encoded as the tokenizer's defaults say)"
-    )
-    what.add_argument("--input-ids", default=None, help="prompt token ids, comma separated")
-    what.add_argument("--chat", action="store_true", help='interactive "You >>" session')
-    what.add_argument("--prompt-template", default="plain", help="chat template (--chat)")
-    what.add_argument("--system", default="", help="system message for --chat")
+    add_fields(load, LoadSpec, LOAD_FLAGS, LOAD_FLAGS)
+    add_fields(load, EngineConfig, DTYPE_FLAG, DTYPE_FLAG)
+    # ModelLink's precision switches; the last of --dtype/--fp16/--bf16 given wins.
+    for switch, dtype in (("--fp16", "float16"), ("--bf16", "bfloat16")):
+        load.add_argument(
+            switch, dest="dtype", action="store_const", const=dtype, help=f"--dtype {dtype}."
+        )
+    inputs = [f.name for f in fields(GenerateInput) if f.name != "output_json"]
+    add_fields(parser.add_argument_group("input (one of)"), GenerateInput, inputs)
+    # torch (engine/sampling.py) once the parser is built, not when the command's module is
+    # imported (tests/checkpoints/test_registry.py keeps that light).
+    from engine.sampling import SamplingConfig
+
+    decoding = [f.name for f in fields(SamplingConfig) if f.name not in REQUEST_ONLY]
     sampling = parser.add_argument_group("decoding (HF names)")
-    sampling.add_argument("--max-new-tokens", "--max-new-token", type=int, default=64)
-    sampling.add_argument("--do-sample", action="store_true")
-    sampling.add_argument("--temperature", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--num-beams", type=int, default=1)
-    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
-    sampling.add_argument("--length-penalty", type=float, default=1.0)
-    sampling.add_argument("--early-stopping", action="store_true")
-    sampling.add_argument("--num-return-sequences", type=int, default=1)
-    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    sampling.add_argument("--seed", type=int, default=None, help="sampler seed (default: random)")
-    parser.add_argument("--output-json", default=None, metavar="PATH", help="results as JSON")
+    add_fields(sampling, SamplingConfig, decoding, DECODING_FLAGS, show_defaults=True)
+    add_fields(parser, GenerateInput, ["output_json"], {"output_json": FlagSpec(metavar="PATH")})
     megatron_compat.add_flags(parser, skip=("--fp16", "--bf16"))
     return parser
 
 
-def _sampling(args: argparse.Namespace) -> Any:
-    from engine.sampling import SamplingConfig
+def _sampling(args: argparse.Namespace) -> SamplingConfig:
+    from engine.sampling import SamplingConfig  # torch, as in build_parser
 
-    return SamplingConfig(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        num_beams=args.num_beams,
-        repetition_penalty=args.repetition_penalty,
-        length_penalty=args.length_penalty,
-        early_stopping=args.early_stopping,
-        num_return_sequences=args.num_return_sequences,
-        stop=tuple(args.stop),
-        seed=secrets.randbits(63) if args.seed is None else args.seed,
-    )
+    values = config_values(args, SamplingConfig, DECODING_FLAGS)
+    if values["seed"] is None:
+        values["seed"] = secrets.randbits(63)
+    return SamplingConfig(**values)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -126,7 +136,7 @@ def _write_json(path: str, payload: Any) -> None:
 
 def _check(engine: Any, ids: list[int], config: Any, prompt_flag: str) -> None:
     """ValueError naming each flag at fault (engine.validation's rules, as the servers apply)."""
-    from engine.validation import request_problems
+    from engine.validation import request_problems  # torch: only once a model is loaded
 
     problems = request_problems(ids, config, engine.request_limits())
     if problems:
@@ -141,7 +151,7 @@ def _check(engine: Any, ids: list[int], config: Any, prompt_flag: str) -> None:
 
 def chat(engine: Any, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> list[dict]:
     """The interactive loop: read a line after "You >> ", answer, until EOF / exit / quit."""
-    from models.templates import Message, get_template
+    from models.templates import Message, get_template  # only for --chat
 
     tokens = engine.tokens
     tokens.require()
@@ -180,18 +190,12 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         print(f"{PROG}: give exactly one of --prompt, --input-ids and --chat", file=sys.stderr)
         return 2
     try:
-        from engine.build import LoadSpec, build_engine
-        from engine.config import EngineConfig
+        from engine.build import build_engine  # the model stack, once the flags are valid
         from engine.loading import read_config
 
         compat = megatron_compat.resolve(args)
-        megatron_compat.check_model(compat, read_config(Path(args.load), args.load_format))
-        spec = LoadSpec(
-            Path(args.load),
-            args.load_format,
-            Path(args.tokenizer) if args.tokenizer else None,
-            Path(args.lora_load) if args.lora_load else None,
-        )
+        spec = LoadSpec(**config_values(args, LoadSpec, LOAD_FLAGS))
+        megatron_compat.check_model(compat, read_config(spec.path, spec.load_format))
         _, engine = build_engine(spec, EngineConfig(dtype=args.dtype))
         tokens = engine.tokens
         if args.chat:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from checkpoints.registry import SERVE_CHOICES
 from engine.config import (
+    CPU_LINEAR,
+    DECODE_STEPS,
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_CPU_KV_CACHE_MEMORY,
     EngineConfig,
     LoadSpec,
-    format_size,
     parse_size,
 )
 from engine.lora_files import ADAPTER_FILES, check_adapter_config, check_adapter_name
@@ -23,6 +23,7 @@ from services.common.data_roots import (
     add_data_root_flag,
     data_roots_from_args,
 )
+from services.common.dataclass_flags import FlagSpec, add_fields, config_values
 from services.common.errors import PermissionDenied
 
 DEFAULT_PORT = 50054
@@ -81,89 +82,112 @@ class InferenceServiceConfig(DataRootsConfig):
     """The model an inference server loads at start-up and the limits it puts on requests."""
 
     load: Path | None = None
-    """Checkpoint directory to serve; None starts the server without a model (health only)."""
+    """Checkpoint directory to serve; without it the server starts with no model (health
+    SERVING, model RPCs FAILED_PRECONDITION)."""
     load_format: str = "auto"
-    """Layout of `load`: auto (detect), hf, native or megatron."""
+    """Layout of --load: auto detects it from the files."""
     tokenizer: Path | None = None
     """Tokenizer directory or sentencepiece .model when the checkpoint holds none."""
     dtype: str = "auto"
-    """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    """Compute dtype: auto is the checkpoint's."""
     lora_load: Path | None = None
     """PEFT LoRA adapter directory merged into the weights at load time."""
     tensor_parallel_size: int = 1
-    """Processes the model is split over (gloo on CPU, NCCL/HCCL on accelerators)."""
+    """Split the model over N processes (gloo on CPU, NCCL/HCCL on accelerators); rank 0
+    serves gRPC."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages the layers are split over; with TP each stage is sharded over
-    tensor_parallel_size processes (tp × pp processes in all)."""
+    """Split the layers over N processes, one stage each, each stage sharded over
+    --tensor-parallel-size processes (tp × pp in all); rank 0 serves gRPC."""
     max_batch_rows: int = 32
-    """Most KV-cache rows: sequences decoded together (each beam takes one row); the KV-cache
-    budget may allow fewer (see engine/cache_plan.py)."""
+    """KV-cache rows decoded together, a beam takes one; the KV-cache budget may allow fewer
+    (engine/cache_plan.py says how many)."""
     max_model_len: int | None = None
-    """Tokens per sequence, prompt + new (vLLM's --max-model-len); None: the model's context."""
+    """Most tokens per sequence, prompt + new (vLLM's flag; default: the model's context
+    length); the KV cache holds rows of this length."""
     kv_cache_memory: int | None = None
-    """KV-cache budget in bytes (--kv-cache-memory 2GiB); None: the device's share
-    (--gpu-memory-utilization) on accelerators, 512 MiB on CPU."""
+    """KV-cache budget in bytes, e.g. 2GiB or 512MiB (vLLM's flag); the cache rows follow from
+    it and --max-model-len, at most --max-batch-rows (default: --gpu-memory-utilization on
+    accelerators, 512 MiB on CPU)."""
     gpu_memory_utilization: float | None = None
-    """Accelerators: share of the device's memory for weights + KV cache (vLLM's; 0.9)."""
+    """Accelerators: share of the device's memory for weights and KV cache, measured after
+    loading (vLLM's flag; default 0.9); refused on CPU."""
     batch_wait_ms: float = 1.0
-    """A request reaching an idle engine waits until no other request has come for this long
-    (at most 5 times it), so that requests sent together are prefilled and decoded together;
-    0 admits it at once (see engine/engine_thread.py)."""
+    """A request reaching an idle server waits until no other request has come for this many
+    milliseconds (at most 5 times it), so that requests sent together are prefilled and decoded
+    in step instead of a step or two apart; 0 admits at once."""
     cpu_linear: str = "auto"
-    """CPU linear weights: auto (timed at start-up; may keep packed+gemv's second copy when it
-    fits in 10% of the available memory), dense, packed (oneDNN), packed+gemv or colmajor (see
-    EngineConfig)."""
+    """CPU linear weights: auto (dense, packed and colmajor timed on the model's shapes at
+    start-up, the fastest kept; packed+gemv when fastest and its extra copy takes at most 10% of
+    the available memory), dense (as loaded), packed (oneDNN-packed, same memory), packed+gemv
+    (packed, plus the dense weights for batch-1 decoding, 2x their memory) or colmajor
+    (column-major dense weights, same memory)."""
     compile_decode: bool = False
-    """Compile the CPU decode step with torch.compile (see EngineConfig); single process only."""
+    """CPU, one process: compile the decode step with torch.compile (fused norms, RoPE,
+    residuals; seconds of compiling per new batch shape on the first requests)."""
     decode_step: str = "auto"
-    """auto: the lean one-token decode step where it covers the model, else the module
-    forward, with CPU fp32 steps in C where built; lean: the lean step alone; module:
-    always the module forward (see EngineConfig.decode_step)."""
+    """One-token decode steps: auto (a lean step over the model's own weights, bit-identical to
+    the module forward, where it covers the model: RoPE + RMSNorm + SwiGLU decoders without
+    sliding windows; else the module forward; on CPU in fp32 a step runs in one C call instead,
+    equal to fp32 rounding, where it was built at install and covers the model: fused q|k|v and
+    gate|up, no q/k norms; one row, or several with dense weights), lean (the lean step alone,
+    bit-identical) or module (always the module forward)."""
     enforce_eager: bool = False
-    """CUDA: no CUDA graphs; every decode step launches its kernels (see
-    EngineConfig.enforce_eager)."""
+    """CUDA: run decode steps eagerly instead of replaying them from CUDA graphs (by default the
+    lean decode step is captured once per active row count and slot bucket, as vLLM does; this
+    flag is vLLM's name for turning that off)."""
     speculative_config: SpeculativeConfig | None = None
-    """Speculative decoding (--speculative-config, vLLM's JSON): prompt-lookup or draft-model
-    drafts verified in one forward per step; one process only (see engine/speculative.py)."""
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}' drafts by prompt lookup, '{"model": DIR,
+    "num_speculative_tokens": 4}' by a draft model with the same tokenizer;
+    "disable_by_batch_size": N turns it off in steps of N or more rows. Greedy output is
+    unchanged, sampled output keeps its distribution; one process only (default: off; see
+    engine/speculative.py)."""
     block_size: int = DEFAULT_BLOCK_SIZE
-    """Tokens per block of the paged KV cache (see EngineConfig.block_size)."""
+    """Tokens per block of the paged KV cache (vLLM's flag)."""
     enable_prefix_caching: bool | None = None
-    """Share cached prompt-prefix blocks between requests; None: on where the cache is paged
-    (see EngineConfig.enable_prefix_caching)."""
+    """Share the KV blocks of prompt prefixes, and of earlier answers (a chat's next turn),
+    between requests computed with the same weights (base model or LoRA adapter) (vLLM's flag;
+    default: on wherever the KV cache is paged: one process, no sliding window, no
+    --compile-decode, CPU or --enforce-eager)."""
     enable_chunked_prefill: bool | None = None
-    """Prefill long prompts in chunks between decode steps; None: on where the cache is paged
-    (see EngineConfig.enable_chunked_prefill)."""
+    """Prefill long prompts in chunks between the decode steps of running requests, within
+    --max-num-batched-tokens a step (vLLM's flag; default: on wherever the KV cache is paged)."""
     max_num_batched_tokens: int | None = None
-    """Chunked prefill: tokens one engine step computes at most; None: 2048."""
+    """Chunked prefill: tokens (decode rows + prompt chunks) one engine step computes at most;
+    more than --max-batch-rows (vLLM's flag; default 2048)."""
     max_new_tokens_limit: int = 4096
-    """Largest `max_new_tokens` a request may ask for."""
+    """Largest max_new_tokens a request may ask for."""
     max_num_beams: int = 16
-    """Largest `num_beams` (and `num_return_sequences`) a request may ask for."""
+    """Largest num_beams / num_return_sequences a request may ask for."""
     max_score_items: int = 1024
     """Most items one Score request may carry."""
     max_stop_strings: int = 16
     """Most stop strings one request may carry."""
     max_stop_string_chars: int = 256
-    """Longest stop string, in characters."""
+    """Longest stop string in characters."""
     max_text_chars: int = 1_000_000
-    """Longest text field (prompt, Tokenize text, a Score context or continuation) in
-    characters; Detokenize takes at most this many ids."""
+    """Longest prompt / Tokenize text / Score context or continuation in characters, and most
+    ids one Detokenize takes."""
     max_score_tokens: int = 65536
-    """Most tokens (contexts + continuations) one Score request may carry."""
+    """Most tokens (contexts + continuations) one Score request may carry in all."""
     max_request_mb: int = 16
-    """Largest request message in MiB (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
+    """Largest request message in MiB, refused with RESOURCE_EXHAUSTED past it
+    (--max-message-mb still bounds it)."""
     allow_weight_updates: bool = False
-    """Accept UpdateWeights (a trainer pushing new weights; needs --auth-token-file, one process,
-    dense or column-major CPU weights: `--cpu-linear auto` then means dense)."""
+    """Accept UpdateWeights: a trainer replacing the served weights with a newer version (needs
+    --auth-token-file; one process; --cpu-linear auto then keeps dense weights)."""
     enable_lora: bool = False
-    """Serve LoRA adapters (vLLM's --enable-lora; implied by --lora-modules): requests pick one
-    by `model` name, and authenticated clients load and unload them at run time."""
+    """Serve LoRA adapters beside the base model: a request picks one by its model name;
+    authenticated clients load and unload them at run time (vLLM's flag; implied by
+    --lora-modules)."""
     lora_modules: list[LoraModule] = field(default_factory=list)
-    """Adapters served from start-up (vLLM's --lora-modules name=DIR ...)."""
+    """LoRA adapters (peft directories) served from start-up, as name=DIR or vLLM's JSON
+    {"name": ..., "path": ..., "base_model_name": ...}; implies --enable-lora."""
     max_loras: int | None = None
-    """Adapters held at once (vLLM's --max-loras); None: 1, or the number of --lora-modules."""
+    """LoRA adapters held at once, each with memory in every adapted layer (vLLM's flag;
+    default 1, or the number of --lora-modules)."""
     max_lora_rank: int | None = None
-    """Largest adapter rank (vLLM's --max-lora-rank); None: 16."""
+    """Largest LoRA rank served (vLLM's flag; default 16)."""
 
     def resolve_adapter(self, path: str, field_name: str) -> Path:
         """The adapter directory a run-time load names, resolved under --data-root, whose
@@ -232,20 +256,7 @@ class InferenceServiceConfig(DataRootsConfig):
                 f"--batch-wait-ms must be between 0 and {MAX_BATCH_WAIT_MS}, got "
                 f"{self.batch_wait_ms} (0 turns the wait off)"
             )
-        if self.tokenizer is not None:
-            if self.load is None:
-                raise ValueError("--tokenizer is only used with --load; give the checkpoint too")
-            self.tokenizer = Path(self.tokenizer).resolve()
-            if not self.tokenizer.exists():
-                raise ValueError(f"--tokenizer {str(self.tokenizer)!r} does not exist")
-        if self.lora_load is not None:
-            if self.load is None:
-                raise ValueError("--lora-load needs --load (the base checkpoint)")
-            self.lora_load = Path(self.lora_load).resolve()
-            if not self.lora_load.is_dir():
-                raise ValueError(
-                    f"--lora-load {str(self.lora_load)!r} is not an existing directory"
-                )
+        self._resolve_load_files()
         for flag, value in (
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--pipeline-parallel-size", self.pipeline_parallel_size),
@@ -290,6 +301,23 @@ class InferenceServiceConfig(DataRootsConfig):
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1"
             )
         self._check_lora()
+
+    def _resolve_load_files(self) -> None:
+        """--tokenizer and --lora-load: need --load, resolved, and must exist."""
+        if self.tokenizer is not None:
+            if self.load is None:
+                raise ValueError("--tokenizer is only used with --load; give the checkpoint too")
+            self.tokenizer = Path(self.tokenizer).resolve()
+            if not self.tokenizer.exists():
+                raise ValueError(f"--tokenizer {str(self.tokenizer)!r} does not exist")
+        if self.lora_load is not None:
+            if self.load is None:
+                raise ValueError("--lora-load needs --load (the base checkpoint)")
+            self.lora_load = Path(self.lora_load).resolve()
+            if not self.lora_load.is_dir():
+                raise ValueError(
+                    f"--lora-load {str(self.lora_load)!r} is not an existing directory"
+                )
 
     def _check_lora(self) -> None:
         """The LoRA flags, and each --lora-modules directory's adapter_config.json (no weight
@@ -348,249 +376,50 @@ def check_weight_update_auth(config: InferenceServiceConfig, auth_token_file: st
         )
 
 
+def path_or_none(text: str) -> Path | None:
+    """A path flag's value; an empty one leaves the setting unset."""
+    return Path(text) if text else None
+
+
+def parse_lora_modules(texts: list[str]) -> list[LoraModule]:
+    """The `--lora-modules` values (see `parse_lora_module`)."""
+    return [parse_lora_module(text) for text in texts]
+
+
+FLAGS = (
+    "load", "load_format", "tokenizer", "dtype", "lora_load", "enable_lora", "lora_modules",
+    "max_loras", "max_lora_rank", "data_roots", "tensor_parallel_size", "pipeline_parallel_size",
+    "max_batch_rows", "max_model_len", "kv_cache_memory", "gpu_memory_utilization",
+    "batch_wait_ms", "cpu_linear", "compile_decode", "decode_step", "enforce_eager",
+    "speculative_config", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+    "max_num_batched_tokens", "max_new_tokens_limit", "max_num_beams", "max_score_items",
+    "max_stop_strings", "max_stop_string_chars", "max_text_chars", "max_score_tokens",
+    "max_request_mb", "allow_weight_updates",
+)  # fmt: skip
+"""Every `InferenceServiceConfig` field, in the order of its flag in --help."""
+FLAG_SPECS = {
+    "load": FlagSpec(metavar="DIR", convert=path_or_none),
+    "load_format": FlagSpec(choices=LOAD_FORMATS),
+    "tokenizer": FlagSpec(convert=path_or_none),
+    "dtype": FlagSpec(choices=DTYPES),
+    "lora_load": FlagSpec(metavar="DIR", convert=path_or_none),
+    "lora_modules": FlagSpec(metavar="NAME=DIR", convert=parse_lora_modules),
+    "kv_cache_memory": FlagSpec(metavar="SIZE", convert=parse_size),
+    "cpu_linear": FlagSpec(choices=CPU_LINEAR),
+    "decode_step": FlagSpec(choices=DECODE_STEPS),
+    "speculative_config": FlagSpec(metavar="JSON", convert=parse_speculative_config),
+}
+"""What the flags add to the dataclass: placeholders, choices, the parsing of text values."""
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds the inference service's own flags to its `serve` parser."""
-    d = InferenceServiceConfig()
+    """Adds the inference service's own flags to its `serve` parser: one per config field,
+    its type, default and help text from `InferenceServiceConfig`."""
     group = parser.add_argument_group("inference service")
-    group.add_argument(
-        "--load",
-        default=None,
-        metavar="DIR",
-        help="checkpoint directory to serve; without it the server starts with no model "
-        "(health SERVING, model RPCs FAILED_PRECONDITION)",
-    )
-    group.add_argument(
-        "--load-format",
-        default=d.load_format,
-        choices=LOAD_FORMATS,
-        help="layout of --load (default auto: detect from the files)",
-    )
-    group.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory or sentencepiece .model when the checkpoint holds none",
-    )
-    group.add_argument(
-        "--dtype", default=d.dtype, choices=DTYPES, help="compute dtype (default: the checkpoint's)"
-    )
-    group.add_argument(
-        "--lora-load",
-        default=None,
-        metavar="DIR",
-        help="PEFT LoRA adapter directory merged into the weights at load time",
-    )
-    group.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters beside the base model: a request picks one by its model "
-        "name; authenticated clients load/unload them at run time (vLLM's flag)",
-    )
-    group.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        metavar="NAME=DIR",
-        help="LoRA adapters (peft directories) served from start-up, as name=DIR or vLLM's JSON "
-        '{"name": ..., "path": ..., "base_model_name": ...}; implies --enable-lora',
-    )
-    group.add_argument(
-        "--max-loras",
-        type=int,
-        default=None,
-        help="LoRA adapters held at once, each with memory in every adapted layer (vLLM's flag; "
-        "default 1, or the number of --lora-modules)",
-    )
-    group.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=None,
-        help=f"largest LoRA rank served (vLLM's flag; default {DEFAULT_MAX_LORA_RANK})",
-    )
+    roots = FLAGS.index("data_roots")  # the flag every job service shares
+    add_fields(group, InferenceServiceConfig, FLAGS[:roots], FLAG_SPECS, show_defaults=True)
     add_data_root_flag(group, "adapter directories loaded at run time (load_lora_adapter)")
-    group.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=d.tensor_parallel_size,
-        help="split the model over N processes (rank 0 serves gRPC; default 1)",
-    )
-    group.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=d.pipeline_parallel_size,
-        help="split the layers over N processes, one stage each (rank 0 serves gRPC; default 1)",
-    )
-    group.add_argument(
-        "--max-batch-rows",
-        type=int,
-        default=d.max_batch_rows,
-        help=f"KV-cache rows decoded together, a beam takes one (default {d.max_batch_rows})",
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="most tokens per sequence, prompt + new (vLLM's flag; default: the model's context "
-        "length); the KV cache holds rows of this length",
-    )
-    group.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        metavar="SIZE",
-        help="KV-cache budget, e.g. 2GiB or 512MiB (vLLM's flag); the cache rows follow from "
-        "it and --max-model-len, at most --max-batch-rows (default: --gpu-memory-utilization "
-        f"on accelerators, {format_size(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)",
-    )
-    group.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="accelerators: share of the device's memory for weights and KV cache, measured "
-        "after loading (vLLM's flag; default 0.9); refused on CPU",
-    )
-    group.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=d.batch_wait_ms,
-        help="a request reaching an idle server waits until no other request has come for "
-        "this many milliseconds (at most 5 times it), so that requests sent together are "
-        "prefilled and decoded in step instead of a step or two apart; 0 admits at once "
-        f"(default {d.batch_wait_ms:g})",
-    )
-    group.add_argument(
-        "--cpu-linear",
-        choices=("auto", "dense", "packed", "packed+gemv", "colmajor"),
-        default=d.cpu_linear,
-        help="CPU linear weights: auto (dense, packed and colmajor timed on the model's shapes "
-        "at start-up, the fastest kept; packed+gemv when fastest and its extra copy takes at "
-        "most 10%% of the available memory), dense (as loaded), packed (oneDNN-packed, same "
-        "memory), "
-        "packed+gemv (packed, plus the dense weights for batch-1 decoding, 2x their memory) or "
-        f"colmajor (column-major dense weights, same memory) (default {d.cpu_linear})",
-    )
-    group.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="CPU, one process: compile the decode step with torch.compile (fused norms, RoPE, "
-        "residuals; seconds of compiling per new batch shape on the first requests)",
-    )
-    group.add_argument(
-        "--decode-step",
-        choices=("auto", "lean", "module"),
-        default=d.decode_step,
-        help="one-token decode steps: auto (a lean step over the model's own weights, "
-        "bit-identical to the module forward, where it covers the model: RoPE + RMSNorm + "
-        "SwiGLU decoders without sliding windows; else the module forward; on CPU in fp32 a "
-        "step runs in one C call instead, equal to fp32 rounding, where it was built at "
-        "install and covers the model: fused q|k|v and gate|up, no q/k norms; one row, or "
-        "several with dense weights), lean "
-        "(the lean step alone, bit-identical) or module (always the module forward) "
-        f"(default {d.decode_step})",
-    )
-    group.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run decode steps eagerly instead of replaying them from CUDA graphs (by "
-        "default the lean decode step is captured once per active row count and slot bucket, "
-        "as vLLM does; this flag is vLLM's name for turning that off)",
-    )
-    group.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help="speculative decoding, vLLM's JSON: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\' drafts by prompt lookup, \'{"model": DIR, '
-        '"num_speculative_tokens": 4}\' by a draft model with the same tokenizer; '
-        '"disable_by_batch_size": N turns it off in steps of N or more rows. Greedy output is '
-        "unchanged, sampled output keeps its distribution; one process only (default: off)",
-    )
-    group.add_argument(
-        "--block-size",
-        type=int,
-        default=d.block_size,
-        help=f"tokens per block of the paged KV cache (vLLM's flag; default {d.block_size})",
-    )
-    group.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="share the KV blocks of prompt prefixes, and of earlier answers (a chat's next "
-        "turn), between requests computed with the same weights (base model or LoRA adapter) "
-        "(vLLM's flag; default: on wherever the KV cache is paged: one process, no sliding "
-        "window, no --compile-decode, CPU or --enforce-eager)",
-    )
-    group.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="prefill long prompts in chunks between the decode steps of running requests, "
-        "within --max-num-batched-tokens a step (vLLM's flag; default: on wherever the KV "
-        "cache is paged)",
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="chunked prefill: tokens (decode rows + prompt chunks) one engine step computes "
-        "at most; more than --max-batch-rows (vLLM's flag; default 2048)",
-    )
-    group.add_argument(
-        "--max-new-tokens-limit",
-        type=int,
-        default=d.max_new_tokens_limit,
-        help=f"largest max_new_tokens a request may ask for (default {d.max_new_tokens_limit})",
-    )
-    group.add_argument(
-        "--max-num-beams",
-        type=int,
-        default=d.max_num_beams,
-        help=f"largest num_beams / num_return_sequences a request may ask for "
-        f"(default {d.max_num_beams})",
-    )
-    group.add_argument(
-        "--max-score-items",
-        type=int,
-        default=d.max_score_items,
-        help=f"most items one Score request may carry (default {d.max_score_items})",
-    )
-    group.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=d.max_stop_strings,
-        help=f"most stop strings one request may carry (default {d.max_stop_strings})",
-    )
-    group.add_argument(
-        "--max-stop-string-chars",
-        type=int,
-        default=d.max_stop_string_chars,
-        help=f"longest stop string in characters (default {d.max_stop_string_chars})",
-    )
-    group.add_argument(
-        "--max-text-chars",
-        type=int,
-        default=d.max_text_chars,
-        help="longest prompt / Tokenize text / Score text in characters, and most ids one "
-        f"Detokenize takes (default {d.max_text_chars})",
-    )
-    group.add_argument(
-        "--max-score-tokens",
-        type=int,
-        default=d.max_score_tokens,
-        help=f"most tokens one Score request may carry in all (default {d.max_score_tokens})",
-    )
-    group.add_argument(
-        "--max-request-mb",
-        type=int,
-        default=d.max_request_mb,
-        help=f"largest request message in MiB (default {d.max_request_mb}; "
-        "--max-message-mb still bounds it)",
-    )
-    group.add_argument(
-        "--allow-weight-updates",
-        action="store_true",
-        help="accept UpdateWeights: a trainer replacing the served weights with a newer version "
-        "(needs --auth-token-file; one process; --cpu-linear auto then keeps dense weights)",
-    )
+    add_fields(group, InferenceServiceConfig, FLAGS[roots + 1 :], FLAG_SPECS, show_defaults=True)
 
 
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
@@ -600,44 +429,6 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             "--data-root bounds adapter directories loaded at run time; it needs --enable-lora "
             "or --lora-modules"
         )
-    return InferenceServiceConfig(
-        data_roots=data_roots_from_args(args),
-        load=Path(args.load) if args.load else None,
-        load_format=args.load_format,
-        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
-        dtype=args.dtype,
-        lora_load=Path(args.lora_load) if args.lora_load else None,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        max_batch_rows=args.max_batch_rows,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        batch_wait_ms=args.batch_wait_ms,
-        cpu_linear=args.cpu_linear,
-        compile_decode=args.compile_decode,
-        decode_step=args.decode_step,
-        enforce_eager=args.enforce_eager,
-        speculative_config=(
-            None
-            if args.speculative_config is None
-            else parse_speculative_config(args.speculative_config)
-        ),
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_new_tokens_limit=args.max_new_tokens_limit,
-        max_num_beams=args.max_num_beams,
-        max_score_items=args.max_score_items,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        max_text_chars=args.max_text_chars,
-        max_score_tokens=args.max_score_tokens,
-        max_request_mb=args.max_request_mb,
-        allow_weight_updates=args.allow_weight_updates,
-        enable_lora=args.enable_lora,
-        lora_modules=[parse_lora_module(v) for v in args.lora_modules or []],
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-    )
+    values = config_values(args, InferenceServiceConfig, FLAG_SPECS)
+    values["data_roots"] = data_roots_from_args(args)
+    return InferenceServiceConfig(**values)

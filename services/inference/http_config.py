@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from services.common.dataclass_flags import FlagSpec, add_fields, config_values
 
 CHAT_TEMPLATE_AUTO = "auto"
 
@@ -16,18 +18,19 @@ class HttpConfig:
     """
 
     http_port: int | None = None
-    """Port of the OpenAI-compatible HTTP API (0 = any free); None: gRPC only."""
+    """Also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on
+    this port of --host (0: any free port), from the same engine (default: off)."""
     served_model_name: str | None = None
-    """Model id clients send as `model` and `/v1/models` lists; None: the checkpoint's name."""
+    """Model id clients send as 'model' and /v1/models lists (default: the checkpoint's name)."""
     chat_template: str = CHAT_TEMPLATE_AUTO
-    """How chat messages become a prompt: "auto" (the tokenizer's own Jinja template) or a
-    models/templates.py name (chatml, llama2-chat, vicuna, ...)."""
+    """How chat messages become a prompt: 'auto' uses the tokenizer's own chat template; or a
+    prompt template name of models/templates.py (chatml, llama2-chat, vicuna, alpaca, ...)."""
     max_request_mb: float = 16.0
-    """Largest request body in MiB (413 past it)."""
+    """Largest HTTP request body in MiB, 413 past it."""
     max_concurrent_requests: int = 64
     """HTTP requests in flight past which new ones get 429 (the health route is exempt)."""
     max_prompts: int = 256
-    """Most prompts one /v1/completions request may carry (a batch of token lists counts each)."""
+    """Most prompts in one /v1/completions request (a batch of token lists counts each)."""
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -55,56 +58,22 @@ class HttpConfig:
         return int(self.max_request_mb * 1024 * 1024)
 
 
+FLAG_SPECS = {
+    "max_request_mb": FlagSpec(flag="--http-max-request-mb"),
+    "max_concurrent_requests": FlagSpec(flag="--http-max-concurrent-requests"),
+    "max_prompts": FlagSpec(flag="--http-max-prompts"),
+}
+"""The HTTP limits' flags say HTTP (the gRPC server has its own --max-request-mb)."""
+
+
 def add_http_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds the HTTP front's flags to the inference `serve` parser."""
-    d = HttpConfig()
+    """Adds the HTTP front's flags to the inference `serve` parser: one per `HttpConfig` field,
+    its type, default and help text from the dataclass."""
     group = parser.add_argument_group("OpenAI-compatible HTTP API")
-    group.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) "
-        "on this port of --host, from the same engine (default: off)",
-    )
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id clients send as 'model' (default: the checkpoint's name)",
-    )
-    group.add_argument(
-        "--chat-template",
-        default=d.chat_template,
-        help="'auto' uses the tokenizer's chat template; or a prompt template name "
-        "(chatml, llama2-chat, vicuna, alpaca, ...) (default auto)",
-    )
-    group.add_argument(
-        "--http-max-request-mb",
-        type=float,
-        default=d.max_request_mb,
-        help=f"largest HTTP request body in MiB, 413 past it (default {d.max_request_mb:g})",
-    )
-    group.add_argument(
-        "--http-max-concurrent-requests",
-        type=int,
-        default=d.max_concurrent_requests,
-        help=f"HTTP requests in flight past which new ones get 429 "
-        f"(default {d.max_concurrent_requests})",
-    )
-    group.add_argument(
-        "--http-max-prompts",
-        type=int,
-        default=d.max_prompts,
-        help=f"most prompts in one /v1/completions request (default {d.max_prompts})",
-    )
+    names = [f.name for f in fields(HttpConfig)]
+    add_fields(group, HttpConfig, names, FLAG_SPECS, show_defaults=True)
 
 
 def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
     """Builds (and so validates) the HttpConfig from the flags `add_http_flags` added."""
-    return HttpConfig(
-        http_port=args.http_port,
-        served_model_name=args.served_model_name,
-        chat_template=args.chat_template,
-        max_request_mb=args.http_max_request_mb,
-        max_concurrent_requests=args.http_max_concurrent_requests,
-        max_prompts=args.http_max_prompts,
-    )
+    return HttpConfig(**config_values(args, HttpConfig, FLAG_SPECS))

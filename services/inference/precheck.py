@@ -15,15 +15,18 @@ from pathlib import Path
 from checkpoints.config_files import read_model_config
 from checkpoints.registry import AUTO, detect_format
 from models.parallel_plan import SERVE_FLAGS, check_model_split
+from services.common.dataclass_flags import add_fields
 from services.common.quiet_parser import QuietParser
+from services.inference.config import FLAG_SPECS, InferenceServiceConfig
+
+LAYOUT_FLAGS = ("load", "load_format", "tensor_parallel_size", "pipeline_parallel_size")
+"""The `InferenceServiceConfig` fields whose flags decide the layout."""
 
 
 def _layout_flags() -> QuietParser:
+    """These fields' flags as the service's parser spells, types and defaults them."""
     parser = QuietParser()
-    parser.add_argument("--load", default=None)
-    parser.add_argument("--load-format", default=AUTO)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    add_fields(parser, InferenceServiceConfig, LAYOUT_FLAGS, FLAG_SPECS)
     return parser
 
 

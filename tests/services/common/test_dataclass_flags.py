@@ -72,3 +72,40 @@ def test_preprocess_flags_cover_every_config_field():
     assert config.input == ("a.jsonl", "b.jsonl") and config.json_keys == ("body",)
     assert config.append_eod and config.workers == 2 and config.chunk_size == 256
     assert config.tokenizer_type == "SentencePiece" and config.shard_index == 0
+
+
+@dataclass(frozen=True)
+class Served:
+    """A config whose flags need a spelling, a conversion and a tri-state switch."""
+
+    port: int | None = None
+    """Port of the front; 100% optional."""
+    size: int | None = None
+    """Budget in bytes."""
+    caching: bool | None = None
+    """Share blocks (default: where it can)."""
+    rows: int = 32
+    """Rows decoded together."""
+    rate: float = 1.0
+    """Steps a second."""
+
+
+SERVED_SPECS = {
+    "port": FlagSpec(flag="--front-port"),
+    "size": FlagSpec(metavar="SIZE", convert=lambda text: int(text.removesuffix("k")) * 1000),
+}
+
+
+def test_spelling_conversion_tristate_and_defaults_in_help():
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_fields(parser, Served, [f.name for f in fields(Served)], SERVED_SPECS, show_defaults=True)
+    assert Served(**config_values(parser.parse_args([]), Served, SERVED_SPECS)) == Served()
+    args = parser.parse_args(["--front-port", "8", "--size", "2k", "--no-caching"])
+    assert args.front_port == 8 and args.size == "2k"  # stored under the spelling, as text
+    assert Served(**config_values(args, Served, SERVED_SPECS)) == Served(8, 2000, False)
+    assert parser.parse_args(["--caching"]).caching is True
+    assert "--port" not in parser._option_string_actions  # the field's name is no spelling
+    text = " ".join(parser.format_help().split())
+    assert "100% optional." in text  # a docstring's % is text, not a format
+    assert "Rows decoded together (default 32)." in text and "Steps a second (default 1)." in text
+    assert "Budget in bytes." in text and "(default None)" not in text

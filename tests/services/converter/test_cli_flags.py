@@ -79,6 +79,12 @@ CASES = [
     ("--load-format native --save-format hf --ppo-model critic --load a --save b",
      ConvertOptions(load_format="native", save_format="hf", load_dir=Path("a"),
                     save_dir=Path("b"), ppo_model="critic")),
+    ("--load-format megatron --save-format hf --load a --save b --fp16",
+     ConvertOptions(load_format="megatron", save_format="hf", load_dir=Path("a"),
+                    save_dir=Path("b"), dtype="fp16")),
+    ("--input-model-dir a --output-model-dir b --bf16 --params-dtype bf16",
+     ConvertOptions(load_format="hf", save_format="megatron", load_dir=Path("a"),
+                    save_dir=Path("b"), dtype="bf16")),
     ("--load-dir a --save-dir b --lora-load l --merge-lora --load-format hf --save-format hf "
      "--saver hf",
      ConvertOptions(load_format="hf", save_format="hf", load_dir=Path("a"), save_dir=Path("b"),
@@ -105,6 +111,12 @@ ERRORS = [
      "--model-size llama2-7B means --model llama2-7B, but --model tiny-llama is given; drop one"),
     ("--load x --save y --type 7B --model-size llama2-13B",
      "--type 7B means --model llama2-7B, but --model llama2-13B is given; drop one"),
+    # --fp16/--bf16 once stored a dtype ConvertOptions refuses ("float16"); a contradiction with
+    # --dtype was decided by the order of the flags
+    ("--load x --save y --fp16 --dtype bf16",
+     "--fp16 means --dtype fp16, but --dtype bf16 is given; drop one"),
+    ("--load x --save y --fp16 --bf16",
+     "--bf16 means --dtype bf16, but --dtype fp16 is given; drop one"),
 ]  # fmt: skip
 
 

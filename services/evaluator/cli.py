@@ -21,7 +21,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from models.config import ModelConfig
 from services.common import megatron_compat
@@ -36,6 +35,7 @@ from services.evaluator.runner import (
     JudgeModels,
     check_judge_kinds,
     evaluate,
+    results_settings,
 )
 from services.evaluator.sandbox.runner import (
     SandboxError,
@@ -313,26 +313,6 @@ def _open_checked(
         raise
 
 
-def results_settings(
-    args: argparse.Namespace, config: EvalConfig, judges: JudgeModels | None
-) -> dict[str, Any]:
-    """The run's settings as results.json's "config" records them (lm-eval's names)."""
-    settings: dict[str, Any] = {
-        "model": "meshline-grpc" if args.endpoint else "meshline-local",
-        "model_args": args.endpoint or str(args.load),
-        "batch_size": args.batch_size,
-        "limit": args.limit,
-        "random_seed": args.seed,
-        "fewshot_seed": args.seed,
-        "num_samples": config.num_samples,
-        "temperature": config.temperature if config.num_samples > 1 else None,
-    }
-    if judges is not None:
-        settings["reference_args"] = judges.reference.name
-        settings["reward_args"] = judges.reward.name
-    return settings
-
-
 def _print_task_list() -> None:
     for name, members in sorted(groups().items()):
         print(f"{name} (group of {len(members)})")
@@ -370,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         model.close()
         if judges is not None:
             judges.close()
-    settings = results_settings(args, config, judges)
+    kind = "meshline-grpc" if args.endpoint else "meshline-local"
+    settings = results_settings(kind, args.endpoint or str(args.load), config, judges)
     path, document = write_results(args.output_path, outcomes, settings, start)
     print(format_table(document))
     print(f"results: {path}")

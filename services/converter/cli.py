@@ -4,8 +4,10 @@ Flags keep ModelLink's names as aliases (`--input-model-dir`, `--output-model-di
 `--tensor-model-parallel-size`, `--pipeline-model-parallel-size`, `--type 7B`,
 `--params-dtype`, `--deepspeed`, `--load`/`--save`, LoRA merge flags) and Megatron-LM's
 `tools/checkpoint/convert.py` flags (`--loader`, `--saver`, `--model-type GPT`, `--model-size`),
-so their conversion scripts run with the entry point renamed (`modellink_flags`). Exit codes: 0 done, 1 the conversion failed (a message
-names the input and the fix), 2 bad flags, 3 the parity check failed (nothing was written).
+so their conversion scripts run with the entry point renamed (`modellink_flags`). The flags are
+derived from `ConvertOptions` (services/common/dataclass_flags.py). Exit codes: 0 done, 1 the
+conversion failed (a message names the input and the fix), 2 bad flags, 3 the parity check
+failed (nothing was written).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from services.converter.job import (
 )
 
 EXIT_FAILED, EXIT_USAGE, EXIT_VERIFY = 1, 2, 3
-
-
 GROUPS: dict[str, tuple[str, ...]] = {
     "source and output": (
         "load_format",

@@ -77,32 +77,41 @@ MAIN_SPELLINGS = {
 """Fields whose flag keeps Megatron-LM's / ModelLink's name rather than the field's."""
 
 
+PLACEHOLDERS = {
+    "N": (
+        "load_iteration",
+        "layers_per_virtual_stage",
+        "make_vocab_size_divisible_by",
+        "group_size",
+    ),
+    "NAME": ("model", "lora_target_modules"),
+    "DIR": ("lora_dir",),
+    "PATH": ("tokenizer_model",),
+    "R": ("lora_r",),
+    "A": ("lora_alpha",),
+    "X": ("verify_tolerance",),
+}
+"""--help placeholder -> the flags (fields) showing it, where a flag adds nothing else."""
+
+
 def _specs() -> dict[str, FlagSpec]:
     """What the flags add to `ConvertOptions`: old scripts' spellings, placeholders, choices."""
-    return {
+    specs = {
+        name: FlagSpec(metavar=shown) for shown, names in PLACEHOLDERS.items() for name in names
+    }
+    return specs | {
         "load_format": FlagSpec(choices=LOAD_FORMATS),
         "save_format": FlagSpec(choices=FORMATS),
         "load_dir": FlagSpec(aliases=("--input-model-dir", "--load"), metavar="DIR", required=True),
         "save_dir": FlagSpec(
             aliases=("--output-model-dir", "--save"), metavar="DIR", required=True
         ),
-        "model": FlagSpec(metavar="NAME"),
-        "load_iteration": FlagSpec(metavar="N"),
-        "tokenizer_model": FlagSpec(metavar="PATH"),
         "ppo_model": FlagSpec(choices=PPO_MODELS),
         "target_tp": FlagSpec(aliases=("--tensor-model-parallel-size",), metavar="N"),
         "target_pp": FlagSpec(aliases=("--pipeline-model-parallel-size",), metavar="N"),
-        "layers_per_virtual_stage": FlagSpec(metavar="N"),
-        "make_vocab_size_divisible_by": FlagSpec(metavar="N"),
-        "lora_dir": FlagSpec(metavar="DIR"),
-        "lora_r": FlagSpec(metavar="R"),
-        "lora_alpha": FlagSpec(metavar="A"),
-        "lora_target_modules": FlagSpec(metavar="NAME"),
         "dtype": FlagSpec(aliases=("--params-dtype",), choices=tuple(DTYPES)),
         "gguf_type": FlagSpec(choices=GGUF_TYPES),
         "quantize": FlagSpec(choices=QUANTIZE_CHOICES),
-        "group_size": FlagSpec(metavar="N"),
-        "verify_tolerance": FlagSpec(metavar="X"),
     }
 
 

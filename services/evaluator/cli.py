@@ -63,11 +63,23 @@ RUN_FLAGS = (
 """The `EvalConfig` fields that are flags (allow_unsafe_code_execution is one too, below)."""
 
 
+PLACEHOLDERS = {
+    "N": ("num_fewshot", "limit", "num_samples"),
+    "PATH": ("task_data_path",),
+    "DIR": ("load", "reference_load", "reward_load"),
+    "HOST:PORT": ("endpoint", "reference_endpoint", "reward_endpoint"),
+}
+"""--help placeholder -> the flags (fields) showing it, where a flag adds nothing else."""
+
+
 def _specs() -> dict[str, FlagSpec]:
     """What the flags add to the dataclasses: ModelLink's spellings, choices, and the defaults
     left unset so that a ModelLink flag mapped onto them (--micro-batch-size) or a check of
     whether they were given (--temperature) can tell."""
-    return {
+    specs = {
+        name: FlagSpec(metavar=shown) for shown, names in PLACEHOLDERS.items() for name in names
+    }
+    return specs | {
         "tasks": FlagSpec(
             aliases=("--task",),
             metavar="NAMES",
@@ -93,18 +105,8 @@ def _specs() -> dict[str, FlagSpec]:
         "tokenizer": FlagSpec(
             aliases=("--tokenizer-name-or-path", "--tokenizer-model"), metavar="PATH"
         ),
-        "task_data_path": FlagSpec(metavar="PATH"),
-        "endpoint": FlagSpec(metavar="HOST:PORT"),
-        "load": FlagSpec(metavar="DIR"),
-        "reference_load": FlagSpec(metavar="DIR"),
-        "reference_endpoint": FlagSpec(metavar="HOST:PORT"),
-        "reward_load": FlagSpec(metavar="DIR"),
-        "reward_endpoint": FlagSpec(metavar="HOST:PORT"),
-        "num_fewshot": FlagSpec(metavar="N"),
-        "limit": FlagSpec(metavar="N"),
         "max_new_tokens": FlagSpec(aliases=("--max-new-token",), metavar="N"),
         "output_path": FlagSpec(metavar="DIR", extra={"default": Path("runs/eval")}),
-        "num_samples": FlagSpec(metavar="N"),
         "dtype": FlagSpec(choices=("auto", *DTYPES)),
     }
 

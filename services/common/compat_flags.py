@@ -73,7 +73,9 @@ def add_rows(
             group.add_argument(*names, dest=row.dest, action="store_true", help=help_text)
         else:
             nargs = None if row.nargs == 1 else row.nargs
-            group.add_argument(*names, dest=row.dest, nargs=nargs, help=help_text)
+            # the flag's own name as placeholder, not the prefixed dest
+            metavar = row.flag.lstrip("-").upper().replace("-", "_")
+            group.add_argument(*names, dest=row.dest, nargs=nargs, metavar=metavar, help=help_text)
 
 
 def given(args: argparse.Namespace | dict[str, Any], rows: Iterable[CompatFlag]) -> list[Any]:

@@ -197,3 +197,30 @@ def config_values(
             value = tuple(value)
         values[f.name] = value
     return values
+
+
+class _MainSpelling:
+    """An argument group whose flags are added under `flag` instead of their field's name."""
+
+    def __init__(self, group: argparse._ActionsContainer, flag: str) -> None:
+        self._group = group
+        self._flag = flag
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        """Adds the flag with its first spelling (the field's name) replaced."""
+        return self._group.add_argument(self._flag, *names[1:], **kwargs)
+
+
+def add_renamed_fields(
+    group: argparse._ActionsContainer,
+    cls: type,
+    flags: Mapping[str, str],
+    specs: Mapping[str, FlagSpec] | None = None,
+) -> None:
+    """`add_fields` for fields whose flag is not spelled after the field: `flags` maps each
+    field to its flag's main spelling (a converter's `target_tp` is Megatron's
+    `--target-tensor-parallel-size`); type, default, help and `specs` apply as in `add_fields`."""
+    for name, flag in flags.items():
+        add_fields(
+            typing.cast(argparse._ActionsContainer, _MainSpelling(group, flag)), cls, (name,), specs
+        )

@@ -4,8 +4,10 @@ Flags keep ModelLink's names as aliases (`--input-model-dir`, `--output-model-di
 `--tensor-model-parallel-size`, `--pipeline-model-parallel-size`, `--type 7B`,
 `--params-dtype`, `--deepspeed`, `--load`/`--save`, LoRA merge flags) and Megatron-LM's
 `tools/checkpoint/convert.py` flags (`--loader`, `--saver`, `--model-type GPT`, `--model-size`),
-so their conversion scripts run with the entry point renamed (`modellink_flags`). Exit codes: 0 done, 1 the conversion failed (a message
-names the input and the fix), 2 bad flags, 3 the parity check failed (nothing was written).
+so their conversion scripts run with the entry point renamed (`modellink_flags`). The flags are
+derived from `ConvertOptions` (services/common/dataclass_flags.py). Exit codes: 0 done, 1 the
+conversion failed (a message names the input and the fix), 2 bad flags, 3 the parity check
+failed (nothing was written).
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
+from typing import Any
 
 from checkpoints.native_format import PPO_MODELS
-from checkpoints.registry import DEFAULT_INT4_GROUP, GGUF_TYPES, QUANTIZE_CHOICES
+from checkpoints.registry import GGUF_TYPES, QUANTIZE_CHOICES
 from checkpoints.units import DTYPES
+from services.common.dataclass_flags import (
+    FlagSpec,
+    add_fields,
+    add_renamed_fields,
+    config_values,
+)
 from services.converter import modellink_flags
 from services.converter.job import (
     FORMATS,
@@ -29,10 +37,100 @@ from services.converter.job import (
 )
 
 EXIT_FAILED, EXIT_USAGE, EXIT_VERIFY = 1, 2, 3
+GROUPS: dict[str, tuple[str, ...]] = {
+    "source and output": (
+        "load_format",
+        "save_format",
+        "load_dir",
+        "save_dir",
+        "model",
+        "load_iteration",
+        "overwrite",
+        "tokenizer_model",
+        "ppo_model",
+    ),
+    "Megatron output layout": (
+        "target_tp",
+        "target_pp",
+        "layers_per_virtual_stage",
+        "make_vocab_size_divisible_by",
+    ),
+    "LoRA merge": ("lora_dir", "lora_r", "lora_alpha", "lora_target_modules"),
+    "weights": (
+        "dtype",
+        "gguf_type",
+        "quantize",
+        "group_size",
+        "quantize_affine",
+        "keep_embedding",
+    ),
+    "parity check": ("verify", "verify_tolerance"),
+}
+"""Which `ConvertOptions` fields are flags, in which --help group (`max_shard_bytes` is
+--max-shard-size-mb, in MB; `extra` is set by no flag)."""
+MAIN_SPELLINGS = {
+    "target_tp": "--target-tensor-parallel-size",
+    "target_pp": "--target-pipeline-parallel-size",
+    "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage",
+    "lora_dir": "--lora-load",
+}
+"""Fields whose flag keeps Megatron-LM's / ModelLink's name rather than the field's."""
+
+
+PLACEHOLDERS = {
+    "N": (
+        "load_iteration",
+        "layers_per_virtual_stage",
+        "make_vocab_size_divisible_by",
+        "group_size",
+    ),
+    "NAME": ("model", "lora_target_modules"),
+    "DIR": ("lora_dir",),
+    "PATH": ("tokenizer_model",),
+    "R": ("lora_r",),
+    "A": ("lora_alpha",),
+    "X": ("verify_tolerance",),
+}
+"""--help placeholder -> the flags (fields) showing it, where a flag adds nothing else."""
+
+
+def _specs() -> dict[str, FlagSpec]:
+    """What the flags add to `ConvertOptions`: old scripts' spellings, placeholders, choices."""
+    specs = {
+        name: FlagSpec(metavar=shown) for shown, names in PLACEHOLDERS.items() for name in names
+    }
+    return specs | {
+        "load_format": FlagSpec(choices=LOAD_FORMATS),
+        "save_format": FlagSpec(choices=FORMATS),
+        "load_dir": FlagSpec(aliases=("--input-model-dir", "--load"), metavar="DIR", required=True),
+        "save_dir": FlagSpec(
+            aliases=("--output-model-dir", "--save"), metavar="DIR", required=True
+        ),
+        "ppo_model": FlagSpec(choices=PPO_MODELS),
+        "target_tp": FlagSpec(aliases=("--tensor-model-parallel-size",), metavar="N"),
+        "target_pp": FlagSpec(aliases=("--pipeline-model-parallel-size",), metavar="N"),
+        "dtype": FlagSpec(aliases=("--params-dtype",), choices=tuple(DTYPES)),
+        "gguf_type": FlagSpec(choices=GGUF_TYPES),
+        "quantize": FlagSpec(choices=QUANTIZE_CHOICES),
+    }
+
+
+def _add_group(parser: argparse.ArgumentParser, title: str, names: tuple[str, ...]) -> Any:
+    """One --help group of `ConvertOptions` flags, in the order of `names`."""
+    group = parser.add_argument_group(title)
+    specs = _specs()
+    for name in names:
+        if name in MAIN_SPELLINGS:
+            add_renamed_fields(group, ConvertOptions, {name: MAIN_SPELLINGS[name]}, specs)
+        else:
+            add_fields(group, ConvertOptions, (name,), specs)
+    return group
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `meshline convert` flag parser."""
+    """The `meshline convert` flag parser: one flag per `ConvertOptions` field in GROUPS (type,
+    default and help from the dataclass), the few flags that are no field, and the ModelLink /
+    Megatron script rows of `modellink_flags`."""
     parser = argparse.ArgumentParser(
         prog="meshline convert",
         description=(
@@ -46,213 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    p = parser.add_argument
-    p(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default=None,
-        help="format of the source checkpoint (default with ModelLink's flags: hf, or megatron "
-        "for a --lora-load merge) (deepspeed: a ZeRO-1/2/3 checkpoint, consolidated "
-        "to fp32 like zero_to_fp32.py; fsdp: an FSDP SHARDED_STATE_DICT DCP directory or "
-        "FULL_STATE_DICT file of an HF model; gguf: a llama.cpp .gguf file of the llama "
-        "architecture, dequantized, tokenizer and chat template from its metadata)",
-    )
-    p(
-        "--save-format",
-        choices=FORMATS,
-        default=None,
-        help="format to write (default: megatron; native with --deepspeed)",
-    )
-    p(
-        "--load-dir",
-        "--input-model-dir",
-        "--load",
-        dest="load_dir",
-        required=True,
-        metavar="DIR",
-        help="source directory: an HF model directory, a native save directory (its `latest` "
-        "step) or step-XXXXXX directory, a Megatron directory with "
-        "latest_checkpointed_iteration.txt, a DeepSpeed directory with `latest` (or its "
-        "global_stepN), an FSDP DCP directory / directory with one state-dict file, or a .gguf "
-        "file (or a directory holding one)",
-    )
-    p(
-        "--save-dir",
-        "--output-model-dir",
-        "--save",
-        dest="save_dir",
-        required=True,
-        metavar="DIR",
-        help="output directory; written under a temporary name and renamed when complete",
-    )
-    p(
-        "--model",
-        metavar="NAME",
-        help="model config name (e.g. llama2-7B, tiny-llama); needed when the source records no "
-        "config (Megatron checkpoints not written by Meshline); checked against the source's "
-        "own config otherwise",
-    )
-    p(
-        "--type",
-        dest="model_size_type",
-        metavar="SIZE",
-        help="ModelLink alias: --type 7B/13B means --model llama2-7B/13B, 30B/65B the LLaMA-1 "
-        "llama-33B/65B (other families: use --model)",
-    )
-    p(
-        "--target-tensor-parallel-size",
-        "--tensor-model-parallel-size",
-        dest="target_tp",
-        type=int,
-        metavar="N",
-        default=1,
-        help="tensor-parallel size of a Megatron output (default 1)",
-    )
-    p(
-        "--target-pipeline-parallel-size",
-        "--pipeline-model-parallel-size",
-        dest="target_pp",
-        type=int,
-        metavar="N",
-        default=1,
-        help="pipeline-parallel size of a Megatron output (default 1)",
-    )
-    p(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        metavar="N",
-        default=None,
-        help="layers per virtual pipeline chunk of a Megatron output (interleaved schedule); "
-        "files then hold model0, model1, ...",
-    )
-    p(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        metavar="N",
-        default=128,
-        help="Megatron outputs pad the vocabulary to a multiple of this times the TP size "
-        "(default 128)",
-    )
-    p(
-        "--load-iteration",
-        type=int,
-        metavar="N",
-        default=None,
-        help="iteration of a Megatron source, or global step of a DeepSpeed one, to read "
-        "(default: latest_checkpointed_iteration.txt / latest)",
-    )
-    p(
-        "--lora-load",
-        dest="lora_dir",
-        metavar="DIR",
-        help="LoRA to merge (needs --merge-lora): a peft adapter directory, or a Megatron/"
-        "ModelLink LoRA checkpoint (latest_checkpointed_iteration.txt + mp_rank_* files, any "
-        "TP/PP; merged per TP rank)",
-    )
-    p(
-        "--lora-r",
-        type=int,
-        metavar="R",
-        default=None,
-        help="LoRA rank of a Megatron LoRA checkpoint whose args lack lora_r",
-    )
-    p(
-        "--lora-alpha",
-        type=float,
-        metavar="A",
-        default=None,
-        help="LoRA alpha of a Megatron LoRA checkpoint whose args lack lora_alpha",
-    )
-    p(
-        "--merge-lora",
-        action="store_true",
-        help="fold the --lora-load adapter into the weights: W + (alpha/r)·B·A (implied by "
-        "--lora-load, as in ModelLink's merge script)",
-    )
-    p(
-        "--dtype",
-        "--params-dtype",
-        dest="dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="dtype of the saved weights (default: keep the source's)",
-    )
-    p(
-        "--verify",
-        dest="verify",
-        action="store_true",
-        default=None,
-        help="always run the parity check (by default it runs whenever two float32 copies of the "
-        "model fit in half the available memory): source and output on a fixed prompt, failing "
-        "(exit 3, no output) if logits differ by more than the tolerance",
-    )
-    p(
-        "--no-verify",
-        dest="verify",
-        action="store_false",
-        help="skip the parity check",
-    )
-    p(
-        "--verify-tolerance",
-        type=float,
-        metavar="X",
-        default=None,
-        help="largest allowed absolute logit difference (default 1e-4 for fp32 outputs, 2e-2 "
-        "for fp16/bf16)",
-    )
-    p("--overwrite", action="store_true", help="replace a non-empty --save-dir")
-    p(
+    groups = {title: _add_group(parser, title, names) for title, names in GROUPS.items()}
+    groups["source and output"].add_argument(
         "--max-shard-size-mb",
         type=int,
         metavar="MB",
         default=2048,
         help="HF outputs larger than this are split into shards with an index (default 2048)",
     )
-    p(
-        "--gguf-type",
-        choices=GGUF_TYPES,
-        default=None,
-        help="ggml type of a --save-format gguf output's matrices and token embedding (norms "
-        "stay F32; default: F32/F16/BF16 by --dtype); Q8_0 and Q4_0 round the weights, so the "
-        "automatic parity check is skipped for them",
-    )
-    p(
-        "--quantize",
-        choices=QUANTIZE_CHOICES,
-        default=None,
-        help="with --save-format quantized: weight-only round-to-nearest quantization of the "
-        "decoder layers' Linear weights (norms kept; the token embedding and output head int8 "
-        "with one scale per row unless --keep-embedding): int8 one symmetric scale per output "
-        "channel, int4 one per --group-size inputs; the checkpoint records its scheme; serving "
-        "computes on the codes, other stages read it dequantized",
-    )
-    p(
-        "--group-size",
-        type=int,
-        metavar="N",
-        default=None,
-        help=f"inputs sharing one scale (default: per output channel for int8, "
-        f"{DEFAULT_INT4_GROUP} for int4)",
-    )
-    p(
-        "--quantize-affine",
+    groups["LoRA merge"].add_argument(
+        "--merge-lora",
         action="store_true",
-        help="affine codes (a zero point per group over [min, max]) instead of symmetric ones",
+        help="fold the --lora-load adapter into the weights: W + (alpha/r)·B·A (implied by "
+        "--lora-load, as in ModelLink's merge script)",
     )
-    p(
-        "--ppo-model",
-        choices=PPO_MODELS,
-        default=None,
-        help="of a `meshline train --stage ppo` checkpoint (native), which model to write: "
-        "policy (the trained language model, the default) or critic (the value model: a "
-        "reward-model-style network with a scalar head, written as HF "
-        "...ForSequenceClassification with one label, or native/megatron)",
-    )
-    p(
-        "--keep-embedding",
-        action="store_true",
-        help="with --quantize: keep the token embedding and output head in --dtype instead of "
-        "int8 codes with one scale per row",
+    groups["parity check"].add_argument(
+        "--no-verify", dest="verify", action="store_false", help="skip the parity check"
     )
     modellink_flags.add_flags(parser)
     return parser
@@ -268,36 +175,10 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
             f"meshline convert: note: {' '.join(notes)}",
             file=sys.stderr,
         )
-    model = args.model
     if args.max_shard_size_mb < 1:
         raise ValueError("--max-shard-size-mb must be >= 1")
     return ConvertOptions(
-        load_format=args.load_format,
-        save_format=args.save_format,
-        load_dir=Path(args.load_dir),
-        save_dir=Path(args.save_dir),
-        model=model,
-        target_tp=args.target_tp,
-        target_pp=args.target_pp,
-        layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-        lora_dir=Path(args.lora_dir) if args.lora_dir else None,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        dtype=args.dtype,
-        verify=args.verify,
-        verify_tolerance=args.verify_tolerance,
-        load_iteration=args.load_iteration,
-        overwrite=args.overwrite,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        max_shard_bytes=args.max_shard_size_mb * 1024**2,
-        gguf_type=args.gguf_type,
-        quantize=args.quantize,
-        group_size=args.group_size,
-        quantize_affine=args.quantize_affine,
-        keep_embedding=args.keep_embedding,
-        tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
-        lora_target_modules=tuple(args.lora_target_modules or ()),
-        ppo_model=args.ppo_model,
+        **config_values(args, ConvertOptions), max_shard_bytes=args.max_shard_size_mb * 1024**2
     )
 
 

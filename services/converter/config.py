@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
+from services.common.data_roots import DataRootsConfig
+from services.common.service_flags import add_service_flags, service_config
 
 DEFAULT_PORT = 50053
 
@@ -16,7 +17,7 @@ class ConverterServiceConfig(DataRootsConfig):
     under `data_roots`) and how far it may reshard."""
 
     max_parallel_size: int = 64
-    """Largest target tensor- or pipeline-parallel size a request may ask for."""
+    """Largest target tensor- or pipeline-parallel size a request may ask for (default 64)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,18 +27,15 @@ class ConverterServiceConfig(DataRootsConfig):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the converter service's own flags to its `serve` parser."""
-    d = ConverterServiceConfig()
-    group = parser.add_argument_group("converter service")
-    add_data_root_flag(group, "checkpoint paths")
-    group.add_argument(
-        "--max-parallel-size",
-        type=int,
-        default=d.max_parallel_size,
-        help=f"largest target TP or PP size a request may ask for (default {d.max_parallel_size})",
+    add_service_flags(
+        parser,
+        ConverterServiceConfig,
+        "converter service",
+        "checkpoint paths",
+        ("max_parallel_size",),
     )
 
 
 def from_args(args: argparse.Namespace) -> ConverterServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = data_roots_from_args(args)
-    return ConverterServiceConfig(data_roots=roots, max_parallel_size=args.max_parallel_size)
+    return service_config(args, ConverterServiceConfig)

@@ -54,6 +54,7 @@ from services.converter.output_dir import (
 )
 from services.converter.verify import (
     ModelAssembler,
+    VerifyReport,
     available_memory_bytes,
     compare,
     default_tolerance,
@@ -236,22 +237,10 @@ def convert(
     fix_mmap_threshold()
     source = open_checked_source(options)
     config = source.config
-    adapter = (
-        open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
-        if options.lora_dir is not None
-        else None
-    )
-    if adapter is not None and options.lora_target_modules:
-        check_lora_targets(options.lora_target_modules, adapter)
-    all_units = units(config)
+    adapter = _checked_adapter(options, config)
     names = expected_names_cached(config)
-    total = sum(len(names[u]) for u in all_units)
+    total = sum(len(names[unit]) for unit in units(config))
     report = _Reporter(on_progress, total, config.num_layers)
-    reshards = (
-        get_format(options.save_format).model_parallel
-        or get_format(options.load_format).model_parallel
-    )
-
     # Fingerprinted before reading: the output records the source state it was made from.
     origin = {"load_dir": source_fingerprint(options.load_dir, "--load-dir")}
     if options.lora_dir is not None:
@@ -260,25 +249,81 @@ def convert(
     tmp = staging.path
     sink: Sink | None = None
     try:
-        verify, skipped = options.verify, None
-        rounding = (
-            f"--gguf-type {options.gguf_type}"
-            if options.gguf_type in GGUF_QUANTIZED
-            else (f"--quantize {options.quantize}" if options.quantize else None)
-        )
-        if verify is None and rounding is not None:
-            skipped = (
-                f"{rounding} rounds the weights; pass --verify with a --verify-tolerance to "
-                "compare logits"
-            )
-            verify = False
-        if verify is None:
-            size = sum(math.prod(s) for s in expected_shapes_cached(config).values())
-            skipped = skip_reason(size, available_memory_bytes())
-            verify = skipped is None
+        verify, skipped = _verify_choice(options, config)
         reference = ModelAssembler(config) if verify else None
-        num_parameters = 0
-        for unit in all_units:
+        sink, num_parameters, dtype = _copy_units(
+            options, source, adapter, reference, report, tmp, cancel
+        )
+        report.stage("save", None)
+        files = sink.finish()
+        marker = {"format": options.save_format, "load_dir": str(options.load_dir)}
+        write_marker(tmp, {**marker, "files": files, "source": origin})
+        verify_report = None
+        if reference is not None:
+            report.stage("verify", None)
+            expected = fixed_logits(reference.build())
+            del reference  # before the output is loaded: two models never overlap here
+            verify_report = _check_parity(options, tmp, expected, dtype)
+        publish(staging, options.save_dir, options.overwrite)
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        discard(staging)
+        raise
+    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
+
+
+def _checked_adapter(
+    options: ConvertOptions, config: ModelConfig
+) -> LoraAdapter | MegatronLoraAdapter | None:
+    """The --lora-load adapter to merge (its modules checked against --lora-target-modules)."""
+    if options.lora_dir is None:
+        return None
+    adapter = open_adapter(options.lora_dir, config, options.lora_r, options.lora_alpha)
+    if options.lora_target_modules:
+        check_lora_targets(options.lora_target_modules, adapter)
+    return adapter
+
+
+def _verify_choice(options: ConvertOptions, config: ModelConfig) -> tuple[bool, str | None]:
+    """Whether the parity check runs, and why an automatic one does not (None when asked)."""
+    if options.verify is not None:
+        return options.verify, None
+    rounding = (
+        f"--gguf-type {options.gguf_type}"
+        if options.gguf_type in GGUF_QUANTIZED
+        else (f"--quantize {options.quantize}" if options.quantize else None)
+    )
+    if rounding is not None:
+        return False, (
+            f"{rounding} rounds the weights; pass --verify with a --verify-tolerance to "
+            "compare logits"
+        )
+    size = sum(math.prod(s) for s in expected_shapes_cached(config).values())
+    skipped = skip_reason(size, available_memory_bytes())
+    return skipped is None, skipped
+
+
+def _copy_units(
+    options: ConvertOptions,
+    source: Source,
+    adapter: LoraAdapter | MegatronLoraAdapter | None,
+    reference: ModelAssembler | None,
+    report: _Reporter,
+    tmp: Path,
+    cancel: threading.Event | None,
+) -> tuple[Sink, int, torch.dtype]:
+    """Every unit read, checked, LoRA-merged, kept for the parity check and written, one at a
+    time; returns the sink (to finish), the parameters written and their dtype."""
+    config = source.config
+    reshards = (
+        get_format(options.save_format).model_parallel
+        or get_format(options.load_format).model_parallel
+    )
+    sink: Sink | None = None
+    num_parameters = 0
+    try:
+        for unit in units(config):
             if cancel is not None and cancel.is_set():
                 raise ConversionCancelled("conversion cancelled; no output was written")
             report.stage("load", unit)
@@ -301,37 +346,26 @@ def convert(
             del tensors  # before the next read, so two units never overlap here
         if adapter is not None:
             adapter.check_all_merged()
-        assert sink is not None
-        report.stage("save", None)
-        files = sink.finish()
-        write_marker(
-            tmp,
-            {
-                "format": options.save_format,
-                "load_dir": str(options.load_dir),
-                "files": files,
-                "source": origin,
-            },
-        )
-        verify_report = None
-        if reference is not None:
-            report.stage("verify", None)
-            # a GGUF output's matrices are rounded to --gguf-type, not to --dtype
-            written = _GGUF_FLOAT_TYPES.get(options.gguf_type or "", dtype)
-            tolerance = options.verify_tolerance or default_tolerance(written)
-            expected = fixed_logits(reference.build())
-            del reference
-            output = _open_output(options, tmp)
-            verify_report = compare(expected, load_model(output), tolerance)
-            if not verify_report.passed:
-                raise VerificationFailed(verify_report)
-        publish(staging, options.save_dir, options.overwrite)
     except BaseException:
         if sink is not None:
             sink.abort()
-        discard(staging)
         raise
-    return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
+    assert sink is not None
+    return sink, num_parameters, dtype
+
+
+def _check_parity(
+    options: ConvertOptions, tmp: Path, expected: torch.Tensor, dtype: torch.dtype
+) -> VerifyReport:
+    """The written output's logits against the source's (`expected`); VerificationFailed when
+    they differ by more than the tolerance."""
+    # a GGUF output's matrices are rounded to --gguf-type, not to --dtype
+    written = _GGUF_FLOAT_TYPES.get(options.gguf_type or "", dtype)
+    tolerance = options.verify_tolerance or default_tolerance(written)
+    verify_report = compare(expected, load_model(_open_output(options, tmp)), tolerance)
+    if not verify_report.passed:
+        raise VerificationFailed(verify_report)
+    return verify_report
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

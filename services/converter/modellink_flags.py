@@ -1,4 +1,5 @@
-"""ModelLink's and Megatron-LM's converter flags for `meshline convert`.
+"""ModelLink's and Megatron-LM's converter flags for `meshline convert`, as `CompatFlag` rows
+(services/common/compat_flags.py, the one table type every command's compatibility flags use).
 
 - ModelLink `tools/ckpt_convert/llama/convert_weights_from_huggingface.py --input-model-dir HF
   --output-model-dir OUT --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --type
@@ -9,15 +10,21 @@
 - Megatron-LM `tools/checkpoint/convert.py --model-type GPT --loader llama_mistral --saver
   mcore --load-dir --save-dir --target-tensor-parallel-size N --model-size llama2-7B`.
 
-`resolve(args)` fills the Meshline options these imply. No flag is accepted without effect:
-`--lora-target-modules` is checked against the adapter, `--tokenizer-model` against the model and
-the source's tokenizer (and carried), and `--megatron-path` names Megatron's code, which Meshline
-does not need (docs/decisions.md).
+The spellings that are settings of the conversion itself (`--input-model-dir`, `--lora-load`,
+`--tokenizer-model`, ...) are flags of `ConvertOptions`' fields (cli.py); the rows here are the
+rest. `resolve(args)` applies them: a `map` row sets a Meshline option (a contradiction with an
+explicit one is an error naming both), a `check` row refuses what Meshline does not convert, the
+`same` row (`--megatron-path`) needs nothing (docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
+
+from services.common import compat_flags
+from services.common.compat_flags import CompatFlag
 
 # --loader / --saver plugin names of Megatron's convert.py -> Meshline formats.
 LOADERS = {
@@ -41,96 +48,101 @@ TYPES = {
     "34B": "llama2-34B",
     "70B": "llama2-70B",
 }
+Convert = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The ModelLink / Megatron converter flags that are not Meshline's own names."""
-    p = parser.add_argument
-    p(
-        "--deepspeed",
-        action="store_true",
-        help="ModelLink: write for ZeRO (DeepSpeed) training, i.e. --save-format native",
-    )
-    p(
-        "--model-type",
-        metavar="TYPE",
-        help="Megatron convert.py: GPT (decoder-only) is the one supported",
-    )
-    p(
-        "--loader",
-        choices=sorted(LOADERS),
-        help="Megatron convert.py loader plugin; sets --load-format (llama_mistral -> hf)",
-    )
-    p(
-        "--saver",
-        choices=sorted(SAVERS),
-        help="Megatron convert.py saver plugin; sets --save-format (mcore -> megatron)",
-    )
-    p(
-        "--model-size",
-        metavar="NAME",
-        help="Megatron convert.py (llama_mistral loader): e.g. llama2-7B; same as --model",
-    )
-    p(
-        "--checkpoint-type",
-        choices=("hf", "meta"),
-        help="Megatron convert.py: hf (meta's original .pth layout is not read)",
-    )
-    p(
-        "--lora-target-modules",
-        nargs="+",
-        metavar="NAME",
-        help="ModelLink merge: the modules the adapter adapts (Megatron or HF names); an adapter "
-        "module outside them is an error, as ModelLink's merge would not load it",
-    )
-    p(
-        "--megatron-path",
-        metavar="DIR",
-        help="Megatron convert.py: where its code lives; Meshline reads Megatron checkpoints with "
-        "its own readers and imports no Megatron checkout, so this is already satisfied",
-    )
-    p(
-        "--tokenizer-model",
-        metavar="PATH",
-        help="Megatron convert.py: a SentencePiece tokenizer.model; its vocabulary must fit the "
-        "model's, and it is carried into the output when the source has no tokenizer",
-    )
-    p("--fp16", dest="dtype", action="store_const", const="float16", help="same as --dtype float16")
-    p("--bf16", dest="dtype", action="store_const", const="bfloat16",
-      help="same as --dtype bfloat16")  # fmt: skip
+def _plugin(flag: str, dest: str, names: dict[str, str]) -> Convert:
+    """A Megatron convert.py plugin name -> the Meshline format it reads or writes."""
+
+    def convert(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+        if value not in names:
+            raise ValueError(f"{flag} {value}: choose one of {', '.join(sorted(names))}")
+        return {dest: names[value]}
+
+    return convert
 
 
-def resolve(args: argparse.Namespace) -> list[str]:
-    """Fill load_format / save_format / model / merge_lora from the ModelLink-style flags.
+def _model_size(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    # convert.py's llama_mistral loader names chat models with a trailing "f" (llama2-7Bf).
+    return {"model": value[:-1] if value.endswith("f") else value}
 
-    Raises ValueError naming the flag; returns notes for the user (none today).
-    """
-    notes: list[str] = []
-    if args.model_type is not None and args.model_type.upper() != "GPT":
+
+def _type(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value not in TYPES:
         raise ValueError(
-            f"--model-type {args.model_type}: only GPT (decoder-only) checkpoints are converted"
+            f"--type {value}: known sizes {', '.join(TYPES)}; other models: --model NAME"
         )
-    if args.checkpoint_type == "meta":
+    return {"model": TYPES[value]}
+
+
+def _model_type(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value.upper() != "GPT":
+        raise ValueError(f"--model-type {value}: only GPT (decoder-only) checkpoints are converted")
+    return {}
+
+
+def _checkpoint_type(value: Any, given: dict[str, Any]) -> dict[str, Any]:
+    if value == "meta":
         raise ValueError(
             "--checkpoint-type meta: convert Meta's .pth release to HF first "
             "(transformers' convert_llama_weights_to_hf.py), then pass --checkpoint-type hf"
         )
-    if args.loader is not None:
-        _set(args, "load_format", LOADERS[args.loader], f"--loader {args.loader}")
-    if args.saver is not None:
-        _set(args, "save_format", SAVERS[args.saver], f"--saver {args.saver}")
-    if args.deepspeed:
-        _set(args, "save_format", "native", "--deepspeed")
-    if args.model_size is not None:
-        name = args.model_size[:-1] if args.model_size.endswith("f") else args.model_size
-        _set(args, "model", name, f"--model-size {args.model_size}")
-    if args.model_size_type is not None:
-        if args.model_size_type not in TYPES:
-            raise ValueError(
-                f"--type {args.model_size_type}: known sizes {', '.join(TYPES)}; other models: "
-                "--model NAME"
-            )
-        _set(args, "model", TYPES[args.model_size_type], f"--type {args.model_size_type}")
+    if value != "hf":
+        raise ValueError(f"--checkpoint-type {value}: choose hf (or meta, which is refused)")
+    return {}
+
+
+TABLE: tuple[CompatFlag, ...] = (
+    # --- statements about the source: what Meshline does not convert is refused
+    CompatFlag("--model-type", "check", "Megatron convert.py: GPT (decoder-only) is the one "
+               "supported", nargs=1, convert=_model_type),
+    CompatFlag("--checkpoint-type", "check", "Megatron convert.py: hf (meta's original .pth "
+               "layout is not read)", nargs=1, convert=_checkpoint_type),
+    # --- the formats and the model they imply
+    CompatFlag("--loader", "map", "Megatron convert.py loader plugin; sets --load-format "
+               f"(llama_mistral -> hf): one of {', '.join(sorted(LOADERS))}", nargs=1,
+               convert=_plugin("--loader", "load_format", LOADERS)),
+    CompatFlag("--saver", "map", "Megatron convert.py saver plugin; sets --save-format "
+               f"(mcore -> megatron): one of {', '.join(sorted(SAVERS))}", nargs=1,
+               convert=_plugin("--saver", "save_format", SAVERS)),
+    CompatFlag("--deepspeed", "map", "ModelLink: write for ZeRO (DeepSpeed) training, i.e. "
+               "--save-format native", sets=(("save_format", "native"),)),
+    CompatFlag("--model-size", "map", "Megatron convert.py (llama_mistral loader): e.g. "
+               "llama2-7B; same as --model", nargs=1, convert=_model_size),
+    CompatFlag("--type", "map", "ModelLink: --type 7B/13B means --model llama2-7B/13B, 30B/65B "
+               "the LLaMA-1 llama-33B/65B (other families: use --model)", nargs=1,
+               convert=_type),
+    CompatFlag("--fp16", "map", "same as --dtype fp16", sets=(("dtype", "fp16"),)),
+    CompatFlag("--bf16", "map", "same as --dtype bf16", sets=(("dtype", "bf16"),)),
+    CompatFlag("--megatron-path", "same", "Megatron convert.py: where its code lives; Meshline "
+               "reads Megatron checkpoints with its own readers and imports no Megatron "
+               "checkout, so this is already satisfied", nargs=1),
+)  # fmt: skip
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The ModelLink / Megatron converter flags that are not `ConvertOptions`' own."""
+    compat_flags.add_rows(
+        parser,
+        TABLE,
+        "ModelLink / Megatron conversion-script flags",
+        "accepted for unchanged scripts: each sets a Meshline option, refuses what is not "
+        "converted, or is already Meshline's behaviour (see each)",
+    )
+
+
+def resolve(args: argparse.Namespace) -> list[str]:
+    """Fill load_format / save_format / model / dtype / merge_lora from the ModelLink-style flags.
+
+    Raises ValueError naming the flag; returns notes for the user (none today).
+    """
+    for row, value in compat_flags.given(args, TABLE):
+        if row.kind == "same":
+            continue
+        mapped = dict(row.sets) if row.convert is None else row.convert(value, vars(args))
+        said = row.flag if row.nargs == 0 else f"{row.flag} {value}"
+        for dest, setting in mapped.items():
+            _set(args, dest, setting, said)
     if args.lora_dir and not args.merge_lora:
         args.merge_lora = True  # ModelLink's merge script: --lora-load means merge
     if args.load_format is None:
@@ -142,7 +154,7 @@ def resolve(args: argparse.Namespace) -> list[str]:
         raise ValueError(
             "--lora-target-modules describes the adapter to merge; give it with --lora-load DIR"
         )
-    return notes
+    return []
 
 
 def _set(args: argparse.Namespace, dest: str, value: str, flag: str) -> None:

@@ -48,54 +48,78 @@ class ConvertOptions:
     """What to convert, where to, and how (the `meshline convert` flags)."""
 
     load_format: str
-    """Source format: one of LOAD_FORMATS."""
+    """Format of the source checkpoint, one of LOAD_FORMATS (the command's default with
+    ModelLink's flags: hf, or megatron for a --lora-load merge): deepspeed is a ZeRO-1/2/3
+    checkpoint, consolidated to fp32 like zero_to_fp32.py; fsdp an FSDP SHARDED_STATE_DICT DCP
+    directory or FULL_STATE_DICT file of an HF model; gguf a llama.cpp .gguf file of the llama
+    architecture, dequantized, tokenizer and chat template from its metadata."""
     save_format: str
-    """Output format: one of FORMATS."""
+    """Format to write, one of FORMATS (the command's default: megatron; native with
+    --deepspeed)."""
     load_dir: Path
-    """Source checkpoint directory."""
+    """Source: an HF model directory, a native save directory (its `latest` step) or
+    step-XXXXXX directory, a Megatron directory with latest_checkpointed_iteration.txt, a
+    DeepSpeed directory with `latest` (or its global_stepN), an FSDP DCP directory / directory
+    with one state-dict file, or a .gguf file (or a directory holding one)."""
     save_dir: Path
-    """Output directory (written atomically; must not exist unless `overwrite`)."""
+    """Output directory; written under a temporary name and renamed when complete (it must not
+    exist unless `overwrite`)."""
     model: str | None = None
-    """Model config registry name; required when the source records no config."""
+    """Model config name (e.g. llama2-7B, tiny-llama); needed when the source records no config
+    (Megatron checkpoints not written by Meshline); checked against the source's own config
+    otherwise."""
     target_tp: int = 1
-    """Tensor-parallel size of a Megatron output."""
+    """Tensor-parallel size of a Megatron output (default 1)."""
     target_pp: int = 1
-    """Pipeline-parallel size of a Megatron output."""
+    """Pipeline-parallel size of a Megatron output (default 1)."""
     layers_per_virtual_stage: int | None = None
-    """Layers per virtual pipeline chunk of a Megatron output (None: no virtual chunks)."""
+    """Layers per virtual pipeline chunk of a Megatron output (interleaved schedule); files then
+    hold model0, model1, ... (None: no virtual chunks)."""
     lora_dir: Path | None = None
-    """LoRA to merge into the weights: a peft adapter directory or a Megatron LoRA checkpoint."""
+    """LoRA to merge (the command needs --merge-lora, which --lora-load implies): a peft adapter
+    directory, or a Megatron/ModelLink LoRA checkpoint (latest_checkpointed_iteration.txt +
+    mp_rank_* files, any TP/PP; merged per TP rank)."""
     lora_r: int | None = None
     """LoRA rank of a Megatron LoRA checkpoint whose args do not record it."""
     lora_alpha: float | None = None
     """LoRA alpha of a Megatron LoRA checkpoint whose args do not record it."""
     dtype: str | None = None
-    """Output dtype ("fp32", "bf16", "fp16"); None keeps the source's."""
+    """Dtype of the saved weights ("fp32", "bf16", "fp16"; default: keep the source's)."""
     verify: bool | None = None
-    """Check logit parity of the output against the source before publishing it: None (the
-    default) whenever two float32 copies fit in memory, True always, False never."""
+    """Check logit parity of the output against the source before publishing it, on a fixed
+    prompt, failing (exit 3, no output) if logits differ by more than the tolerance: None (the
+    default) whenever two float32 copies of the model fit in half the available memory, True
+    always, False never."""
     verify_tolerance: float | None = None
-    """Largest allowed absolute logit difference (default by dtype, see verify.py)."""
+    """Largest allowed absolute logit difference (default 1e-4 for fp32 outputs, 2e-2 for
+    fp16/bf16)."""
     load_iteration: int | None = None
-    """Iteration of a Megatron source / global step of a DeepSpeed one (None: its tracker file)."""
+    """Iteration of a Megatron source, or global step of a DeepSpeed one, to read (default:
+    latest_checkpointed_iteration.txt / latest)."""
     overwrite: bool = False
-    """Replace an existing non-empty save_dir."""
+    """Replace a non-empty save directory."""
     make_vocab_size_divisible_by: int = 128
-    """Megatron vocabulary padding multiple (per TP rank)."""
+    """Megatron outputs pad the vocabulary to a multiple of this times the TP size (default
+    128)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest HF safetensors shard before the output is split with an index."""
     gguf_type: str | None = None
-    """ggml type of a GGUF output's matrices (GGUF_TYPES); None: F32/F16/BF16 by the dtype."""
+    """ggml type of a --save-format gguf output's matrices and token embedding (norms stay F32;
+    default: F32/F16/BF16 by --dtype); Q8_0 and Q4_0 round the weights, so the automatic parity
+    check is skipped for them."""
     quantize: str | None = None
-    """Weight-only quantization of a `quantized` output: "int8" (per output channel) or "int4"
-    (per group); required by and only valid with --save-format quantized."""
+    """With --save-format quantized (required by it, only valid with it): weight-only
+    round-to-nearest quantization of the decoder layers' Linear weights (norms kept; the token
+    embedding and output head int8 with one scale per row unless --keep-embedding): int8 one
+    symmetric scale per output channel, int4 one per --group-size inputs; the checkpoint records
+    its scheme; serving computes on the codes, other stages read it dequantized."""
     group_size: int | None = None
-    """Inputs sharing a scale (default: per channel for int8, 128 for int4)."""
+    """Inputs sharing one scale (default: per output channel for int8, 128 for int4)."""
     quantize_affine: bool = False
-    """Affine codes with a zero point per group instead of symmetric ones."""
+    """Affine codes (a zero point per group over [min, max]) instead of symmetric ones."""
     keep_embedding: bool = False
-    """--keep-embedding: a quantized output keeps the token embedding and output head in the
-    dtype instead of int8 codes with one scale per row (the default)."""
+    """--keep-embedding: with --quantize, keep the token embedding and output head in --dtype
+    instead of int8 codes with one scale per row."""
     tokenizer_model: Path | None = None
     """--tokenizer-model (Megatron convert.py): a SentencePiece `tokenizer.model` whose vocabulary
     must fit the model's embedding; carried into the output when the source carries no tokenizer,
@@ -105,9 +129,11 @@ class ConvertOptions:
     Megatron or HF spelling; an adapter module outside them is an error, since ModelLink's merge
     would not load it."""
     ppo_model: str | None = None
-    """--ppo-model: which model of a `--stage ppo` native checkpoint to write, "policy" or
-    "critic" (the value model, written as a reward model is); None: the policy. Given with a
-    source that is no PPO checkpoint, it is refused (CLI only so far: no service request field)."""
+    """--ppo-model: of a `meshline train --stage ppo` checkpoint (native), which model to write:
+    policy (the trained language model; None means it too) or critic (the value model: a
+    reward-model-style network with a scalar head, written as HF ...ForSequenceClassification
+    with one label, or native/megatron). Given with a source that is no PPO checkpoint, it is
+    refused (CLI only so far: no service request field)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form notes (ignored by the conversion)."""
 

@@ -33,10 +33,12 @@ def _layout_flags() -> QuietParser:
     p("--target-pipeline-parallel-size", "--pipeline-model-parallel-size", dest="target_pp",
       type=int, default=1)  # fmt: skip
     p("--model", default=None)
-    p("--type", dest="model_size_type", default=None)
+    p("--dtype", "--params-dtype", default=None)
     p("--lora-load", dest="lora_dir", default=None)
+    p("--lora-target-modules", nargs="+", default=None)
     p("--merge-lora", action="store_true")
-    modellink_flags.add_flags(parser)  # --loader, --saver, --deepspeed: they pick the formats
+    # --loader, --saver, --deepspeed, --type: they pick the formats and the model
+    modellink_flags.add_flags(parser)
     return parser
 
 

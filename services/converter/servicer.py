@@ -32,6 +32,7 @@ from services.common.errors import (
     NotFound,
     Validator,
 )
+from services.common.field_checks import check_range
 from services.common.jobs import JobRunner
 from services.common.operation_jobs import OperationHandle
 from services.common.operations import OperationsStore
@@ -95,15 +96,36 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
             "model",
             f"{request.model!r} is not a model config name (e.g. llama-7b)",
         )
+    _check_layout(check, request, config)
+    check.require(
+        request.merge_lora == bool(request.lora_load_dir),
+        "merge_lora" if request.merge_lora else "lora_load_dir",
+        "merge_lora and lora_load_dir go together (the adapter is folded into the weights)",
+    )
+    check.require(
+        WRITTEN_KEYS.get(request.save_format) != "quantized",
+        "save_format",
+        "QUANTIZED outputs need a quantization scheme, which ConvertRequest does not carry; "
+        "use `meshline convert --save-format quantized --quantize int8|int4`",
+    )
+    check.require(request.dtype in converter_pb2.Dtype.values(), "dtype", "unknown value")
+    _check_optional_fields(check, request)
+    check.require(
+        _converts_something(request),
+        "save_format",
+        "nothing to convert: same format, no resharding, no LoRA merge and no dtype change",
+    )
+    check.raise_if_any()
+
+
+def _check_layout(
+    check: Validator, request: converter_pb2.ConvertRequest, config: ConverterServiceConfig
+) -> None:
+    """The target tensor/pipeline sizes and virtual stages: bounded, for sharded outputs only."""
     sharded_out = WRITTEN_KEYS.get(request.save_format) in _SHARDED
     for field in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
         if request.HasField(field):
-            value = getattr(request, field)
-            check.require(
-                1 <= value <= config.max_parallel_size,
-                field,
-                f"must be in [1, {config.max_parallel_size}], got {value}",
-            )
+            check_range(check, request, field, 1, config.max_parallel_size)
             check.require(
                 sharded_out,
                 field,
@@ -121,18 +143,10 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
             "num_layers_per_virtual_pipeline_stage",
             "needs target_pipeline_parallel_size > 1",
         )
-    check.require(
-        request.merge_lora == bool(request.lora_load_dir),
-        "merge_lora" if request.merge_lora else "lora_load_dir",
-        "merge_lora and lora_load_dir go together (the adapter is folded into the weights)",
-    )
-    check.require(
-        WRITTEN_KEYS.get(request.save_format) != "quantized",
-        "save_format",
-        "QUANTIZED outputs need a quantization scheme, which ConvertRequest does not carry; "
-        "use `meshline convert --save-format quantized --quantize int8|int4`",
-    )
-    check.require(request.dtype in converter_pb2.Dtype.values(), "dtype", "unknown value")
+
+
+def _check_optional_fields(check: Validator, request: converter_pb2.ConvertRequest) -> None:
+    """verify_tolerance, load_iteration and the LoRA hyperparameters, where set."""
     if request.HasField("verify_tolerance"):
         check.require(request.verify_tolerance > 0, "verify_tolerance", "must be > 0")
         check.require(
@@ -151,19 +165,17 @@ def check_fields(request: converter_pb2.ConvertRequest, config: ConverterService
         if request.HasField(field):
             check.require(getattr(request, field) > 0, field, "must be > 0")
             check.require(bool(request.lora_load_dir), field, "only applies with lora_load_dir")
-    changes = (
+
+
+def _converts_something(request: converter_pb2.ConvertRequest) -> bool:
+    """Whether the output would differ from the source at all."""
+    return (
         request.load_format != request.save_format
         or request.HasField("target_tensor_parallel_size")
         or request.HasField("target_pipeline_parallel_size")
         or request.merge_lora
         or request.dtype != converter_pb2.DTYPE_UNSPECIFIED
     )
-    check.require(
-        changes,
-        "save_format",
-        "nothing to convert: same format, no resharding, no LoRA merge and no dtype change",
-    )
-    check.raise_if_any()
 
 
 def check_paths(request: converter_pb2.ConvertRequest, config: ConverterServiceConfig) -> None:

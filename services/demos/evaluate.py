@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from services.evaluator.models.grpc_client import GrpcLanguageModel
 from services.evaluator.results import atomic_write, format_table, write_results
@@ -113,8 +114,8 @@ def validation_perplexity(
     return math.exp(-total_lp / total_tokens), total_tokens, docs
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; 0 on success, 2 when something it needs is missing."""
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags."""
     parser = argparse.ArgumentParser(
         prog="python -m services.demos.evaluate", description=__doc__.splitlines()[0]
     )
@@ -130,15 +131,76 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run HumanEval even where this host cannot sandbox generated code (docs/security.md)",
     )
-    args = parser.parse_args(argv)
-    tasks: tuple[str, ...] = TASKS
-    if not isolation().available and not args.allow_unsafe_code_execution:
-        tasks = tuple(t for t in TASKS if t != "humaneval")
-        print(
-            f"[eval] humaneval left out: this host cannot sandbox generated code "
-            f"({isolation().reason}); pass {UNSAFE_FLAG} to run it anyway",
-            flush=True,
+    return parser
+
+
+def runnable_tasks(allow_unsafe_code_execution: bool) -> tuple[str, ...]:
+    """TASKS, less humaneval where generated code could not be sandboxed (and not allowed)."""
+    if isolation().available or allow_unsafe_code_execution:
+        return TASKS
+    print(
+        f"[eval] humaneval left out: this host cannot sandbox generated code "
+        f"({isolation().reason}); pass {UNSAFE_FLAG} to run it anyway",
+        flush=True,
+    )
+    return tuple(t for t in TASKS if t != "humaneval")
+
+
+def _evaluate_served(
+    args: argparse.Namespace, address: str, checkpoint: Path, tasks: tuple[str, ...], start: float
+) -> tuple[Path, dict[str, Any], str]:
+    """The tasks and the validation perplexity through the service at `address`: the results
+    file, its document and the perplexity line to print."""
+    output = args.run_dir / "eval"
+    model = GrpcLanguageModel(address, batch_size=8)
+    config = EvalConfig(
+        tasks=tasks,
+        task_data_path=args.task_data_path,
+        output_path=output,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        allow_unsafe_code_execution=args.allow_unsafe_code_execution,
+    )
+    outcomes = evaluate(config, model)
+    settings = {
+        "model": "meshline-grpc",
+        "model_args": f"{address} ({checkpoint})",
+        "batch_size": config.batch_size,
+        "limit": config.limit,
+        "random_seed": config.seed,
+        "fewshot_seed": config.seed,
+    }
+    path, document = write_results(output, outcomes, settings, start)
+    shard = args.data_dir / SHARD
+    ppl_line = f"  validation perplexity: skipped ({shard}.bin not found)"
+    if shard.with_suffix(".bin").is_file():
+        ppl, tokens, docs = validation_perplexity(model, shard, args.ppl_tokens)
+        ppl_line = (
+            f"  validation perplexity: {ppl:.2f} over {tokens:,} tokens of {docs} held-out "
+            f"documents (split {TRAIN_SPLIT}, windows of {model.context_length})"
         )
+        document["validation_perplexity"] = {"value": ppl, "tokens": tokens, "documents": docs}
+        atomic_write(path, json.dumps(document, ensure_ascii=False, indent=2, default=str))
+    model.close()
+    return path, document, ppl_line
+
+
+def _print_summary(run_dir: Path, path: Path, ppl_line: str, start: float) -> None:
+    print("\nmake eval: done")
+    print(ppl_line)
+    summary = run_dir / "logs" / "summary.json"
+    if summary.is_file():
+        val_loss = json.loads(summary.read_text()).get("val_loss")
+        if val_loss is not None:
+            print(f"  trainer validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f})")
+    print(f"  results {path} (samples beside it)")
+    print(f"  wall time {time.time() - start:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; 0 on success, 2 when something it needs is missing."""
+    args = build_parser().parse_args(argv)
+    tasks = runnable_tasks(args.allow_unsafe_code_execution)
     checkpoint = args.run_dir / "checkpoints"
     if not (checkpoint / "latest").is_file():
         print(
@@ -147,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    output = args.run_dir / "eval"
     start = time.time()
     print(f"[eval] starting the inference service on {checkpoint}", flush=True)
     try:
@@ -157,48 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(f"[eval] inference service on {server.address}", flush=True)
-        model = GrpcLanguageModel(server.address, batch_size=8)
-        config = EvalConfig(
-            tasks=tasks,
-            task_data_path=args.task_data_path,
-            output_path=output,
-            limit=args.limit,
-            max_new_tokens=args.max_new_tokens,
-            allow_unsafe_code_execution=args.allow_unsafe_code_execution,
-        )
-        outcomes = evaluate(config, model)
-        settings = {
-            "model": "meshline-grpc",
-            "model_args": f"{server.address} ({checkpoint})",
-            "batch_size": config.batch_size,
-            "limit": config.limit,
-            "random_seed": config.seed,
-            "fewshot_seed": config.seed,
-        }
-        path, document = write_results(output, outcomes, settings, start)
-        shard = args.data_dir / SHARD
-        ppl_line = f"  validation perplexity: skipped ({shard}.bin not found)"
-        if shard.with_suffix(".bin").is_file():
-            ppl, tokens, docs = validation_perplexity(model, shard, args.ppl_tokens)
-            ppl_line = (
-                f"  validation perplexity: {ppl:.2f} over {tokens:,} tokens of {docs} held-out "
-                f"documents (split {TRAIN_SPLIT}, windows of {model.context_length})"
-            )
-            document["validation_perplexity"] = {"value": ppl, "tokens": tokens, "documents": docs}
-            atomic_write(path, json.dumps(document, ensure_ascii=False, indent=2, default=str))
-        model.close()
+        path, document, ppl_line = _evaluate_served(args, server.address, checkpoint, tasks, start)
     finally:
         server.stop()
     print(format_table(document))
-    print("\nmake eval: done")
-    print(ppl_line)
-    summary = args.run_dir / "logs" / "summary.json"
-    if summary.is_file():
-        val_loss = json.loads(summary.read_text()).get("val_loss")
-        if val_loss is not None:
-            print(f"  trainer validation loss {val_loss:.3f} (perplexity {math.exp(val_loss):.2f})")
-    print(f"  results {path} (samples beside it)")
-    print(f"  wall time {time.time() - start:.0f}s")
+    _print_summary(args.run_dir, path, ppl_line, start)
     return 0
 
 

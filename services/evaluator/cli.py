@@ -22,9 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from checkpoints.registry import SERVE_CHOICES
 from models.config import ModelConfig
 from services.common import megatron_compat
+from services.common.dataclass_flags import FlagSpec, add_fields, config_values
+from services.evaluator.command import DEFAULT_BATCH_SIZE, DTYPES, LOAD_FORMATS, EvaluateCommand
 from services.evaluator.models.base import LanguageModel
 from services.evaluator.models.kind import checkpoint_is_reward
 from services.evaluator.results import format_table, write_results
@@ -34,9 +35,9 @@ from services.evaluator.runner import (
     JudgeModels,
     check_judge_kinds,
     evaluate,
+    results_settings,
 )
 from services.evaluator.sandbox.runner import (
-    UNSAFE_FLAG,
     SandboxError,
     SandboxUnavailable,
     require_isolation,
@@ -45,105 +46,89 @@ from services.evaluator.tasks import groups, list_tasks, resolve
 from services.evaluator.tasks.base import Task
 from services.evaluator.tasks.reward_win_rate import REWARD_WIN_RATE
 
-LOAD_FORMATS = SERVE_CHOICES
-"""`--load-format` choices: auto and the served formats of checkpoints/registry.py."""
 # ModelLink's TASK names -> Meshline task or group names.
-DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_BATCH_SIZE = 8
 TASK_ALIASES = {"human_eval": "humaneval", "ceval": "ceval-valid"}
+RUN_FLAGS = (
+    "tasks",
+    "task_data_path",
+    "num_fewshot",
+    "limit",
+    "batch_size",
+    "max_new_tokens",
+    "output_path",
+    "seed",
+    "num_samples",
+    "temperature",
+)
+"""The `EvalConfig` fields that are flags (allow_unsafe_code_execution is one too, below)."""
+
+
+PLACEHOLDERS = {
+    "N": ("num_fewshot", "limit", "num_samples"),
+    "PATH": ("task_data_path",),
+    "DIR": ("load", "reference_load", "reward_load"),
+    "HOST:PORT": ("endpoint", "reference_endpoint", "reward_endpoint"),
+}
+"""--help placeholder -> the flags (fields) showing it, where a flag adds nothing else."""
+
+
+def _specs() -> dict[str, FlagSpec]:
+    """What the flags add to the dataclasses: ModelLink's spellings, choices, and the defaults
+    left unset so that a ModelLink flag mapped onto them (--micro-batch-size) or a check of
+    whether they were given (--temperature) can tell."""
+    specs = {
+        name: FlagSpec(metavar=shown) for shown, names in PLACEHOLDERS.items() for name in names
+    }
+    return specs | {
+        "tasks": FlagSpec(
+            aliases=("--task",),
+            metavar="NAMES",
+            help="comma-separated task or group names (--list-tasks shows them)",
+            extra={"nargs": None},
+        ),
+        "batch_size": FlagSpec(
+            aliases=("--evaluation-batch-size",),
+            metavar="N",
+            help=f"requests per batch (default {DEFAULT_BATCH_SIZE})",
+            extra={"default": None},
+        ),
+        "temperature": FlagSpec(
+            help=f"sampling temperature of humaneval with --num-samples > 1 (default "
+            f"{DEFAULT_TEMPERATURE})",
+            extra={"default": None},
+        ),
+        "allow_unsafe_code_execution": FlagSpec(
+            help="run HumanEval's generated code even where this host cannot sandbox it in "
+            "namespaces (then only rlimits and a separate uid contain it); see docs/security.md"
+        ),
+        "load_format": FlagSpec(choices=LOAD_FORMATS),
+        "tokenizer": FlagSpec(
+            aliases=("--tokenizer-name-or-path", "--tokenizer-model"), metavar="PATH"
+        ),
+        "max_new_tokens": FlagSpec(aliases=("--max-new-token",), metavar="N"),
+        "output_path": FlagSpec(metavar="DIR", extra={"default": Path("runs/eval")}),
+        "dtype": FlagSpec(choices=("auto", *DTYPES)),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's flags."""
+    """The CLI's flags: `EvaluateCommand`'s and `EvalConfig`'s fields (type, default and help
+    from the dataclasses), then the ModelLink script rows of services/common/megatron_compat."""
     parser = argparse.ArgumentParser(
         prog="meshline evaluate", description=__doc__.splitlines()[0], allow_abbrev=False
     )
-    parser.add_argument(
-        "--tasks",
-        "--task",
-        required=False,
-        help="comma-separated task or group names (--list-tasks shows them)",
-    )
-    parser.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
-    parser.add_argument("--task-data-path", type=Path, help="file or directory of benchmark files")
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--endpoint", help="host:port of a running meshline InferenceService")
-    model.add_argument("--load", type=Path, help="checkpoint directory to load in-process")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
-    reference = parser.add_mutually_exclusive_group()
-    reference.add_argument(
-        "--reference-load",
-        type=Path,
-        help="rm_win_rate: the reference causal LM (a checkpoint directory, format detected, "
-        "tokenizer stored in it) that the evaluated model is compared with",
-    )
-    reference.add_argument(
-        "--reference-endpoint", help="rm_win_rate: host:port of an InferenceService serving it"
-    )
-    reward = parser.add_mutually_exclusive_group()
-    reward.add_argument(
-        "--reward-load",
-        type=Path,
-        help="rm_win_rate: the reward model (a `meshline train --stage rm` checkpoint "
-        "directory, format detected, tokenizer stored in it) that judges both answers",
-    )
-    reward.add_argument(
-        "--reward-endpoint", help="rm_win_rate: host:port of an InferenceService serving it"
-    )
-    parser.add_argument(
-        "--tokenizer",
-        "--tokenizer-name-or-path",
-        "--tokenizer-model",
-        type=Path,
-        help="tokenizer when the checkpoint has none",
-    )
-    parser.add_argument(
-        "--add-bos-token",
-        choices=("true", "false"),
-        help="lm-eval's add_bos_token: true puts BOS before every context and prompt, false "
-        "encodes them without special tokens (default: as the tokenizer's own settings say)",
-    )
-    parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: per task)")
-    parser.add_argument("--limit", type=int, help="samples per task at most")
-    parser.add_argument(
-        "--batch-size",
-        "--evaluation-batch-size",
-        type=int,
-        default=None,
-        help=f"requests per batch (default {DEFAULT_BATCH_SIZE})",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("auto", *DTYPES),
-        default=None,
-        help="compute dtype of a --load model (default auto: the checkpoint's)",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        "--max-new-token",
-        type=int,
-        help="generation cap (default: per task)",
-    )
-    parser.add_argument("--output-path", type=Path, default=Path("runs/eval"))
-    parser.add_argument("--seed", type=int, default=1234, help="few-shot and sampling seed")
-    parser.add_argument(
-        "--num-samples", type=int, default=1, help="HumanEval completions per problem (pass@k)"
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help=f"sampling temperature of humaneval with --num-samples > 1 (default "
-        f"{DEFAULT_TEMPERATURE})",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
-    parser.add_argument(
-        UNSAFE_FLAG,
-        dest="allow_unsafe_code_execution",
-        action="store_true",
-        help="run HumanEval's generated code even where this host cannot sandbox it in "
-        "namespaces (then only rlimits and a separate uid contain it); see docs/security.md",
-    )
+    specs = _specs()
+    add_fields(parser, EvaluateCommand, ("list_tasks",), specs)
+    add_fields(parser, EvalConfig, ("tasks", "task_data_path"), specs)
+    add_fields(parser.add_mutually_exclusive_group(), EvaluateCommand, ("endpoint", "load"), specs)
+    add_fields(parser, EvaluateCommand, ("load_format",), specs)
+    for role in ("reference", "reward"):
+        names = (f"{role}_load", f"{role}_endpoint")
+        add_fields(parser.add_mutually_exclusive_group(), EvaluateCommand, names, specs)
+    add_fields(parser, EvaluateCommand, ("tokenizer", "add_bos_token", "dtype"), specs)
+    add_fields(parser, EvalConfig, RUN_FLAGS[2:], specs)
+    add_fields(parser, EvaluateCommand, ("no_progress",), specs)
+    add_fields(parser, EvalConfig, ("allow_unsafe_code_execution",), specs)
     megatron_compat.add_flags(parser)
     return parser
 
@@ -284,14 +269,64 @@ def check_judge_flags(args: argparse.Namespace, selected: list[Task]) -> None:
     )
 
 
+def eval_config(args: argparse.Namespace) -> EvalConfig:
+    """The run's `EvalConfig` from parsed flags (ModelLink's already resolved onto them)."""
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH_SIZE
+    values = config_values(args, EvalConfig)
+    values["tasks"] = task_names(args.tasks)
+    if args.temperature is None:
+        values["temperature"] = DEFAULT_TEMPERATURE
+    return EvalConfig(**values)
+
+
+def check_sampling(args: argparse.Namespace, config: EvalConfig, selected: list[Task]) -> None:
+    """--num-samples and --temperature apply to humaneval's sampled completions only; humaneval
+    needs a sandbox (or the operator's --allow-unsafe-code-execution)."""
+    if config.num_samples > 1 and all(task.name != "humaneval" for task in selected):
+        raise ValueError(
+            f"--num-samples {config.num_samples} applies to humaneval only, which is not "
+            "among --tasks; add humaneval or drop --num-samples"
+        )
+    if args.temperature is not None and config.num_samples == 1:
+        raise ValueError(
+            "--temperature applies to humaneval's sampled completions (--num-samples > 1); "
+            "with one sample the completion is greedy: drop --temperature or raise "
+            "--num-samples"
+        )
+    if any(task.name == "humaneval" for task in selected):
+        require_isolation(config.allow_unsafe_code_execution)
+
+
+def _open_checked(
+    args: argparse.Namespace,
+) -> tuple[EvalConfig, LanguageModel, JudgeModels | None]:
+    """Every flag checked (unknown tasks before a model is opened), then the models opened."""
+    compat = megatron_compat.resolve(args)
+    config = eval_config(args)
+    selected = resolve(list(config.tasks))
+    check_sampling(args, config, selected)
+    check_judge_flags(args, selected)
+    model = open_model(args, compat)
+    try:
+        return config, model, open_judges(args)
+    except BaseException:
+        model.close()
+        raise
+
+
+def _print_task_list() -> None:
+    for name, members in sorted(groups().items()):
+        print(f"{name} (group of {len(members)})")
+    print("\n".join(list_tasks()))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run an evaluation; 0 on success, 2 on bad flags or data."""
+    """Run an evaluation; 0 on success, 2 on bad flags or data, 1 when the sandbox failed."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list_tasks:
-        for name, members in sorted(groups().items()):
-            print(f"{name} (group of {len(members)})")
-        print("\n".join(list_tasks()))
+        _print_task_list()
         return 0
     if not args.tasks or args.task_data_path is None:
         parser.error("--tasks and --task-data-path are required")
@@ -299,45 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --endpoint host:port or --load DIR")
     start = time.time()
     try:
-        compat = megatron_compat.resolve(args)
-        if args.batch_size is None:
-            args.batch_size = DEFAULT_BATCH_SIZE
-        config = EvalConfig(
-            tasks=task_names(args.tasks),
-            task_data_path=args.task_data_path,
-            output_path=args.output_path,
-            num_fewshot=args.num_fewshot,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-            num_samples=args.num_samples,
-            temperature=DEFAULT_TEMPERATURE if args.temperature is None else args.temperature,
-            allow_unsafe_code_execution=args.allow_unsafe_code_execution,
-        )
-        selected = resolve(list(config.tasks))  # unknown names fail before a model is opened
-        if config.num_samples > 1 and all(task.name != "humaneval" for task in selected):
-            raise ValueError(
-                f"--num-samples {config.num_samples} applies to humaneval only, which is not "
-                "among --tasks; add humaneval or drop --num-samples"
-            )
-        if args.temperature is not None and config.num_samples == 1:
-            raise ValueError(
-                "--temperature applies to humaneval's sampled completions (--num-samples > 1); "
-                "with one sample the completion is greedy: drop --temperature or raise "
-                "--num-samples"
-            )
-        if any(task.name == "humaneval" for task in selected):
-            require_isolation(config.allow_unsafe_code_execution)
-        check_judge_flags(args, selected)
-        model = open_model(args, compat)
+        config, model, judges = _open_checked(args)
     except (ValueError, ConnectionError, SandboxUnavailable) as exc:
-        print(f"meshline evaluate: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        judges = open_judges(args)
-    except (ValueError, ConnectionError) as exc:
-        model.close()
         print(f"meshline evaluate: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -354,19 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         model.close()
         if judges is not None:
             judges.close()
-    settings = {
-        "model": "meshline-grpc" if args.endpoint else "meshline-local",
-        "model_args": args.endpoint or str(args.load),
-        "batch_size": args.batch_size,
-        "limit": args.limit,
-        "random_seed": args.seed,
-        "fewshot_seed": args.seed,
-        "num_samples": config.num_samples,
-        "temperature": config.temperature if config.num_samples > 1 else None,
-    }
-    if judges is not None:
-        settings["reference_args"] = judges.reference.name
-        settings["reward_args"] = judges.reward.name
+    kind = "meshline-grpc" if args.endpoint else "meshline-local"
+    settings = results_settings(kind, args.endpoint or str(args.load), config, judges)
     path, document = write_results(args.output_path, outcomes, settings, start)
     print(format_table(document))
     print(f"results: {path}")

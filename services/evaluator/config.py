@@ -6,7 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
+from services.common.data_roots import DataRootsConfig
+from services.common.dataclass_flags import FlagSpec
+from services.common.service_flags import add_service_flags, service_config
 
 DEFAULT_PORT = 50055
 
@@ -17,13 +19,15 @@ class EvaluatorServiceConfig(DataRootsConfig):
     `data_roots`), where results go, and its request limits."""
 
     output_root: Path | None = None
-    """Where results go when a request gives no output_path; None = `<first data root>/runs/eval`."""
+    """Where results go when a request gives no output_path; must lie under a --data-root
+    (default: runs/eval under the first --data-root)."""
     max_batch_size: int = 256
-    """Largest `batch_size` a request may ask for."""
+    """Largest `batch_size` a request may ask for (default 256)."""
     max_new_tokens_limit: int = 4096
-    """Largest `max_new_tokens` a request may ask for."""
+    """Largest `max_new_tokens` a request may ask for (default 4096)."""
     allow_unsafe_code_execution: bool = False
-    """Run HumanEval's generated code even where the host cannot sandbox it in namespaces."""
+    """Run HumanEval's generated code even where this host cannot sandbox it in namespaces (then
+    only rlimits and a separate uid contain it); see docs/security.md."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,43 +47,21 @@ class EvaluatorServiceConfig(DataRootsConfig):
                 raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
+FLAGS = ("output_root", "max_batch_size", "max_new_tokens_limit", "allow_unsafe_code_execution")
+"""The fields that are `serve` flags (besides --data-root)."""
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the evaluator service's own flags to its `serve` parser."""
-    group = parser.add_argument_group("evaluator service")
-    add_data_root_flag(group, "request paths")
-    group.add_argument(
-        "--output-root",
-        default=None,
-        help="where results go when a request gives no output_path; must lie under a "
-        "--data-root (default: runs/eval under the first --data-root)",
-    )
-    group.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=256,
-        help="largest batch_size a request may ask for (default 256)",
-    )
-    group.add_argument(
-        "--max-new-tokens-limit",
-        type=int,
-        default=4096,
-        help="largest max_new_tokens a request may ask for (default 4096)",
-    )
-    group.add_argument(
-        "--allow-unsafe-code-execution",
-        action="store_true",
-        help="run HumanEval's generated code even where this host cannot sandbox it in "
-        "namespaces (then only rlimits and a separate uid contain it); see docs/security.md",
+    # a string, so that an empty --output-root is told apart from "." (it means the default)
+    specs = {"output_root": FlagSpec(metavar="DIR", extra={"type": str})}
+    add_service_flags(
+        parser, EvaluatorServiceConfig, "evaluator service", "request paths", FLAGS, specs
     )
 
 
 def from_args(args: argparse.Namespace) -> EvaluatorServiceConfig:
-    """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = data_roots_from_args(args)
-    return EvaluatorServiceConfig(
-        data_roots=roots,
-        output_root=Path(args.output_root) if args.output_root else None,
-        max_batch_size=args.max_batch_size,
-        max_new_tokens_limit=args.max_new_tokens_limit,
-        allow_unsafe_code_execution=args.allow_unsafe_code_execution,
-    )
+    """Builds (and so validates) the config from the flags `add_flags` added (an empty
+    --output-root means the default, as no flag does)."""
+    args.output_root = args.output_root or None
+    return service_config(args, EvaluatorServiceConfig)

@@ -105,6 +105,26 @@ class JudgeModels:
         self.reward.close()
 
 
+def results_settings(
+    model_kind: str, model_args: str, config: EvalConfig, judges: JudgeModels | None
+) -> dict[str, Any]:
+    """The run's settings as results.json's "config" records them (lm-eval's names)."""
+    settings: dict[str, Any] = {
+        "model": model_kind,
+        "model_args": model_args,
+        "batch_size": config.batch_size,
+        "limit": config.limit,
+        "random_seed": config.seed,
+        "fewshot_seed": config.seed,
+        "num_samples": config.num_samples,
+        "temperature": config.temperature if config.num_samples > 1 else None,
+    }
+    if judges is not None:
+        settings["reference_args"] = judges.reference.name
+        settings["reward_args"] = judges.reward.name
+    return settings
+
+
 @dataclass
 class PreparedTask:
     """A task's loaded docs and, per doc, its requests as (cache key, arguments)."""
@@ -262,18 +282,8 @@ def _answer_win_rate(
     ]
 
 
-def evaluate(
-    config: EvalConfig,
-    model: LanguageModel,
-    *,
-    judges: JudgeModels | None = None,
-    progress: Progress | None = None,
-    cancelled: Callable[[], bool] = lambda: False,
-    show_bar: bool | None = None,
-) -> list[TaskOutcome]:
-    """Evaluate every selected task; returns per-task outcomes (scores and samples). `judges`
-    are the reference and reward model of the win-rate task, required by it and refused
-    without it."""
+def _prepare_all(config: EvalConfig) -> list[PreparedTask]:
+    """Every selected task's requests; a group's subtasks without data are left out (warned)."""
     prepared = []
     skipped: dict[str, list[str]] = {}
     for task, explicit in resolve_with_origin(list(config.tasks)):
@@ -291,6 +301,50 @@ def evaluate(
             "%s: %d subtask(s) without data under %s are left out of the group (%s)",
             group, len(names), config.task_data_path, shown,
         )  # fmt: skip
+    return prepared
+
+
+def _task_cache(
+    root: Path, name: str, fingerprint: str, judges: JudgeModels | None
+) -> ResponseCache:
+    """The response cache of task `name`; a judged task's is keyed by all three models."""
+    if judges is None:
+        return ResponseCache(root, fingerprint, name)
+    # The answers depend on all three models: a different one misses the cache.
+    key = f"{fingerprint}|{judges.reference.fingerprint}|{judges.reward.fingerprint}"
+    return ResponseCache(root, key, name)
+
+
+def _responses(
+    item: PreparedTask,
+    model: LanguageModel,
+    judges: JudgeModels | None,
+    cache: ResponseCache,
+    config: EvalConfig,
+    on_batch: Callable[[int], None],
+    cancelled: Callable[[], bool],
+) -> list[list[Any]]:
+    """Every request of `item` answered (from `cache` where it can), per doc; `judges` given
+    for the win-rate task."""
+    if judges is not None:
+        return _answer_win_rate(item, model, judges, cache, config.batch_size, on_batch, cancelled)
+    _answer(item, model, cache, config.batch_size, on_batch, cancelled)
+    return [[cache.get(key) for key, _ in r] for r in item.requests]
+
+
+def evaluate(
+    config: EvalConfig,
+    model: LanguageModel,
+    *,
+    judges: JudgeModels | None = None,
+    progress: Progress | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+    show_bar: bool | None = None,
+) -> list[TaskOutcome]:
+    """Evaluate every selected task; returns per-task outcomes (scores and samples). `judges`
+    are the reference and reward model of the win-rate task, required by it and refused
+    without it."""
+    prepared = _prepare_all(config)
     if any(isinstance(item.task, HumanEval) for item in prepared):
         # Refuse before any completion is generated where the code could not be contained.
         require_isolation(config.allow_unsafe_code_execution)
@@ -315,13 +369,7 @@ def evaluate(
     for index, item in enumerate(prepared):
         name = item.task.name
         judged = item.task.output_type == REWARD_WIN_RATE and judges is not None
-        if judged:
-            assert judges is not None
-            # The answers depend on all three models: a different one misses the cache.
-            key = f"{fingerprint}|{judges.reference.fingerprint}|{judges.reward.fingerprint}"
-            cache = ResponseCache(cache_root, key, name)
-        else:
-            cache = ResponseCache(cache_root, fingerprint, name)
+        cache = _task_cache(cache_root, name, fingerprint, judges if judged else None)
         done += sum(1 for r in item.requests for key, _ in r if key in cache)
         bar(done)
 
@@ -336,14 +384,8 @@ def evaluate(
             progress(name, index, len(prepared), done, total)
         start = time.perf_counter()
         try:
-            if judged:
-                assert judges is not None
-                responses = _answer_win_rate(
-                    item, model, judges, cache, config.batch_size, on_batch, cancelled
-                )
-            else:
-                _answer(item, model, cache, config.batch_size, on_batch, cancelled)
-                responses = [[cache.get(key) for key, _ in r] for r in item.requests]
+            responses = _responses(item, model, judges if judged else None, cache, config,
+                                   on_batch, cancelled)  # fmt: skip
         finally:
             cache.close()
         outcomes.append(

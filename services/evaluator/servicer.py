@@ -12,6 +12,7 @@ import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -26,6 +27,7 @@ from services.common.errors import (
     NotFound,
     Validator,
 )
+from services.common.field_checks import check_range, check_ranges
 from services.common.jobs import JobRunner, operation_id
 from services.common.operation_jobs import OperationHandle
 from services.common.operations import OperationsStore
@@ -40,8 +42,10 @@ from services.evaluator.runner import (
     DEFAULT_TEMPERATURE,
     EvalConfig,
     JudgeModels,
+    Progress,
     check_judge_kinds,
     evaluate,
+    results_settings,
 )
 from services.evaluator.sandbox.runner import (
     UNSAFE_FLAG,
@@ -73,6 +77,30 @@ def check_fields(
     """Raises InvalidArgument naming every malformed field."""
     check = Validator()
     tasks = list(request.tasks)
+    _check_task_names(check, tasks)
+    check.require(bool(request.task_data_path), "task_data_path", "must not be empty")
+    check_ranges(
+        check,
+        request,
+        {
+            "num_fewshot": (0, _MAX_FEWSHOT),
+            "limit": (1, None),
+            "batch_size": (1, config.max_batch_size),
+            "max_new_tokens": (1, config.max_new_tokens_limit),
+        },
+    )
+    _check_sampling(check, request, tasks)
+    which = request.WhichOneof("model")
+    if which is None:
+        check.require(False, "model", "set endpoint (host:port) or local (load_dir + load_format)")
+    else:
+        _check_model(check, request, which, "")
+    _check_judges(check, request, "rm_win_rate" in tasks)
+    check.raise_if_any()
+
+
+def _check_task_names(check: Validator, tasks: list[str]) -> None:
+    """At least one task, each a well-formed name, none twice (known names: `_start_job`)."""
     check.require(bool(tasks), "tasks", "give at least one task name (ListTasks lists them)")
     for i, task in enumerate(tasks):
         check.require(
@@ -81,33 +109,14 @@ def check_fields(
             f"{task!r} is not a task name (lower case letters, digits, _ . -)",
         )
     check.require(len(set(tasks)) == len(tasks), "tasks", "task names must be distinct")
-    check.require(bool(request.task_data_path), "task_data_path", "must not be empty")
-    if request.HasField("num_fewshot"):
-        check.require(
-            0 <= request.num_fewshot <= _MAX_FEWSHOT,
-            "num_fewshot",
-            f"must be in [0, {_MAX_FEWSHOT}], got {request.num_fewshot}",
-        )
-    if request.HasField("limit"):
-        check.require(request.limit >= 1, "limit", f"must be >= 1, got {request.limit}")
-    if request.HasField("batch_size"):
-        check.require(
-            1 <= request.batch_size <= config.max_batch_size,
-            "batch_size",
-            f"must be in [1, {config.max_batch_size}], got {request.batch_size}",
-        )
-    if request.HasField("max_new_tokens"):
-        check.require(
-            1 <= request.max_new_tokens <= config.max_new_tokens_limit,
-            "max_new_tokens",
-            f"must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}",
-        )
+
+
+def _check_sampling(
+    check: Validator, request: evaluator_pb2.StartEvaluationRequest, tasks: list[str]
+) -> None:
+    """num_samples and temperature: HumanEval's sampled completions only."""
     if request.HasField("num_samples"):
-        check.require(
-            1 <= request.num_samples <= _MAX_NUM_SAMPLES,
-            "num_samples",
-            f"must be in [1, {_MAX_NUM_SAMPLES}], got {request.num_samples}",
-        )
+        check_range(check, request, "num_samples", 1, _MAX_NUM_SAMPLES)
         check.require(
             request.num_samples <= 1 or "humaneval" in tasks,
             "num_samples",
@@ -126,12 +135,12 @@ def check_fields(
             "only applies to sampled completions (num_samples > 1); leave it unset for greedy "
             "decoding",
         )
-    which = request.WhichOneof("model")
-    if which is None:
-        check.require(False, "model", "set endpoint (host:port) or local (load_dir + load_format)")
-    else:
-        _check_model(check, request, which, "")
-    win_rate = "rm_win_rate" in tasks
+
+
+def _check_judges(
+    check: Validator, request: evaluator_pb2.StartEvaluationRequest, win_rate: bool
+) -> None:
+    """rm_win_rate's reference and reward model: both required by it, refused without it."""
     for role, why in (
         ("reference", "the causal LM the evaluated model is compared with"),
         ("reward", "the reward model that judges both answers"),
@@ -151,7 +160,6 @@ def check_fields(
             )
         else:
             _check_model(check, request, chosen, f"{role}_")
-    check.raise_if_any()
 
 
 def _check_model(
@@ -353,51 +361,10 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         self, request: evaluator_pb2.StartEvaluationRequest, output: Path, handle: OperationHandle
     ) -> evaluator_pb2.EvaluationResult:
         start = time.time()
-        config = EvalConfig(
-            tasks=tuple(request.tasks),
-            task_data_path=self._config.resolve(request.task_data_path, "task_data_path"),
-            output_path=output,
-            num_fewshot=request.num_fewshot if request.HasField("num_fewshot") else None,
-            limit=request.limit if request.HasField("limit") else None,
-            batch_size=request.batch_size if request.HasField("batch_size") else DEFAULT_BATCH_SIZE,
-            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
-            seed=request.seed if request.HasField("seed") else DEFAULT_SEED,
-            num_samples=request.num_samples if request.HasField("num_samples") else 1,
-            temperature=request.temperature
-            if request.HasField("temperature")
-            else DEFAULT_TEMPERATURE,
-            allow_unsafe_code_execution=self._config.allow_unsafe_code_execution,
-        )
-
-        def on_progress(task: str, done: int, total: int, req_done: int, req_total: int) -> None:
-            metadata = evaluator_pb2.EvaluationMetadata(
-                request=request,
-                current_task=task,
-                tasks_done=done,
-                tasks_total=total,
-                requests_done=req_done,
-                requests_total=req_total,
-            )
-            handle.progress(req_done, req_total, unit="requests", message=task, metadata=metadata)
-
+        config = self._eval_config(request, output)
         try:
             self._config.resolve(str(output), "output_path")
-            model = self._open_model(request)
-            judges: JudgeModels | None = None
-            try:
-                judges = self._open_judges(request)
-                outcomes = evaluate(
-                    config,
-                    model,
-                    judges=judges,
-                    progress=on_progress,
-                    cancelled=handle.cancel_requested.is_set,
-                    show_bar=False,
-                )
-            finally:
-                model.close()
-                if judges is not None:
-                    judges.close()
+            outcomes, model_name, judges = self._evaluate(request, config, handle)
         except InterruptedError:
             raise Cancelled(f"{handle.name} was cancelled") from None
         except SandboxUnavailable as exc:
@@ -412,28 +379,64 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         except ConnectionError as exc:
             handle.fail(grpc.StatusCode.UNAVAILABLE, str(exc))
             return evaluator_pb2.EvaluationResult()
-        settings = {
-            "model": "meshline-grpc" if request.WhichOneof("model") == "endpoint" else "local",
-            "model_args": model.name,
-            "batch_size": config.batch_size,
-            "limit": config.limit,
-            "random_seed": config.seed,
-            "fewshot_seed": config.seed,
-            "num_samples": config.num_samples,
-            "temperature": config.temperature if config.num_samples > 1 else None,
-        }
-        if judges is not None:
-            settings["reference_args"] = judges.reference.name
-            settings["reward_args"] = judges.reward.name
+        kind = "meshline-grpc" if request.WhichOneof("model") == "endpoint" else "local"
+        settings = results_settings(kind, model_name, config, judges)
         # Written through the folder opened beneath its data root: a folder swapped for a
         # symlink meanwhile is refused (PERMISSION_DENIED), never followed.
         path, _ = write_results(output, outcomes, settings, start, self._config.data_roots)
         return evaluator_pb2.EvaluationResult(
             results=_task_results(outcomes),
             results_path=str(path),
-            model=model.name,
+            model=model_name,
             elapsed_seconds=time.time() - start,
         )
+
+    def _eval_config(
+        self, request: evaluator_pb2.StartEvaluationRequest, output: Path
+    ) -> EvalConfig:
+        """The run the request asks for, unset fields at their defaults."""
+
+        def given(field: str, default: Any) -> Any:
+            return getattr(request, field) if request.HasField(field) else default
+
+        return EvalConfig(
+            tasks=tuple(request.tasks),
+            task_data_path=self._config.resolve(request.task_data_path, "task_data_path"),
+            output_path=output,
+            num_fewshot=given("num_fewshot", None),
+            limit=given("limit", None),
+            batch_size=given("batch_size", DEFAULT_BATCH_SIZE),
+            max_new_tokens=given("max_new_tokens", None),
+            seed=given("seed", DEFAULT_SEED),
+            num_samples=given("num_samples", 1),
+            temperature=given("temperature", DEFAULT_TEMPERATURE),
+            allow_unsafe_code_execution=self._config.allow_unsafe_code_execution,
+        )
+
+    def _evaluate(
+        self,
+        request: evaluator_pb2.StartEvaluationRequest,
+        config: EvalConfig,
+        handle: OperationHandle,
+    ) -> tuple[list[TaskOutcome], str, JudgeModels | None]:
+        """The outcomes, the evaluated model's name and the judges (closed by then)."""
+        model = self._open_model(request)
+        judges: JudgeModels | None = None
+        try:
+            judges = self._open_judges(request)
+            outcomes = evaluate(
+                config,
+                model,
+                judges=judges,
+                progress=_progress_to(handle, request),
+                cancelled=handle.cancel_requested.is_set,
+                show_bar=False,
+            )
+        finally:
+            model.close()
+            if judges is not None:
+                judges.close()
+        return outcomes, model.name, judges
 
     def _open_model(
         self, request: evaluator_pb2.StartEvaluationRequest, role: str = ""
@@ -508,6 +511,25 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
                 )
             )
         return infos
+
+
+def _progress_to(
+    handle: OperationHandle, request: evaluator_pb2.StartEvaluationRequest
+) -> Progress:
+    """The `evaluate` progress callback that reports EvaluationMetadata on the operation."""
+
+    def on_progress(task: str, done: int, total: int, req_done: int, req_total: int) -> None:
+        metadata = evaluator_pb2.EvaluationMetadata(
+            request=request,
+            current_task=task,
+            tasks_done=done,
+            tasks_total=total,
+            requests_done=req_done,
+            requests_total=req_total,
+        )
+        handle.progress(req_done, req_total, unit="requests", message=task, metadata=metadata)
+
+    return on_progress
 
 
 def _metrics(scores: dict[str, float], stderrs: dict[str, float]) -> list[evaluator_pb2.Metric]:

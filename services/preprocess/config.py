@@ -6,7 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.common.data_roots import DataRootsConfig, add_data_root_flag, data_roots_from_args
+from services.common.data_roots import DataRootsConfig
+from services.common.service_flags import add_service_flags, service_config
 
 DEFAULT_PORT = 50051
 
@@ -17,7 +18,8 @@ class PreprocessServiceConfig(DataRootsConfig):
     `data_roots`) and how much it may use."""
 
     max_workers: int = max(1, os.cpu_count() or 1)
-    """Largest `workers` a request may ask for (tokeniser processes per job)."""
+    """Largest `workers` a request may ask for (tokeniser processes per job; default: the CPU
+    count)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -27,18 +29,11 @@ class PreprocessServiceConfig(DataRootsConfig):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the preprocess service's own flags to its `serve` parser."""
-    d = PreprocessServiceConfig()
-    group = parser.add_argument_group("preprocess service")
-    add_data_root_flag(group, "request paths")
-    group.add_argument(
-        "--max-workers",
-        type=int,
-        default=d.max_workers,
-        help=f"most tokeniser worker processes one job may ask for (default {d.max_workers})",
+    add_service_flags(
+        parser, PreprocessServiceConfig, "preprocess service", "request paths", ("max_workers",)
     )
 
 
 def from_args(args: argparse.Namespace) -> PreprocessServiceConfig:
     """Builds (and so validates) the config from the flags `add_flags` added."""
-    roots = data_roots_from_args(args)
-    return PreprocessServiceConfig(data_roots=roots, max_workers=args.max_workers)
+    return service_config(args, PreprocessServiceConfig)

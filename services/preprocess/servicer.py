@@ -26,6 +26,7 @@ from services.common.errors import (
     Validator,
     invalid_argument_from,
 )
+from services.common.field_checks import check_range
 from services.common.jobs import JobRunner
 from services.common.operation_jobs import OperationHandle
 from services.common.operations import OperationsStore
@@ -109,18 +110,8 @@ def check_fields(
             f"{key!r} is not a record key (letters, digits, _ . -)",
         )
     check.require(len(set(keys)) == len(keys), "json_keys", "keys must be distinct")
-    if request.HasField("workers"):
-        check.require(
-            1 <= request.workers <= config.max_workers,
-            "workers",
-            f"must be in [1, {config.max_workers}] (the server's --max-workers), got {request.workers}",
-        )
-    if request.HasField("seq_length"):
-        check.require(
-            1 <= request.seq_length <= _MAX_SEQ_LENGTH,
-            "seq_length",
-            f"must be in [1, {_MAX_SEQ_LENGTH}], got {request.seq_length}",
-        )
+    check_range(check, request, "workers", 1, config.max_workers, " (the server's --max-workers)")
+    check_range(check, request, "seq_length", 1, _MAX_SEQ_LENGTH)
     check.require(
         not request.pack or request.HasField("seq_length"),
         "seq_length",

@@ -223,6 +223,8 @@ def _run_one(
     except ValueError as exc:
         return TrialResult(trial, "invalid", note=str(exc))
     directory.mkdir(parents=True, exist_ok=True)
+    # The metrics writer appends: rows of an earlier tuning in the same folder must not count.
+    (directory / "metrics.csv").unlink(missing_ok=True)
     start = time.monotonic()
     ran = run_trial(job, directory, section.autotune_trial_timeout)
     seconds = time.monotonic() - start
@@ -337,11 +339,12 @@ def write_report(result: AutotuneResult, path: Path) -> None:
     """autotune.json: every trial with its measure, and the pick."""
 
     def row(t: TrialResult) -> dict:
-        return {**dataclasses.asdict(t.trial), **dataclasses.asdict(t) | {"trial": None}}
+        outcome = {k: v for k, v in dataclasses.asdict(t).items() if k != "trial"}
+        return {**dataclasses.asdict(t.trial), **outcome}
 
     data = {
         "metric": "tokens_per_s per device, steps after the warm-up",
-        "trials": [{k: v for k, v in row(t).items() if k != "trial"} for t in result.trials],
+        "trials": [row(t) for t in result.trials],
         "best": None if result.best is None else dataclasses.asdict(result.best.trial),
     }
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

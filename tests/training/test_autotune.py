@@ -171,3 +171,11 @@ def test_settings_are_checked_by_flag_name():
         parse_args(
             [*BASE, "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8"]
         ).validate(1)
+
+
+def test_a_second_tuning_in_the_same_folder_measures_afresh(tmp_path):
+    config = parse_args([*BASE, "--autotune-num-micro-batch-sizes", "1"])
+    first = autotune.tune(config, 1, FakeJobs({(8, 0): (100.0, 0.1)}), tmp_path, print)
+    second = autotune.tune(config, 1, FakeJobs({(8, 0): (700.0, 0.1)}), tmp_path, print)
+    assert first.best.tokens_per_s == pytest.approx(100.0)
+    assert second.best.tokens_per_s == pytest.approx(700.0)

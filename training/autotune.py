@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 from training.autotune_section import AutotuneSection
 from training.config import TrainingConfig
@@ -34,6 +34,8 @@ from training.metrics import read_csv
 
 C = TypeVar("C", bound=TrainingConfig)
 Status = Literal["ok", "over memory", "failed", "timed out", "invalid", "skipped", "not run"]
+ZeroStage = Literal[0, 1, 2, 3]
+Granularity = Literal["full", "selective"]
 DEFAULT_MAX_MICRO_BATCH = 8
 """Largest micro-batch size tried when neither the flag nor a global batch bounds it."""
 
@@ -156,9 +158,11 @@ def apply(config: C, trial: Trial) -> C:
     keep_full = trial.recompute == "full" and par.recompute_granularity == "full"
     parallel = dataclasses.replace(
         par,
-        zero_stage=trial.zero_stage,
+        zero_stage=cast(ZeroStage, trial.zero_stage),
         use_distributed_optimizer=False,
-        recompute_granularity=None if trial.recompute == "none" else trial.recompute,
+        recompute_granularity=(
+            None if trial.recompute == "none" else cast(Granularity, trial.recompute)
+        ),
         recompute_method=par.recompute_method if keep_full else None,
         recompute_num_layers=par.recompute_num_layers if keep_full else None,
     )

@@ -62,6 +62,31 @@ def test_autotune_picks_the_measured_fastest_and_trains_with_it(tmp_path):
     assert run["step"] == [1.0, 2.0, 3.0] and set(run["global_batch"]) == {float(fastest)}
 
 
+@pytest.mark.slow
+def test_trials_over_the_memory_limit_or_the_timeout_are_rejected(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHLINE_DEVICE": "cpu"}
+    one = ["--autotune", "--autotune-num-micro-batch-sizes", "1", "--autotune-warmup-steps", "1",
+           "--autotune-steps", "1"]  # fmt: skip
+    for extra, status in (
+        (["--autotune-memory-limit", "1MiB"], "over memory"),
+        (["--autotune-trial-timeout", "0.5"], "timed out"),
+    ):
+        tuning = tmp_path / status.replace(" ", "_")
+        command = [sys.executable, "-m", "services.trainer.cli", *FLAGS, *one, *extra]
+        done = subprocess.run(
+            [*command, "--autotune-dir", str(tuning)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "no trial was accepted" in done.stderr and f"  {status}: " in done.stdout
+        report = json.loads((tuning / "autotune.json").read_text())
+        assert [t["status"] for t in report["trials"]] == [status] and report["best"] is None
+        assert not (tuning / "chosen").exists()
+
+
 def test_dry_run_lists_the_points_and_bad_layouts_are_refused_before_any_trial(capsys):
     argv = [*FLAGS, "--autotune", "--autotune-zero-stages", "0", "3", "--dry-run",
             "--world-size", "2", "--autotune-num-micro-batch-sizes", "2"]  # fmt: skip

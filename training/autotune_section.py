@@ -15,15 +15,15 @@ MAX_TRIAL_STEPS = 1000
 
 def parse_size(text: str, flag: str) -> int:
     """`1100MiB`, `64GiB`, `1.5 GB` or a plain byte count -> bytes; ValueError naming `flag`."""
-    import re
+    from models.memory import parse_bytes
 
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-    units |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in units or float(match.group(1)) <= 0:
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
         raise ValueError(f"{flag} {text!r}: give a positive size such as 1100MiB, 64GiB or 80GB")
-    return int(float(match.group(1)) * units[unit])
+    return size
 
 
 @dataclass

@@ -205,6 +205,12 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             grad = slot.full.grad
             slot.shard.grad = None if grad is None else slot.local_rows(_grad_like(grad, slot))
         self.inner.step()
+        # The chunks' gradients are views of the full gradients: left set, they would keep every
+        # full gradient alive through the next forward and backward (a caller may clear only the
+        # model's `.grad`, as PrecisionOptimizer does), one replicated fp32 copy of the model
+        # that cancelled the halved optimizer state at the peak (bench/RESULTS.md).
+        for slot in self.slots:
+            slot.shard.grad = None
         self._all_gather_parameters()
         return None
 

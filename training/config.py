@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Self
 from models.model_states import OFFLOAD_OPTIMIZERS
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import check_seq_length, check_world_size
+from training.autotune_section import AutotuneSection
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from training.finetune import PeftSection, check
 from training.fp8 import check_fp8
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from models.config import ModelConfig
 
 __all__ = [
+    "AutotuneSection",
     "BatchSection",
     "DataSection",
     "ModelSection",
@@ -64,6 +66,8 @@ class TrainingConfig:
     """Parameter-efficient fine-tuning (LoRA, BitFit, prefix)."""
     rl: RLSection = field(default_factory=RLSection)
     """Online RL: rollouts, rewards, GRPO and PPO settings (--stage grpo|ppo)."""
+    autotune: AutotuneSection = field(default_factory=AutotuneSection)
+    """--autotune: measured trials of micro-batch, ZeRO stage and recompute before the run."""
 
     def model_config(self, tokenizer_vocab: int | None = None) -> ModelConfig:
         """The `models` config to train: --model from the registry with the shape flags, its
@@ -112,6 +116,11 @@ class TrainingConfig:
                 f"{dp}; use a multiple of {mbs * dp}"
             )
         if self.batch.rampup_batch_size is not None:
+            if self.autotune.autotune:
+                raise ValueError(
+                    "--autotune measures a few steps at one global batch; with "
+                    "--rampup-batch-size those steps are not the run's: drop one of them"
+                )
             start, increment, _ = self.batch.rampup_batch_size
             if gbs is None:
                 raise ValueError(

@@ -43,6 +43,20 @@ def _launcher_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _autotune_plan(train_argv: list[str], world_size: int) -> int:
+    """A dry run of `--autotune` also lists the points the trials would try."""
+    config = parse_args(train_argv, read_files=True)
+    if config.autotune.autotune:
+        from services.trainer.autotune_launch import plan_text
+
+        try:
+            print(plan_text(config, world_size))
+        except ValueError as exc:
+            print(f"meshline train: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to an in-process run or a torchrun launch."""
     argv = sys.argv[1:] if argv is None else argv
@@ -62,25 +76,40 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"meshline train: {exc}", file=sys.stderr)
             return 2
-        return dry_run.main(
+        code = dry_run.main(
             train_argv,
             world_size,
             launch_args.dry_run_report,
             launch_args.device_memory,
             launch_args.nproc_per_node,
         )
-    if launch_args.nproc_per_node is None and launch_args.nnodes == "1":
+        return code or _autotune_plan(train_argv, world_size)
+    try:
+        config = parse_args(train_argv, read_files=True)
+    except ValueError as exc:
+        print(f"meshline train: {exc}", file=sys.stderr)
+        return 2
+    in_place = launch_args.nproc_per_node is None and launch_args.nnodes == "1"
+    if in_place and not config.autotune.autotune:
         from services.trainer import train
 
         return train.main(train_argv)
     try:
-        config = parse_args(train_argv, read_files=True)
         nodes = int(str(launch_args.nnodes).split(":")[-1])
         world_size = (launch_args.nproc_per_node or 1) * nodes
+        if config.autotune.autotune and launch_args.nnodes != "1":
+            raise ValueError(
+                "--autotune runs its trials on this node: tune with --nnodes 1 (the same "
+                "processes per node), then pass the chosen flags to the multi-node job"
+            )
         config.validate(world_size)
         check_paths(config)  # one line before any worker starts
         check_inputs(config)
         check_model_layout(config, world_size)
+        if config.autotune.autotune:
+            from services.trainer import autotune_launch
+
+            return autotune_launch.run(config, world_size)
         return launch(
             train_argv,
             launch_args.nproc_per_node or 1,

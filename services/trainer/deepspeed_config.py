@@ -1107,7 +1107,100 @@ _TOP: dict[str, Handler] = {
         "Weights & Biases is not supported: use --log-dir (metrics.csv and TensorBoard)"
     ),
     "comet": _feature("Comet is not supported: use --log-dir (metrics.csv and TensorBoard)"),
-    "autotuning": _feature("use `meshline estimate` to rank layouts"),
+    # `meshline train --autotune` (training.autotune): measured trials, the fastest that fits.
+    "autotuning": lambda ctx, path, value: (
+        ctx.same_all(path, value, "autotuning is off (DeepSpeed's default), as without --autotune")
+        if _dict(path, value).get("enabled", False) is False
+        else _block(
+            {
+                "enabled": lambda c, p, v: c.set(p, v, "autotune", _bool(p, v)),
+                "fast": _only(
+                    True,
+                    "the micro-batch size and ZeRO stage are tuned (and --autotune-recompute)",
+                    "fast: false also tunes ZeRO's bucket and overlap knobs, which Meshline's "
+                    "autotuner does not; set true",
+                ),
+                "metric": _only(
+                    "throughput",
+                    "trials are ranked by measured tokens/s",
+                    "Meshline ranks trials by measured throughput (tokens/s); set throughput",
+                ),
+                "start_profile_step": lambda c, p, v: c.set(
+                    p, v, "autotune_warmup_steps", _number(p, v, integer=True)
+                ),
+                "end_profile_step": lambda c, p, v: c.set(
+                    p,
+                    v,
+                    "autotune_steps",
+                    _number(
+                        p,
+                        v,
+                        lo=_number(
+                            f"{path}.start_profile_step",
+                            value.get("start_profile_step", 3),
+                            integer=True,
+                        )
+                        + 1,
+                        integer=True,
+                    )
+                    - _number(
+                        f"{path}.start_profile_step",
+                        value.get("start_profile_step", 3),
+                        integer=True,
+                    ),
+                    "measured steps: end_profile_step - start_profile_step",
+                ),
+                "num_tuning_micro_batch_sizes": lambda c, p, v: c.set(
+                    p, v, "autotune_num_micro_batch_sizes", _number(p, v, lo=1, integer=True)
+                ),
+                "min_train_micro_batch_size_per_gpu": lambda c, p, v: c.set(
+                    p, v, "autotune_min_micro_batch_size", _number(p, v, lo=1, integer=True)
+                ),
+                "max_train_micro_batch_size_per_gpu": lambda c, p, v: c.set(
+                    p, v, "autotune_max_micro_batch_size", _number(p, v, lo=1, integer=True)
+                ),
+                "tuner_num_trials": lambda c, p, v: c.set(
+                    p, v, "autotune_max_trials", _number(p, v, lo=1, integer=True)
+                ),
+                "tuner_early_stopping": lambda c, p, v: c.set(
+                    p, v, "autotune_early_stopping", _number(p, v, integer=True)
+                ),
+                "tuner_type": _only(
+                    "gridsearch",
+                    "the grid is run in order",
+                    "Meshline runs the grid in order (gridsearch); random and model_based "
+                    "are not implemented",
+                ),
+                "results_dir": lambda c, p, v: (
+                    c.set(p, v, "autotune_dir", v)
+                    if isinstance(v, str) and v and "\x00" not in v
+                    else c.refuse(p, v, "expected a directory path")
+                ),
+                "exps_dir": _refuse(
+                    "each trial's config, log and metrics go into results_dir "
+                    "(--autotune-dir); drop exps_dir"
+                ),
+                "overwrite": _only(
+                    True,
+                    "every trial is run again",
+                    "Meshline reruns every trial (earlier measurements are not reused); set true",
+                ),
+                "mp_size": _only(1, "no model parallelism", "use --tensor-model-parallel-size N"),
+                **{
+                    key: _only(None, "unset, as Meshline", use)
+                    for key, use in (
+                        ("metric_path", "the measures are in results_dir/autotune.json"),
+                        ("arg_mappings", "the tuned settings are Meshline's own flags"),
+                        ("model_info", "Meshline counts the model itself"),
+                        ("model_info_path", "Meshline counts the model itself"),
+                        ("max_train_batch_size", "use --autotune-max-micro-batch-size"),
+                        ("min_train_batch_size", "use --autotune-min-micro-batch-size"),
+                    )
+                },
+            },
+            "autotuning",
+        )(ctx, path, value)
+    ),
     "elasticity": _feature("elastic batch sizes are not supported: fix --global-batch-size"),
     "aio": _block(
         {

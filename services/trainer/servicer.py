@@ -130,6 +130,12 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
         raise InvalidArgument("args", lines[-1] if lines else "not valid training flags") from None
     except ValueError as exc:
         raise InvalidArgument("args", str(exc)) from exc
+    if config.autotune.autotune:
+        raise InvalidArgument(
+            "args",
+            "--autotune runs trial jobs before the run, which `meshline train --autotune` "
+            "does; send the flags it picks (its autotune.json) instead",
+        )
     config = confine_config(config, roots)
     try:
         check_inputs(config)

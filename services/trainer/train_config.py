@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from models.registry import get_config
 from services.trainer.model_arch import ArchSection, check_against_model, megatron_fields
 from training.config import (
+    AutotuneSection,
     BatchSection,
     DataSection,
     ModelSection,
@@ -58,6 +59,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelSection,
     "peft": PeftSection,
     "rl": RLSection,
+    "autotune": AutotuneSection,
 }
 
 

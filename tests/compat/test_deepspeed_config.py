@@ -327,3 +327,41 @@ def test_dry_run_prints_the_table_of_a_refused_file(capsys):
     assert "zero_optimization.offload_param.nvme_path" in captured.out
     assert "refused: parameter offload to NVMe is not implemented" in captured.out
     assert "key(s) refused" in captured.err
+
+
+def test_the_autotuning_block_maps_onto_meshline_autotune(tmp_path):
+    # DeepSpeed's autotuning tutorial block, with the values Meshline's autotuner implements.
+    ds = {"train_micro_batch_size_per_gpu": "auto",
+          "autotuning": {"enabled": True, "fast": True, "metric": "throughput",
+                         "results_dir": str(tmp_path / "tuning"), "overwrite": True,
+                         "start_profile_step": 2, "end_profile_step": 5,
+                         "num_tuning_micro_batch_sizes": 2, "tuner_type": "gridsearch",
+                         "tuner_early_stopping": 4, "tuner_num_trials": 9,
+                         "min_train_micro_batch_size_per_gpu": 2,
+                         "max_train_micro_batch_size_per_gpu": 16, "mp_size": 1,
+                         "max_train_batch_size": None, "arg_mappings": None}}  # fmt: skip
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    config = parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True)
+    section = config.autotune
+    assert section.autotune and section.autotune_dir == str(tmp_path / "tuning")
+    assert (section.autotune_warmup_steps, section.autotune_steps) == (2, 3)
+    assert (section.autotune_min_micro_batch_size, section.autotune_max_micro_batch_size) == (2, 16)
+    assert section.autotune_num_micro_batch_sizes == 2 and section.autotune_max_trials == 9
+    assert section.autotune_early_stopping == 4
+    mapping = deepspeed_config.map_config(ds, {})
+    assert not mapping.refused() and {r.key for r in mapping.rows} >= set(_leaves("", ds))
+    # Off (DeepSpeed's default when `enabled` is absent): every key is the same, nothing set.
+    for block in ({"enabled": False, "tuner_type": "model_based"}, {"fast": False}):
+        off = deepspeed_config.map_config({"autotuning": block}, {})
+        assert not off.fields and {r.status for r in off.rows} == {"same"}
+    for key, value, use in (("tuner_type", "model_based", "gridsearch"),
+                            ("exps_dir", "exps", "results_dir"), ("fast", False, "set true"),
+                            ("metric", "latency", "throughput")):  # fmt: skip
+        refused = deepspeed_config.map_config({"autotuning": {"enabled": True, key: value}}, {})
+        assert [r.key for r in refused.refused()] == [f"autotuning.{key}"]
+        assert use in refused.refused()[0].setting
+    with pytest.raises(ValueError, match=r"autotuning\.end_profile_step"):
+        deepspeed_config.map_config(
+            {"autotuning": {"enabled": True, "start_profile_step": 4, "end_profile_step": 4}}, {}
+        )

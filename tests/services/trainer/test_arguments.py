@@ -182,6 +182,19 @@ NON_DEFAULT = {
     "cliprange": ("--cliprange", "0.1"),
     "cliprange_value": ("--cliprange-value", "0.3"),
     "vf_coef": ("--vf-coef", "0.2"),
+    "autotune": ("--autotune",),
+    "autotune_min_micro_batch_size": ("--autotune-min-micro-batch-size", "2"),
+    "autotune_max_micro_batch_size": ("--autotune-max-micro-batch-size", "16"),
+    "autotune_num_micro_batch_sizes": ("--autotune-num-micro-batch-sizes", "2"),
+    "autotune_zero_stages": ("--autotune-zero-stages", "1", "3"),
+    "autotune_recompute": ("--autotune-recompute", "none", "full"),
+    "autotune_warmup_steps": ("--autotune-warmup-steps", "1"),
+    "autotune_steps": ("--autotune-steps", "4"),
+    "autotune_max_trials": ("--autotune-max-trials", "7"),
+    "autotune_early_stopping": ("--autotune-early-stopping", "0"),
+    "autotune_memory_limit": ("--autotune-memory-limit", "2GiB"),
+    "autotune_trial_timeout": ("--autotune-trial-timeout", "30"),
+    "autotune_dir": ("--autotune-dir", "tuning"),
 }
 
 

@@ -54,7 +54,7 @@ def _hf_train_step(config: Any, bf16: bool) -> Any:
     """HF LlamaForCausalLM on the same batches, torch fused AdamW, same clipping."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    # only the stack this worker measures: each child's time cap counts its imports
+    # this worker's stack only: every device-check child imports this module
     from models.hf_adapters import hf_config
     from training.batching import MicroBatchStream
     from training.setup import build_data, build_model_config
@@ -106,7 +106,7 @@ def train_worker(
     """
     from torch._dynamo.utils import counters
 
-    # only the stack this worker measures: each child's time cap counts its imports
+    # this worker's stack only: every device-check child imports this module
     from models.accounting import flops_per_token
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
@@ -170,7 +170,7 @@ class _DecodeSides:
 
     def load(self, dtype: torch.dtype) -> None:
         """HF in `dtype`, and both engines built from its weights."""
-        # only the stack this worker measures: each child's time cap counts its imports
+        # this worker's stack only: every device-check child imports this module
         from engine.engine import Engine, EngineConfig
         from engine.tokens import TokenizerInfo
         from models import build_model

@@ -26,7 +26,11 @@ from torch import nn
 from kernels import device, peak_flops
 from models.accounting import flops_per_token
 from models.config import ModelConfig
+from models.moe import set_aux_loss_scale
+from parallel.adaptive_recompute import AdaptiveRecompute
+from parallel.data_parallel import no_sync
 from parallel.parallel_dims import build_dims
+from parallel.parallelize import ModelParallelFeed
 from parallel.tp_random import tp_seed_offset
 from training import finetune
 from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
@@ -179,8 +183,6 @@ class Trainer(TrainerState):
         self.dp_rank = self.rank
         self.feed = None
         if self.dims.is_model_parallel:
-            from parallel.parallelize import ModelParallelFeed
-
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
 
@@ -235,8 +237,6 @@ class Trainer(TrainerState):
     def _init_auto_recompute(self, config: TrainingConfig) -> None:
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
-            from parallel.adaptive_recompute import AdaptiveRecompute
-
             layers = self.model.layers
             assert isinstance(layers, nn.ModuleDict), "CausalLM keeps its layers in a ModuleDict"
             self.auto_recompute = AdaptiveRecompute(
@@ -357,9 +357,6 @@ class Trainer(TrainerState):
 
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
-        from models.moe import set_aux_loss_scale
-        from parallel.data_parallel import no_sync
-
         self._quantize_base()
         if not self._objective_begun:  # after any --load, before the first step of this process
             self.objective.begin(self.model, self.state.step)

@@ -156,7 +156,7 @@ class Unsupported(Exception):
 
 
 def _check_layer_shapes(
-    lean: DecodeStep, layers: list[tuple[Parts, ...]], hidden: int
+    lean: DecodeStep, layers: list[tuple[Parts, Parts, Parts, Parts]], hidden: int
 ) -> tuple[int, int, int]:
     """(heads, kv heads, ffn size) once every layer's matrices and norms have the sizes the C
     loop trusts (Unsupported otherwise: the lean step runs)."""

@@ -51,6 +51,7 @@ from tests.chaos.test_inference_kills import generate, greedy
 from tests.chaos.test_killed_worker_resume import WorkerKiller, run
 from tests.chaos.test_preprocess_kills import make_corpus, request
 from tests.chaos.test_trainer_lifetime import training_args
+from tests.fixtures.tokenizers import build_sentencepiece
 from tests.services.inference.http_served import make_checkpoint as make_inference_checkpoint
 
 
@@ -140,15 +141,76 @@ def _kill_inference(
     return restarted, problems
 
 
-def kill_round(kills: int, seed: int, base: Path) -> KillReport:
-    """`kills` random SIGKILLs across converter, evaluator, preprocess and trainer jobs and
-    inference streams."""
-    from tests.fixtures.tokenizers import build_sentencepiece
+@dataclass
+class _JobInputs:
+    """What the killed jobs read, made once per round."""
 
-    rng = random.Random(seed)
-    report = KillReport()
-    data = base / "data"
-    data.mkdir()
+    model: Path
+    """The SentencePiece model preprocess tokenizes with."""
+    corpus: Path
+    """The preprocess corpus folder."""
+    source: Path
+    """The HF checkpoint the converter converts."""
+    tasks: Path
+    """The evaluator's task data."""
+    load: Path
+    """The inference checkpoint (served, and the one the evaluator scores)."""
+
+
+def _start_job(
+    which: str, channel: grpc.Channel, rng: random.Random, inputs: _JobInputs, output: Path
+) -> tuple[str, float]:
+    """Start one `which` job writing to `output`; (its operation name, seconds until the kill)."""
+    if which == "preprocess":
+        stub = preprocess_pb2_grpc.PreprocessServiceStub(channel)
+        req = request(Path(inputs.model), inputs.corpus, output)
+        return stub.StartPreprocess(req, timeout=60).operation.name, rng.uniform(0.1, 2.5)
+    if which == "evaluator":
+        estub = evaluator_pb2_grpc.EvaluatorServiceStub(channel)
+        ereq = evaluation(inputs.load, inputs.tasks, output)
+        return estub.StartEvaluation(ereq, timeout=60).operation.name, rng.uniform(0.5, 8.0)
+    if which == "converter":
+        cstub = converter_pb2_grpc.ConverterServiceStub(channel)
+        creq = convert_request(inputs.source, output)
+        return cstub.Convert(creq, timeout=60).operation.name, rng.uniform(0.1, 2.5)
+    tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    treq = trainer_pb2.StartTrainingRequest(args=training_args(output))
+    return tstub.StartTraining(treq, timeout=60).operation.name, rng.uniform(0.5, 15.0)
+
+
+def _check_killed_job(
+    report: KillReport,
+    which: str,
+    tag: str,
+    leftover: list,
+    operation: operations_pb2.Operation,
+    state: Path,
+    output: Path,
+) -> None:
+    """What a killed and restarted job must leave: no process, a final operation, no claim or
+    staging, and an output that agrees with the operation's state."""
+    state_name = operations_pb2.OperationState.Name(operation.state)
+    report.outcomes[state_name] = report.outcomes.get(state_name, 0) + 1
+    _check(report, not leftover, f"{tag}: processes outlived the service: {leftover}")
+    _check(report, operation.done, f"{tag}: not final after the restart")
+    _check(report, db_rows(state, "SELECT path FROM claims") == [], f"{tag}: a claim survived")
+    _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
+    staged = list(output.parent.glob(".*.partial-*")) + staging_left(output)
+    _check(report, not staged, f"{tag}: staging left: {staged}")
+    succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
+    if which == "evaluator":
+        visible = (output / "results.json").exists()
+        _check(report, succeeded == visible, f"{tag}: results.json and state disagree")
+    if which == "converter":
+        _check(report, output_whole_or_absent(output), f"{tag}: half-visible output")
+        _check(report, succeeded == output.exists(), f"{tag}: output and state disagree")
+
+
+def _start_services(
+    base: Path, data: Path
+) -> tuple[dict[str, Service], dict[str, Path], _JobInputs]:
+    """The data every job reads (under `data`), and the five services: (services, their state
+    folders, the jobs' inputs)."""
     model = build_sentencepiece(data / "sp")
     make_corpus(data / "corpus", files=6, docs=6000)
     source = make_checkpoint(data / "hf")
@@ -161,69 +223,41 @@ def kill_round(kills: int, seed: int, base: Path) -> KillReport:
     services["inference"] = start_service(
         "inference", None, states["inference"], "--load", str(load)
     )
+    return services, states, _JobInputs(model, data / "corpus", source, tasks, load)
+
+
+def kill_round(kills: int, seed: int, base: Path) -> KillReport:
+    """`kills` random SIGKILLs across converter, evaluator, preprocess and trainer jobs and
+    inference streams."""
+    rng = random.Random(seed)
+    report = KillReport()
+    data = base / "data"
+    data.mkdir()
+    services, states, inputs = _start_services(base, data)
     expected = generate(services["inference"])
     try:
         for i in range(kills):
             which = rng.choice(sorted(services))
             service = services[which]
+            report.kills[which] = report.kills.get(which, 0) + 1
             if which == "inference":
                 after = rng.randint(1, len(expected) // 2)
                 tag = f"kill {i} (inference, after {after} streamed tokens)"
                 services[which], problems = _kill_inference(
-                    service, states[which], load, expected, after, tag
+                    service, states[which], inputs.load, expected, after, tag
                 )
-                report.kills[which] = report.kills.get(which, 0) + 1
                 report.violations.extend(problems)
                 continue
             output = data / "out" / f"{which}-{i}"
             output.parent.mkdir(exist_ok=True)
             with service.channel() as channel:
-                if which == "preprocess":
-                    stub = preprocess_pb2_grpc.PreprocessServiceStub(channel)
-                    req = request(Path(model), data / "corpus", output)
-                    name = stub.StartPreprocess(req, timeout=60).operation.name
-                    delay = rng.uniform(0.1, 2.5)
-                elif which == "evaluator":
-                    estub = evaluator_pb2_grpc.EvaluatorServiceStub(channel)
-                    ereq = evaluation(load, tasks, output)
-                    name = estub.StartEvaluation(ereq, timeout=60).operation.name
-                    delay = rng.uniform(0.5, 8.0)
-                elif which == "converter":
-                    cstub = converter_pb2_grpc.ConverterServiceStub(channel)
-                    creq = convert_request(source, output)
-                    name = cstub.Convert(creq, timeout=60).operation.name
-                    delay = rng.uniform(0.1, 2.5)
-                else:
-                    tstub = trainer_pb2_grpc.TrainerServiceStub(channel)
-                    treq = trainer_pb2.StartTrainingRequest(args=training_args(output))
-                    name = tstub.StartTraining(treq, timeout=60).operation.name
-                    delay = rng.uniform(0.5, 15.0)
+                name, delay = _start_job(which, channel, rng, inputs, output)
             time.sleep(delay)
             tag = f"kill {i} ({which}, {name}, after {delay:.1f}s)"
             services[which], leftover, operation = _kill_and_restart(
                 service, name, states[which], data
             )
-            report.kills[which] = report.kills.get(which, 0) + 1
-            state_name = operations_pb2.OperationState.Name(operation.state)
-            report.outcomes[state_name] = report.outcomes.get(state_name, 0) + 1
-            _check(report, not leftover, f"{tag}: processes outlived the service: {leftover}")
-            _check(report, operation.done, f"{tag}: not final after the restart")
-            _check(
-                report,
-                db_rows(states[which], "SELECT path FROM claims") == [],
-                f"{tag}: a claim survived",
-            )
-            _check(report, lock_is_free(output), f"{tag}: the claim's flock is held")
-            staged = list(output.parent.glob(".*.partial-*")) + staging_left(output)
-            _check(report, not staged, f"{tag}: staging left: {staged}")
-            if which == "evaluator":
-                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
-                visible = (output / "results.json").exists()
-                _check(report, succeeded == visible, f"{tag}: results.json and state disagree")
-            if which == "converter":
-                _check(report, output_whole_or_absent(output), f"{tag}: half-visible output")
-                succeeded = operation.state == operations_pb2.OPERATION_STATE_SUCCEEDED
-                _check(report, succeeded == output.exists(), f"{tag}: output and state disagree")
+            _check_killed_job(report, which, tag, leftover, operation, states[which], output)
     finally:
         for service in services.values():
             service.stop()

@@ -102,6 +102,7 @@ def _write_source(
     """A random HF checkpoint written unit by unit; returns (total bytes, largest unit bytes)."""
     import torch
 
+    # only in the writer's child (_in_child): this process must stay small
     from checkpoints.hf_format import HFSink
     from checkpoints.units import expected_names, expected_shapes, units
     from models.registry import get_config

@@ -22,14 +22,19 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from models.tokenizer import train_sentencepiece
 from services.evaluator.models.grpc_client import GrpcLanguageModel
 from services.evaluator.models.local import LocalLanguageModel
 from services.evaluator.runner import EvalConfig, prepare_task
 from services.evaluator.tasks import get_task
+from services.inference.config import InferenceServiceConfig
+from services.inference.servicer import bindings, load_engine
 
 FIXTURES = Path(__file__).parents[1] / "tests" / "fixtures" / "evaluator"
 
@@ -37,8 +42,6 @@ FIXTURES = Path(__file__).parents[1] / "tests" / "fixtures" / "evaluator"
 def build_checkpoint(directory: Path, hidden: int, layers: int, context: int) -> Path:
     """A random HF Llama + a sentencepiece tokenizer trained on the fixtures."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.tokenizer import train_sentencepiece
 
     corpus = directory / "corpus.txt"
     texts = [p.read_text(encoding="utf-8") for p in sorted(FIXTURES.rglob("*")) if p.is_file()]
@@ -70,58 +73,78 @@ def requests(num_docs: int) -> list[tuple[str, str]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print one table."""
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few documents")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--docs", type=int, default=None, help="documents (x4 requests)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _lm_eval_baseline(checkpoint: Path, context: int) -> Any:
+    """lm-evaluation-harness's HFLM over the checkpoint's HF model and tokenizer."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import LlamaForCausalLM, LlamaTokenizer
+
+    tokenizer = LlamaTokenizer.from_pretrained(str(checkpoint), legacy=False, add_bos_token=True)
+    hf = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    return HFLM(
+        pretrained=hf, tokenizer=tokenizer, batch_size=8, max_length=context, add_bos_token=True
+    )
+
+
+def _score_rounds(
+    runs: dict[str, Callable[[], list[float]]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds of each run per round (alternating them) and each run's last log-likelihoods."""
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    values: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            values[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return times, values
+
+
+def _measure(
+    checkpoint: Path, pairs: list[tuple[str, str]], context: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], int]:
+    """Time the three scorers on `pairs`: (seconds per round, log-likelihoods, longest request
+    in tokens)."""
+    from lm_eval.api.instance import Instance
+
+    from tests.services.evaluator.servers import ServerThread
+
+    service_config = InferenceServiceConfig(load=checkpoint, load_format="hf")
+    server = ServerThread(bindings(service_config, load_engine(service_config)))
+    remote = GrpcLanguageModel(server.address, batch_size=8)
+    local = LocalLanguageModel(checkpoint, load_format="hf", batch_size=8)
+    baseline = _lm_eval_baseline(checkpoint, context)
+    instances = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    longest = max(len(remote.tokenize([c + x])[0]) for c, x in pairs)
+    runs = {
+        "ours-grpc": lambda: [lp for lp, _ in remote.loglikelihood(pairs)],
+        "ours-local": lambda: [lp for lp, _ in local.loglikelihood(pairs)],
+        "lm-eval": lambda: [lp for lp, _ in baseline.loglikelihood(instances, disable_tqdm=True)],
+    }
+    times, values = _score_rounds(runs, rounds)
+    server.stop()
+    return times, values, longest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print one table."""
+    args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     hidden, layers, docs = (128, 2, 10) if args.quick else (256, 4, 40)
     docs = args.docs or docs
     context = 2048
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
-    from transformers import LlamaForCausalLM, LlamaTokenizer
-
-    from tests.services.evaluator.servers import ServerThread
-
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(Path(tmp), hidden, layers, context)
         pairs = requests(docs)
-        from services.inference.config import InferenceServiceConfig
-        from services.inference.servicer import bindings, load_engine
-
-        service_config = InferenceServiceConfig(load=checkpoint, load_format="hf")
-        server = ServerThread(bindings(service_config, load_engine(service_config)))
-        remote = GrpcLanguageModel(server.address, batch_size=8)
-        local = LocalLanguageModel(checkpoint, load_format="hf", batch_size=8)
-        tokenizer = LlamaTokenizer.from_pretrained(
-            str(checkpoint), legacy=False, add_bos_token=True
-        )
-        hf = LlamaForCausalLM.from_pretrained(checkpoint).eval()
-        baseline = HFLM(
-            pretrained=hf, tokenizer=tokenizer, batch_size=8, max_length=context, add_bos_token=True
-        )
-        instances = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-        longest = max(len(remote.tokenize([c + x])[0]) for c, x in pairs)
-        runs = {
-            "ours-grpc": lambda: [lp for lp, _ in remote.loglikelihood(pairs)],
-            "ours-local": lambda: [lp for lp, _ in local.loglikelihood(pairs)],
-            "lm-eval": lambda: [
-                lp for lp, _ in baseline.loglikelihood(instances, disable_tqdm=True)
-            ],
-        }
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        values: dict[str, list[float]] = {}
-        for _ in range(args.rounds):
-            for name, fn in runs.items():
-                start = time.perf_counter()
-                values[name] = fn()
-                times[name].append(time.perf_counter() - start)
-        server.stop()
+        times, values, longest = _measure(checkpoint, pairs, context, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     diff = max(
         abs(a - b)

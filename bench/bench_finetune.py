@@ -22,11 +22,14 @@ from typing import Any
 import torch
 
 from kernels import device
+from kernels.cross_entropy import cross_entropy
+from models import build_model
+from models.hf_adapters import hf_config, to_hf
+from models.lora import LoraConfig, apply_lora
+from models.registry import get_config
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from models.registry import get_config
-
     return get_config(
         "tiny-llama",
         hidden_size=args.hidden,
@@ -41,9 +44,6 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _meshline(config: Any, lora: bool, r: int, dev: torch.device) -> torch.nn.Module:
-    from models import build_model
-    from models.lora import LoraConfig, apply_lora
-
     model = build_model(config, device="meta")
     model.to_empty(device=dev)
     model.init_weights(seed=0)
@@ -57,8 +57,6 @@ def _hf(config: Any, lora: bool, r: int, dev: torch.device) -> torch.nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.hf_adapters import hf_config, to_hf
 
     hf = LlamaForCausalLM._from_config(
         LlamaConfig(**hf_config(config)), attn_implementation="sdpa"
@@ -82,8 +80,6 @@ class Run:
         self.memory = 0
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        from kernels.cross_entropy import cross_entropy
-
         logits = self.model(input_ids=ids[:, :-1]).logits if self.hf else self.model(ids[:, :-1])
         return cross_entropy(logits, ids[:, 1:])
 

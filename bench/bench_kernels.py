@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
 from kernels import activation, attention, norm, rotary
-from kernels.cross_entropy import cross_entropy
+from kernels.cross_entropy import chunk_grad, chunk_loss, cross_entropy, per_token_chunked
 from kernels.optim import build_optimizer
 
 
@@ -256,7 +256,6 @@ def _chunked_variants(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, C
     in one chunk and in four."""
     if logits.device.type != "cuda":
         return {}
-    from kernels.cross_entropy import chunk_grad, chunk_loss, per_token_chunked
 
     n = logits.shape[0]
     valid = torch.ones(n, dtype=torch.bool)

@@ -52,6 +52,7 @@ RUNGS = {
 def _rank(rank: int, world_size: int, flags: list[str], layers: int, args: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
+    # in the spawned rank, after run_distributed has set its environment
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
 
@@ -127,6 +128,7 @@ class Ladder:
 
 
 def _layer_params(args: argparse.Namespace, layers: int) -> int:
+    # not at the top: the spawned ranks import this module, and their peak memory is the measurement
     from models.accounting import count_parameters
     from models.registry import get_config
 

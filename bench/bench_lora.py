@@ -33,6 +33,10 @@ import torch
 from safetensors.torch import save_file
 
 from bench.bench_quantize import smollm2_gguf, stdlib_text
+from engine.build import build_engine
+from engine.config import EngineConfig, LoadSpec
+from engine.sampling import SamplingConfig
+from services.converter.job import ConvertOptions, convert
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -82,11 +86,6 @@ def run_batch(engine, prompts, sampling, adapters) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.build import build_engine
-    from engine.config import EngineConfig, LoadSpec
-    from engine.sampling import SamplingConfig
-    from services.converter.job import ConvertOptions, convert
-
     parser = argparse.ArgumentParser(prog="python -m bench.bench_lora")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 2)")

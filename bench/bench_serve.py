@@ -68,6 +68,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kernels import device as devices
+from kernels.cpu.hugepages import huge_page_buffer
+from kernels.device import DEVICE_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600.0
 SHAPES = {
@@ -84,7 +90,6 @@ def write_checkpoint(
     """A random HF Llama checkpoint of `shape` in `directory`, stored in `dtype` ("float32",
     "bfloat16" as today's checkpoints are, or "float16" as Llama 2's); returns the HF model
     (eval) on `device`, in fp32 with the stored (rounded) values."""
-    import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -132,8 +137,6 @@ def start_server(
     command += ["--port", "0", "--load", str(directory), *flags]
     if HTTP_TRANSPORTS & set(transports):
         command += ["--http-port", "0"]
-    from kernels.device import DEVICE_ENV
-
     env = {**os.environ, DEVICE_ENV: device} if device else None
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     assert server.stderr is not None
@@ -174,6 +177,7 @@ class GrpcClient:
     async def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         import grpc
 
+        # the stubs are generated at setup; the HTTP transports and --help work without them
         from meshline.inference.v1 import inference_pb2 as pb
         from meshline.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -285,8 +289,6 @@ TRANSPORTS = {"grpc": GrpcClient, "http": HttpClient, "openai": OpenAIClient}
 
 
 def hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    import torch
-
     ids = torch.tensor(prompts, device=hf.device)
     with torch.inference_mode():
         out = hf.generate(
@@ -316,8 +318,6 @@ def explain_difference(
     differing step, HF's top-2 logit margin there (fp32, teacher-forced on HF's tokens), and
     whether ours equals HF's own tokens for that prompt generated alone. A margin at fp32
     rounding that HF's batch and single runs decide differently is a tie, not an error."""
-    import torch
-
     for row, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
         if mine == ref:
             continue
@@ -340,11 +340,6 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> f
     (the decode access pattern), best of `repeats` each. On the CPU the arrays are measured
     twice, in ordinary 4 KiB pages and in transparent huge pages where the system has them (the
     server keeps its weights there: `kernels.cpu.hugepages`), and the best of both counts."""
-    import torch
-
-    from kernels import device as devices
-    from kernels.cpu.hugepages import huge_page_buffer
-
     numel = mib * 2**20 // 4
     layouts = [(torch.ones(numel, device=device), torch.empty(numel, device=device))]
     if torch.device(device).type == "cpu":
@@ -376,71 +371,74 @@ def streamed_weight_bytes(hf: Any) -> int:
     return sum(p.numel() * p.element_size() for p in hf.parameters() if p is not embed)
 
 
-def run_size(
+def _check_served_tokens(
+    runner: asyncio.Runner,
+    clients: dict[str, Any],
+    hf: Any,
+    reference: Any,
+    prompts: list[list[int]],
+    batches: list[int],
     hidden: int,
+    dtype: str,
+) -> None:
+    """Warm both sides up and print whether the served greedy tokens are HF's (in 16 bits: how
+    many leading tokens of each side equal HF's in fp32 on the stored weights)."""
+    for b in batches:
+        theirs = hf_generate(reference, prompts[:b], NEW_TOKENS)
+        for t, client in clients.items():
+            got = runner.run(client.generate(prompts[:b], NEW_TOKENS))
+            if hf is not reference:  # 16 bits round differently on every path
+                hf_own = hf_generate(hf, prompts[:b], NEW_TOKENS)
+                print(
+                    f"  hidden {hidden} batch {b} ({t}): new tokens equal to HF fp32's "
+                    f"on the stored weights before the first difference, median over "
+                    f"rows: ours {agreeing(got, theirs)}, HF {dtype} "
+                    f"{agreeing(hf_own, theirs)} (of {NEW_TOKENS})"
+                )
+                continue
+            print(
+                f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: {got == theirs}"
+            )
+            if got != theirs:
+                explain_difference(reference, prompts[:b], got, theirs)
+
+
+def _time_rounds(
+    runner: asyncio.Runner,
+    clients: dict[str, Any],
+    hf: Any,
+    prompts: list[list[int]],
     batches: list[int],
     rounds: int,
-    transports: tuple[str, ...],
-    flags: tuple[str, ...] = (),
-    device: str = "cpu",
-    dtype: str = "float32",
-) -> None:
-    import torch
+    bandwidth_device: str | None,
+) -> tuple[dict[tuple[str, int], list[float]], float | None]:
+    """Seconds of each (transport or "hf", batch) per round, alternating the sides; and the
+    best memory bandwidth measured after each round when `bandwidth_device` is given."""
+    times: dict[tuple[str, int], list[float]] = {}
+    bandwidth = None
+    for _ in range(rounds):
+        for b in batches:
+            for t, client in clients.items():
+                start = time.perf_counter()
+                runner.run(client.generate(prompts[:b], NEW_TOKENS))
+                times.setdefault((t, b), []).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            hf_generate(hf, prompts[:b], NEW_TOKENS)
+            times.setdefault(("hf", b), []).append(time.perf_counter() - start)
+        # measured as often as the decodes: the machine may be shared
+        if bandwidth_device is not None:
+            bandwidth = max(bandwidth or 0.0, memory_bandwidth(device=bandwidth_device))
+    return times, bandwidth
 
-    shape = SHAPES[hidden]
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = write_checkpoint(shape, Path(tmp) / "ckpt", device, dtype)
-        # The baseline runs in the checkpoint's dtype, as `from_pretrained` loads it; greedy
-        # tokens are checked against the same weights in fp32 (what our steps compute in).
-        reference = hf
-        if dtype != "float32":
-            hf = copy.deepcopy(reference).to(getattr(torch, dtype))
-        server, ports = start_server(Path(tmp) / "ckpt", transports, flags, device)
-        runner = asyncio.Runner()  # one event loop for every call, as a client program has
-        try:
-            clients = {t: TRANSPORTS[t](ports[t]) for t in transports}
-            gen = torch.Generator().manual_seed(1)
-            prompts = torch.randint(0, shape["vocab"], (max(batches), PROMPT_LEN), generator=gen)
-            prompts_l = prompts.tolist()
-            # Warm-up both sides, and check that the served tokens are HF's.
-            for b in batches:
-                theirs = hf_generate(reference, prompts_l[:b], NEW_TOKENS)
-                for t, client in clients.items():
-                    got = runner.run(client.generate(prompts_l[:b], NEW_TOKENS))
-                    if hf is not reference:  # 16 bits round differently on every path
-                        hf_own = hf_generate(hf, prompts_l[:b], NEW_TOKENS)
-                        print(
-                            f"  hidden {hidden} batch {b} ({t}): new tokens equal to HF fp32's "
-                            f"on the stored weights before the first difference, median over "
-                            f"rows: ours {agreeing(got, theirs)}, HF {dtype} "
-                            f"{agreeing(hf_own, theirs)} (of {NEW_TOKENS})"
-                        )
-                        continue
-                    print(
-                        f"  hidden {hidden} batch {b} ({t}): greedy tokens identical to HF: "
-                        f"{got == theirs}"
-                    )
-                    if got != theirs:
-                        explain_difference(reference, prompts_l[:b], got, theirs)
-            times: dict[tuple[str, int], list[float]] = {}
-            bandwidth = None
-            for _ in range(rounds):
-                for b in batches:
-                    for t, client in clients.items():
-                        start = time.perf_counter()
-                        runner.run(client.generate(prompts_l[:b], NEW_TOKENS))
-                        times.setdefault((t, b), []).append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    hf_generate(hf, prompts_l[:b], NEW_TOKENS)
-                    times.setdefault(("hf", b), []).append(time.perf_counter() - start)
-                if hidden >= 1024:  # measured as often as the decodes: the machine may be shared
-                    bandwidth = max(bandwidth or 0.0, memory_bandwidth(device=device))
-            for client in clients.values():
-                runner.run(client.close())
-        finally:
-            runner.close()
-            server.terminate()
-            server.wait(60)
+
+def _print_size(
+    hidden: int,
+    batches: list[int],
+    transports: tuple[str, ...],
+    times: dict[tuple[str, int], list[float]],
+    bandwidth: float | None,
+    hf: Any,
+) -> None:
     for b, transport in itertools.product(batches, transports):
         o = [t / NEW_TOKENS * 1e3 for t in times[(transport, b)]]
         h = [t / NEW_TOKENS * 1e3 for t in times[("hf", b)]]
@@ -459,6 +457,43 @@ def run_size(
                 f"{bound_ms / statistics.median(o):.0%} (median)"
             )
         print(line, flush=True)
+
+
+def run_size(
+    hidden: int,
+    batches: list[int],
+    rounds: int,
+    transports: tuple[str, ...],
+    flags: tuple[str, ...] = (),
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> None:
+    shape = SHAPES[hidden]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = write_checkpoint(shape, Path(tmp) / "ckpt", device, dtype)
+        # The baseline runs in the checkpoint's dtype, as `from_pretrained` loads it; greedy
+        # tokens are checked against the same weights in fp32 (what our steps compute in).
+        reference = hf
+        if dtype != "float32":
+            hf = copy.deepcopy(reference).to(getattr(torch, dtype))
+        server, ports = start_server(Path(tmp) / "ckpt", transports, flags, device)
+        runner = asyncio.Runner()  # one event loop for every call, as a client program has
+        try:
+            clients = {t: TRANSPORTS[t](ports[t]) for t in transports}
+            gen = torch.Generator().manual_seed(1)
+            prompts = torch.randint(0, shape["vocab"], (max(batches), PROMPT_LEN), generator=gen)
+            prompts_l = prompts.tolist()
+            _check_served_tokens(runner, clients, hf, reference, prompts_l, batches, hidden, dtype)
+            times, bandwidth = _time_rounds(
+                runner, clients, hf, prompts_l, batches, rounds, device if hidden >= 1024 else None
+            )
+            for client in clients.values():
+                runner.run(client.close())
+        finally:
+            runner.close()
+            server.terminate()
+            server.wait(60)
+    _print_size(hidden, batches, transports, times, bandwidth, hf)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,8 +531,6 @@ def main(argv: list[str] | None = None) -> int:
         "CUDA when present, else the CPU)",
     )
     args = parser.parse_args(argv)
-    from kernels import device as devices
-
     device = devices.current().type if args.device == "auto" else args.device
     if device not in ("cpu", "cuda"):
         parser.error(f"this benchmark runs HF on the CPU or CUDA, not on {device!r}")

@@ -76,6 +76,7 @@ def hf_worker(shape: dict, steps: int) -> list[float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # in the --worker child only: the process that launches both sides loads no model code
     from models.hf_adapters import hf_config
     from services.trainer.arguments import parse_args
     from training.batching import MicroBatchStream

@@ -52,6 +52,7 @@ def _flags(shape: dict, bf16: bool, release: bool = False) -> list[str]:
 
 
 def _memory() -> tuple[int, int]:
+    # in the --worker child only: its CPU peak (ru_maxrss) starts at its parent's
     from kernels import device
 
     stats = device.memory_stats()
@@ -63,6 +64,7 @@ def _worker(side: str, shape: dict, bf16: bool) -> dict:
     import torch
     import transformers  # noqa: F401  (import cost counted on both sides alike)
 
+    # in the --worker child only (see _memory)
     from kernels import device
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
@@ -100,6 +102,7 @@ def _hf_step_fn(config, bf16: bool):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # in the --worker child only (see _memory)
     from models.hf_adapters import hf_config
     from training.batching import MicroBatchStream
     from training.setup import build_data, build_model_config

@@ -32,6 +32,7 @@ WORLD = 2
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
+    # in the spawned rank, after run_distributed has set its environment
     from models import build_model
     from models.registry import get_config
 
@@ -66,6 +67,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _build(layout: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import torch.distributed as dist
 
+    # in the spawned rank, after run_distributed has set its environment
     from parallel.data_parallel import apply_data_parallel, build_dp_mesh, wrap_optimizer
 
     def adamw(params):
@@ -88,6 +90,7 @@ def _build(layout: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.
 
 
 def _run(rank: int, world_size: int, layouts: list[str], args: argparse.Namespace) -> dict:
+    # in the spawned rank, after run_distributed has set its environment
     from parallel.data_parallel import clip_grad_norm_
 
     torch.set_num_threads(1)
@@ -118,6 +121,7 @@ def _adam_bench(args: argparse.Namespace) -> None:
     """Median step time of each AdamW over the same parameters and gradients (one process)."""
     import tempfile
 
+    # not at the top: the spawned ranks import this module, and their peak memory is measured
     from checkpoints.safe_fs import open_dir_beneath
     from parallel.offload_optimizer import OffloadAdamW, OptimizerOffload
 
@@ -188,6 +192,7 @@ def status_bytes(key: str) -> int:
 def _ladder_rank(rank: int, world_size: int, flags: list[str], args: argparse.Namespace) -> dict:
     from torch.distributed.tensor import DTensor
 
+    # in the spawned rank, after run_distributed has set its environment
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
 

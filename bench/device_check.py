@@ -49,8 +49,11 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench import device_fp8, roofline
 from bench.device_decode import PARTIAL, roofline_worker
@@ -61,6 +64,7 @@ from bench.device_workers import (
     train_flags,
     train_worker,
 )
+from kernels import device, peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 # Time caps in seconds: the whole check, the gpu tests, and one benchmark child (twice that for
@@ -178,10 +182,6 @@ def run_gpu_tests(out_dir: Path, mode: str, timeout: float) -> dict[str, Any]:
 
 def environment() -> dict[str, Any]:
     """Torch version, device model and peak FLOP/s of this machine."""
-    import torch
-
-    from kernels import device, peak_flops
-
     platform_ = device.current()
     peak = peak_flops.peak_tflops()
     extras: dict[str, Any] = {}
@@ -208,26 +208,20 @@ def environment() -> dict[str, Any]:
     }
 
 
-def markdown(report: dict[str, Any]) -> str:
-    """The report as a Markdown page (what bench/RESULTS.md quotes)."""
-    env = report["environment"]
-    lines = [
-        f"# Device check ({report['mode']}) — {report['date']}",
-        "",
-        f"{env['device']} ({env['device_type']}), torch {env['torch']}, peak "
-        f"{env['peak_tflops']:.4g} TFLOP/s ({env['peak_source']}); shape {report['shape']}",
-        "",
-    ]
-    tests = report.get("tests", {})
+def _tests_lines(tests: dict[str, Any]) -> list[str]:
     if "error" in tests:
-        lines.append(f"Tests: {tests['error']}")
-    elif tests:
-        lines.append(
-            f"Tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
-            f"{tests['skipped']} skipped"
-            + (f" — failed: {tests['failed']}" if tests["failed"] else "")
-        )
-    lines += ["", "| training | tokens/s | TFLOP/s | MFU | peak GiB | warm-up s | vs HF |"]
+        return [f"Tests: {tests['error']}"]
+    if not tests:
+        return []
+    return [
+        f"Tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+        f"{tests['skipped']} skipped" + (f" — failed: {tests['failed']}" if tests["failed"] else "")
+    ]
+
+
+def _training_lines(report: dict[str, Any]) -> list[str]:
+    """The training table: each in-process side, then the `meshline train` launch."""
+    lines = ["", "| training | tokens/s | TFLOP/s | MFU | peak GiB | warm-up s | vs HF |"]
     lines.append("|---|---|---|---|---|---|---|")
     hf = report["train"].get("hf", {})
     for side, row in report["train"].items():
@@ -248,52 +242,73 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| meshline train (CLI) | {launch['tokens_per_s']:,.0f} | | {mfu} | | | {ratio:.2f}x |"
         )
-    decode = report["decode"]
-    lines += [
+    return lines
+
+
+def _decode_lines(decode: dict[str, Any], new_tokens: int) -> list[str]:
+    lines = [
         "",
         "| decode (greedy) | HF tokens/s | Meshline tokens/s | ratio | Meshline eager tokens/s |",
         "|---|---|---|---|---|",
     ]
     if "error" in decode:
-        lines.append(f"| {decode['error']} | | | | |")
-    else:
-        for rows in (1, 8):
-            row = decode[f"batch{rows}"]
-            eager = row.get("ours_eager_tokens_per_s")
+        return [*lines, f"| {decode['error']} | | | | |"]
+    for rows in (1, 8):
+        row = decode[f"batch{rows}"]
+        eager = row.get("ours_eager_tokens_per_s")
+        lines.append(
+            f"| batch {rows} | {row['hf_tokens_per_s']:,.0f} | {row['ours_tokens_per_s']:,.0f} "
+            f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x "
+            f"| {'' if eager is None else f'{eager:,.0f}'} |"
+        )
+    lines.append(f"\ngreedy tokens identical to HF in fp32: {decode['identical_greedy']}")
+    for key, value in decode.items():
+        if key.startswith("shared_prefix_"):
             lines.append(
-                f"| batch {rows} | {row['hf_tokens_per_s']:,.0f} | {row['ours_tokens_per_s']:,.0f} "
-                f"| {row['ours_tokens_per_s'] / row['hf_tokens_per_s']:.2f}x "
-                f"| {'' if eager is None else f'{eager:,.0f}'} |"
+                f"{key.removeprefix('shared_prefix_')}: first {value} of {new_tokens}"
+                " greedy tokens as HF's"
             )
-        lines.append(f"\ngreedy tokens identical to HF in fp32: {decode['identical_greedy']}")
-        for key, value in decode.items():
-            if key.startswith("shared_prefix_"):
-                lines.append(
-                    f"{key.removeprefix('shared_prefix_')}: first {value} of {report['shape']['new']}"
-                    " greedy tokens as HF's"
-                )
-    kernels = report.get("kernels", {})
+    return lines
+
+
+def _kernels_lines(kernels: dict[str, Any]) -> list[str]:
     if "error" in kernels:
-        lines += ["", f"Kernels: {kernels['error']}"]
-    elif kernels:
-        lines += [
-            "",
-            f"| kernel ({kernels['dtype']}, fwd+bwd) | implementation | ms | vs baseline |",
-            "|---|---|---|---|",
-        ]
-        lines += [
+        return ["", f"Kernels: {kernels['error']}"]
+    if not kernels:
+        return []
+    return [
+        "",
+        f"| kernel ({kernels['dtype']}, fwd+bwd) | implementation | ms | vs baseline |",
+        "|---|---|---|---|",
+        *(
             f"| {row['op']} | {row['impl']} | {row['ms']:.3f} | {row['speedup']:.2f}x "
             f"({row['baseline']}) |"
             for row in kernels["rows"]
-        ]
+        ),
+    ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown page (what bench/RESULTS.md quotes)."""
+    env = report["environment"]
+    lines = [
+        f"# Device check ({report['mode']}) — {report['date']}",
+        "",
+        f"{env['device']} ({env['device_type']}), torch {env['torch']}, peak "
+        f"{env['peak_tflops']:.4g} TFLOP/s ({env['peak_source']}); shape {report['shape']}",
+        "",
+    ]
+    lines += _tests_lines(report.get("tests", {}))
+    lines += _training_lines(report)
+    lines += _decode_lines(report["decode"], report["shape"]["new"])
+    lines += _kernels_lines(report.get("kernels", {}))
     lines += device_fp8.markdown_lines(report.get("fp8"))
     if "roofline" in report:
         lines += roofline.markdown(report["roofline"], report["mode"])
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the check and write the report; returns 1 if any step failed."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.device_check", description=__doc__)
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes even on a GPU")
@@ -318,6 +333,79 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    return parser
+
+
+def _run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement, in this child process (`--worker NAME --mode MODE`)."""
+    shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
+    if args.worker == "decode":
+        return decode_worker(shape, bf16)
+    if args.worker == "roofline":
+        return roofline_worker(args.mode, args.out)
+    if args.worker == "kernels":
+        return kernels_worker(args.mode, bf16)
+    if args.worker.startswith("fp8:"):
+        return device_fp8.fp8_worker(args.worker.removeprefix("fp8:"), args.mode)
+    return train_worker(args.worker, shape, bf16, profile_dir=args.out)
+
+
+def _run_benchmarks(
+    args: argparse.Namespace,
+    phases: set[str],
+    report: dict[str, Any],
+    left: Callable[[float], float],
+) -> None:
+    """The training, launch, kernel and decode phases, each in its children; the report is
+    rewritten after each."""
+    mode = report["mode"]
+    sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
+    for side in sides if "train" in phases else []:
+        cap = CHILD_CAP_S[mode] * (2 if side == "ours-compile" else 1)
+        worker = ["--worker", side, "--mode", mode]
+        worker += ["--out", str(args.out.resolve())] if args.profile else []
+        report["train"][side] = _child(worker, left(cap))
+        _write(args.out, report)
+    if "launch" in phases:
+        report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
+        _write(args.out, report)
+    if "kernels" in phases:
+        worker = ["--worker", "kernels", "--mode", mode]
+        report["kernels"] = _child(worker, left(CHILD_CAP_S[mode]))
+        _write(args.out, report)
+    if "decode" in phases:
+        worker = ["--worker", "decode", "--mode", mode]
+        report["decode"] = _child(worker, left(CHILD_CAP_S[mode]))
+    else:
+        report["decode"] = {"error": "not run: not in --phases"}
+
+
+def _run_roofline(out: Path, report: dict[str, Any], left: Callable[[float], float]) -> None:
+    mode = report["mode"]
+    _write(out, report)
+    work = out.resolve() / "roofline"
+    worker = ["--worker", "roofline", "--mode", mode, "--out", str(work)]
+    report["roofline"] = _child(worker, left(ROOFLINE_CAP_S[mode]))
+    if "error" in report["roofline"] and (work / PARTIAL).is_file():  # cut short: keep
+        measured = json.loads((work / PARTIAL).read_text())  # what it measured
+        report["roofline"] = {**measured, "incomplete": report["roofline"]["error"]}
+
+
+def _failed(report: dict[str, Any], phases: set[str]) -> bool:
+    """Whether any phase that ran reported an error or a failed test."""
+    failed = any("error" in row for row in report["train"].values())
+    failed = failed or ("decode" in phases and "error" in report["decode"])
+    tests = report.get("tests", {})
+    failed = failed or "error" in tests or bool(tests.get("failed"))
+    failed = failed or any(
+        "error" in row for row in report.get("fp8", {}).get("sides", {}).values()
+    )
+    return failed or any(k in report.get("roofline", {}) for k in ("error", "incomplete"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check and write the report; returns 1 if any step failed."""
+    parser = _parser()
     args = parser.parse_args(argv)
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     if not phases or phases - set(PHASES):
@@ -325,23 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_tests:
         phases.discard("tests")
     if args.worker:
-        shape, bf16 = SHAPES[args.mode], args.mode == "gpu"
-        if args.worker == "decode":
-            result = decode_worker(shape, bf16)
-        elif args.worker == "roofline":
-            result = roofline_worker(args.mode, args.out)
-        elif args.worker == "kernels":
-            result = kernels_worker(args.mode, bf16)
-        elif args.worker.startswith("fp8:"):
-            result = device_fp8.fp8_worker(args.worker.removeprefix("fp8:"), args.mode)
-        else:
-            result = train_worker(args.worker, shape, bf16, profile_dir=args.out)
-        print(json.dumps(result))
+        print(json.dumps(_run_worker(args)))
         return 0
     if args.out is None:
         parser.error("--out DIR is required (where report.json and report.md go)")
-    from kernels import device
-
     mode = "gpu" if device.current().type == "cuda" and not args.smoke else "smoke"
     deadline = time.monotonic() + (args.budget_s or BUDGET_S[mode])
 
@@ -364,46 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" in phases:
         report["tests"] = run_gpu_tests(args.out, mode, timeout=left(TESTS_CAP_S[mode]))
         _write(args.out, report)
-    sides = ["hf", "ours", "ours-compile"] if mode == "gpu" else ["hf", "ours"]
-    for side in sides if "train" in phases else []:
-        cap = CHILD_CAP_S[mode] * (2 if side == "ours-compile" else 1)
-        worker = ["--worker", side, "--mode", mode]
-        worker += ["--out", str(args.out.resolve())] if args.profile else []
-        report["train"][side] = _child(worker, left(cap))
-        _write(args.out, report)
-    if "launch" in phases:
-        report["launch"] = run_launch(mode, left(CHILD_CAP_S[mode]))
-        _write(args.out, report)
-    if "kernels" in phases:
-        worker = ["--worker", "kernels", "--mode", mode]
-        report["kernels"] = _child(worker, left(CHILD_CAP_S[mode]))
-        _write(args.out, report)
-    if "decode" in phases:
-        worker = ["--worker", "decode", "--mode", mode]
-        report["decode"] = _child(worker, left(CHILD_CAP_S[mode]))
-    else:
-        report["decode"] = {"error": "not run: not in --phases"}
+    _run_benchmarks(args, phases, report, left)
     if "fp8" in phases:
         report["fp8"] = device_fp8.run_fp8(mode, left, _child, CHILD_CAP_S[mode])
     if "roofline" in phases:
-        _write(args.out, report)
-        work = args.out.resolve() / "roofline"
-        worker = ["--worker", "roofline", "--mode", mode, "--out", str(work)]
-        report["roofline"] = _child(worker, left(ROOFLINE_CAP_S[mode]))
-        if "error" in report["roofline"] and (work / PARTIAL).is_file():  # cut short: keep
-            measured = json.loads((work / PARTIAL).read_text())  # what it measured
-            report["roofline"] = {**measured, "incomplete": report["roofline"]["error"]}
+        _run_roofline(args.out, report, left)
     page = _write(args.out, report)
     print(page)
-    failed = any("error" in row for row in report["train"].values())
-    failed = failed or ("decode" in phases and "error" in report["decode"])
-    tests = report.get("tests", {})
-    failed = failed or "error" in tests or bool(tests.get("failed"))
-    failed = failed or any(
-        "error" in row for row in report.get("fp8", {}).get("sides", {}).values()
-    )
-    failed = failed or any(k in report.get("roofline", {}) for k in ("error", "incomplete"))
-    return 1 if failed else 0
+    return 1 if _failed(report, phases) else 0
 
 
 def _write(out: Path, report: dict[str, Any]) -> str:

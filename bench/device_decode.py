@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.roofline import LLAMA_8B, roofline, vendor_bandwidth
+from kernels import device as devices
 
 SHAPES: dict[str, dict[str, int]] = {
     "gpu": LLAMA_8B,
@@ -58,8 +59,6 @@ def copy_bandwidth(device: Any, nbytes: int, repeats: int = 5, copies: int = 10)
     the best of `repeats` timings of `copies` back-to-back copies."""
     import torch
 
-    from kernels import device as devices
-
     source = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -76,6 +75,7 @@ def copy_bandwidth(device: Any, nbytes: int, repeats: int = 5, copies: int = 10)
 
 def model_config(shape: dict[str, int]) -> Any:
     """The Meshline model config of `shape` (a Llama with GQA, RMSNorm, SwiGLU, untied head)."""
+    # this phase's stack only: every device-check child imports this module
     from models.registry import get_config
 
     return get_config(
@@ -115,15 +115,15 @@ def step_seconds(decoder: Any, prompts: list[list[int]], new: int) -> float:
     """Seconds per greedy decode step of `len(prompts)` rows on `decoder` (an Engine): (best
     time for `new` tokens - best time for 1) / (new - 1), so the prefill is not counted; best
     of 3 each, after a warm-up (which captures the CUDA graphs for this row count)."""
+    # this phase's stack only: every device-check child imports this module
     from engine.sampling import SamplingConfig
-    from kernels import device
 
     def timed(tokens: int) -> float:
         settings = [SamplingConfig(max_new_tokens=tokens) for _ in prompts]
-        device.synchronize()
+        devices.synchronize()
         start = time.perf_counter()
         decoder.generate(prompts, settings)
-        device.synchronize()
+        devices.synchronize()
         return time.perf_counter() - start
 
     timed(new)
@@ -165,15 +165,15 @@ def in_process(mode: str, partial: Partial, checkpoint: Path) -> float:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    # this phase's stack only: every device-check child imports this module
     from engine.engine import Engine, EngineConfig
     from engine.tokens import TokenizerInfo
-    from kernels import device
     from models import build_model
     from models.hf_adapters import hf_config, to_hf
 
     shape, gpu = SHAPES[mode], mode == "gpu"
     dtype = torch.bfloat16 if gpu else torch.float32
-    platform = device.current()
+    platform = devices.current()
     config = model_config(shape)
     torch.manual_seed(0)
     model = build_model(config, device=platform.torch_device(), dtype=dtype).eval()
@@ -219,6 +219,8 @@ def served(mode: str, partial: Partial, checkpoint: Path, work: Path, batch1_s: 
     from bench.bench_loadgen import GrpcTransport, HttpTransport, launched_server, replay
     from bench.bench_loadgen import markdown as loadgen_markdown
     from bench.loadgen_mix import corpus_text
+
+    # this phase's stack only: every device-check child imports this module
     from models.tokenizer import train_bpe_tokenizer
 
     shape = SHAPES[mode]
@@ -261,9 +263,7 @@ def roofline_worker(mode: str, work: Path) -> dict[str, Any]:
     """The whole phase (see the module docstring); the result (also in work/roofline.json)."""
     import torch
 
-    from kernels import device
-
-    platform = device.current()
+    platform = devices.current()
     work.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[mode]
     dtype = "bfloat16" if mode == "gpu" else "float32"

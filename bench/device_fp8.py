@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kernels import device, peak_flops
+
 SIDES = ("bf16-compile", "fp8-tensorwise", "fp8-rowwise")
 TARGETS = {"speedup": 1.25, "loss_gap": 0.01}
 """The issue's figures: FP8 tokens/s over bf16 --compile's, and the loss gap at step 200."""
@@ -63,7 +65,8 @@ def fp8_worker(side: str, mode: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from bench.device_workers import SHAPES
-    from kernels import device, peak_flops
+
+    # this phase's stack only: every device-check child imports this module
     from models.accounting import flops_per_token
     from services.trainer.arguments import parse_args
     from training.loop import Trainer

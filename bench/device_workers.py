@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kernels import device, peak_flops
+
 SHAPES: dict[str, dict[str, int]] = {
     "gpu": dict(
         hidden=2048, layers=16, heads=16, kv=8, ffn=5632, vocab=32000, seq=2048, mbs=2, gbs=16,
@@ -48,10 +52,9 @@ def train_flags(shape: dict[str, int], bf16: bool, compile_layers: bool) -> list
 
 def _hf_train_step(config: Any, bf16: bool) -> Any:
     """HF LlamaForCausalLM on the same batches, torch fused AdamW, same clipping."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kernels import device
+    # this worker's stack only: every device-check child imports this module
     from models.hf_adapters import hf_config
     from training.batching import MicroBatchStream
     from training.setup import build_data, build_model_config
@@ -101,10 +104,9 @@ def train_worker(
     device time) is written to `profile-<side>.txt` there: where a step's time goes, from the
     same run that measured it.
     """
-    import torch
     from torch._dynamo.utils import counters
 
-    from kernels import device, peak_flops
+    # this worker's stack only: every device-check child imports this module
     from models.accounting import flops_per_token
     from services.trainer.arguments import parse_args
     from training.loop import Trainer
@@ -145,8 +147,6 @@ def _profile_step(step: Any, path: Path) -> None:
     """One step under torch.profiler; the operator table sorted by device (else CPU) time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels import device
-
     on_cuda = device.current().type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     begin = time.perf_counter()
@@ -159,21 +159,65 @@ def _profile_step(step: Any, path: Path) -> None:
     path.write_text(f"one profiled step: {wall * 1e3:.1f} ms wall (profiler on)\n{table}\n")
 
 
-def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
-    """Greedy decode, batch 1 and 8: Meshline's engine vs HF generate on the same weights."""
-    import torch
+class _DecodeSides:
+    """HF's model and Meshline's two engines (CUDA graphs as served, and eager) on the same
+    weights, each run greedily for the shape's new tokens."""
+
+    def __init__(self, hf: Any, config: Any, target: Any, shape: dict[str, int]) -> None:
+        self.hf, self.config, self.target, self.shape = hf, config, target, shape
+        self.engine: Any = None
+        self.eager: Any = None
+
+    def load(self, dtype: torch.dtype) -> None:
+        """HF in `dtype`, and both engines built from its weights."""
+        # this worker's stack only: every device-check child imports this module
+        from engine.engine import Engine, EngineConfig
+        from engine.tokens import TokenizerInfo
+        from models import build_model
+        from models.hf_adapters import from_hf
+
+        config = self.config
+        self.hf = self.hf.to(dtype=dtype)
+        ours = build_model(config, device=self.target, dtype=dtype).eval()
+        ours.load_state_dict(from_hf(self.hf.state_dict(), config))
+        tokens = TokenizerInfo(config.vocab_size)
+        self.engine = Engine(ours, tokens, EngineConfig(max_batch_rows=8))
+        # A copy whose every step launches eagerly (diagnosis: what CUDA graphs gain); its own
+        # model, since an engine may repack its model's CPU linear layers.
+        twin = build_model(config, device=self.target, dtype=dtype).eval()
+        twin.load_state_dict(from_hf(self.hf.state_dict(), config))
+        self.eager = Engine(twin, tokens, EngineConfig(max_batch_rows=8, enforce_eager=True))
+
+    def hf_run(self, batch: list[list[int]]) -> list[list[int]]:
+        ids = torch.tensor(batch, device=self.target)
+        with torch.inference_mode():
+            out = self.hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.shape["new"],
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+                top_k=None, top_p=None, temperature=None,
+            )  # fmt: skip
+        return out[:, self.shape["prompt"] :].tolist()
+
+    def ours_run(self, batch: list[list[int]], which: Any = None) -> list[list[int]]:
+        from engine.sampling import SamplingConfig  # the worker's own stack (see load)
+
+        run = which or self.engine
+        assert run is not None
+        settings = [SamplingConfig(max_new_tokens=self.shape["new"]) for _ in batch]
+        return [r[0].token_ids for r in run.generate(batch, settings)]
+
+    def eager_run(self, batch: list[list[int]]) -> list[list[int]]:
+        return self.ours_run(batch, self.eager)
+
+
+def _random_hf_llama(shape: dict[str, int], target: Any) -> tuple[Any, Any]:
+    """Meshline's config of the decode shape and an HF Llama of it with N(0, 0.02) weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.engine import Engine, EngineConfig
-    from engine.sampling import SamplingConfig
-    from engine.tokens import TokenizerInfo
-    from kernels import device
-    from models import build_model
-    from models.hf_adapters import from_hf, hf_config
+    # the worker's own stack (see _DecodeSides.load)
+    from models.hf_adapters import hf_config
     from models.registry import get_config
 
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    target = device.current().torch_device()
     config = get_config(
         "tiny-llama-gqa", vocab_size=shape["vocab"], hidden_size=shape["hidden"],
         num_layers=shape["layers"], num_attention_heads=shape["heads"], num_kv_heads=shape["kv"],
@@ -184,73 +228,59 @@ def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
     with torch.no_grad():
         for param in hf.parameters():
             param.normal_(0, 0.02)
-    hf = hf.to(device=target).eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(4, config.vocab_size, (8, shape["prompt"]), generator=gen).tolist()
-    engine: Engine | None = None
-    eager: Engine | None = None
+    return config, hf.to(device=target).eval()
 
-    def load(dtype_: torch.dtype) -> None:
-        nonlocal hf, engine, eager
-        hf = hf.to(dtype=dtype_)
-        ours = build_model(config, device=target, dtype=dtype_).eval()
-        ours.load_state_dict(from_hf(hf.state_dict(), config))
-        tokens = TokenizerInfo(config.vocab_size)
-        engine = Engine(ours, tokens, EngineConfig(max_batch_rows=8))
-        # A copy whose every step launches eagerly (diagnosis: what CUDA graphs gain); its own
-        # model, since an engine may repack its model's CPU linear layers.
-        twin = build_model(config, device=target, dtype=dtype_).eval()
-        twin.load_state_dict(from_hf(hf.state_dict(), config))
-        eager = Engine(twin, tokens, EngineConfig(max_batch_rows=8, enforce_eager=True))
 
-    def hf_run(batch: list[list[int]]) -> list[list[int]]:
-        ids = torch.tensor(batch, device=target)
-        with torch.inference_mode():
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=shape["new"],
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-                top_k=None, top_p=None, temperature=None,
-            )  # fmt: skip
-        return out[:, shape["prompt"] :].tolist()
-
-    def ours_run(batch: list[list[int]], which: Engine | None = None) -> list[list[int]]:
-        run = which or engine
-        assert run is not None
-        settings = [SamplingConfig(max_new_tokens=shape["new"]) for _ in batch]
-        return [r[0].token_ids for r in run.generate(batch, settings)]
-
-    def eager_run(batch: list[list[int]]) -> list[list[int]]:
-        return ours_run(batch, eager)
-
+def _decode_parity(
+    sides: _DecodeSides, prompts: list[list[int]], dtype: torch.dtype
+) -> dict[str, Any]:
+    """Greedy tokens identical to HF's in fp32, then (loaded in `dtype`) the shared prefix."""
     # Parity in fp32 with TF32 off (random weights give near-flat logits, where bf16 rounding
     # alone flips an argmax); then the timed runs in the benchmark dtype, whose greedy tokens are
     # reported as the length of the prefix shared with HF.
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    load(torch.float32)
-    result: dict[str, Any] = {"identical_greedy": ours_run(prompts[:2]) == hf_run(prompts[:2])}
+    sides.load(torch.float32)
+    result: dict[str, Any] = {
+        "identical_greedy": sides.ours_run(prompts[:2]) == sides.hf_run(prompts[:2])
+    }
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    load(dtype)
+    sides.load(dtype)
     if dtype != torch.float32:
-        mine, theirs = ours_run(prompts[:1])[0], hf_run(prompts[:1])[0]
+        mine, theirs = sides.ours_run(prompts[:1])[0], sides.hf_run(prompts[:1])[0]
         shared = next(
             (i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), len(mine)
         )
         result[f"shared_prefix_{str(dtype).removeprefix('torch.')}"] = shared
+    return result
+
+
+def _decode_rates(sides: _DecodeSides, batch: list[list[int]]) -> dict[str, float]:
+    """Tokens/s of each side on `batch`: the best of three interleaved rounds."""
+    times: dict[str, list[float]] = {"hf": [], "ours": [], "ours_eager": []}
+    runs = (("hf", sides.hf_run), ("ours", sides.ours_run), ("ours_eager", sides.eager_run))
+    for _ in range(3):
+        for name, fn in runs:
+            device.synchronize()
+            begin = time.perf_counter()
+            fn(batch)
+            device.synchronize()
+            times[name].append(time.perf_counter() - begin)
+    tokens = len(batch) * sides.shape["new"]
+    return {f"{name}_tokens_per_s": tokens / min(t) for name, t in times.items()}
+
+
+def decode_worker(shape: dict[str, int], bf16: bool) -> dict[str, Any]:
+    """Greedy decode, batch 1 and 8: Meshline's engine vs HF generate on the same weights."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    target = device.current().torch_device()
+    config, hf = _random_hf_llama(shape, target)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, config.vocab_size, (8, shape["prompt"]), generator=gen).tolist()
+    sides = _DecodeSides(hf, config, target, shape)
+    result = _decode_parity(sides, prompts, dtype)
     for rows in (1, 8):
-        batch = prompts[:rows]
-        times: dict[str, list[float]] = {"hf": [], "ours": [], "ours_eager": []}
-        for _ in range(3):
-            for name, fn in (("hf", hf_run), ("ours", ours_run), ("ours_eager", eager_run)):
-                device.synchronize()
-                begin = time.perf_counter()
-                fn(batch)
-                device.synchronize()
-                times[name].append(time.perf_counter() - begin)
-        tokens = rows * shape["new"]
-        result[f"batch{rows}"] = {
-            f"{name}_tokens_per_s": tokens / min(t) for name, t in times.items()
-        }
+        result[f"batch{rows}"] = _decode_rates(sides, prompts[:rows])
     return result
 
 
@@ -263,10 +293,7 @@ KERNEL_SHAPES = {
 def kernels_worker(mode: str, bf16: bool) -> dict[str, Any]:
     """Each kernel's default backend on this device (on CUDA: the torch.compile-generated ones)
     against HF's / torch's eager equivalent, forward+backward, via bench.bench_kernels."""
-    import torch
-
-    from bench import bench_kernels
-    from kernels import device
+    from bench import bench_kernels  # the kernels worker's stack only
 
     torch.set_default_device(device.current().torch_device())
     torch.manual_seed(0)

@@ -46,6 +46,7 @@ def write_checkpoint(directory: Path) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # after __main__ sets OMP_NUM_THREADS: torch reads it when it loads
     from models.hf_adapters import hf_config
     from models.registry import get_config
 

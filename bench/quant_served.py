@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from bench.bench_quant_serve import PROMPT, checkpoint
+from engine.loading import load_checkpoint
+from engine.quantized_model import quantized_bytes
 
 SERVED = [
     ("float", None, None, False, False),
@@ -37,9 +39,6 @@ GGUF = ["F32", "Q8_0", "Q4_1"]
 def streamed_bytes(directory: Path) -> int:
     """Bytes of the model `meshline serve` loads from `directory`: its quantized layers' codes
     and scales plus every other tensor (what a decode step reads, the embedding row aside)."""
-    from engine.loading import load_checkpoint
-    from engine.quantized_model import quantized_bytes
-
     quant, other = quantized_bytes(load_checkpoint(directory).model)
     return quant + other
 

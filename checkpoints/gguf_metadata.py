@@ -175,8 +175,7 @@ def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]
 
 def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(a `tokenizers.Tokenizer`, the tokenizer_config.json dict) the metadata describes."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers as pre
+    from tokenizers import AddedToken
 
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -189,63 +188,10 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if len(types) != len(tokens):
         raise ValueError("GGUF tokenizer.ggml.token_type does not have one entry per token")
     if kind == "gpt2":
-        spelling = _byte_alphabet()
-        alphabet = set(spelling.values())
-        spelled = [
-            t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
-            for t in tokens
-        ]
-        vocab = {t: i for i, t in reversed(list(enumerate(spelled)))}
-        model = models.BPE(vocab=vocab, merges=_merges(meta, vocab), fuse_unk=False)
-        tokenizer = Tokenizer(model)
-        pre_name = meta.get("tokenizer.ggml.pre", "default")
-        byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre_name in ("default", "gpt2"):
-            tokenizer.pre_tokenizer = byte_level
-        elif pre_name == "smollm":
-            tokenizer.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), byte_level])
-        elif pre_name in ("llama-bpe", "llama3"):
-            tokenizer.pre_tokenizer = pre.Sequence(
-                [
-                    pre.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                    pre.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            raise ValueError(
-                f"GGUF tokenizer.ggml.pre {pre_name!r}: Meshline knows the split rules of "
-                f"{list(PRE_TOKENIZERS)}"
-            )
-        tokenizer.decoder = decoders.ByteLevel()
-        # control tokens llama.cpp spells outside the byte alphabet are mislabelled vocabulary
-        special = [
-            t for t, k in zip(tokens, types, strict=True) if k == CONTROL and set(t) <= alphabet
-        ]
+        tokenizer, special = _byte_level_tokenizer(meta, tokens, types)
         add_bos_default = False
     else:
-        vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-        unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
-        model = models.BPE(
-            vocab=vocab,
-            merges=_merges(meta, vocab),
-            unk_token=tokens[unk_id] if 0 <= unk_id < len(tokens) else None,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-        tokenizer = Tokenizer(model)
-        steps = [normalizers.Replace(" ", "▁")]
-        if meta.get("tokenizer.ggml.add_space_prefix", True):
-            steps.insert(0, normalizers.Prepend("▁"))
-        tokenizer.normalizer = normalizers.Sequence(steps)
-        tokenizer.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-            + (
-                [decoders.Strip(" ", 1, 0)]
-                if meta.get("tokenizer.ggml.add_space_prefix", True)
-                else []
-            )
-        )
-        special = [t for t, k in zip(tokens, types, strict=True) if k == CONTROL]
+        tokenizer, special = _sentencepiece_tokenizer(meta, tokens, types)
         add_bos_default = True
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     user = [t for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED]
@@ -265,6 +211,80 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if isinstance(meta.get("tokenizer.chat_template"), str):
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tokenizer, config
+
+
+def _byte_level_tokenizer(
+    meta: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Any, list[str]]:
+    """A 'gpt2' vocabulary: byte-level BPE with the pre-tokenizer its `tokenizer.ggml.pre` names;
+    (tokenizer, its control tokens)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    spelled = [
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens
+    ]
+    vocab = {t: i for i, t in reversed(list(enumerate(spelled)))}
+    model = models.BPE(vocab=vocab, merges=_merges(meta, vocab), fuse_unk=False)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+    # control tokens llama.cpp spells outside the byte alphabet are mislabelled vocabulary
+    special = [t for t, k in zip(tokens, types, strict=True) if k == CONTROL and set(t) <= alphabet]
+    return tokenizer, special
+
+
+def _byte_level_pre_tokenizer(pre_name: str) -> Any:
+    """The split rules `tokenizer.ggml.pre` names, then the byte-level alphabet."""
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as pre
+
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_name in ("default", "gpt2"):
+        return byte_level
+    if pre_name == "smollm":
+        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    if pre_name in ("llama-bpe", "llama3"):
+        return pre.Sequence(
+            [
+                pre.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise ValueError(
+        f"GGUF tokenizer.ggml.pre {pre_name!r}: Meshline knows the split rules of "
+        f"{list(PRE_TOKENIZERS)}"
+    )
+
+
+def _sentencepiece_tokenizer(
+    meta: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Any, list[str]]:
+    """A 'llama' vocabulary: SentencePiece BPE with byte fallback and the ▁ space convention;
+    (tokenizer, its control tokens)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    model = models.BPE(
+        vocab=vocab,
+        merges=_merges(meta, vocab),
+        unk_token=tokens[unk_id] if 0 <= unk_id < len(tokens) else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    steps = [normalizers.Replace(" ", "▁")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("▁"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True) else [])
+    )
+    special = [t for t, k in zip(tokens, types, strict=True) if k == CONTROL]
+    return tokenizer, special
 
 
 def _bos_eos_template(

@@ -113,12 +113,14 @@ class FormatSpec:
 
 
 def _hf_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.hf_format import HFSource
 
     return HFSource(directory, named)
 
 
 def _hf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions) -> Sink:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.hf_format import DEFAULT_MAX_SHARD_BYTES, HFSink
 
     return HFSink(
@@ -132,12 +134,14 @@ def _hf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: SinkOp
 
 
 def _native_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.native_format import NativeSource
 
     return NativeSource(directory, named)
 
 
 def _native_sink(directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions) -> Sink:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.native_format import NativeSink
 
     return NativeSink(
@@ -146,6 +150,7 @@ def _native_sink(directory: Path, source: Source, dtype: torch.dtype, layout: Si
 
 
 def _megatron_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.megatron_format import MegatronSource
 
     return MegatronSource(directory, named, iteration)
@@ -154,6 +159,7 @@ def _megatron_source(directory: Path, named: ModelConfig | None, iteration: int 
 def _megatron_sink(
     directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions
 ) -> Sink:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.megatron_writer import MegatronSink
 
     return MegatronSink(
@@ -170,30 +176,35 @@ def _megatron_sink(
 
 
 def _deepspeed_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.deepspeed_format import DeepSpeedSource
 
     return DeepSpeedSource(directory, named, iteration)
 
 
 def _fsdp_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.fsdp_format import FSDPSource
 
     return FSDPSource(directory, named)
 
 
 def _gguf_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.gguf_format import GGUFSource
 
     return GGUFSource(directory, named)
 
 
 def _gguf_sink(directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions) -> Sink:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.gguf_writer import GGUFSink
 
     return GGUFSink(directory, source, dtype, layout.gguf_type)
 
 
 def _gguf_check(source: Source, layout: SinkOptions) -> None:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.gguf_quants import require_gguf
     from checkpoints.gguf_writer import check_config, tokenizer_metadata
 
@@ -214,6 +225,7 @@ DEFAULT_INT4_GROUP = 128
 
 
 def _weight_scheme(layout: SinkOptions) -> WeightScheme:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from kernels.quantization import WeightScheme
 
     if layout.quantize not in QUANTIZE_CHOICES:
@@ -229,6 +241,7 @@ def _weight_scheme(layout: SinkOptions) -> WeightScheme:
 
 
 def _quantized_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.quantized_format import QuantizedSource
 
     return QuantizedSource(directory, named)
@@ -237,6 +250,7 @@ def _quantized_source(directory: Path, named: ModelConfig | None, iteration: int
 def _embedding_scheme(config: ModelConfig, layout: SinkOptions) -> WeightScheme | None:
     """How a quantized output stores the embedding and head: int8 unless --keep-embedding or
     the model's head is not a vocabulary head (kept then: the default only, no flag asked)."""
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.quantized_format import EMBEDDING_SCHEME, embedding_quantizable
 
     if layout.keep_embedding or not embedding_quantizable(config):
@@ -247,6 +261,7 @@ def _embedding_scheme(config: ModelConfig, layout: SinkOptions) -> WeightScheme 
 def _quantized_sink(
     directory: Path, source: Source, dtype: torch.dtype, layout: SinkOptions
 ) -> Sink:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.quantized_format import QuantizedSink
 
     return QuantizedSink(
@@ -256,6 +271,7 @@ def _quantized_sink(
 
 
 def _quantized_check(source: Source, layout: SinkOptions) -> None:
+    # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.quantized_format import check_plan
 
     check_plan(source.config, _weight_scheme(layout), _embedding_scheme(source.config, layout))

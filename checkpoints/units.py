@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from models import build_model
 from models.config import ModelConfig
 from models.moe_config import MoEConfig
 
@@ -53,8 +54,6 @@ def unit_label(unit: Unit) -> str:
 
 def expected_names(config: ModelConfig) -> dict[Unit, list[str]]:
     """The tensor names each unit holds for `config` (tied head excluded), from a meta model."""
-    from models import build_model
-
     model = build_model(config, device="meta")
     names: dict[Unit, list[str]] = {unit: [] for unit in units(config)}
     for name in model.state_dict():
@@ -107,8 +106,6 @@ def expected_shapes_cached(config: ModelConfig) -> dict[str, torch.Size]:
 
 def expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     """Shape of every parameter of `config`'s model (tied head included)."""
-    from models import build_model
-
     return {n: t.shape for n, t in build_model(config, device="meta").state_dict().items()}
 
 

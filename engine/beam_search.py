@@ -89,36 +89,8 @@ class BeamSearch:
         cfg, n, g = self.config, self.num_beams, self.generated
         vocab = logits_NV.shape[-1]
         logprobs_NV = torch.log_softmax(logits_NV.float(), dim=-1)
-        processed_NV = logprobs_NV
-        if self.matchers is not None:
-            forbidden_NV = torch.from_numpy(
-                ~np.stack([m.allowed(vocab) for m in self.matchers])
-            ).to(self.device)
-            processed_NV = processed_NV.masked_fill(forbidden_NV, FORBIDDEN)
-        if cfg.repetition_penalty != 1.0:
-            seen = [torch.cat([self.prompt, self.running_N_T[b, :g]]) for b in range(n)]
-            processed_NV = apply_repetition_penalty(
-                processed_NV, seen, [cfg.repetition_penalty] * n
-            )
-        if cfg.sampling:
-            processed_NV = warp(processed_NV, [cfg] * n, min_keep=2)
+        index_C, top_C = self._candidates(self._processed(logprobs_NV), vocab)
         keep = 2 * n
-        while True:
-            acc_flat = (processed_NV + self.running_scores_N[:, None]).reshape(-1)
-            if cfg.sampling:
-                index_C = torch.multinomial(acc_flat.softmax(-1), keep, generator=self.generator)
-                top_C = acc_flat[index_C]
-            else:
-                top_C, index_C = torch.topk(acc_flat, keep)
-            unfit = self._unfit(index_C, top_C, vocab)
-            if not unfit:
-                break
-            # A candidate after which the grammar could not complete within the tokens left
-            # is forbidden like a token the grammar forbids, and the candidates are taken again
-            # (only near the length limit; until then every candidate fits).
-            processed_NV = processed_NV.clone()
-            for beam, token in unfit:
-                processed_NV[beam, token] = FORBIDDEN
         beam_C, token_C = index_C // vocab, index_C % vocab
         raw_C = self.running_raw_N[beam_C] + logprobs_NV[beam_C, token_C]
         seqs_C_T = self.running_N_T[beam_C].clone()
@@ -137,8 +109,69 @@ class BeamSearch:
         self.running_N_T = seqs_C_T[next_N]
         self.running_scores_N = running_C[next_N]
         self.running_raw_N = raw_C[next_N]
+        self._merge_finished(top_C, hits_C, seqs_C_T, raw_C, stop_C)
 
-        # Finished candidates among the top N enter the finished set if they beat its worst.
+        self.generated = g + 1
+        self._update_done(hits_C)
+        sources, tokens = beam_C[next_N].tolist(), token_C[next_N].tolist()
+        if self.matchers is not None:
+            self._advance_matchers(sources, tokens)
+        return sources, tokens
+
+    def _processed(self, logprobs_NV: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities with the grammar's mask, the repetition penalty and (when
+        sampling) the warpers applied."""
+        cfg, n, g = self.config, self.num_beams, self.generated
+        vocab = logprobs_NV.shape[-1]
+        processed_NV = logprobs_NV
+        if self.matchers is not None:
+            forbidden_NV = torch.from_numpy(
+                ~np.stack([m.allowed(vocab) for m in self.matchers])
+            ).to(self.device)
+            processed_NV = processed_NV.masked_fill(forbidden_NV, FORBIDDEN)
+        if cfg.repetition_penalty != 1.0:
+            seen = [torch.cat([self.prompt, self.running_N_T[b, :g]]) for b in range(n)]
+            processed_NV = apply_repetition_penalty(
+                processed_NV, seen, [cfg.repetition_penalty] * n
+            )
+        if cfg.sampling:
+            processed_NV = warp(processed_NV, [cfg] * n, min_keep=2)
+        return processed_NV
+
+    def _candidates(
+        self, processed_NV: torch.Tensor, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat index, accumulated score) of the 2N candidates: the best, or drawn when
+        sampling, among those the grammar can still complete."""
+        cfg, keep = self.config, 2 * self.num_beams
+        while True:
+            acc_flat = (processed_NV + self.running_scores_N[:, None]).reshape(-1)
+            if cfg.sampling:
+                index_C = torch.multinomial(acc_flat.softmax(-1), keep, generator=self.generator)
+                top_C = acc_flat[index_C]
+            else:
+                top_C, index_C = torch.topk(acc_flat, keep)
+            unfit = self._unfit(index_C, top_C, vocab)
+            if not unfit:
+                return index_C, top_C
+            # A candidate after which the grammar could not complete within the tokens left
+            # is forbidden like a token the grammar forbids, and the candidates are taken again
+            # (only near the length limit; until then every candidate fits).
+            processed_NV = processed_NV.clone()
+            for beam, token in unfit:
+                processed_NV[beam, token] = FORBIDDEN
+
+    def _merge_finished(
+        self,
+        top_C: torch.Tensor,
+        hits_C: torch.Tensor,
+        seqs_C_T: torch.Tensor,
+        raw_C: torch.Tensor,
+        stop_C: torch.Tensor,
+    ) -> None:
+        """Finished candidates among the top N enter the finished set if they beat its worst."""
+        cfg, n, g = self.config, self.num_beams, self.generated
+        keep = 2 * n
         top_n_C = torch.arange(keep, device=self.device) < n
         just_finished_C = hits_C & top_n_C
         scores_C = top_C / float(g + 1) ** cfg.length_penalty
@@ -157,19 +190,17 @@ class BeamSearch:
         self.finished_stop_N = torch.cat([self.finished_stop_N, stop_C])[best_N]
         self.is_finished_N = torch.cat([self.is_finished_N, just_finished_C])[best_N]
 
-        self.generated = g + 1
-        self._update_done(hits_C)
-        sources, tokens = beam_C[next_N].tolist(), token_C[next_N].tolist()
-        if self.matchers is not None:
-            live = (self.running_scores_N > NEG / 2).tolist()
-            matchers = []
-            for source, token, alive in zip(sources, tokens, live, strict=True):
-                matcher = self.matchers[source].clone()
-                if alive:  # a dead beam's token may break its grammar; it is never kept
-                    matcher.advance(token)
-                matchers.append(matcher)
-            self.matchers = matchers
-        return sources, tokens
+    def _advance_matchers(self, sources: list[int], tokens: list[int]) -> None:
+        """Each new beam's grammar: its source beam's, advanced by its token."""
+        assert self.matchers is not None
+        live = (self.running_scores_N > NEG / 2).tolist()
+        matchers = []
+        for source, token, alive in zip(sources, tokens, live, strict=True):
+            matcher = self.matchers[source].clone()
+            if alive:  # a dead beam's token may break its grammar; it is never kept
+                matcher.advance(token)
+            matchers.append(matcher)
+        self.matchers = matchers
 
     def _unfit(
         self, index_C: torch.Tensor, top_C: torch.Tensor, vocab: int

@@ -25,7 +25,10 @@ from pathlib import Path
 
 import torch
 
+from checkpoints.config_files import read_model_config
+from checkpoints.lora import LoraAdapter
 from checkpoints.registry import AUTO, SERVE_CHOICES, SERVE_FORMATS, detect_format, get_format
+from checkpoints.units import units
 from engine.quantized_model import (
     read_quantized_state,
     swap_in_quant_linears,
@@ -59,9 +62,6 @@ def read_state(
 
     `reward_model`: the checkpoint must hold a scalar value head (a causal LM is refused);
     else it must not (a reward model cannot generate)."""
-    from checkpoints.lora import LoraAdapter
-    from checkpoints.units import units
-
     try:
         source = get_format(fmt, "--load-format", SERVE_FORMATS).open_source(directory, None, None)
     except (OSError, ValueError) as exc:
@@ -104,8 +104,6 @@ def is_reward_checkpoint(directory: Path, load_format: str = AUTO) -> bool:
     """Whether `directory` holds a reward model (a scalar value head), read from its config file
     alone; False where that cannot tell (no JSON config: Megatron; unreadable: the loader then
     reports it)."""
-    from checkpoints.config_files import read_model_config
-
     try:
         fmt = detect_format(directory) if load_format == AUTO else load_format
     except (OSError, ValueError):

@@ -155,6 +155,29 @@ class Unsupported(Exception):
     """The step's model has a part the C step does not cover (the lean step runs instead)."""
 
 
+def _check_layer_shapes(
+    lean: DecodeStep, layers: list[tuple[Parts, Parts, Parts, Parts]], hidden: int
+) -> tuple[int, int, int]:
+    """(heads, kv heads, ffn size) once every layer's matrices and norms have the sizes the C
+    loop trusts (Unsupported otherwise: the lean step runs)."""
+    first = lean.layers[0]
+    heads = first.q_size // lean.head_dim
+    kv_heads = first.kv_size // lean.head_dim
+    ffn = _shape(layers[0][2][0])[0] // 2
+    if heads * lean.head_dim != first.q_size or heads % max(kv_heads, 1) or lean.head_dim % 2:
+        raise Unsupported("heads that do not split into whole kv-head groups of even size")
+    for parts in layers:  # the C loop trusts these sizes: any mismatch keeps the lean step
+        _expect(parts[0], (heads + 2 * kv_heads) * lean.head_dim, hidden, "q|k|v")
+        _expect(parts[1], hidden, heads * lean.head_dim, "o")
+        _expect(parts[2], 2 * ffn, hidden, "gate|up")
+        _expect(parts[3], hidden, ffn, "down")
+    norms = [lean.final_norm[0]] + [n for ly in lean.layers for n in (ly.norm1[0], ly.norm2[0])]
+    for norm in norms:
+        if norm.shape != (hidden,):
+            raise Unsupported(f"a norm weight of shape {tuple(norm.shape)}, not ({hidden},)")
+    return heads, kv_heads, ffn
+
+
 class NativeStep:
     """`DecodeStep(ids_B1, cache, step)` in one C call, for up to `max_rows` rows; other calls
     go to `lean`."""
@@ -170,37 +193,9 @@ class NativeStep:
         self.lean = lean
         embedding = lean.embedding
         self.dtype = lean.dtype
-        if isinstance(embedding, QuantEmbedding):  # rows dequantized in C from the codes
-            if _quantized(embedding.tied_linear(), self.dtype) is None:
-                raise Unsupported("the quantized embedding's codes are not what C reads")
-            tensors = [lean.final_norm[0]]
-            hidden, embed_ptr = embedding.embedding_dim, 0
-        else:
-            tensors = [embedding, lean.final_norm[0]]
-            hidden = embedding.shape[1]
-            embed_ptr = embedding.data_ptr() if embedding.is_contiguous() else None
-        if self.dtype not in DTYPES or any(
-            t.device.type != "cpu" or t.dtype != self.dtype for t in tensors
-        ):
-            raise Unsupported("not an fp32, bf16 or fp16 model on the CPU")
-        if embed_ptr is None:
-            raise Unsupported("the embedding is not contiguous")
+        hidden = self._check_embedding(lean)
         layers = [_layer_parts(layer, self.dtype) for layer in lean.layers]
-        first = lean.layers[0]
-        heads = first.q_size // lean.head_dim
-        kv_heads = first.kv_size // lean.head_dim
-        ffn = _shape(layers[0][2][0])[0] // 2
-        if heads * lean.head_dim != first.q_size or heads % max(kv_heads, 1) or lean.head_dim % 2:
-            raise Unsupported("heads that do not split into whole kv-head groups of even size")
-        for parts in layers:  # the C loop trusts these sizes: any mismatch keeps the lean step
-            _expect(parts[0], (heads + 2 * kv_heads) * lean.head_dim, hidden, "q|k|v")
-            _expect(parts[1], hidden, heads * lean.head_dim, "o")
-            _expect(parts[2], 2 * ffn, hidden, "gate|up")
-            _expect(parts[3], hidden, ffn, "down")
-        norms = [lean.final_norm[0]] + [n for ly in lean.layers for n in (ly.norm1[0], ly.norm2[0])]
-        for norm in norms:
-            if norm.shape != (hidden,):
-                raise Unsupported(f"a norm weight of shape {tuple(norm.shape)}, not ({hidden},)")
+        heads, kv_heads, ffn = _check_layer_shapes(lean, layers, hidden)
         self._keep: list[torch.Tensor] = []  # every tensor the tables point to stays alive
         self._layers = (_LayerTable * len(layers))()
         for table, layer, (qkv, o, gate_up, down) in zip(
@@ -210,16 +205,7 @@ class NativeStep:
             table.norm2, table.eps2 = self._ptr(layer.norm2[0]), layer.norm2[1]
             table.qkv, table.o = self._lin(*qkv), self._lin(*o)
             table.gate_up, table.down = self._lin(*gate_up), self._lin(*down)
-        head = _plain(lean.head, self.dtype)
-        if head is None:
-            raise Unsupported(f"the head's weight is not a plain {self.dtype} matrix")
-        vocab = _shape(head[0])[0]
-        _expect(head, vocab, hidden, "head")
-        qembed = _Lin()
-        if isinstance(embedding, QuantEmbedding):
-            if embedding.num_embeddings != vocab:
-                raise Unsupported("a quantized embedding of another vocabulary than the head's")
-            qembed = self._lin(embedding.tied_linear(), None)
+        head, qembed = self._head_tables(lean, hidden)
         if lean.inv_freq.numel() != lean.head_dim // 2:
             raise Unsupported("RoPE over part of the head dim")
         self._model = _ModelTable(
@@ -228,7 +214,7 @@ class NativeStep:
             K=kv_heads,
             D=lean.head_dim,
             F=ffn,
-            V=vocab,
+            V=_shape(head[0])[0],
             L=len(layers),
             embed=0 if isinstance(embedding, QuantEmbedding) else self._ptr(embedding),
             final_norm=self._ptr(lean.final_norm[0]),
@@ -260,6 +246,43 @@ class NativeStep:
         # cpu_decode.c's scratch per row, besides H scores per slot: h, x, q|k|v, attention
         # out, gate|up, act, cos, sin
         self._row_scratch = 2 * m.E + (m.H + 2 * m.K) * m.D + m.H * m.D + 3 * m.F + m.D
+
+    def _check_embedding(self, lean: DecodeStep) -> int:
+        """The hidden size, once the embedding and final norm are what C reads (Unsupported
+        otherwise)."""
+        embedding = lean.embedding
+        if isinstance(embedding, QuantEmbedding):  # rows dequantized in C from the codes
+            if _quantized(embedding.tied_linear(), self.dtype) is None:
+                raise Unsupported("the quantized embedding's codes are not what C reads")
+            tensors = [lean.final_norm[0]]
+            hidden, embed_ptr = embedding.embedding_dim, 0
+        else:
+            tensors = [embedding, lean.final_norm[0]]
+            hidden = embedding.shape[1]
+            embed_ptr = embedding.data_ptr() if embedding.is_contiguous() else None
+        if self.dtype not in DTYPES or any(
+            t.device.type != "cpu" or t.dtype != self.dtype for t in tensors
+        ):
+            raise Unsupported("not an fp32, bf16 or fp16 model on the CPU")
+        if embed_ptr is None:
+            raise Unsupported("the embedding is not contiguous")
+        return hidden
+
+    def _head_tables(self, lean: DecodeStep, hidden: int) -> tuple[Parts, _Lin]:
+        """The head's (weight, ...) parts and the quantized embedding's table (empty when the
+        embedding is plain)."""
+        head = _plain(lean.head, self.dtype)
+        if head is None:
+            raise Unsupported(f"the head's weight is not a plain {self.dtype} matrix")
+        vocab = _shape(head[0])[0]
+        _expect(head, vocab, hidden, "head")
+        qembed = _Lin()
+        embedding = lean.embedding
+        if isinstance(embedding, QuantEmbedding):
+            if embedding.num_embeddings != vocab:
+                raise Unsupported("a quantized embedding of another vocabulary than the head's")
+            qembed = self._lin(embedding.tied_linear(), None)
+        return head, qembed
 
     @classmethod
     def build(cls, lean: DecodeStep | None) -> tuple[NativeStep | None, str]:

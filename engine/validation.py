@@ -76,101 +76,120 @@ def _finite_in(value: float, low: float, high: float) -> bool:
     return math.isfinite(value) and low <= value <= high
 
 
-def sampling_problems(config: SamplingConfig, limits: RequestLimits) -> list[Problem]:
-    """Every field of `config` that is out of range, of the wrong combination or over a limit."""
-    out: list[Problem] = []
+class _Problems(list[Problem]):
+    """The problems found so far."""
 
-    def require(ok: bool, name: str, reason: str) -> bool:
+    def require(self, ok: bool, name: str, reason: str) -> bool:
+        """Record `reason` against `name` unless `ok`; returns `ok`."""
         if not ok:
-            out.append(Problem(name, reason))
+            self.append(Problem(name, reason))
         return ok
 
-    require(
+
+def sampling_problems(config: SamplingConfig, limits: RequestLimits) -> list[Problem]:
+    """Every field of `config` that is out of range, of the wrong combination or over a limit."""
+    out = _Problems()
+    _check_ranges(config, limits, out)
+    _check_sequences(config, limits, out)
+    _check_stops(config, limits, out)
+    return list(out)
+
+
+def _check_ranges(config: SamplingConfig, limits: RequestLimits, out: _Problems) -> None:
+    """The numeric settings, each in its finite range."""
+    out.require(
         1 <= config.max_new_tokens <= limits.max_new_tokens,
         "max_new_tokens",
         f"must be in [1, {limits.max_new_tokens}], got {config.max_new_tokens}",
     )
     t = config.temperature
-    require(
+    out.require(
         t == 0 or _finite_in(t, MIN_TEMPERATURE, MAX_TEMPERATURE),
         "temperature",
         f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}",
     )
-    require(
+    out.require(
         0 <= config.top_k <= MAX_TOP_K,
         "top_k",
         f"must be in [0, {MAX_TOP_K}] (0 disables), got {config.top_k}",
     )
-    require(
+    out.require(
         _finite_in(config.top_p, 0, 1) and config.top_p > 0,
         "top_p",
         f"must be in (0, 1], got {config.top_p}",
     )
-    require(
+    out.require(
         _finite_in(config.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
         "repetition_penalty",
         f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1.0 disables), got "
         f"{config.repetition_penalty}",
     )
-    require(
+    out.require(
         _finite_in(config.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
         "length_penalty",
         f"must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {config.length_penalty}",
     )
-    require(
+    out.require(
         0 <= config.seed <= MAX_SEED,
         "seed",
         f"must be in [0, 2**63 - 1] (sequence i uses seed + i), got {config.seed}",
     )
+
+
+def _check_sequences(config: SamplingConfig, limits: RequestLimits, out: _Problems) -> None:
+    """Beams, log-probabilities and returned sequences, alone and in combination."""
     beams = config.num_beams
-    beams_ok = require(
+    beams_ok = out.require(
         1 <= beams <= limits.max_num_beams,
         "num_beams",
         f"must be in [1, {limits.max_num_beams}], got {beams}",
     )
-    if require(
+    if out.require(
         0 <= config.logprobs <= MAX_LOGPROBS,
         "logprobs",
         f"must be in [0, {MAX_LOGPROBS}], got {config.logprobs}",
     ):
-        require(
+        out.require(
             config.logprobs == 0 or beams == 1,
             "logprobs",
             "per-token log-probabilities are not reported with beam search (num_beams > 1)",
         )
     n = config.num_return_sequences
-    if require(
+    if not out.require(
         1 <= n <= limits.max_num_beams,
         "num_return_sequences",
         f"must be in [1, {limits.max_num_beams}], got {n}",
     ):
-        if beams > 1 and beams_ok:
-            require(
-                n <= beams,
-                "num_return_sequences",
-                f"must be <= num_beams ({beams}) with beam search, got {n}",
-            )
-        elif beams == 1 and not config.sampling:
-            require(
-                n == 1,
-                "num_return_sequences",
-                f"greedy decoding returns one sequence; sample or use num_beams >= {n}",
-            )
+        return
+    if beams > 1 and beams_ok:
+        out.require(
+            n <= beams,
+            "num_return_sequences",
+            f"must be <= num_beams ({beams}) with beam search, got {n}",
+        )
+    elif beams == 1 and not config.sampling:
+        out.require(
+            n == 1,
+            "num_return_sequences",
+            f"greedy decoding returns one sequence; sample or use num_beams >= {n}",
+        )
+
+
+def _check_stops(config: SamplingConfig, limits: RequestLimits, out: _Problems) -> None:
     stops = config.stop
-    if require(
+    if out.require(
         len(stops) <= limits.max_stop_strings,
         "stop",
         f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
     ):
-        require(all(stops), "stop", "stop strings must not be empty")
+        out.require(all(stops), "stop", "stop strings must not be empty")
         longest = max((len(s) for s in stops), default=0)
-        require(
+        out.require(
             longest <= limits.max_stop_string_chars,
             "stop",
             f"stop strings must be at most {limits.max_stop_string_chars} characters, got "
             f"{longest}",
         )
-    return out
 
 
 def prompt_text_problems(text: str, limits: RequestLimits) -> list[Problem]:

@@ -163,6 +163,20 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the configuration cannot describe a network."""
+        self._check_kinds()
+        self._check_sizes()
+        self._check_shapes()
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be positive")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling(self.rope_scaling)
+
+    def _check_kinds(self) -> None:
+        """The family, extra, value head and every named choice."""
         _choice("family", self.family, FAMILIES)
         if not isinstance(self.extra, dict):
             raise ValueError(f"ModelConfig.extra={self.extra!r}: must be an object")
@@ -180,6 +194,9 @@ class ModelConfig:
         _choice("norm_type", self.norm_type, NORM_TYPES)
         _choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         _choice("activation", self.activation, ACTIVATIONS)
+
+    def _check_sizes(self) -> None:
+        """Every size a positive integer no larger than a real model's."""
         for name in (
             "vocab_size",
             "hidden_size",
@@ -207,6 +224,9 @@ class ModelConfig:
                 f"ModelConfig.sliding_window={self.sliding_window!r}: must be a positive integer "
                 "or None (full attention)"
             )
+
+    def _check_shapes(self) -> None:
+        """Heads divide the hidden size and the query heads; RoPE has an even head_dim."""
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
@@ -221,30 +241,24 @@ class ModelConfig:
             )
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim}: RoPE needs an even head_dim")
-        for name in ("norm_eps", "rope_theta", "init_std"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be positive")
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("type")
-            factor = self.rope_scaling.get("factor")
-            if kind not in ROPE_SCALING_TYPES or not isinstance(factor, (int, float)) or factor < 1:
-                raise ValueError(
-                    f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected "
-                    f'{{"type": one of {ROPE_SCALING_TYPES}, "factor": a number >= 1}}'
-                )
-            from kernels.rotary import RopeScaling
 
-            try:
-                RopeScaling.from_dict(self.rope_scaling)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: {exc}") from exc
-            if self.position_embedding != "rope":
-                raise ValueError(
-                    "ModelConfig.rope_scaling is set but position_embedding is not 'rope'"
-                )
+    def _check_rope_scaling(self, scaling: dict[str, Any]) -> None:
+        kind = scaling.get("type")
+        factor = scaling.get("factor")
+        if kind not in ROPE_SCALING_TYPES or not isinstance(factor, (int, float)) or factor < 1:
+            raise ValueError(
+                f"ModelConfig.rope_scaling={scaling!r}: expected "
+                f'{{"type": one of {ROPE_SCALING_TYPES}, "factor": a number >= 1}}'
+            )
+        # kernels.rotary loads torch: a config is read and checked without it until here
+        from kernels.rotary import RopeScaling
+
+        try:
+            RopeScaling.from_dict(scaling)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"ModelConfig.rope_scaling={scaling!r}: {exc}") from exc
+        if self.position_embedding != "rope":
+            raise ValueError("ModelConfig.rope_scaling is set but position_embedding is not 'rope'")
 
     def replace(self, **overrides: Any) -> ModelConfig:
         """A validated copy with some fields changed (unknown names raise ValueError)."""

@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = estimate(config, layout)
         deepspeed = None
         if args.deepspeed_estimate:
+            # the network stack loads only for --deepspeed-estimate: the estimate itself needs none
             from models.transformer import build_model
 
             counts = model_counts(build_model(config, device="meta"))

@@ -99,15 +99,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     architectures = hf.get("architectures") or [""]
     arch = str(architectures[0])
     if arch.endswith(SEQ_CLS):
-        labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
-        if labels != 1:
-            raise unsupported_field(
-                "id2label", labels, "has more than one label; only a scalar reward head reads"
-            )
-        causal = {**hf, "architectures": [arch.removesuffix(SEQ_CLS) + CAUSAL_LM]}
-        causal["tie_word_embeddings"] = False
-        own = config_from_hf(causal, **overrides)
-        return own.replace(tie_word_embeddings=False, norm_head=False, value_head=True)
+        return _reward_config_from_hf(hf, arch, overrides)
     model_type = str(hf.get("model_type"))
     family = family_of_model_type(model_type)
     if family is None:
@@ -121,32 +113,59 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if facts.layout == "gpt2":
         return ModelConfig(**{**config_from_gpt2(hf, extra), **overrides})
     if facts.layout == "bloom":
-        if hf.get("apply_residual_connection_post_layernorm"):
-            raise unsupported_field(
-                "apply_residual_connection_post_layernorm", True, "is not supported"
-            )
-        hidden = hf["hidden_size"]
-        fields: dict[str, Any] = dict(
-            family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            num_layers=hf["n_layer"],
-            num_attention_heads=hf["n_head"],
-            ffn_hidden_size=4 * hidden,
-            norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            position_embedding="alibi",
-            activation="gelu",
-            attention_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=hf.get("tie_word_embeddings", True),
-            embedding_layernorm=True,
-            fused_gate_up=False,
-            init_std=hf.get("initializer_range", 0.02),
-            extra=extra,
+        fields = _bloom_fields(hf, family, extra)
+    else:
+        fields = _llama_style_fields(hf, family, facts, extra)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _reward_config_from_hf(hf: dict[str, Any], arch: str, overrides: dict[str, Any]) -> ModelConfig:
+    """A one-label `...ForSequenceClassification`: its causal body with a value head."""
+    labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
+    if labels != 1:
+        raise unsupported_field(
+            "id2label", labels, "has more than one label; only a scalar reward head reads"
         )
-        fields.update(overrides)
-        return ModelConfig(**fields)
+    causal = {**hf, "architectures": [arch.removesuffix(SEQ_CLS) + CAUSAL_LM]}
+    causal["tie_word_embeddings"] = False
+    own = config_from_hf(causal, **overrides)
+    return own.replace(tie_word_embeddings=False, norm_head=False, value_head=True)
+
+
+def _bloom_fields(hf: dict[str, Any], family: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a BLOOM config (ALiBi, LayerNorm, GELU, biases everywhere)."""
+    if hf.get("apply_residual_connection_post_layernorm"):
+        raise unsupported_field(
+            "apply_residual_connection_post_layernorm", True, "is not supported"
+        )
+    hidden = hf["hidden_size"]
+    return dict(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["n_layer"],
+        num_attention_heads=hf["n_head"],
+        ffn_hidden_size=4 * hidden,
+        norm_type="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        position_embedding="alibi",
+        activation="gelu",
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        embedding_layernorm=True,
+        fused_gate_up=False,
+        init_std=hf.get("initializer_range", 0.02),
+        extra=extra,
+    )
+
+
+def _llama_style_fields(
+    hf: dict[str, Any], family: str, facts: Family, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """ModelConfig fields of a Llama-layout config (SwiGLU, RMSNorm, RoPE or Baichuan's ALiBi,
+    optional MoE); `extra` gains the HF intermediate size of an MoE family that has one."""
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise unsupported_field(
@@ -167,7 +186,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if facts.moe is not None and facts.moe.expert_ffn_key is not None:
         extra["hf_intermediate_size"] = hf.get("intermediate_size")
         ffn = hf[facts.moe.expert_ffn_key]
-    fields = dict(
+    return dict(
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -193,8 +212,6 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         moe=moe,
         extra=extra,
     )
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
@@ -225,20 +242,10 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The HF `config.json` content that describes `config`'s network (and its token ids); a
     value head is written as transformers' `...ForSequenceClassification` with one label."""
     if config.value_head:
-        out = hf_config(config.replace(value_head=False))
-        arch = out["architectures"][0]
-        if not arch.endswith(CAUSAL_LM):
-            raise ValueError(
-                f"hf_config: family {config.family!r} ({arch}) has no known sequence-"
-                "classification class to hold a value head"
-            )
-        out["architectures"] = [arch.removesuffix(CAUSAL_LM) + SEQ_CLS]
-        out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
-        return out
+        return _value_head_hf_config(config)
     family = config.family
     facts = family_facts(family)
-    moe = config.moe
-    if moe is not None and facts.moe is None:
+    if config.moe is not None and facts.moe is None:
         family = MOE_EXPORT_FAMILY  # a Llama-style config with MoE layers (tiny-mixtral)
         facts = family_facts(family)
     arch, model_type = facts.hf_architecture, facts.hf_model_type
@@ -263,6 +270,26 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
             "hidden_dropout": config.hidden_dropout,
             "attention_dropout": config.attention_dropout,
         }
+    return _llama_style_hf_config(config, facts, common)
+
+
+def _value_head_hf_config(config: ModelConfig) -> dict[str, Any]:
+    out = hf_config(config.replace(value_head=False))
+    arch = out["architectures"][0]
+    if not arch.endswith(CAUSAL_LM):
+        raise ValueError(
+            f"hf_config: family {config.family!r} ({arch}) has no known sequence-"
+            "classification class to hold a value head"
+        )
+    out["architectures"] = [arch.removesuffix(CAUSAL_LM) + SEQ_CLS]
+    out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    return out
+
+
+def _llama_style_hf_config(
+    config: ModelConfig, facts: Family, common: dict[str, Any]
+) -> dict[str, Any]:
+    """A Llama-layout family's config.json, each family-specific key as its facts say."""
     _check_expressible(config, facts)
     out: dict[str, Any] = {
         **common,
@@ -289,6 +316,17 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         out["position_embedding"] = config.position_embedding
         out["norm_head"] = config.norm_head
         out["model_max_length"] = config.max_position_embeddings
+    out.update(_window_keys(config, facts))
+    if facts.qkv_bias_key:
+        out["qkv_bias"] = config.qkv_bias
+    if config.moe is not None:
+        out.update(moe_fields_to_hf(config, facts, config.moe))
+    return out
+
+
+def _window_keys(config: ModelConfig, facts: Family) -> dict[str, Any]:
+    """The sliding-window keys in the family's spelling (Qwen's per-layer types, Mistral's)."""
+    out: dict[str, Any] = {}
     if facts.window == "qwen":
         windowed = config.sliding_window is not None
         out["use_sliding_window"] = windowed
@@ -299,10 +337,6 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         out["layer_types"] = [kind] * config.num_layers
     if facts.window == "mistral":
         out["sliding_window"] = config.sliding_window
-    if facts.qkv_bias_key:
-        out["qkv_bias"] = config.qkv_bias
-    if moe is not None:
-        out.update(moe_fields_to_hf(config, facts, moe))
     return out
 
 

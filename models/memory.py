@@ -256,6 +256,7 @@ def in_flight_microbatches(layout: TrainingLayout, pp_rank: int) -> float:
 
 def model_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     """(name, shape) of every parameter of the model `config` builds (built on meta: free)."""
+    # the network stack (kernels' backends, seconds to import) loads only for the meta model
     from models.transformer import build_model
 
     model = build_model(config, device="meta")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import attention
+from models.transformer import Attention
 from parallel.parallel_dims import check_seq_length
 
 
@@ -232,8 +233,6 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> int
     The model must then be fed this rank's `shard_sequence` of every [B, S] input, position ids
     included (positions stay global). Returns the number of attention modules changed.
     """
-    from models.transformer import Attention
-
     changed = 0
     for module in model.modules():
         if isinstance(module, Attention):

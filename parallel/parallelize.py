@@ -17,11 +17,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.config import ModelConfig
-from models.parallel_plan import check_model_split
+from models.parallel_plan import check_model_split, format_plan
+from parallel import pipeline
+from parallel.compile import apply_compile
 from parallel.config import ParallelConfig
 from parallel.context_parallel import apply_context_parallel, shard_sequence
+from parallel.data_parallel import apply_run_data_parallel, clip_grad_norm_, wrap_optimizer
+from parallel.expert_parallel import (
+    ExpertParallelGradSync,
+    apply_expert_parallel,
+    apply_moe_context_parallel,
+    expert_parameters,
+)
 from parallel.grad_sync import GradSync
 from parallel.parallel_dims import ParallelDims
+from parallel.pipeline_schedules import default_schedule, get_schedule
+from parallel.recompute import apply_recompute
 from parallel.tensor_parallel import (
     apply_tensor_parallel,
     loss_parallel,
@@ -37,8 +48,6 @@ def check_model(
 ) -> None:
     """Validate the layout against the model's layers, heads, KV heads, FFN, vocabulary and
     experts (the layer split against `par`'s uneven first/last stage sizes, when given)."""
-    from parallel import pipeline
-
     uneven = par is not None and pipeline.layer_counts(par, model_config.num_layers) is not None
     check_model_split(
         model_config,
@@ -131,7 +140,6 @@ class ModelParallelFeed:
                 sync.finish()
             return None
         runner.finish_gradients()
-        from parallel.data_parallel import clip_grad_norm_
 
         group = self.dims.submesh("pp").get_group()
         limit = max_norm * loss_scale if max_norm > 0 else 0.0
@@ -159,10 +167,6 @@ def parallelize_model(
     With pipeline parallelism the returned model is a `PipelineRankModel` whose `runner` runs the
     step; otherwise `model` itself, changed in place.
     """
-    from parallel import pipeline
-    from parallel.data_parallel import apply_run_data_parallel, wrap_optimizer
-    from parallel.pipeline_schedules import default_schedule, get_schedule
-
     dims.virtual_pp = pipeline.virtual_chunks(
         model_config.num_layers, dims.pp, par.num_layers_per_virtual_pipeline_stage
     )
@@ -226,15 +230,6 @@ def _parallelize_expert_model(
     The expert mesh has `pp` outermost, so a rank's `ep` group lies within its pipeline stage:
     the all-to-alls of a chunk's MoE layers run among ranks that run the same stage.
     """
-    from parallel import pipeline
-    from parallel.data_parallel import apply_run_data_parallel, wrap_optimizer
-    from parallel.expert_parallel import (
-        ExpertParallelGradSync,
-        apply_expert_parallel,
-        expert_parameters,
-    )
-    from parallel.pipeline_schedules import default_schedule, get_schedule
-
     mesh = dims.expert_mesh()
     fsdp = par.zero_stage >= 2
     schedule = par.pipeline_schedule or default_schedule(dims.virtual_pp)
@@ -316,8 +311,6 @@ def _with_grad_sync(
     """`model` carrying `grad_sync`: under PP a `PipelineRankModel` whose runner calls it per
     chunk, else `model` with it as a plain attribute (`ModelParallelFeed.clip_pipeline_grads`
     reads it back)."""
-    from parallel import pipeline
-
     if dims.pp == 1:
         model.grad_sync = grad_sync  # type: ignore[assignment]
         return model
@@ -338,8 +331,6 @@ def _check_tied_v_schedule(
     model_config: ModelConfig, schedule: str, fsdp: bool, zero_stage: int
 ) -> None:
     """Refuse tied embeddings under FSDP2 with a V-shaped schedule (ValueError naming flags)."""
-    from parallel.pipeline_schedules import get_schedule
-
     if model_config.tie_word_embeddings and get_schedule(schedule).v_shaped and fsdp:
         raise ValueError(
             f"tied embeddings with --pipeline-schedule {schedule} share one parameter between "
@@ -353,16 +344,12 @@ def _apply_within_replica(
 ) -> None:
     """TP/SP, then CP, recompute and compile on one model chunk (DESIGN §1.5's order, FSDP
     after)."""
-    from parallel.recompute import apply_recompute
-
     if dims.tp > 1:
         plan = apply_tensor_parallel(
             chunk, dims.submesh("tp"), model_config, sequence_parallel=dims.sequence_parallel
         )
         log.info("tensor-parallel plan (tp=%d):\n%s", dims.tp, _format(plan))
     if dims.cp > 1:
-        from parallel.expert_parallel import apply_moe_context_parallel
-
         cp_group = dims.submesh("cp").get_group()
         apply_context_parallel(chunk, cp_group)
         apply_moe_context_parallel(chunk, cp_group)
@@ -372,12 +359,8 @@ def _apply_within_replica(
         )
         log.info("recompute (%s): layers %s", par.recompute_granularity, chosen)
     if par.compile:
-        from parallel.compile import apply_compile
-
         apply_compile(chunk)
 
 
 def _format(plan: dict[str, str]) -> str:
-    from models.parallel_plan import format_plan
-
     return format_plan(plan) if plan else "(empty)"

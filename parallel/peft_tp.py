@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.lora import LoraLinear
+from models.peft_methods import PrefixAttention
 from parallel.collectives import (
     RowExchange,
     copy_to_group,
@@ -221,8 +222,6 @@ def parallelize_with_adapters(
 
 def shard_prefixes(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split each prefix-tuning layer's key/value prefixes [P, K, D] over the TP rank's KV heads."""
-    from models.peft_methods import PrefixAttention
-
     rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
     group = tp_mesh.get_group()
     for module in model.modules():

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
 from models.config import ModelConfig
+from models.pipeline import build_stage, split_stages
 from parallel.config import ParallelConfig
 from parallel.pipeline_schedules import SCHEDULES, get_schedule
 from parallel.tensor_parallel import tp_cross_entropy_sum
@@ -43,7 +44,6 @@ def layer_counts(par: ParallelConfig, num_layers: int) -> list[int] | None:
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     if first is None and last is None:
         return None
-    from models.pipeline import split_stages
 
     try:
         stages = split_stages(
@@ -115,8 +115,6 @@ def build_chunks(
     model: Any, dims: Any, layer_counts: list[int] | None = None, *, v_shaped: bool = False
 ) -> list:
     """(stage ranges, pruned CausalLM chunks) of this pipeline rank, cut from `model`."""
-    from models.pipeline import build_stage, split_stages
-
     config = model.config
     stages = split_stages(config.num_layers, dims.pp, dims.virtual_pp, layer_counts)
     if v_shaped and dims.virtual_pp != 2:

@@ -104,6 +104,33 @@ def apply_tensor_parallel(
     if mode == "serve":
         ServingShard(model, config, tp_mesh.get_group(), rank, tp).apply(sharded, serving_layouts())
         return resolved
+    module_plan = _training_module_plan(model, config, sharded, resolved, sequence_parallel)
+    # LoRA layers take adapter-aware styles; PEFT-frozen parameters stay frozen.
+    parallelize_with_adapters(
+        model, tp_mesh, module_plan, resolved, sequence_parallel=sequence_parallel
+    )
+    tie_weights = getattr(model, "tie_weights", None)
+    if config.tie_word_embeddings and callable(tie_weights):
+        # Each style swapped in its own parameter, untying the head; both are vocabulary-row
+        # shards (Shard(0)) on the same mesh, so the head can share the embedding's DTensor.
+        tie_weights()
+    _replicate_the_rest(model, tp_mesh, config, resolved, sequence_parallel)
+    for name in install_tp_rng_regions(
+        model, config, tp_mesh.get_local_rank(), sequence_parallel=sequence_parallel
+    ):
+        resolved[name] = f"{resolved[name]} + tp_rng" if name in resolved else "tp_rng"
+    return resolved
+
+
+def _training_module_plan(
+    model: nn.Module,
+    config: ModelConfig,
+    sharded: dict[str, str],
+    resolved: dict[str, str],
+    sequence_parallel: bool,
+) -> dict[str, ParallelStyle]:
+    """The training styles of the sharded modules, plus (under SP) the gathers before each
+    attention and MLP block without a style of its own (recorded in `resolved`)."""
     styles = training_styles(config, sequence_parallel=sequence_parallel)
     names = [name for name, _ in model.named_modules()]
     module_plan: dict[str, ParallelStyle] = {n: styles[s] for n, s in sharded.items()}
@@ -120,15 +147,19 @@ def apply_tensor_parallel(
                 if name.endswith(suffix) and name not in module_plan:
                     module_plan[name] = gather
                     resolved[name] = "gather_sequence"
-    # LoRA layers take adapter-aware styles; PEFT-frozen parameters stay frozen.
-    parallelize_with_adapters(
-        model, tp_mesh, module_plan, resolved, sequence_parallel=sequence_parallel
-    )
-    tie_weights = getattr(model, "tie_weights", None)
-    if config.tie_word_embeddings and callable(tie_weights):
-        # Each style swapped in its own parameter, untying the head; both are vocabulary-row
-        # shards (Shard(0)) on the same mesh, so the head can share the embedding's DTensor.
-        tie_weights()
+    return module_plan
+
+
+def _replicate_the_rest(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    config: ModelConfig,
+    resolved: dict[str, str],
+    sequence_parallel: bool,
+) -> None:
+    """Every module with a parameter no style sharded holds it replicated, its gradient summed
+    over the ranks where its input is a shard (recorded in `resolved`)."""
+    tp = tp_mesh.size()
     for name, module in model.named_modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             # Qwen3's per-head q/k norms see only this rank's heads: their input is a head shard
@@ -151,11 +182,6 @@ def apply_tensor_parallel(
             else:
                 _replicate_module(module, tp_mesh, Replicate())
                 resolved[name] = "replicate"
-    for name in install_tp_rng_regions(
-        model, config, tp_mesh.get_local_rank(), sequence_parallel=sequence_parallel
-    ):
-        resolved[name] = f"{resolved[name]} + tp_rng" if name in resolved else "tp_rng"
-    return resolved
 
 
 def _replicate_module(

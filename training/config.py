@@ -90,6 +90,28 @@ class TrainingConfig:
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.check_finite()
+        dp = self._check_layout(world_size)
+        self._check_batch_sizes(dp)
+        self._check_model_and_data()
+        warmup, decay = self.lr_warmup_iters(), self.lr_decay_iters()
+        if warmup > decay and self.optim.lr_decay_style != "constant":
+            raise ValueError(
+                f"--lr-warmup-iters {warmup} is longer than --lr-decay-iters {decay} (default: "
+                "--train-iters); shorten the warmup or lengthen the decay"
+            )
+        self._check_profile(world_size)
+        check(self)
+        check_fp8(self)
+        check_stage(self, world_size)
+        shard = self.parallel.hsdp_shard_size
+        if self.parallel.hsdp and shard and dp % shard:
+            raise ValueError(
+                f"--hsdp-shard-size {self.parallel.hsdp_shard_size} does not divide the data-parallel size {dp}"
+            )
+        return self
+
+    def _check_layout(self, world_size: int) -> int:
+        """The parallel sizes fit the job and the sequence; returns the data-parallel size."""
         par = self.parallel
         mp = par.model_parallel_size()
         check_world_size(
@@ -108,6 +130,10 @@ class TrainingConfig:
                 "expert-parallel ranks are carved out of the data-parallel ranks"
             )
         check_optimizer_offload(par, self.optim.optimizer)
+        return dp
+
+    def _check_batch_sizes(self, dp: int) -> None:
+        """The global batch and each ramp-up size split into micro-batches on `dp` ranks."""
         mbs = self.batch.micro_batch_size
         gbs = self.batch.global_batch_size
         if gbs is not None and gbs % (mbs * dp):
@@ -115,28 +141,32 @@ class TrainingConfig:
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
                 f"{dp}; use a multiple of {mbs * dp}"
             )
-        if self.batch.rampup_batch_size is not None:
-            if self.autotune.autotune:
+        if self.batch.rampup_batch_size is None:
+            return
+        if self.autotune.autotune:
+            raise ValueError(
+                "--autotune measures a few steps at one global batch; with "
+                "--rampup-batch-size those steps are not the run's: drop one of them"
+            )
+        start, increment, _ = self.batch.rampup_batch_size
+        if gbs is None:
+            raise ValueError(
+                "--rampup-batch-size needs --global-batch-size (the size it ramps up to)"
+            )
+        for flag, value in (("START", start), ("INCREMENT", increment)):
+            if value % (mbs * dp):
                 raise ValueError(
-                    "--autotune measures a few steps at one global batch; with "
-                    "--rampup-batch-size those steps are not the run's: drop one of them"
+                    f"--rampup-batch-size {flag}={value} is not divisible by --micro-batch-size {mbs} x "
+                    f"data-parallel size {dp}"
                 )
-            start, increment, _ = self.batch.rampup_batch_size
-            if gbs is None:
-                raise ValueError(
-                    "--rampup-batch-size needs --global-batch-size (the size it ramps up to)"
-                )
-            for flag, value in (("START", start), ("INCREMENT", increment)):
-                if value % (mbs * dp):
-                    raise ValueError(
-                        f"--rampup-batch-size {flag}={value} is not divisible by --micro-batch-size {mbs} x "
-                        f"data-parallel size {dp}"
-                    )
-            if (gbs - start) % increment:
-                raise ValueError(
-                    f"--global-batch-size {gbs} minus --rampup-batch-size START {start} is not a multiple of "
-                    f"INCREMENT {increment}"
-                )
+        if (gbs - start) % increment:
+            raise ValueError(
+                f"--global-batch-size {gbs} minus --rampup-batch-size START {start} is not a multiple of "
+                f"INCREMENT {increment}"
+            )
+
+    def _check_model_and_data(self) -> None:
+        """A model is named or shaped, and exactly one data source (with its tokenizer) given."""
         if self.model.model is None and any(
             getattr(self.model, n) is None
             for n in ("num_layers", "hidden_size", "num_attention_heads")
@@ -158,34 +188,23 @@ class TrainingConfig:
             raise ValueError(
                 "--data-path needs --tokenizer-type (and --tokenizer-model or --tokenizer-name-or-path)"
             )
-        warmup, decay = self.lr_warmup_iters(), self.lr_decay_iters()
-        if warmup > decay and self.optim.lr_decay_style != "constant":
-            raise ValueError(
-                f"--lr-warmup-iters {warmup} is longer than --lr-decay-iters {decay} (default: "
-                "--train-iters); shorten the warmup or lengthen the decay"
-            )
+
+    def _check_profile(self, world_size: int) -> None:
+        """With --profile, the profiled ranks exist and the first profiled step runs."""
         run = self.run
-        if run.profile:
-            outside = [r for r in run.profile_ranks if r >= world_size]
-            if outside:
-                raise ValueError(
-                    f"--profile-ranks {' '.join(map(str, outside))}: the job has ranks 0-"
-                    f"{world_size - 1}; pass ranks below {world_size}, or -1 for every rank"
-                )
-            if run.profile_step_start >= run.train_iters:
-                raise ValueError(
-                    f"--profile-step-start {run.profile_step_start} is not before --train-iters "
-                    f"{run.train_iters}: no step would be profiled; lower it"
-                )
-        check(self)
-        check_fp8(self)
-        check_stage(self, world_size)
-        shard = self.parallel.hsdp_shard_size
-        if self.parallel.hsdp and shard and dp % shard:
+        if not run.profile:
+            return
+        outside = [r for r in run.profile_ranks if r >= world_size]
+        if outside:
             raise ValueError(
-                f"--hsdp-shard-size {self.parallel.hsdp_shard_size} does not divide the data-parallel size {dp}"
+                f"--profile-ranks {' '.join(map(str, outside))}: the job has ranks 0-"
+                f"{world_size - 1}; pass ranks below {world_size}, or -1 for every rank"
             )
-        return self
+        if run.profile_step_start >= run.train_iters:
+            raise ValueError(
+                f"--profile-step-start {run.profile_step_start} is not before --train-iters "
+                f"{run.train_iters}: no step would be profiled; lower it"
+            )
 
     def check_finite(self) -> None:
         """Every number is finite (`--lr nan` or `--clip-grad inf` passes every range check)."""

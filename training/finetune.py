@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from torch import nn
 
 from models.config import ModelConfig
+from models.lora import LoraConfig, LoraLinear, apply_lora
+from models.lora_io import load_lora, save_lora_state
+from models.peft_methods import apply_bitfit, apply_prefix
+from models.qat import apply_qat as fake_quantize_linears
+from models.qlora import quantize_lora_base
 from training.ckpt.state import TrainState, tensor_tree
 from training.config_sections import flag_name
 
@@ -75,8 +80,6 @@ class PeftSection:
 
     def lora_config(self) -> Any:
         """The `models.lora.LoraConfig` these flags describe (validated)."""
-        from models.lora import LoraConfig
-
         if not self.lora_target_modules and not self.lora_load:
             raise ValueError(
                 "--peft-method lora needs --lora-target-modules (e.g. query_key_value dense) or "
@@ -150,7 +153,6 @@ def apply_qat(model: nn.Module, config: TrainingConfig) -> nn.Module:
     scheme = config.precision.qat_scheme()
     if scheme is None:
         return model
-    from models.qat import apply_qat as fake_quantize_linears
 
     try:
         fake_quantize_linears(model, scheme)
@@ -170,20 +172,12 @@ def prepare_model(model: nn.Module, config: TrainingConfig) -> nn.Module:
     seed = config.run.seed
     model_config = cast(ModelConfig, model.config)
     if peft.peft_method == "bitfit":
-        from models.peft_methods import apply_bitfit
-
         apply_bitfit(model)
     elif peft.peft_method == "prefix":
-        from models.peft_methods import apply_prefix
-
         apply_prefix(model, peft.num_virtual_tokens, model_config.init_std, seed)
     elif peft.lora_load and not _is_run_checkpoint(peft.lora_load):
-        from models.lora_io import load_lora
-
         load_lora(model, peft.lora_load, model_config)
     else:
-        from models.lora import apply_lora
-
         apply_lora(model, peft.lora_config(), seed=seed)
     return model
 
@@ -276,7 +270,6 @@ def export_adapter(trainer: TrainerState) -> Path | None:
         full = {k: v for part in parts for k, v in part.items()}
         if dist.get_rank() != 0:
             return None
-    from models.lora_io import save_lora_state
 
     target = Path(trainer.config.run.save) / "adapter"
     lora = _effective_lora(trainer.model, full)
@@ -285,8 +278,6 @@ def export_adapter(trainer: TrainerState) -> Path | None:
 
 def _effective_lora(model: nn.Module, tensors: dict[str, Any]) -> Any:
     """The LoraConfig of the adapters in `tensors` (rank, scale and dropout read from `model`)."""
-    from models.lora import LoraConfig, LoraLinear
-
     first = next(m for m in model.modules() if isinstance(m, LoraLinear))
     adapted = {n.rsplit(".", 3)[-3] for n in tensors if ".lora_A." in n}
     saved = sorted({n.rpartition(".")[0] for n in tensors if ".lora_" not in n})
@@ -306,6 +297,5 @@ def quantize_base(model: nn.Module, config: TrainingConfig) -> tuple[int, int] |
     kind = config.peft.base_quant
     if kind is None:
         return None
-    from models.qlora import quantize_lora_base
 
     return quantize_lora_base(model, kind)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear import GRAD_DTYPES, Fp8Linear, fp8_shape_problem, rowwise_supported
+from models.moe import MoE
 
 if TYPE_CHECKING:
     from training.config import TrainingConfig
@@ -54,7 +55,6 @@ def apply_fp8(model: nn.Module, config: TrainingConfig) -> list[str]:
     precision = config.precision
     if precision.fp8 is None:
         return []
-    from models.moe import MoE
 
     grad_dtype = GRAD_DTYPES[precision.fp8_grad_dtype_name()]
     names = []

@@ -26,7 +26,11 @@ from torch import nn
 from kernels import device, peak_flops
 from models.accounting import flops_per_token
 from models.config import ModelConfig
+from models.moe import set_aux_loss_scale
+from parallel.adaptive_recompute import AdaptiveRecompute
+from parallel.data_parallel import no_sync
 from parallel.parallel_dims import build_dims
+from parallel.parallelize import ModelParallelFeed
 from parallel.tp_random import tp_seed_offset
 from training import finetune
 from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samples
@@ -99,6 +103,36 @@ class RunSummary:
     """What ended the run before --train-iters (an --exit-* flag, a stop signal), if anything."""
 
 
+@dataclass
+class _FitProgress:
+    """What `Trainer.fit` accumulates over its steps."""
+
+    first_loss: float = math.nan
+    """The first finite loss of the run."""
+    final_loss: float = math.nan
+    """The latest finite loss."""
+    val_loss: float | None = None
+    """The latest validation loss, if evaluated."""
+    window: list[StepResult] = field(default_factory=list)
+    """Steps since the last log line."""
+    window_start: float = field(default_factory=time.perf_counter)
+    """When the log window began (perf_counter seconds)."""
+    run_start: float = field(default_factory=time.perf_counter)
+    """When the run began (perf_counter seconds)."""
+    run_tokens: int = 0
+    """Tokens trained on in this run."""
+    saved: tuple[int, str] | None = None
+    """(step, directory) of the last --save-interval save."""
+
+    def record(self, result: StepResult) -> None:
+        self.window.append(result)
+        self.run_tokens += result.tokens
+        if math.isnan(self.first_loss) and math.isfinite(result.loss):
+            self.first_loss = result.loss
+        if math.isfinite(result.loss):
+            self.final_loss = result.loss
+
+
 class Trainer(TrainerState):
     """Builds the model, data, optimizer and schedule for `config` and runs the steps."""
 
@@ -115,6 +149,28 @@ class Trainer(TrainerState):
         self._started = time.monotonic()  # --exit-duration-in-mins counts the set-up too
         self.config = config
         self.path_guard = path_guard
+        self._init_layout(config)
+        self.on_metrics = on_metrics
+        self._init_objective(config, path_guard)
+        device.seed_everything(config.run.seed)
+        datasets, wrap_inner = self._init_data_and_model(config, model, datasets, rollouts)
+        self._init_auto_recompute(config)
+        self._init_optimization(config, wrap_inner)
+        self.train_data, self.valid_data = datasets
+        self.state = StepCounters()
+        self.stream = self._train_stream()
+        self._init_metrics(config)
+        self._loss_ema: float | None = None
+        self._objective_begun = False
+        self._base_quantized = False
+        self.checkpoints = None
+        # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
+        # ranks hold replicated activations (sharded regions fork their own: tp_random).
+        tp = config.parallel.tensor_model_parallel_size
+        device.seed_everything(config.run.seed, rank_offset=tp_seed_offset(self.rank, tp))
+
+    def _init_layout(self, config: TrainingConfig) -> None:
+        """This rank, the validated config, the device and the run's parallel layout."""
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         config.validate(self.world_size)
@@ -127,11 +183,12 @@ class Trainer(TrainerState):
         self.dp_rank = self.rank
         self.feed = None
         if self.dims.is_model_parallel:
-            from parallel.parallelize import ModelParallelFeed
-
             self.feed = ModelParallelFeed(self.dims)
             self.dp_rank = self.dims.dp_rank
-        self.on_metrics = on_metrics
+
+    def _init_objective(self, config: TrainingConfig, path_guard: PathGuard | None) -> None:
+        """The objective (refused under pipeline parallelism when the last stage cannot score
+        it) and the precision plan."""
         self.objective = build_objective(config.run.stage, config.run, path_guard, config)
         if self.dims.pp > 1 and not (
             self.objective.pipeline_loss or self.objective.pipeline_scored
@@ -146,7 +203,16 @@ class Trainer(TrainerState):
             config.parallel.zero_stage,
             self.dp_size * config.parallel.context_parallel_size,
         )
-        device.seed_everything(config.run.seed)
+
+    def _init_data_and_model(
+        self,
+        config: TrainingConfig,
+        model: nn.Module | None,
+        datasets: tuple[Any, Any] | None,
+        rollouts: RolloutFactory | None,
+    ) -> tuple[tuple[Any, Any], Any]:
+        """The datasets (built unless given), the model in the plan's dtype and parallelized;
+        returns (datasets, the optimizer's inner-wrap hook)."""
         vocab_hint = None
         self.collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] = (
             stack_samples
@@ -166,10 +232,11 @@ class Trainer(TrainerState):
         model = model.to(self.plan.model_dtype)
         apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
+        return datasets, wrap_inner
+
+    def _init_auto_recompute(self, config: TrainingConfig) -> None:
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
-            from parallel.adaptive_recompute import AdaptiveRecompute
-
             layers = self.model.layers
             assert isinstance(layers, nn.ModuleDict), "CausalLM keeps its layers in a ModuleDict"
             self.auto_recompute = AdaptiveRecompute(
@@ -177,6 +244,9 @@ class Trainer(TrainerState):
                 config.parallel.auto_recompute_device_size,
                 config.parallel.auto_recompute_profiling_step,
             )
+
+    def _init_optimization(self, config: TrainingConfig, wrap_inner: Any) -> None:
+        """Optimizer, LR schedule, loss scaler and the micro-batch calculator."""
         self.optimizer = build_training_optimizer(
             self.model,
             config.optim,
@@ -199,23 +269,15 @@ class Trainer(TrainerState):
             self.dp_size,
             config.batch.rampup_batch_size,
         )
-        self.train_data, self.valid_data = datasets
-        self.state = StepCounters()
-        self.stream = self._train_stream()
+
+    def _init_metrics(self, config: TrainingConfig) -> None:
+        """The metrics writer (rank 0) and the FLOP accounting MFU is reported against."""
         self.writer = MetricsWriter(config.run.log_dir, enabled=self.rank == 0)
         self.flops_per_token = _flops_per_token(self.model_config, config.model.seq_length)
         peak = peak_flops.peak_tflops(config.run.peak_tflops)
         self.peak_tflops = peak.tflops
         if self.rank == 0:
             log.info("MFU against %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
-        self._loss_ema: float | None = None
-        self._objective_begun = False
-        self._base_quantized = False
-        self.checkpoints = None
-        # Dropout differs across data/context/pipeline ranks but not within a TP group, whose
-        # ranks hold replicated activations (sharded regions fork their own: tp_random).
-        tp = config.parallel.tensor_model_parallel_size
-        device.seed_everything(config.run.seed, rank_offset=tp_seed_offset(self.rank, tp))
 
     # ------------------------------------------------------------------ steps
 
@@ -295,9 +357,6 @@ class Trainer(TrainerState):
 
     def train_step(self) -> StepResult:
         """Run one optimizer step (all micro-batches of the current global batch)."""
-        from models.moe import set_aux_loss_scale
-        from parallel.data_parallel import no_sync
-
         self._quantize_base()
         if not self._objective_begun:  # after any --load, before the first step of this process
             self.objective.begin(self.model, self.state.step)
@@ -460,14 +519,9 @@ class Trainer(TrainerState):
         has stopped, returns) False.
         """
         run = self.config.run
-        first_loss = final_loss = math.nan
-        val_loss = None
-        window: list[StepResult] = []
-        window_start = time.perf_counter()
-        run_start, run_tokens = time.perf_counter(), 0
+        fitting = _FitProgress()
         stopped = False
         stopped_by: str | None = None
-        saved: tuple[int, str] | None = None  # (step, directory) of the last --save-interval save
         profiler = StepProfiler(run, self.rank, self.platform)
         profiler.check_start(self.state.step)
         try:
@@ -475,37 +529,12 @@ class Trainer(TrainerState):
                 profiler.before_step(self.state.step)
                 result = self.train_step()
                 profiler.after_step(self.state.step)
-                window.append(result)
-                run_tokens += result.tokens
-                if math.isnan(first_loss) and math.isfinite(result.loss):
-                    first_loss = result.loss
-                if math.isfinite(result.loss):
-                    final_loss = result.loss
-                step = self.state.step
-                if step % run.log_interval == 0 or step == run.train_iters:
-                    self.platform.synchronize()
-                    now = time.perf_counter()
-                    self._log(window, now - window_start)
-                    window, window_start = [], time.perf_counter()
-                if run.eval_interval and (step % run.eval_interval == 0 or step == run.train_iters):
-                    val_loss = self.evaluate()
-                    ppl = self.writer.write_eval(step, val_loss)
-                    if self.rank == 0:
-                        print(
-                            f"validation at step {step} | loss {val_loss:.4f} | ppl {ppl:.2f}",
-                            flush=True,
-                        )
-                if (
-                    run.save
-                    and run.save_interval
-                    and step % run.save_interval == 0
-                    and step != run.train_iters
-                ):
-                    saved = (step, self.save())
+                fitting.record(result)
+                self._on_schedule(fitting, self.state.step)
                 if stop is not None and stop():
                     stopped, stopped_by = True, "a stop signal"
                     break
-                stopped_by = self._exit_reason(step)
+                stopped_by = self._exit_reason(self.state.step)
                 if stopped_by is not None:
                     break
         finally:
@@ -516,22 +545,43 @@ class Trainer(TrainerState):
         wanted = run.save and (save_on_stop or not stopped)
         checkpoint = None
         if wanted:  # an --exit-interval step that --save-interval just saved is not saved again
+            saved = fitting.saved
             checkpoint = saved[1] if saved and saved[0] == self.state.step else self.save()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         self.writer.close()
-        elapsed = time.perf_counter() - run_start
+        elapsed = time.perf_counter() - fitting.run_start
         return RunSummary(
             steps=self.state.step,
-            first_loss=first_loss,
-            final_loss=final_loss,
-            val_loss=val_loss,
-            tokens_per_s=run_tokens / elapsed if elapsed > 0 else 0.0,
+            first_loss=fitting.first_loss,
+            final_loss=fitting.final_loss,
+            val_loss=fitting.val_loss,
+            tokens_per_s=fitting.run_tokens / elapsed if elapsed > 0 else 0.0,
             skipped=self.state.skipped,
             nan=self.state.nan,
             checkpoint=checkpoint,
             stopped_by=stopped_by,
         )
+
+    def _on_schedule(self, fitting: _FitProgress, step: int) -> None:
+        """Log, evaluate and save when `step` (steps done) is on their intervals."""
+        run = self.config.run
+        if step % run.log_interval == 0 or step == run.train_iters:
+            self.platform.synchronize()
+            now = time.perf_counter()
+            self._log(fitting.window, now - fitting.window_start)
+            fitting.window, fitting.window_start = [], time.perf_counter()
+        if run.eval_interval and (step % run.eval_interval == 0 or step == run.train_iters):
+            fitting.val_loss = self.evaluate()
+            ppl = self.writer.write_eval(step, fitting.val_loss)
+            if self.rank == 0:
+                print(
+                    f"validation at step {step} | loss {fitting.val_loss:.4f} | ppl {ppl:.2f}",
+                    flush=True,
+                )
+        save_due = run.save and run.save_interval and step % run.save_interval == 0
+        if save_due and step != run.train_iters:
+            fitting.saved = (step, self.save())
 
     def _exit_reason(self, step: int) -> str | None:
         """The flag that ends the run after `step` (steps done), agreed on every rank, or None."""

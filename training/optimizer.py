@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from checkpoints.safe_fs import Dir, Escape, open_dir_beneath
+from kernels.optim import build_optimizer
 from parallel.offload_optimizer import OffloadAdamW, OptimizerOffload
 from training.config_sections import OptimSection
 from training.precision import PrecisionOptimizer, PrecisionPlan
@@ -61,8 +62,6 @@ def build_inner_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer named by --optimizer from kernels.optim's registry over `groups`, or with
     `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier."""
-    from kernels.optim import build_optimizer
-
     clean = [{k: v for k, v in g.items() if k != "names"} for g in groups]
     if offload is not None:
         # Validated with the config (training.config.check_optimizer_offload): an AdamW name.

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.tokenizer import build_tokenizer
+from tokendata.datasets.config import parse_split, split_document_range
+from tokendata.datasets.pairwise import PairSource, PairwiseDataset
 from training.batching import stack_samples
 from training.config import TrainingConfig
 
@@ -17,10 +20,6 @@ def build_pairwise_data(
     config: TrainingConfig, dp_size: int
 ) -> tuple[tuple[Any, Any], int | None, Any]:
     """(train, valid) `PairwiseDataset`s, the tokenizer's vocabulary size, collate fn."""
-    from models.tokenizer import build_tokenizer
-    from tokendata.datasets.config import parse_split, split_document_range
-    from tokendata.datasets.pairwise import PairSource, PairwiseDataset
-
     run, batch, data = config.run, config.batch, config.data
     stage = f"--stage {run.stage}"
     if data.mock_data:

@@ -124,6 +124,7 @@ class StepProfiler:
     def _build(self, warmup: int, active: int) -> Any:
         run = self.run
         if self.device_type == "npu":
+            # NPU only: kernels.npu imports torch_npu
             from kernels.npu.profiler import npu_profile
 
             return npu_profile(

@@ -30,6 +30,7 @@ from torch import nn
 
 from checkpoints.native_format import find_step
 from checkpoints.safe_reader import SafeFileSystemReader
+from models import build_model
 from models.config import ModelConfig
 from models.value_head import attach_value_head, has_value_head
 from training.objectives.rollouts import RewardFn, Sample
@@ -105,8 +106,6 @@ def regex_reward(pattern: str) -> RewardFn:
 def load_reward_model(directory: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """The reward model a `--stage rm` run saved (its --save directory or a step-XXXXXX), in
     fp32 on `device`, frozen."""
-    from models import build_model
-
     try:
         step_dir = find_step(Path(directory))
     except (FileNotFoundError, ValueError) as exc:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.tokenizer import build_tokenizer
+from training.batching import stack_samples
 from training.config import TrainingConfig
 from training.objectives.grpo import GRPOLoss
 from training.objectives.ppo import PPOLoss
@@ -29,9 +31,6 @@ RolloutFactory = Callable[[nn.Module, PromptDataset, RLSection], RolloutSource]
 
 def build_prompt_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], int, Any]:
     """(train, valid) `PromptDataset`s, the tokenizer's vocabulary size, collate fn."""
-    from models.tokenizer import build_tokenizer
-    from training.batching import stack_samples
-
     run, batch, data = config.run, config.batch, config.data
     source = data.tokenizer_model or data.tokenizer_name_or_path
     if data.tokenizer_type is None or source is None:

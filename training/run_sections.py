@@ -58,6 +58,7 @@ class PrecisionSection:
 
     def qat_scheme(self) -> WeightScheme | None:
         """The `kernels.quantization.WeightScheme` --qat / --qat-group-size describe, or None."""
+        # kernels.quantization loads torch: the config sections import without it
         from kernels.quantization import WeightScheme
 
         if self.qat is None:

@@ -9,8 +9,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from models import build_model
 from models.config import ModelConfig
+from models.registry import get_config
+from models.tokenizer import build_tokenizer
+from parallel.compile import apply_compile
+from parallel.data_parallel import apply_run_data_parallel, build_dp_mesh, wrap_optimizer
 from parallel.parallel_dims import ParallelDims
+from parallel.parallelize import parallelize_model
+from parallel.recompute import apply_recompute
+from tokendata.datasets import DataConfig, build_datasets, collate
 from training import finetune
 from training.batching import stack_samples
 from training.checkpoint import CheckpointManager
@@ -19,7 +27,9 @@ from training.config import TrainingConfig
 from training.fp8 import apply_fp8
 from training.mock_data import MockDataset
 from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
+from training.pairwise_data import build_pairwise_data
 from training.precision import PrecisionPlan
+from training.rl_setup import build_prompt_data
 from training.trainer_state import TrainerState
 
 
@@ -31,8 +41,6 @@ def build_model_config(config: TrainingConfig, tokenizer_vocab: int | None = Non
 
 def create_model(model_config: ModelConfig, device: torch.device, seed: int) -> nn.Module:
     """Build on the meta device, materialise on `device`, initialise from `seed` (fp32)."""
-    from models import build_model
-
     model = build_model(model_config, device="meta")
     model.to_empty(device=device)
     model.init_weights(seed=seed)
@@ -42,12 +50,8 @@ def create_model(model_config: ModelConfig, device: torch.device, seed: int) -> 
 def build_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], int | None, Any]:
     """(train, valid) datasets, the tokenizer's vocabulary size (None for --mock-data), collate fn."""
     if config.run.stage in RL_STAGES:
-        from training.rl_setup import build_prompt_data
-
         return build_prompt_data(config, dp_size)
     if config.run.stage in PREFERENCE_STAGES:
-        from training.pairwise_data import build_pairwise_data
-
         return build_pairwise_data(config, dp_size)
     run, batch = config.run, config.batch
     global_batch = batch.global_batch_size or batch.micro_batch_size * dp_size
@@ -55,16 +59,12 @@ def build_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], i
     valid_samples = max(run.eval_iters, 1) * batch.micro_batch_size * dp_size
     seq = config.model.seq_length
     if config.data.mock_data:
-        from models.registry import get_config
-
         vocab = config.model.vocab_size or get_config(config.model.model or "tiny-llama").vocab_size
         datasets = (
             MockDataset(train_samples, seq, vocab, seed=run.seed),
             MockDataset(valid_samples, seq, vocab, seed=run.seed + 1),
         )
         return datasets, None, stack_samples
-    from models.tokenizer import build_tokenizer
-    from tokendata.datasets import DataConfig, build_datasets, collate
 
     data = config.data
     source = data.tokenizer_model or data.tokenizer_name_or_path
@@ -129,28 +129,17 @@ def build_parallel(
     model = finetune.prepare_model(model, config)
     par = config.parallel
     if par.recompute_granularity is not None and dims.model_parallel == 1:
-        from parallel.recompute import apply_recompute
-
         apply_recompute(
             model, par.recompute_granularity, par.recompute_method, par.recompute_num_layers
         )
     if par.compile and dims.model_parallel == 1:
-        from parallel.compile import apply_compile
-
         apply_compile(model)
     if dims.world_size == 1:
         return model, None, None
     param_dtype = plan.compute_dtype if plan.mode == "fsdp" else torch.float32
     if dims.is_model_parallel:
-        from parallel.parallelize import parallelize_model
-
         model_config = cast(ModelConfig, model.config)
         return parallelize_model(model, model_config, config.parallel_config(), dims, param_dtype)
-    from parallel.data_parallel import (
-        apply_run_data_parallel,
-        build_dp_mesh,
-        wrap_optimizer,
-    )
 
     mesh = build_dp_mesh(dims.dp, dims.dp_replicate, dims.dp_shard)
     model = apply_run_data_parallel(model, mesh, config.parallel_config(), param_dtype)

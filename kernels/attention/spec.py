@@ -111,13 +111,52 @@ def build_spec(
     window: int | None = None,
 ) -> AttentionSpec:
     """Check shapes and arguments; every error names the argument and the expected form."""
+    _check_qkv(q_BSHD, k_BSKD, v_BSKD)
+    B, Sq, H, D = q_BSHD.shape
+    Sk = k_BSKD.shape[1]
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
+    _check_masks(key_padding_mask_BS, segment_ids_BS, B, Sq, Sk)
+    if alibi_slopes_H is not None and alibi_slopes_H.shape != (H,):
+        raise ValueError(
+            f"attention: alibi_slopes_H must have shape [H={H}], got {tuple(alibi_slopes_H.shape)}"
+        )
+    if window is not None and (not causal or int(window) <= 0):
+        raise ValueError(f"attention: window={window} needs causal=True and a positive size")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise ValueError(f"attention: softmax_scale must be > 0, got {softmax_scale}")
+    return AttentionSpec(
+        batch=B,
+        q_len=Sq,
+        k_len=Sk,
+        heads=H,
+        kv_heads=k_BSKD.shape[2],
+        head_dim=D,
+        causal=causal,
+        scale=scale,
+        q_offset=Sk - Sq if q_offset is None else int(q_offset),
+        dropout_p=float(dropout_p),
+        return_lse=return_lse,
+        alibi_slopes_H=None if alibi_slopes_H is None else alibi_slopes_H.to(q_BSHD.device),
+        key_padding_mask_BS=(
+            None if key_padding_mask_BS is None else key_padding_mask_BS.to(q_BSHD.device)
+        ),
+        segment_ids_BS=None if segment_ids_BS is None else segment_ids_BS.to(q_BSHD.device),
+        device=q_BSHD.device,
+        window=None if window is None else int(window),
+    )
+
+
+def _check_qkv(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor) -> None:
+    """q, k and v are 4-D with one batch size, head dim and dtype, and K divides H."""
     for name, t in (("q_BSHD", q_BSHD), ("k_BSKD", k_BSKD), ("v_BSKD", v_BSKD)):
         if t.dim() != 4:
             raise ValueError(
                 f"attention: {name} must be 4-D [B, S, heads, D], got {tuple(t.shape)}"
             )
-    B, Sq, H, D = q_BSHD.shape
-    Bk, Sk, K, Dk = k_BSKD.shape
+    B, _, H, D = q_BSHD.shape
+    Bk, _, K, Dk = k_BSKD.shape
     if k_BSKD.shape != v_BSKD.shape:
         raise ValueError(
             f"attention: k {tuple(k_BSKD.shape)} and v {tuple(v_BSKD.shape)} must have one shape"
@@ -133,8 +172,16 @@ def build_spec(
         raise ValueError(
             f"attention: q/k/v dtypes differ ({q_BSHD.dtype}, {k_BSKD.dtype}, {v_BSKD.dtype})"
         )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _check_masks(
+    key_padding_mask_BS: torch.Tensor | None,
+    segment_ids_BS: torch.Tensor | None,
+    B: int,
+    Sq: int,
+    Sk: int,
+) -> None:
+    """The padding mask is bool [B, Sk]; segment ids are integer [B, S] with Sq == Sk."""
     if key_padding_mask_BS is not None and (
         key_padding_mask_BS.dtype != torch.bool or key_padding_mask_BS.shape != (B, Sk)
     ):
@@ -152,35 +199,6 @@ def build_spec(
                 f"attention: segment_ids_BS must be an integer tensor [B={B}, S={Sq}], got "
                 f"{segment_ids_BS.dtype} {tuple(segment_ids_BS.shape)}"
             )
-    if alibi_slopes_H is not None and alibi_slopes_H.shape != (H,):
-        raise ValueError(
-            f"attention: alibi_slopes_H must have shape [H={H}], got {tuple(alibi_slopes_H.shape)}"
-        )
-    if window is not None and (not causal or int(window) <= 0):
-        raise ValueError(f"attention: window={window} needs causal=True and a positive size")
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    if not scale > 0:
-        raise ValueError(f"attention: softmax_scale must be > 0, got {softmax_scale}")
-    return AttentionSpec(
-        batch=B,
-        q_len=Sq,
-        k_len=Sk,
-        heads=H,
-        kv_heads=K,
-        head_dim=D,
-        causal=causal,
-        scale=scale,
-        q_offset=Sk - Sq if q_offset is None else int(q_offset),
-        dropout_p=float(dropout_p),
-        return_lse=return_lse,
-        alibi_slopes_H=None if alibi_slopes_H is None else alibi_slopes_H.to(q_BSHD.device),
-        key_padding_mask_BS=(
-            None if key_padding_mask_BS is None else key_padding_mask_BS.to(q_BSHD.device)
-        ),
-        segment_ids_BS=None if segment_ids_BS is None else segment_ids_BS.to(q_BSHD.device),
-        device=q_BSHD.device,
-        window=None if window is None else int(window),
-    )
 
 
 def repeat_kv(x_BSKD: torch.Tensor, heads: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ def _adamw(params, *, lr, weight_decay, betas, eps, **_: Any) -> torch.optim.Opt
 
 def _fused_adam(params, *, lr, weight_decay, betas, eps, **_: Any) -> torch.optim.Optimizer:
     if device.current().type == "npu":
+        # NPU only: kernels.npu imports torch_npu
         from kernels.npu.optim import fused_adamw
 
         return fused_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)

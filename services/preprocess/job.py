@@ -201,6 +201,95 @@ def _publish(
         shard.path_prefix = str(directory / shard.path_prefix)
 
 
+def _worker_spec(config: PreprocessConfig) -> WorkerSpec:
+    return WorkerSpec(
+        tokenizer_type=config.tokenizer_type,
+        tokenizer_path=config.tokenizer_path,
+        use_fast=not config.tokenizer_not_use_fast,
+        handler_name=config.handler_name,
+        options=_handler_options(config),
+    )
+
+
+def _check_handler_and_outputs(
+    config: PreprocessConfig, handler: Handler, prefix: Path
+) -> list[Path]:
+    """Refuse --pack for pairs and existing outputs without --overwrite; returns the outputs a
+    run would replace."""
+    if handler.is_pairwise and config.pack:
+        raise ValueError(
+            f"--pack with --handler-name {config.handler_name}: preference pairs are not packed "
+            "(each row is one pair); drop --pack"
+        )
+    existing = _existing_outputs(prefix, handler.output_keys())
+    if existing and not config.overwrite:
+        raise ValueError(
+            f"--output-prefix {prefix}: outputs already exist ({existing[0].name}, ...); "
+            "pass --overwrite or choose another prefix"
+        )
+    return existing
+
+
+def _tokenize(
+    config: PreprocessConfig,
+    spec: WorkerSpec,
+    plans: list[InputPlan],
+    sink: Sink,
+    first_key: str,
+    progress: Progress,
+    printer: ProgressPrinter,
+    bad: _BadRecords,
+    on_progress: Callable[[Progress], None] | None,
+    cancel: threading.Event | None,
+) -> None:
+    """Run the records through the workers in order, packing and writing each document."""
+    prefix = Path(config.shard_output_prefix)
+    packer = Packer(config.seq_length if config.pack else None)
+
+    def emit(documents: list[Document]) -> None:
+        for arrays, lengths in documents:
+            sink.add(arrays, lengths)
+            progress.documents += 1
+            progress.tokens += int(arrays[first_key].size)
+
+    with OrderedWorkers(spec, config.workers) as pool:
+        for outcomes in pool.run(chunked(_records(plans, progress), config.chunk_size)):
+            if cancel is not None and cancel.is_set():
+                raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
+            for outcome in outcomes:
+                progress.records += 1
+                if outcome.error is not None:
+                    bad(outcome.location, outcome.error)
+                    progress.skipped_records = bad.count
+                elif outcome.arrays is None:
+                    progress.dropped_records += 1
+                else:
+                    emit(packer.add(outcome.arrays))
+            printer.update(progress)
+            if on_progress is not None:
+                on_progress(progress)
+    emit(packer.flush())
+    if cancel is not None and cancel.is_set():
+        raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
+
+
+def _check_wrote_something(config: PreprocessConfig, progress: Progress) -> None:
+    # A shard of a sharded mmap run may hold no documents (say, only empty files): it writes
+    # an empty dataset, which adds nothing to the merge, instead of failing the whole job.
+    empty_shard_ok = config.num_shards > 1 and config.output_format == "mmap"
+    if progress.records == 0 and not empty_shard_ok:
+        raise ValueError(
+            f"--input {' '.join(config.input)}: no records found (empty input); "
+            "point --input at data with at least one record"
+        )
+    if progress.documents == 0 and not empty_shard_ok:
+        raise ValueError(
+            f"--input {' '.join(config.input)}: all {progress.records} records were skipped or "
+            f"empty, nothing to write; check --json-keys {list(config.json_keys)} and "
+            f"--handler-name {config.handler_name}"
+        )
+
+
 def run_preprocess(
     config: PreprocessConfig,
     on_progress: Callable[[Progress], None] | None = None,
@@ -224,25 +313,9 @@ def run_preprocess(
     directory = _check_output_dir(prefix)
     resolved = [resolve_input(spec, config.hf_params()) for spec in config.input]
     plans = shard_plans(resolved, config.shard_index, config.num_shards)
-    spec = WorkerSpec(
-        tokenizer_type=config.tokenizer_type,
-        tokenizer_path=config.tokenizer_path,
-        use_fast=not config.tokenizer_not_use_fast,
-        handler_name=config.handler_name,
-        options=_handler_options(config),
-    )
+    spec = _worker_spec(config)
     handler = build_handler(spec)
-    if handler.is_pairwise and config.pack:
-        raise ValueError(
-            f"--pack with --handler-name {config.handler_name}: preference pairs are not packed "
-            "(each row is one pair); drop --pack"
-        )
-    existing = _existing_outputs(prefix, handler.output_keys())
-    if existing and not config.overwrite:
-        raise ValueError(
-            f"--output-prefix {prefix}: outputs already exist ({existing[0].name}, ...); "
-            "pass --overwrite or choose another prefix"
-        )
+    existing = _check_handler_and_outputs(config, handler, prefix)
     progress = Progress(input_files_total=sum(len(plan.files) for plan in plans))
     printer = ProgressPrinter(config.log_interval)
     bad = _BadRecords(config)
@@ -252,49 +325,9 @@ def run_preprocess(
     sink: Sink | None = None
     try:
         sink = _make_sink(config, stage.path / prefix.name, handler)
-        packer = Packer(config.seq_length if config.pack else None)
         first_key = handler.output_keys()[0]
-
-        def emit(documents: list[Document]) -> None:
-            assert sink is not None
-            for arrays, lengths in documents:
-                sink.add(arrays, lengths)
-                progress.documents += 1
-                progress.tokens += int(arrays[first_key].size)
-
-        with OrderedWorkers(spec, config.workers) as pool:
-            for outcomes in pool.run(chunked(_records(plans, progress), config.chunk_size)):
-                if cancel is not None and cancel.is_set():
-                    raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
-                for outcome in outcomes:
-                    progress.records += 1
-                    if outcome.error is not None:
-                        bad(outcome.location, outcome.error)
-                        progress.skipped_records = bad.count
-                    elif outcome.arrays is None:
-                        progress.dropped_records += 1
-                    else:
-                        emit(packer.add(outcome.arrays))
-                printer.update(progress)
-                if on_progress is not None:
-                    on_progress(progress)
-        emit(packer.flush())
-        if cancel is not None and cancel.is_set():
-            raise PreprocessCancelled(f"preprocess of {prefix} cancelled")
-        # A shard of a sharded mmap run may hold no documents (say, only empty files): it writes
-        # an empty dataset, which adds nothing to the merge, instead of failing the whole job.
-        empty_shard_ok = config.num_shards > 1 and config.output_format == "mmap"
-        if progress.records == 0 and not empty_shard_ok:
-            raise ValueError(
-                f"--input {' '.join(config.input)}: no records found (empty input); "
-                "point --input at data with at least one record"
-            )
-        if progress.documents == 0 and not empty_shard_ok:
-            raise ValueError(
-                f"--input {' '.join(config.input)}: all {progress.records} records were skipped or "
-                f"empty, nothing to write; check --json-keys {list(config.json_keys)} and "
-                f"--handler-name {config.handler_name}"
-            )
+        _tokenize(config, spec, plans, sink, first_key, progress, printer, bad, on_progress, cancel)
+        _check_wrote_something(config, progress)
         shards = sink.finalize()
         outputs = _output_entries(shards, stage.path, handler)
         result = PreprocessResult(

@@ -186,19 +186,82 @@ def _part_entry(part: _Part) -> dict[str, Any]:
     }
 
 
-def merge_preprocessed(
-    inputs: list[str], output_prefix: str, *, overwrite: bool = False
-) -> MergeResult:
-    """Merge the runs under `inputs` (prefixes or directories, in order) into `output_prefix`."""
+def _checked_parts(inputs: list[str], prefix: Path) -> tuple[list[str], list[_Part]]:
+    """The expanded input specs and their loaded, mutually compatible runs."""
     specs = expand_inputs(inputs)
     if not specs:
         raise ValueError("--input: nothing to merge; pass the prefixes of finished runs")
-    prefix = Path(output_prefix)
     for spec in specs:
         if Path(spec).resolve() == prefix.resolve():
             raise ValueError(f"--input {spec}: is the --output-prefix itself; choose another")
     parts = [_load_part(spec) for spec in specs]
     _check_compatible(parts)
+    return specs, parts
+
+
+def _merge_key(
+    key: str, parts: list[_Part], stage_dir: Path, name: str, writers: list[IndexedDatasetWriter]
+) -> tuple[OutputShard, dict[str, Any]]:
+    """Concatenate every part's `key` dataset into one staged shard; (shard, manifest entry).
+    The writer is appended to `writers` first, so a failure can abort it."""
+    dtype = parts[0].outputs[key]["dtype"]
+    writer = IndexedDatasetWriter(stage_dir / f"{name}_{key}_document", dtype)
+    writers.append(writer)
+    for part in parts:
+        writer.add_index(part.dataset(key))
+    bin_file, idx_file = writer.finalize()
+    shard = OutputShard(
+        json_key=key,
+        path_prefix=f"{name}_{key}_document",
+        files=[bin_file.name, idx_file.name],
+        documents=writer.num_documents,
+        tokens=writer.num_tokens,
+    )
+    entry = asdict(shard)
+    entry["files"] = [file_entry(stage_dir / file) for file in shard.files]
+    entry["dtype"] = dtype
+    return shard, entry
+
+
+def _merged_manifest(
+    specs: list[str], output_prefix: str, parts: list[_Part], entries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    counts = {k: sum(p.manifest["counts"].get(k, 0) for p in parts) for k in _COUNTS}
+    document = build_manifest(
+        config={
+            "merge": {"inputs": specs, "output_prefix": output_prefix},
+            "parts_config": _identity(parts[0].manifest)["flags"],
+        },
+        inputs=[entry for part in parts for entry in part.manifest["inputs"]],
+        tokenizer=parts[0].manifest["tokenizer"],
+        handler=parts[0].manifest["handler"],
+        outputs=entries,
+        counts=counts,
+        bad_records=[b for p in parts for b in p.manifest["bad_records"]][:_MAX_BAD_EXAMPLES],
+    )
+    document["parts"] = [_part_entry(part) for part in parts]
+    return document
+
+
+def _publish_merged(
+    stage: staging.Stage, prefix: Path, shards: list[OutputShard], existing: list[Path]
+) -> None:
+    """Replace the old outputs (manifest first) with the staged shards (each index last)."""
+    for old in sorted(existing, key=lambda p: not p.name.endswith(".manifest.json")):
+        stage.remove_output(old.name)
+    for shard in shards:
+        for name in sorted(shard.files, key=lambda n: n.endswith(".idx")):
+            stage.publish(name)
+        shard.files = [str(prefix.parent / name) for name in shard.files]
+        shard.path_prefix = str(prefix.parent / shard.path_prefix)
+
+
+def merge_preprocessed(
+    inputs: list[str], output_prefix: str, *, overwrite: bool = False
+) -> MergeResult:
+    """Merge the runs under `inputs` (prefixes or directories, in order) into `output_prefix`."""
+    prefix = Path(output_prefix)
+    specs, parts = _checked_parts(inputs, prefix)
     keys = list(parts[0].outputs)
     existing = _existing(prefix, keys)
     if existing and not overwrite:
@@ -212,45 +275,11 @@ def merge_preprocessed(
     try:
         shards, entries = [], []
         for key in keys:
-            dtype = parts[0].outputs[key]["dtype"]
-            writer = IndexedDatasetWriter(stage.path / f"{prefix.name}_{key}_document", dtype)
-            writers.append(writer)
-            for part in parts:
-                writer.add_index(part.dataset(key))
-            bin_file, idx_file = writer.finalize()
-            shard = OutputShard(
-                json_key=key,
-                path_prefix=f"{prefix.name}_{key}_document",
-                files=[bin_file.name, idx_file.name],
-                documents=writer.num_documents,
-                tokens=writer.num_tokens,
-            )
-            entry = asdict(shard)
-            entry["files"] = [file_entry(stage.path / name) for name in shard.files]
-            entry["dtype"] = dtype
+            shard, entry = _merge_key(key, parts, stage.path, prefix.name, writers)
             shards.append(shard)
             entries.append(entry)
-        counts = {k: sum(p.manifest["counts"].get(k, 0) for p in parts) for k in _COUNTS}
-        document = build_manifest(
-            config={
-                "merge": {"inputs": specs, "output_prefix": output_prefix},
-                "parts_config": _identity(parts[0].manifest)["flags"],
-            },
-            inputs=[entry for part in parts for entry in part.manifest["inputs"]],
-            tokenizer=parts[0].manifest["tokenizer"],
-            handler=parts[0].manifest["handler"],
-            outputs=entries,
-            counts=counts,
-            bad_records=[b for p in parts for b in p.manifest["bad_records"]][:_MAX_BAD_EXAMPLES],
-        )
-        document["parts"] = [_part_entry(part) for part in parts]
-        for old in sorted(existing, key=lambda p: not p.name.endswith(".manifest.json")):
-            stage.remove_output(old.name)
-        for shard in shards:
-            for name in sorted(shard.files, key=lambda n: n.endswith(".idx")):
-                stage.publish(name)
-            shard.files = [str(prefix.parent / name) for name in shard.files]
-            shard.path_prefix = str(prefix.parent / shard.path_prefix)
+        document = _merged_manifest(specs, output_prefix, parts, entries)
+        _publish_merged(stage, prefix, shards, existing)
         write_manifest(document, stage.path / manifest_path(prefix).name)
         stage.publish(manifest_path(prefix).name)
     except BaseException:

@@ -61,6 +61,16 @@ def check_fields(
 ) -> None:
     """Raises InvalidArgument naming every malformed field (no file system access)."""
     check = Validator()
+    _check_input_fields(request, check)
+    _check_tokenizer_fields(request, check)
+    _check_record_fields(request, check)
+    _check_size_fields(request, config, check)
+    _check_shard_fields(request, check)
+    check.raise_if_any()
+
+
+def _check_input_fields(request: preprocess_pb2.StartPreprocessRequest, check: Validator) -> None:
+    """Exactly one of input and hf_dataset, none empty; an output prefix that names files."""
     has_hf = request.HasField("hf_dataset")
     check.require(
         bool(request.input) != has_hf,
@@ -77,6 +87,12 @@ def check_fields(
         "output_prefix",
         "must end in a file name prefix, e.g. /data/wiki/wiki (not a directory)",
     )
+
+
+def _check_tokenizer_fields(
+    request: preprocess_pb2.StartPreprocessRequest, check: Validator
+) -> None:
+    """A tokenizer type, and the fields that type needs (and only those)."""
     kind = request.tokenizer_type
     if kind == TokenizerType.TOKENIZER_TYPE_SENTENCEPIECE:
         check.require(
@@ -95,6 +111,10 @@ def check_fields(
         )
     else:
         check.require(False, "tokenizer_type", "set SENTENCEPIECE or PRETRAINED_FROM_HF")
+
+
+def _check_record_fields(request: preprocess_pb2.StartPreprocessRequest, check: Validator) -> None:
+    """A registered handler and distinct, well-formed record keys."""
     if request.handler_name:
         # Registry names only: `module:Class` would import code named by a remote caller.
         check.require(
@@ -110,6 +130,14 @@ def check_fields(
             f"{key!r} is not a record key (letters, digits, _ . -)",
         )
     check.require(len(set(keys)) == len(keys), "json_keys", "keys must be distinct")
+
+
+def _check_size_fields(
+    request: preprocess_pb2.StartPreprocessRequest,
+    config: PreprocessServiceConfig,
+    check: Validator,
+) -> None:
+    """Workers, sequence length, output format, bad-record limit and log interval in range."""
     check_range(check, request, "workers", 1, config.max_workers, " (the server's --max-workers)")
     check_range(check, request, "seq_length", 1, _MAX_SEQ_LENGTH)
     check.require(
@@ -129,8 +157,6 @@ def check_fields(
         )
     if request.HasField("log_interval"):
         check.require(request.log_interval >= 1, "log_interval", "must be >= 1")
-    _check_shard_fields(request, check)
-    check.raise_if_any()
 
 
 def _check_shard_fields(request: preprocess_pb2.StartPreprocessRequest, check: Validator) -> None:

@@ -20,6 +20,7 @@ from training.objectives.dpo import DPOLoss
 from training.objectives.grpo import GRPOLoss
 from training.objectives.orpo import ORPOLoss
 from training.objectives.ppo import PPOLoss
+from training.objectives.rl_layout import build_rl_objective
 from training.objectives.rm import RewardLoss
 from training.objectives.sft import NextTokenLoss
 from training.objectives.simpo import SimPOLoss
@@ -53,12 +54,12 @@ def build_objective(
             f"--stage {name!r} is not a training objective; known: {sorted(OBJECTIVES)}"
         )
     if name in (GRPOLoss.name, PPOLoss.name) and config is not None:
-        from training.objectives.rl_layout import build_rl_objective
-
         return build_rl_objective(config)
     if run is None:
         return OBJECTIVES[name]()
     if name == DPOLoss.name:
+        # On use: at the top it would cycle (training.config imports training.objectives.layout,
+        # which runs this file, and reference imports training.setup, which imports the config).
         from training.objectives.reference import reference_loader
 
         return DPOLoss(

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models import build_model
 from models.config import ModelConfig
 from models.lora import LoraLinear, adapters_disabled
 from training.objectives.base import ForwardContext, ObjectiveOutput
@@ -34,6 +35,7 @@ from training.objectives.pairs import (
 )
 from training.objectives.preference import PairwiseObjective, pair_forward, reward_metrics
 from training.objectives.preference_losses import DPO_LOSS_TYPES, dpo_loss
+from training.objectives.swapped_reference import SwappedReference
 
 if TYPE_CHECKING:
     from training.objectives.swapped_reference import SwappedReference
@@ -120,7 +122,6 @@ class DPOLoss(PairwiseObjective):
             if not sharded:
                 self.reference = reference
                 return
-            from training.objectives.swapped_reference import SwappedReference
 
             self._swapped = SwappedReference.from_state(model, reference.state_dict())
             return
@@ -134,8 +135,6 @@ class DPOLoss(PairwiseObjective):
                 "checkpoint the run started from) to resume"
             )
         if sharded:
-            from training.objectives.swapped_reference import SwappedReference
-
             self._swapped = SwappedReference.snapshot(model)
             return
         self.reference = frozen_copy(model)
@@ -212,8 +211,6 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen, unwrapped copy of `model`'s current weights (a registry `CausalLM`, possibly under
     data-parallel `replicate`, whose hooks must not be copied): built anew, loaded from
     the state dict, with the same attention kernels."""
-    from models import build_model
-
     config = model.config
     assert isinstance(config, ModelConfig), "the registry builds CausalLM models"
     first = next(model.parameters())

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from parallel.tensor_parallel import tp_token_cross_entropy
 from tokendata.datasets.samples import IGNORE_INDEX
 
 SIDES = ("chosen", "rejected")
@@ -59,8 +60,6 @@ def token_logps(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
     loss-parallel cross entropy of the shifted ids is the negated log-probability (run inside
     the feed's `loss_parallel` context, as the loop does)."""
     if isinstance(logits_BSV, DTensor):
-        from parallel.tensor_parallel import tp_token_cross_entropy
-
         labels_BS = F.pad(ids_BS[:, 1:], (0, 1), value=IGNORE_INDEX)
         return -tp_token_cross_entropy(logits_BSV, labels_BS)[:, :-1]
     logps_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)

@@ -19,6 +19,9 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
+from training.checkpoint import CheckpointManager
+from training.ckpt.state import TrainState
+from training.setup import create_model
 
 if TYPE_CHECKING:
     from training.checkpoint import PathGuard
@@ -93,10 +96,6 @@ def load_reference(
     path_guard: PathGuard | None = None,
 ) -> nn.Module:
     """The reference model, its weights read from `directory` (every rank reads them), frozen."""
-    from training.checkpoint import CheckpointManager
-    from training.ckpt.state import TrainState
-    from training.setup import create_model
-
     check_reference_config(read_reference_config(directory), policy, directory)
     step_dir = reference_step_dir(directory)
     model = create_model(policy, device, seed=0)  # every weight is then overwritten

@@ -15,6 +15,7 @@ MAX_TRIAL_STEPS = 1000
 
 def parse_size(text: str, flag: str) -> int:
     """`1100MiB`, `64GiB`, `1.5 GB` or a plain byte count -> bytes; ValueError naming `flag`."""
+    # imported here: models.memory loads torch, and the flag sections stay light to import
     from models.memory import parse_bytes
 
     try:

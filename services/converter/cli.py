@@ -158,9 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fold the --lora-load adapter into the weights: W + (alpha/r)·B·A (implied by "
         "--lora-load, as in ModelLink's merge script)",
     )
-    groups["parity check"].add_argument(
-        "--no-verify", dest="verify", action="store_false", help="skip the parity check"
-    )
     modellink_flags.add_flags(parser)
     return parser
 

@@ -32,6 +32,8 @@ from checkpoints.units import (
 )
 from models.config import ModelConfig
 from models.parallel_plan import CONVERT_FLAGS, check_model_split
+from models.registry import get_config
+from models.tokenizer import build_tokenizer
 from services.converter.malloc import fix_mmap_threshold
 from services.converter.options import (
     FORMATS,
@@ -135,8 +137,6 @@ def open_checked_source(options: ConvertOptions) -> Source:
     """The source of `options`, opened and checked against the output: every refusal a
     conversion makes before it reads a weight. The service runs it before it claims save_dir,
     so a refused request leaves no trace (not even a claim lock file)."""
-    from models.registry import get_config
-
     _check_save_dir(options)
     named = get_config(options.model) if options.model else None
     source = open_source(options, named)
@@ -168,8 +168,6 @@ def carry_tokenizer_model(path: Path, source: Source) -> None:
     """--tokenizer-model: a SentencePiece `tokenizer.model` whose vocabulary fits the model's
     embedding; the output carries it when the source has no tokenizer, and otherwise it must be
     the source's own file (a different tokenizer would silently pair with these weights)."""
-    from models.tokenizer import build_tokenizer
-
     flag = f"--tokenizer-model {path}"
     if path.name != "tokenizer.model" or not path.is_file():
         raise ValueError(f"{flag}: give the SentencePiece file named tokenizer.model")

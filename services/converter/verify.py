@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoints.units import Source, Tensors, units
+from models import build_model
 from models.config import ModelConfig
 from models.transformer import CausalLM
 
@@ -72,8 +73,6 @@ class ModelAssembler:
     """Collects units into a float32 CausalLM (for the parity check)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        from models import build_model
-
         self.config = config
         self.model = build_model(config, device="meta")  # MoE layers included
         self.model.to_empty(device="cpu")

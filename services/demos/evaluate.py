@@ -92,6 +92,7 @@ def validation_perplexity(
     model: GrpcLanguageModel, shard_prefix: Path, max_tokens: int
 ) -> tuple[float, int, int]:
     """(perplexity, tokens, documents) over the validation split's first `max_tokens` tokens."""
+    # imported here: these load torch, which the rest of `make eval`'s client never needs
     from tokendata.datasets.config import parse_split, split_document_range
     from tokendata.indexed import IndexedDataset
 

@@ -64,6 +64,7 @@ def collect_stdlib(out_dir: Path, max_bytes: int) -> tuple[Path, Path, int]:
 
 def prepare_data(data_dir: Path, corpus_mb: float) -> tuple[Path, str]:
     """Tokenizer model and shard prefix under `data_dir` (built once; reused while the stamp matches)."""
+    # imported here: only a first run (no stamped shards yet) builds the tokenizer and shards
     from models.tokenizer import train_sentencepiece
     from services.preprocess.job import run_preprocess
     from services.preprocess.job_config import PreprocessConfig
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         print(f"make train: training exited with code {code}", file=sys.stderr)
         return code
+    # imported here: only a finished run is plotted
     from services.trainer.plot import plot_run
 
     plots = plot_run(run_dir / "logs")

@@ -148,6 +148,7 @@ def open_model(
         args.batch_size = DEFAULT_BATCH_SIZE
     add_bos = None if args.add_bos_token is None else args.add_bos_token == "true"
     if args.endpoint:
+        # imported here: the gRPC stubs load only for an --endpoint model
         from services.evaluator.models.grpc_client import GrpcLanguageModel
 
         if args.dtype not in (None, "auto"):
@@ -167,6 +168,7 @@ def open_model(
             served = ModelConfig(max_position_embeddings=model.context_length)
             megatron_compat.check_model(megatron_compat.Resolved(checks=seq), served)
         return model
+    # imported here: these load torch, which an --endpoint evaluation never needs
     from engine.loading import read_config
     from services.evaluator.models.local import LocalLanguageModel
 
@@ -185,6 +187,7 @@ def _open_role(args: argparse.Namespace, role: str, add_bos: bool | None) -> Lan
     """The --{role}-load or --{role}-endpoint model, its errors naming that flag."""
     endpoint = getattr(args, f"{role}_endpoint")
     if endpoint:
+        # imported here: the gRPC stubs load only for an --endpoint model
         from services.evaluator.models.grpc_client import GrpcLanguageModel
 
         return GrpcLanguageModel(
@@ -193,6 +196,7 @@ def _open_role(args: argparse.Namespace, role: str, add_bos: bool | None) -> Lan
             add_bos_token=add_bos,
             flag=f"--{role}-endpoint",
         )
+    # imported here: it loads torch, which an --endpoint evaluation never needs
     from services.evaluator.models.local import LocalLanguageModel
 
     return LocalLanguageModel(

@@ -446,6 +446,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServiceServicer):
         batch = request.batch_size if request.HasField("batch_size") else DEFAULT_BATCH_SIZE
         field = request.WhichOneof(role.rstrip("_") or "model")
         if field == f"{role}endpoint":
+            # imported here: the gRPC client stubs load only for an endpoint model
             from services.evaluator.models.grpc_client import GrpcLanguageModel
 
             flag = field if role else "--endpoint"  # the evaluated model's errors as before

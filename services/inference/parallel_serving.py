@@ -26,6 +26,7 @@ from engine.leader_follower import LeaderFollowerEngine
 from kernels import device as devices
 from models.parallel_plan import SERVE_FLAGS, check_model_split
 from services.inference.config import InferenceServiceConfig
+from services.inference.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -101,7 +102,6 @@ def check_layout(config: InferenceServiceConfig) -> None:
 def launch_parallel(config: InferenceServiceConfig) -> Any:
     """Check the layout against the checkpoint's config, start ranks 1..N-1 as child processes,
     join as rank 0, return the serving engine."""
-    from services.inference.serving import ServingEngine
 
     check_layout(config)
     world = config.tensor_parallel_size * config.pipeline_parallel_size

@@ -97,6 +97,7 @@ def load_engine(config: InferenceServiceConfig) -> ServingEngine | ServingReward
     if serves_reward_model(config):
         return build_serving_reward_model(config)
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        # imported here: only a TP/PP server needs it (it pulls in torch.distributed's store)
         from services.inference.parallel_serving import launch_parallel
 
         return launch_parallel(config)

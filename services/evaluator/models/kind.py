@@ -9,6 +9,7 @@ from pathlib import Path
 def checkpoint_is_reward(directory: Path, load_format: str = "auto") -> bool | None:
     """True for a value-head checkpoint, False for a causal LM, None where the config file cannot
     tell (Megatron, unreadable: the loader then reports or decides)."""
+    # imported here: checkpoints.config_files loads torch; an --endpoint evaluation never does
     from checkpoints.config_files import read_model_config
     from checkpoints.registry import AUTO, detect_format
 

@@ -33,6 +33,7 @@ class LocalLanguageModel(LanguageModel):
         dtype: str = "auto",
         flag: str = "--load",
     ) -> None:
+        # imported here: the engine loads torch; an --endpoint evaluation never does
         from engine.build import LoadSpec, build_engine, build_reward_model
         from engine.config import EngineConfig
         from engine.loading import is_reward_checkpoint
@@ -119,6 +120,7 @@ class LocalLanguageModel(LanguageModel):
         self, prompts: list[list[int]], requests: list[GenerationRequest]
     ) -> list[str]:
         """Decoding of all prompts together (continuous batching)."""
+        # imported here: engine.sampling loads torch (see __init__)
         from engine.sampling import SamplingConfig
 
         configs = [

@@ -51,6 +51,8 @@ class ParallelConfig:
     """AdamW's states and step on the CPU (ZeRO-Offload), under any ZeRO stage."""
     optimizer_nvme_path: str | None = None
     """With optimizer_cpu_offload: hold the states in swap files in this directory (NVMe tier)."""
+    param_nvme_path: str | None = None
+    """With cpu_offload (ZeRO-3): hold the parameter shards in a swap file in this directory."""
     offload_pin_memory: bool = False
     """Pin the offload's host buffers (where an accelerator exists; a no-op on a CPU run)."""
     zero3_prefetch_layers: int = 0

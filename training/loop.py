@@ -45,7 +45,7 @@ from training.objectives import ForwardContext, ObjectiveOutput, build_objective
 from training.objectives.grpo import GRPOLoss
 from training.objectives.layout import RL_STAGES
 from training.objectives.ppo import PPOLoss
-from training.optimizer import build_training_optimizer
+from training.optimizer import build_param_swap, build_training_optimizer
 from training.precision import plan_precision
 from training.profiling import StepProfiler
 from training.rl_setup import RolloutFactory, attach_rl
@@ -177,12 +177,16 @@ class Trainer(TrainerState):
                 config.parallel.auto_recompute_device_size,
                 config.parallel.auto_recompute_profiling_step,
             )
+        # --param-nvme-path: the parameter shards leave memory for a swap file before the
+        # optimizer (which steps them from that file) is built.
+        self.param_swap = build_param_swap(self.model, config.parallel.param_nvme_path)
         self.optimizer = build_training_optimizer(
             self.model,
             config.optim,
             self.plan,
             wrap_inner=wrap_inner,
             offload=config.parallel_config().optimizer_offload(),
+            param_swap=self.param_swap,
         )
         self.scheduler = LRScheduler(
             self.optimizer,

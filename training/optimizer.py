@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoints.safe_fs import Dir, Escape, open_dir_beneath
 from parallel.offload_optimizer import OffloadAdamW, OptimizerOffload
+from parallel.param_swap import ParamSwap
 from training.config_sections import OptimSection
 from training.precision import PrecisionOptimizer, PrecisionPlan
 
@@ -57,10 +58,14 @@ MEGATRON_OPTIMIZER_NAMES = {"adam": "adamw"}
 
 
 def build_inner_optimizer(
-    optim: OptimSection, groups: list[dict], offload: OptimizerOffload | None = None
+    optim: OptimSection,
+    groups: list[dict],
+    offload: OptimizerOffload | None = None,
+    param_swap: ParamSwap | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer named by --optimizer from kernels.optim's registry over `groups`, or with
-    `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier."""
+    `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier
+    (and the parameter shards in `param_swap`'s file, --param-nvme-path)."""
     from kernels.optim import build_optimizer
 
     clean = [{k: v for k, v in g.items() if k != "names"} for g in groups]
@@ -77,6 +82,7 @@ def build_inner_optimizer(
             eps=optim.adam_eps,
             offload=offload,
             swap_dir=swap_dir,
+            param_swap=param_swap,
         )
     extra = {"momentum": optim.sgd_momentum} if optim.optimizer == "sgd" else {}
     return build_optimizer(
@@ -98,12 +104,13 @@ def build_training_optimizer(
     wrap_inner=None,
     group: torch.distributed.ProcessGroup | None = None,
     offload: OptimizerOffload | None = None,
+    param_swap: ParamSwap | None = None,
 ) -> PrecisionOptimizer:
     """Param groups -> kernels optimizer, or the offloaded AdamW (`offload`), optionally wrapped
     (e.g. ZeRO-1) -> precision handling."""
 
     def build(groups: list[dict]) -> torch.optim.Optimizer:
-        inner = build_inner_optimizer(optim, groups, offload)
+        inner = build_inner_optimizer(optim, groups, offload, param_swap)
         return wrap_inner(inner) if wrap_inner is not None else inner
 
     groups = param_groups(model, optim.weight_decay)
@@ -129,5 +136,12 @@ def open_nvme_path(path: str, flag: str) -> Dir:
     except OSError as exc:
         raise ValueError(
             f"{flag} {path!r} is not a usable directory ({exc.strerror}); give a writable local "
-            "directory for the optimizer's swap files"
+            "directory for the swap files"
         ) from None
+
+
+def build_param_swap(model: nn.Module, path: str | None) -> ParamSwap | None:
+    """--param-nvme-path: the ZeRO-3 model's parameter shards moved into a swap file there."""
+    if path is None:
+        return None
+    return ParamSwap(model, open_nvme_path(path, "--param-nvme-path"))

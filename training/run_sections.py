@@ -326,6 +326,10 @@ class ParallelSection:
     optimizer_nvme_path: str | None = None
     """With --optimizer-cpu-offload: hold the optimizer states in swap files in this local
     directory, streamed through bounded host buffers at each step (ZeRO-Infinity's NVMe tier)."""
+    param_nvme_path: str | None = None
+    """With --cpu-offload and --optimizer-cpu-offload (ZeRO-3): hold each rank's parameter shards
+    in a swap file in this local directory, read into bounded host buffers just before each
+    layer's all-gather (ZeRO-Infinity's offload_param to NVMe)."""
     offload_pin_memory: bool = False
     """Pin the host buffers of --cpu-offload and --optimizer-cpu-offload where an accelerator
     exists (faster copies); a CPU run makes no host-device copies, so it changes nothing there."""
@@ -400,6 +404,19 @@ class ParallelSection:
             raise ValueError(
                 "--optimizer-nvme-path holds the offloaded optimizer's states: add "
                 "--optimizer-cpu-offload (the step runs on the CPU)"
+            )
+        if self.param_nvme_path and not (self.cpu_offload and self.optimizer_cpu_offload):
+            raise ValueError(
+                "--param-nvme-path holds ZeRO-3's parameter shards: add --cpu-offload (shards on "
+                "the host, --zero-stage 3) and --optimizer-cpu-offload (the step reads and writes "
+                "them on the CPU)"
+            )
+        if self.param_nvme_path and (
+            self.model_parallel_size() > 1 or self.expert_model_parallel_size > 1
+        ):
+            raise ValueError(
+                "--param-nvme-path offloads ZeRO-3's data-parallel shards only: drop tensor, "
+                "pipeline, context and expert parallelism (sizes 1) or drop --param-nvme-path"
             )
         if self.offload_pin_memory and not (self.cpu_offload or self.optimizer_cpu_offload):
             raise ValueError(

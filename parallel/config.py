@@ -53,6 +53,8 @@ class ParallelConfig:
     """With optimizer_cpu_offload: hold the states in swap files in this directory (NVMe tier)."""
     param_nvme_path: str | None = None
     """With cpu_offload (ZeRO-3): hold the parameter shards in a swap file in this directory."""
+    param_nvme_buffer_count: int = 5
+    """Host buffers of the parameter tier: the group gathered and up to N-1 read ahead."""
     offload_pin_memory: bool = False
     """Pin the offload's host buffers (where an accelerator exists; a no-op on a CPU run)."""
     zero3_prefetch_layers: int = 0

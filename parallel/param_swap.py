@@ -13,9 +13,10 @@ shards are read (`preadv` on an I/O thread, which releases the GIL) into one of 
 host buffers, the shard tensors point into the buffer for FSDP's all-gather copy-in, and they
 point back at the mapping as soon as the gather has its copy: reading into a buffer rather than
 touching the mapping keeps the pages out of the process (a touched mapping stays resident until
-it is dropped) and lets the read of the next group run while this one computes. The next group
-is predicted from the order the first training step gathered in (forward, then backward in
-reverse, per micro-batch), which repeats every step; a wrong guess only costs the read.
+it is dropped) and lets the reads of the next groups (up to `buffer_count - 1`) run while this
+one computes. The next groups are predicted from the order the first training step gathered in
+(forward, then backward in reverse, per micro-batch), which repeats every step; a wrong guess
+only costs the read. Host memory of the tier: `buffer_count` x the largest group's shards.
 
 The optimizer (`OffloadAdamW` with a `ParamSwap`) steps the shards chunk by chunk from the file
 (`locate`) and writes them back; it calls `end_step` first (prefetched buffers hold the
@@ -36,8 +37,9 @@ from torch import nn
 from kernels import device
 from parallel.nvme_swap import SwapDirectory, SwapFile
 
-PARAM_BUFFER_COUNT = 2
-"""Host buffers of the parameter tier: the group being gathered and the next one read ahead."""
+PARAM_BUFFER_COUNT = 5
+"""Host buffers of the parameter tier (DeepSpeed's offload_param buffer_count default): the
+group being gathered and up to `buffer_count - 1` groups read ahead."""
 
 
 @dataclass
@@ -77,7 +79,7 @@ class ParamSwap:
         self, model: nn.Module, folder: SwapDirectory, buffer_count: int = PARAM_BUFFER_COUNT
     ) -> None:
         if buffer_count < 1:
-            raise ValueError(f"parameter swap buffer_count must be >= 1, got {buffer_count}")
+            raise ValueError(f"--param-nvme-buffer-count must be >= 1, got {buffer_count}")
         found = _param_groups(model)
         if not found:
             raise ValueError(
@@ -219,7 +221,7 @@ class ParamSwap:
         return buffer
 
     def _read_ahead(self, index: int) -> None:
-        """Start reading the group predicted to gather after `index` (recorded order)."""
+        """Start reading the groups predicted to gather after `index` (recorded order)."""
         if self._recording:
             return
         order = self._order
@@ -229,16 +231,17 @@ class ParamSwap:
             self._cursor = order.index(index, self._cursor) + 1
         else:
             return
-        if self._cursor >= len(order) or not self._free:
-            return
-        upcoming = order[self._cursor]
-        if upcoming in self._pending:
-            return
-        entry, buffer = self._groups[upcoming], self._free.pop()
-        self._pending[upcoming] = (
-            buffer,
-            self._pool.submit(self.file.read, buffer[: entry.numel], entry.offset),
-        )
+        # Up to buffer_count - 1 groups ahead: one buffer stays free for an unpredicted gather.
+        for upcoming in order[self._cursor : self._cursor + self.buffer_count - 1]:
+            if upcoming in self._pending:
+                continue
+            if not self._free:
+                return
+            entry, buffer = self._groups[upcoming], self._free.pop()
+            self._pending[upcoming] = (
+                buffer,
+                self._pool.submit(self.file.read, buffer[: entry.numel], entry.offset),
+            )
 
     def close(self) -> None:
         """Stop the I/O thread and close the file (the parameters are gone afterwards)."""

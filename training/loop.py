@@ -179,7 +179,10 @@ class Trainer(TrainerState):
             )
         # --param-nvme-path: the parameter shards leave memory for a swap file before the
         # optimizer (which steps them from that file) is built.
-        self.param_swap = build_param_swap(self.model, config.parallel.param_nvme_path)
+        par = config.parallel
+        self.param_swap = build_param_swap(
+            self.model, par.param_nvme_path, par.param_nvme_buffer_count
+        )
         self.optimizer = build_training_optimizer(
             self.model,
             config.optim,

@@ -140,8 +140,9 @@ def open_nvme_path(path: str, flag: str) -> Dir:
         ) from None
 
 
-def build_param_swap(model: nn.Module, path: str | None) -> ParamSwap | None:
-    """--param-nvme-path: the ZeRO-3 model's parameter shards moved into a swap file there."""
+def build_param_swap(model: nn.Module, path: str | None, buffer_count: int) -> ParamSwap | None:
+    """--param-nvme-path: the ZeRO-3 model's parameter shards moved into a swap file there,
+    gathered through --param-nvme-buffer-count host buffers."""
     if path is None:
         return None
-    return ParamSwap(model, open_nvme_path(path, "--param-nvme-path"))
+    return ParamSwap(model, open_nvme_path(path, "--param-nvme-path"), buffer_count)

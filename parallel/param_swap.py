@@ -35,11 +35,8 @@ import torch
 from torch import nn
 
 from kernels import device
+from models.model_states import PARAM_SWAP_BUFFER_COUNT
 from parallel.nvme_swap import SwapDirectory, SwapFile
-
-PARAM_BUFFER_COUNT = 5
-"""Host buffers of the parameter tier (DeepSpeed's offload_param buffer_count default): the
-group being gathered and up to `buffer_count - 1` groups read ahead."""
 
 
 @dataclass
@@ -76,8 +73,31 @@ class ParamSwap:
     """The parameter shards of an FSDP2-sharded `model` in a swap file below `folder`."""
 
     def __init__(
-        self, model: nn.Module, folder: SwapDirectory, buffer_count: int = PARAM_BUFFER_COUNT
+        self, model: nn.Module, folder: SwapDirectory, buffer_count: int = PARAM_SWAP_BUFFER_COUNT
     ) -> None:
+        try:
+            self._create(model, folder, buffer_count)
+        finally:
+            folder.close()  # the file is open and unlinked (or failed): the folder is not needed
+        self.buffer_count = buffer_count
+        """Host buffers a gather reads into (the current group and read-ahead)."""
+        self._buffer_numel = max(entry.numel for entry in self._groups)
+        self._free = [torch.empty(self._buffer_numel) for _ in range(buffer_count)]
+        self._pool = ThreadPoolExecutor(1, "param-swap")
+        self._pending: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._order: list[int] = []
+        self._recording = True
+        self._cursor = 0
+        self.gathers = 0
+        """Groups read in for an all-gather so far."""
+        self.read_ahead_hits = 0
+        """Of those, groups whose read was started ahead (predicted) and used."""
+        self.rebind()  # the original shards are dropped here: the file holds them now
+        for index, entry in enumerate(self._groups):
+            self._wrap(index, entry.group)
+
+    def _create(self, model: nn.Module, folder: SwapDirectory, buffer_count: int) -> None:
+        """Check the model's groups, lay them out, and write their shards to a new file."""
         if buffer_count < 1:
             raise ValueError(f"--param-nvme-buffer-count must be >= 1, got {buffer_count}")
         found = _param_groups(model)
@@ -98,10 +118,16 @@ class ParamSwap:
             params = list(group.fsdp_params)  # type: ignore[attr-defined]
             start = offset
             for fsdp_param in params:
-                if fsdp_param.fsdp_placement.dim != 0 or not fsdp_param.offload_to_cpu:
+                data = fsdp_param._sharded_param_data
+                if (
+                    fsdp_param.fsdp_placement.dim != 0
+                    or not fsdp_param.offload_to_cpu
+                    or data.dtype != torch.float32
+                ):
                     raise ValueError(
-                        "--param-nvme-path needs dim-0 shards on the host (--cpu-offload, "
-                        "FSDP2's default Shard(0))"
+                        "--param-nvme-path needs fp32 dim-0 shards on the host (--cpu-offload, "
+                        f"FSDP2's default Shard(0)); got {data.dtype} shards on "
+                        f"dim {fsdp_param.fsdp_placement.dim}"
                     )
                 self._where[id(fsdp_param.sharded_param)] = (fsdp_param, offset)
                 offset += fsdp_param._sharded_param_data.numel()
@@ -110,27 +136,10 @@ class ParamSwap:
         """Elements in the swap file (every padded shard of this rank)."""
         self.file = SwapFile(folder, "params", offset)
         """The rank's parameter swap file."""
-        folder.close()  # the file is open and unlinked: the folder is not needed
         for entry in self._groups:
             for fsdp_param in entry.params:
                 _, at = self._where[id(fsdp_param.sharded_param)]
                 self.file.write(fsdp_param._sharded_param_data.detach().contiguous(), at)
-        self.buffer_count = buffer_count
-        """Host buffers a gather reads into (the current group and read-ahead)."""
-        self._buffer_numel = max(entry.numel for entry in self._groups)
-        self._free = [torch.empty(self._buffer_numel) for _ in range(buffer_count)]
-        self._pool = ThreadPoolExecutor(1, "param-swap")
-        self._pending: dict[int, tuple[torch.Tensor, Future[None]]] = {}
-        self._order: list[int] = []
-        self._recording = True
-        self._cursor = 0
-        self.gathers = 0
-        """Groups read in for an all-gather so far."""
-        self.read_ahead_hits = 0
-        """Of those, groups whose read was started ahead (predicted) and used."""
-        self.rebind()  # the original shards are dropped here: the file holds them now
-        for index, entry in enumerate(self._groups):
-            self._wrap(index, entry.group)
 
     # -- at rest ----------------------------------------------------------------------------
     def rebind(self) -> None:

@@ -333,7 +333,8 @@ class ParallelSection:
     param_nvme_buffer_count: int = 5
     """With --param-nvme-path: host buffers the shards are read into (each the size of the largest
     layer's shards): the layer being gathered and up to N-1 layers read ahead (DeepSpeed's
-    offload_param buffer_count; its default)."""
+    offload_param buffer_count; its default, models.model_states.PARAM_SWAP_BUFFER_COUNT, spelt
+    out to keep this module torch-free)."""
     offload_pin_memory: bool = False
     """Pin the host buffers of --cpu-offload and --optimizer-cpu-offload where an accelerator
     exists (faster copies); a CPU run makes no host-device copies, so it changes nothing there."""

@@ -18,6 +18,7 @@ PARAM_NVME = ["--zero-stage", "3", "--cpu-offload", "--optimizer-cpu-offload"]
 def test_flags_refused_by_name(tmp_path):
     """--param-nvme-path names what it needs: ZeRO-3's host shards and the CPU optimizer step,
     and data parallelism alone."""
+    from models.model_states import PARAM_SWAP_BUFFER_COUNT
     from services.trainer.arguments import parse_args
 
     swap = ["--param-nvme-path", str(tmp_path / "params")]
@@ -32,6 +33,8 @@ def test_flags_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="--param-nvme-buffer-count 0"):
         parse_args([*BASE, *PARAM_NVME, *swap, "--param-nvme-buffer-count", "0"])
     parse_args([*BASE, *PARAM_NVME, *swap, "--param-nvme-buffer-count", "2"]).validate(2)
+    # The flag's default is the library's (the torch-free config section spells it out).
+    assert parse_args(BASE).parallel.param_nvme_buffer_count == PARAM_SWAP_BUFFER_COUNT
 
 
 def test_path_confined_to_the_data_roots(tmp_path, monkeypatch):

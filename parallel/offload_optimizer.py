@@ -13,6 +13,8 @@ Where a parameter lives (`to_local()` for DTensors: ZeRO-2/3 shards, ZeRO-1 chun
 | host, fp32         | cpu  | one fused call per group, in place (m, v in host memory)          |
 | host, fp32         | nvme | chunks: m, v read from disk ahead, stepped, written back behind   |
 | accelerator / bf16 | any  | chunks: p, g copied to fp32 host buffers, stepped, p copied back  |
+| NVMe parameter tier| any  | chunks: p read from the tier's file ahead (with m, v for nvme),   |
+|                    |      | stepped, written back behind (`param_swap`, --param-nvme-path)    |
 
 So on an accelerator the device keeps only the fp32 parameters and gradients; m and v (8 bytes
 a parameter) and the arithmetic move to the host, and with `nvme` off the host into files. The

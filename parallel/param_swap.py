@@ -118,6 +118,9 @@ class ParamSwap:
             params = list(group.fsdp_params)  # type: ignore[attr-defined]
             start = offset
             for fsdp_param in params:
+                # Adopt a local tensor given after sharding (`to_empty` of a meta model), as FSDP2
+                # does at its lazy init; a no-op otherwise.
+                fsdp_param.reset_sharded_param()
                 data = fsdp_param._sharded_param_data
                 if (
                     fsdp_param.fsdp_placement.dim != 0

@@ -55,6 +55,7 @@ from training.setup import (
     build_parallel,
     create_model,
     load_checkpoint,
+    materialize_model,
     save_checkpoint,
 )
 from training.trainer_state import StepCounters, TrainerState
@@ -157,15 +158,26 @@ class Trainer(TrainerState):
             assert isinstance(self.objective, GRPOLoss | PPOLoss)
             attach_rl(self.objective, config, datasets[0], rollouts, self.device)
         self.model_config = build_model_config(config, vocab_hint)
+        # --param-nvme-path: the model stays on the meta device until ZeRO-3 has sharded it, so no
+        # rank ever holds the whole model (its init would otherwise be the run's peak).
+        sharded_init = (
+            model is None
+            and config.parallel.param_nvme_path is not None
+            and not self.model_config.tie_word_embeddings  # to_empty would untie them
+        )
         if model is None:
             model = self.objective.prepare_model(
-                create_model(self.model_config, self.device, config.run.seed)
+                create_model(
+                    self.model_config, self.device, config.run.seed, materialize=not sharded_init
+                )
             )
             # The network trained, as checkpoints record it (a reward model's value head).
             self.model_config = getattr(model, "config", self.model_config)
         model = model.to(self.plan.model_dtype)
         apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
+        if sharded_init:
+            materialize_model(self.model, self.device, config.run.seed)
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
             from parallel.adaptive_recompute import AdaptiveRecompute

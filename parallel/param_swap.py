@@ -95,6 +95,9 @@ class ParamSwap:
         self.rebind()  # the original shards are dropped here: the file holds them now
         for index, entry in enumerate(self._groups):
             self._wrap(index, entry.group)
+        # A load (DCP, `load_state_dict`) writes the file through the mapping: reads started
+        # before it hold the old values.
+        model.register_load_state_dict_post_hook(lambda *_: self._discard_read_ahead())
 
     def _create(self, model: nn.Module, folder: SwapDirectory, buffer_count: int) -> None:
         """Check the model's groups, lay them out, and write their shards to a new file."""
@@ -176,12 +179,16 @@ class ParamSwap:
     def end_step(self) -> None:
         """Before the optimizer writes the file: drop read-ahead buffers (they hold the old
         values) and, after the first step, predict gathers from the order it recorded."""
+        self._discard_read_ahead()
+        self._recording = False
+        self._cursor = 0
+
+    def _discard_read_ahead(self) -> None:
+        """Wait for the reads started ahead and return their buffers unused."""
         for buffer, pending in self._pending.values():
             pending.result()
             self._free.append(buffer)
         self._pending.clear()
-        self._recording = False
-        self._cursor = 0
 
     # -- gathers ----------------------------------------------------------------------------
     def _wrap(self, index: int, group: object) -> None:

@@ -22,7 +22,9 @@ which hid ZeRO-3's saving entirely in a first run (bench/RESULTS.md).
 
 On a CPU run the "device" is the host: offloading the optimizer to the CPU moves nothing out of
 the process (that rung is expected to fit what ZeRO-3 fits); sharding (ZeRO) and the NVMe tier
-(m and v in swap files) do.
+(m and v in swap files) do. The top rung (`PARAM_NVME_RUNG`) moves ZeRO-3's parameter shards
+into a swap file too (`--cpu-offload --param-nvme-path`, parallel/param_swap.py); give it
+`--max-layers 128`, its largest model is deeper than the default bound.
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ RUNGS = {
         "--zero-stage", "3", "--optimizer-cpu-offload", "--optimizer-nvme-path",
     ],
 }  # fmt: skip
+PARAM_NVME_RUNG = "ZeRO-3 + param NVMe"
+"""The top rung (issue #42): ZeRO-3's parameter shards in a swap file as well (--param-nvme-path)."""
+RUNGS[PARAM_NVME_RUNG] = [
+    *RUNGS["ZeRO-3 + optimizer offload (NVMe)"], "--cpu-offload", "--param-nvme-path",
+]  # fmt: skip
+
+
+def _with_swap_dirs(flags: list[str], swap: str) -> list[str]:
+    """`flags` with a directory under `swap` after each `--*-nvme-path` flag (one per flag)."""
+    out: list[str] = []
+    for flag in flags:
+        out.append(flag)
+        if flag.endswith("-nvme-path"):
+            out.append(os.path.join(swap, flag.strip("-")))
+    return out
 
 
 def _rank(rank: int, world_size: int, flags: list[str], layers: int, args: dict) -> dict:
@@ -88,8 +105,7 @@ class Ladder:
 
         key = (rung, layers)
         if key not in self.trials:
-            flags = RUNGS[rung]
-            flags = [*flags, self.swap] if flags[-1] == "--optimizer-nvme-path" else flags
+            flags = _with_swap_dirs(RUNGS[rung], self.swap)
             start = time.perf_counter()
             ranks = run_distributed(_rank, WORLD, flags, layers, vars(self.args))
             result = {

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --optimizer-cpu-offload: the moments in NVMe swap files "
         "(meshline train --optimizer-nvme-path)",
     )
+    par.add_argument(
+        "--param-nvme",
+        action="store_true",
+        help="with --cpu-offload and --optimizer-cpu-offload: ZeRO-3's parameter shards in an "
+        "NVMe swap file (meshline train --param-nvme-path)",
+    )
     ds = parser.add_argument_group("DeepSpeed's estimate (--deepspeed-estimate)")
     ds.add_argument(
         "--deepspeed-estimate",
@@ -174,6 +180,7 @@ def _layout(args: argparse.Namespace, config: ModelConfig) -> TrainingLayout:
         sequence_parallel=args.sequence_parallel,
         cpu_offload=args.cpu_offload,
         optimizer_offload=_optimizer_offload(args),
+        param_nvme=_param_nvme(args),
         flash_attention=not args.no_flash_attention,
         optimizer=args.optimizer,
         release_fp32_grad=args.release_fp32_grad,
@@ -188,6 +195,15 @@ def _optimizer_offload(args: argparse.Namespace) -> str | None:
     if not args.optimizer_cpu_offload:
         return None
     return "nvme" if args.optimizer_nvme else "cpu"
+
+
+def _param_nvme(args: argparse.Namespace) -> bool:
+    if args.param_nvme and not (args.cpu_offload and args.optimizer_cpu_offload):
+        raise ValueError(
+            "--param-nvme needs --cpu-offload (ZeRO-3 shards on the host) and "
+            "--optimizer-cpu-offload (the step reads and writes them on the CPU)"
+        )
+    return bool(args.param_nvme)
 
 
 def _gib(n: float) -> str:
@@ -252,6 +268,7 @@ def format_deepspeed(args: argparse.Namespace, counts: ModelCounts, layout: Trai
     for row in rows:
         mine = (
             layout.optimizer_offload != "nvme"
+            and not layout.param_nvme
             and row.offload_optimizer == offload_optimizer
             and (stage == 2 or (row.offload_param == layout.cpu_offload and row.zero_init))
         )
@@ -260,8 +277,10 @@ def format_deepspeed(args: argparse.Namespace, counts: ModelCounts, layout: Trai
             f"{row.cpu_bytes:20d} {row.gpu_bytes:20d}  {row.options(stage)}"
             + ("   <- these flags" if mine else "")
         )
-    if layout.optimizer_offload == "nvme":
-        lines.append("(DeepSpeed's estimate has no NVMe rows: --optimizer-nvme matches none)")
+    if layout.optimizer_offload == "nvme" or layout.param_nvme:
+        lines.append(
+            "(DeepSpeed's estimate has no NVMe rows: --optimizer-nvme/--param-nvme match none)"
+        )
     return "\n".join(lines)
 
 
@@ -269,7 +288,8 @@ def auto(args: argparse.Namespace) -> int:
     """`--auto`: list the fastest layouts that fit and the command of the best."""
     if not (args.world_size and args.device_memory):
         raise ValueError("--auto needs --world-size N and --device-memory SIZE (e.g. 64GiB)")
-    for flag in ("cpu_offload", "optimizer_cpu_offload", "optimizer_nvme", "deepspeed_estimate"):
+    offloads = ("cpu_offload", "optimizer_cpu_offload", "optimizer_nvme", "param_nvme")
+    for flag in (*offloads, "deepspeed_estimate"):
         if getattr(args, flag):
             raise ValueError(
                 f"--auto ranks layouts without offload and prints no DeepSpeed table; drop "
@@ -346,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ZeRO-{layout.zero_stage} {layout.precision} recompute={layout.recompute} "
         f"SP={layout.sequence_parallel} offload={layout.cpu_offload} "
         f"optimizer-offload={layout.optimizer_offload or 'none'} "
+        f"param-nvme={layout.param_nvme} "
         f"micro-batch={layout.micro_batch_size} seq={layout.seq_length}"
     )
     print("per-device memory at the training peak (GiB):")

@@ -32,6 +32,7 @@ from models.model_states import (
     OPTIMIZER_OFFLOAD_TIERS,
     OPTIMIZER_STATE_BYTES,
     StateBytes,
+    param_swap_buffer_bytes,
     precision_mode,
     rank_elements,
     state_bytes,
@@ -84,6 +85,8 @@ class TrainingLayout:
     """--cpu-offload: ZeRO-3's parameters, gradients and optimizer states live in host memory."""
     optimizer_offload: str | None = None
     """--optimizer-cpu-offload's tier: "cpu" (moments in host memory), "nvme" (in swap files)."""
+    param_nvme: bool = False
+    """--param-nvme-path (with --cpu-offload): ZeRO-3's parameter shards in a swap file."""
     staged_offload: bool = True
     """The offloaded step copies parameters and gradients through host buffers (an accelerator
     run; False where they are fp32 host tensors already: a CPU run)."""
@@ -138,6 +141,10 @@ class TrainingLayout:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"--optimizer {self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATE_BYTES)}"
+            )
+        if self.param_nvme and not (self.cpu_offload and self.optimizer_offload):
+            raise ValueError(
+                "parameters on NVMe need --cpu-offload (ZeRO-3) and --optimizer-cpu-offload"
             )
         if self.optimizer_offload is not None:
             if self.optimizer_offload not in OPTIMIZER_OFFLOAD_TIERS:
@@ -297,6 +304,10 @@ def rank_state_bytes(
         cpu_offload=layout.cpu_offload,
         optimizer_offload=layout.optimizer_offload,
         staged=layout.staged_offload,
+        param_nvme=layout.param_nvme,
+        param_buffer_bytes=param_swap_buffer_bytes(elements.largest_group)
+        if layout.param_nvme
+        else 0,
     )
 
 

@@ -33,7 +33,11 @@ optimizer's moments — S bytes an element; the fp32 parameters, gradients and m
 on the device — to the host (`cpu` tier) or into swap files (`nvme` tier). Its step stages
 chunks through host buffers (`OFFLOAD_BUFFER_COUNT` slots of `OFFLOAD_BUFFER_NUMEL` fp32
 elements): m and v for the nvme tier, the parameter and gradient where they are not fp32 host
-tensors (any accelerator run); those buffers are counted as host bytes too. Tensor-parallel sharding: a plan style shards dim 0 (colwise, the
+tensors (any accelerator run); those buffers are counted as host bytes too. With
+`--param-nvme-path` (`param_nvme`, on top of `--cpu-offload`) the parameter shards move from the
+host to the NVMe column, and the parameter tier's `PARAM_SWAP_BUFFER_COUNT` buffers, each the
+rank's shards of its largest gather group (a decoder layer, or the root's embedding, final norm
+and head), are host bytes. Tensor-parallel sharding: a plan style shards dim 0 (colwise, the
 vocabulary-parallel embedding and head, the packed qkv with KV heads split up to their number
 and replicated beyond) or dim 1 (rowwise); the stacked experts keep dim 0 = experts and split the down projection's
 FFN dim, while their packed gate_up stays whole on every TP rank; biases of rowwise layers and
@@ -60,6 +64,23 @@ OFFLOAD_BUFFER_NUMEL = 1 << 22
 """fp32 elements of one staging/swap buffer of the offloaded optimizer (DeepSpeed's buffer_size)."""
 OFFLOAD_BUFFER_COUNT = 4
 """Buffer slots in flight: one stepped, the others read ahead / written behind."""
+PARAM_SWAP_BUFFER_COUNT = 5
+"""Host buffers of the parameter NVMe tier (DeepSpeed's offload_param buffer_count default): the
+group being gathered and up to 4 read ahead."""
+
+
+def param_group(name: str) -> str:
+    """The FSDP group parameter `name` is gathered with: its decoder layer ("layers.3"), or the
+    root's ("": embeddings, final norm, head)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ""
+
+
+def param_swap_buffer_bytes(
+    largest_group_elements: int, buffer_count: int = PARAM_SWAP_BUFFER_COUNT
+) -> int:
+    """Host bytes of the parameter tier's fp32 buffers (each one group's shards)."""
+    return 4 * buffer_count * largest_group_elements
 
 
 def offload_buffer_bytes(
@@ -112,12 +133,18 @@ def state_bytes(
     cpu_offload: bool = False,
     optimizer_offload: str | None = None,
     staged: bool = True,
+    param_nvme: bool = False,
+    param_buffer_bytes: int = 0,
 ) -> StateBytes:
     """Bytes of a rank holding `parameters` elements and the state of `optimizer_elements`.
 
     `optimizer_offload` is the offloaded optimizer's tier ("cpu", "nvme" or None); `staged`
     whether its step copies parameters and gradients through host buffers (an accelerator run).
+    `param_nvme` (with `cpu_offload`) puts the parameters in the NVMe tier, whose host buffers
+    take `param_buffer_bytes`.
     """
+    if param_nvme and not cpu_offload:
+        raise ValueError("parameters on NVMe (--param-nvme-path) need --cpu-offload (ZeRO-3)")
     per_state = OPTIMIZER_STATE_BYTES[optimizer]
     if mode == "master":
         params = 2 * parameters
@@ -143,6 +170,8 @@ def state_bytes(
     if cpu_offload:
         # FSDP2's offload policy keeps the sharded parameters, their gradients and the optimizer
         # step on the host (ZeRO-3 with --cpu-offload).
+        if param_nvme:
+            return StateBytes(0, 0, 0, host + param_buffer_bytes + grads + optim, nvme + params)
         return StateBytes(0, 0, 0, host + params + grads + optim, nvme)
     return StateBytes(params, grads, optim, host, nvme)
 
@@ -194,6 +223,8 @@ class RankElements:
 
     parameters: int
     optimizer: int
+    largest_group: int = 0
+    """Parameters of its largest gather group (`param_group`): the parameter tier's buffer."""
 
 
 def rank_elements(
@@ -217,7 +248,7 @@ def rank_elements(
     layer_ids = {i for stage in stages for i in stage.layer_ids}
     has_embedding = any(stage.has_embedding for stage in stages)
     has_head = any(stage.has_head for stage in stages)
-    held: list[tuple[int, ...]] = []
+    held: list[tuple[str, tuple[int, ...]]] = []
     for name, shape in named_shapes:
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layer_ids
@@ -228,14 +259,16 @@ def rank_elements(
         else:  # final norm, lm_head
             keep = has_head
         if keep:
-            held.append(tp_local_shape(name, shape, config, tp, plan))
+            held.append((param_group(name), tp_local_shape(name, shape, config, tp, plan)))
     parameters = optimizer = 0
-    for dims in held:
+    groups: dict[str, int] = {}
+    for group, dims in held:
         row = math.prod(dims[1:])
         local_rows = chunk_rows(dims[0], fsdp_ranks, fsdp_index) if fsdp_ranks > 1 else dims[0]
         parameters += local_rows * row
+        groups[group] = groups.get(group, 0) + local_rows * row
         state_rows = (
             chunk_rows(local_rows, zero1_ranks, zero1_index) if zero1_ranks > 1 else local_rows
         )
         optimizer += state_rows * row
-    return RankElements(parameters, optimizer)
+    return RankElements(parameters, optimizer, max(groups.values(), default=0))

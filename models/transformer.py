@@ -16,6 +16,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kernels.attention import alibi_slopes, attention
 from kernels.norm import LayerNorm, RMSNorm
@@ -345,7 +346,9 @@ class CausalLM(nn.Module):
         Weight matrices and embeddings ~ N(0, init_std), biases 0, norm scales 1 — the HF
         convention. With `seed`, each parameter draws from its own generator seeded by (seed,
         global name), so a pipeline stage gets exactly the values the whole model would (a tied
-        head copy takes the embedding's). None draws from the global RNG (DTensor-friendly).
+        head copy takes the embedding's). A sharded (DTensor) parameter draws its whole tensor, one
+        parameter at a time, and keeps its shard: the values of the unsharded model. None draws
+        from the global RNG (DTensor-friendly).
         """
         self.tie_weights()
         std = self.config.init_std
@@ -360,7 +363,15 @@ class CausalLM(nn.Module):
                     if name == "lm_head.weight" and self.config.tie_word_embeddings:
                         name = "embed_tokens.weight"
                     gen = None if seed is None else _generator(seed, name, param.device)
-                    nn.init.normal_(param, mean=0.0, std=std, generator=gen)
+                    if gen is not None and isinstance(param, DTensor):
+                        whole = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+                        nn.init.normal_(whole, mean=0.0, std=std, generator=gen)
+                        mine = distribute_tensor(
+                            whole, param.device_mesh, param.placements, src_data_rank=None
+                        )
+                        param.to_local().copy_(mine.to_local())
+                    else:
+                        nn.init.normal_(param, mean=0.0, std=std, generator=gen)
 
 
 def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:

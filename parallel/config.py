@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from models.model_states import PARAM_SWAP_BUFFER_COUNT
 from parallel.offload_optimizer import OptimizerOffload
 
 
@@ -51,6 +52,10 @@ class ParallelConfig:
     """AdamW's states and step on the CPU (ZeRO-Offload), under any ZeRO stage."""
     optimizer_nvme_path: str | None = None
     """With optimizer_cpu_offload: hold the states in swap files in this directory (NVMe tier)."""
+    param_nvme_path: str | None = None
+    """With cpu_offload (ZeRO-3): hold the parameter shards in a swap file in this directory."""
+    param_nvme_buffer_count: int = PARAM_SWAP_BUFFER_COUNT
+    """Host buffers of the parameter tier: the group gathered and up to N-1 read ahead."""
     offload_pin_memory: bool = False
     """Pin the offload's host buffers (where an accelerator exists; a no-op on a CPU run)."""
     zero3_prefetch_layers: int = 0

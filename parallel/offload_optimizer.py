@@ -13,6 +13,8 @@ Where a parameter lives (`to_local()` for DTensors: ZeRO-2/3 shards, ZeRO-1 chun
 | host, fp32         | cpu  | one fused call per group, in place (m, v in host memory)          |
 | host, fp32         | nvme | chunks: m, v read from disk ahead, stepped, written back behind   |
 | accelerator / bf16 | any  | chunks: p, g copied to fp32 host buffers, stepped, p copied back  |
+| NVMe parameter tier| any  | chunks: p read from the tier's file ahead (with m, v for nvme),   |
+|                    |      | stepped, written back behind (`param_swap`, --param-nvme-path)    |
 
 So on an accelerator the device keeps only the fp32 parameters and gradients; m and v (8 bytes
 a parameter) and the arithmetic move to the host, and with `nvme` off the host into files. The
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from kernels import device
 from models.model_states import OFFLOAD_BUFFER_COUNT, OFFLOAD_BUFFER_NUMEL
 from parallel.nvme_swap import SwapDirectory, SwapFile
+from parallel.param_swap import ParamSwap
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -106,6 +109,8 @@ class _Chunk:
     start: int
     end: int
     file_offset: int
+    param_offset: int | None = None
+    """Where the parameter's elements sit in the parameter tier's file (None: in memory)."""
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -125,6 +130,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         offload: OptimizerOffload,
         swap_dir: SwapDirectory | None = None,
+        param_swap: ParamSwap | None = None,
     ) -> None:
         super().__init__(
             params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -134,6 +140,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.offload = offload
         """The tier settings."""
         self._swap_dir = swap_dir
+        self._param_swap = param_swap
         self._swaps: dict[str, SwapFile] = {}
         self._offsets: dict[torch.Tensor, int] = {}
         self._buffers: list[dict[str, torch.Tensor]] = []
@@ -239,16 +246,24 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._init_state()
+        if self._param_swap is not None:
+            self._param_swap.end_step()
         for group in self.param_groups:
             stepped = [p for p in group["params"] if p.grad is not None]
             for p in stepped:
                 self.state[p]["step"] += 1
             direct = [p for p in stepped if _on_host(_local(p)) and _on_host(_local(p.grad))]
-            if self._swaps or len(direct) != len(stepped):
+            if self._io() or len(direct) != len(stepped):
                 self._step_chunks(group, stepped)
             elif direct:
                 self._fused(group, direct, [_local(p.grad) for p in direct], None)
+        if self._param_swap is not None:
+            self._param_swap.rebind()  # drop any page of the tier a save or load touched
         return loss
+
+    def _io(self) -> bool:
+        """Whether the step streams through files (states or parameters on the NVMe tier)."""
+        return bool(self._swaps) or self._param_swap is not None
 
     def _fused(
         self,
@@ -284,11 +299,15 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _chunks(self, params: list[torch.Tensor]) -> list[_Chunk]:
         size = self.offload.buffer_numel
-        return [
-            _Chunk(p, start, min(start + size, _local(p).numel()), self._offsets[p] + start)
-            for p in params
-            for start in range(0, _local(p).numel(), size)
-        ]
+        tier = self._param_swap
+        chunks = []
+        for p in params:
+            base = tier.locate(p) if tier is not None else None
+            for start in range(0, _local(p).numel(), size):
+                end = min(start + size, _local(p).numel())
+                at = None if base is None else base + start
+                chunks.append(_Chunk(p, start, end, self._offsets[p] + start, at))
+        return chunks
 
     def _buffer(self, slot: int, name: str, numel: int) -> torch.Tensor:
         while len(self._buffers) <= slot:
@@ -304,7 +323,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         previous chunk's behind on the I/O threads (nvme), staging non-host parameters."""
         chunks = self._chunks(params)
         slots = self.offload.buffer_count
-        if self._swaps and self._pool is None:
+        if self._io() and self._pool is None:
             self._pool = ThreadPoolExecutor(self.offload.io_threads, "nvme-swap")
         reads: dict[int, list[Future[None]]] = {}
         writes: list[list[Future[None]]] = [[] for _ in range(slots)]
@@ -320,8 +339,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._pool.submit(swap.read, self._buffer(slot, key, numel), chunk.file_offset)
                 for key, swap in self._swaps.items()
             ]
+            if chunk.param_offset is not None:
+                read = self._param_file().read
+                into = self._buffer(slot, "param", numel)
+                reads[index].append(self._pool.submit(read, into, chunk.param_offset))
 
-        if self._swaps:
+        if self._io():
             for index in range(min(slots - 1, len(chunks))):
                 read_ahead(index)
         for index, chunk in enumerate(chunks):
@@ -329,12 +352,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             for pending in reads.pop(index, []):
                 pending.result()
             self._step_one(group, chunk, slot, numel)
-            if self._swaps:
+            if self._io():
                 assert self._pool is not None
                 writes[slot] = [
                     self._pool.submit(swap.write, self._buffer(slot, key, numel), chunk.file_offset)
                     for key, swap in self._swaps.items()
                 ]
+                if chunk.param_offset is not None:
+                    write, stepped = self._param_file().write, self._buffer(slot, "param", numel)
+                    writes[slot].append(self._pool.submit(write, stepped, chunk.param_offset))
                 if index + slots - 1 < len(chunks):
                     read_ahead(index + slots - 1)
         for pending_writes in writes:
@@ -343,9 +369,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._swaps:
             self._bind_views()
 
+    def _param_file(self) -> SwapFile:
+        assert self._param_swap is not None
+        return self._param_swap.file
+
     def _step_one(self, group: dict[str, Any], chunk: _Chunk, slot: int, numel: int) -> None:
         p, start, end = chunk.param, chunk.start, chunk.end
-        local, grad = _local(p).view(-1)[start:end], _local(p.grad).reshape(-1)[start:end]
+        grad = _local(p.grad).reshape(-1)[start:end]
+        step = [self.state[p]["step"]]
+        if chunk.param_offset is not None:
+            # The parameter tier's chunk was read into the slot; it is written back behind.
+            host_p, host_g = self._buffer(slot, "param", numel), grad
+            if not _on_host(grad):
+                host_g = self._buffer(slot, "grad", numel)
+                host_g.copy_(grad)
+            self._fused(group, [host_p], [host_g], self._moments(p, slot, start, end), step)
+            return
+        local = _local(p).view(-1)[start:end]
         staged = not (_on_host(local) and _on_host(grad))
         host_p, host_g = local, grad
         if staged:
@@ -353,14 +393,21 @@ class OffloadAdamW(torch.optim.Optimizer):
             host_g = self._buffer(slot, "grad", numel)
             host_p.copy_(local)
             host_g.copy_(grad)
+        self._fused(group, [host_p], [host_g], self._moments(p, slot, start, end), step)
+        if staged:
+            local.copy_(host_p)
+
+    def _moments(
+        self, p: torch.Tensor, slot: int, start: int, end: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """m and v of elements [start, end) of `p`: the slot's buffers (nvme) or the states."""
         if self._swaps:
+            numel = end - start
             m, v = self._buffer(slot, "exp_avg", numel), self._buffer(slot, "exp_avg_sq", numel)
         else:
             m = _local(self.state[p]["exp_avg"]).view(-1)[start:end]
             v = _local(self.state[p]["exp_avg_sq"]).view(-1)[start:end]
-        self._fused(group, [host_p], [host_g], ([m], [v]), [self.state[p]["step"]])
-        if staged:
-            local.copy_(host_p)
+        return [m], [v]
 
     def close(self) -> None:
         """Stop the I/O threads and drop the swap files (the state is gone afterwards)."""

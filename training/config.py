@@ -249,3 +249,5 @@ def check_optimizer_offload(par: ParallelSection, optimizer: str) -> None:
         )
     if par.optimizer_nvme_path:
         open_nvme_path(par.optimizer_nvme_path, "--optimizer-nvme-path").close()
+    if par.param_nvme_path:
+        open_nvme_path(par.param_nvme_path, "--param-nvme-path").close()

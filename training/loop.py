@@ -49,7 +49,7 @@ from training.objectives import ForwardContext, ObjectiveOutput, build_objective
 from training.objectives.grpo import GRPOLoss
 from training.objectives.layout import RL_STAGES
 from training.objectives.ppo import PPOLoss
-from training.optimizer import build_training_optimizer
+from training.optimizer import build_param_swap, build_training_optimizer
 from training.precision import plan_precision
 from training.profiling import StepProfiler
 from training.rl_setup import RolloutFactory, attach_rl
@@ -59,6 +59,7 @@ from training.setup import (
     build_parallel,
     create_model,
     load_checkpoint,
+    materialize_model,
     save_checkpoint,
 )
 from training.trainer_state import StepCounters, TrainerState
@@ -223,18 +224,30 @@ class Trainer(TrainerState):
             assert isinstance(self.objective, GRPOLoss | PPOLoss)
             attach_rl(self.objective, config, datasets[0], rollouts, self.device)
         self.model_config = build_model_config(config, vocab_hint)
+        # --param-nvme-path: the model stays on the meta device until ZeRO-3 has sharded it, so no
+        # rank ever holds the whole model (its init would otherwise be the run's peak).
+        sharded_init = (
+            model is None
+            and config.parallel.param_nvme_path is not None
+            and not self.model_config.tie_word_embeddings  # to_empty would untie them
+        )
         if model is None:
             model = self.objective.prepare_model(
-                create_model(self.model_config, self.device, config.run.seed)
+                create_model(
+                    self.model_config, self.device, config.run.seed, materialize=not sharded_init
+                )
             )
             # The network trained, as checkpoints record it (a reward model's value head).
             self.model_config = getattr(model, "config", self.model_config)
         model = model.to(self.plan.model_dtype)
         apply_attention_backend(model, config.attention_backend())
         self.model, self.mesh, wrap_inner = build_parallel(model, config, self.plan, self.dims)
+        if sharded_init:
+            materialize_model(self.model, self.device, config.run.seed)
         return datasets, wrap_inner
 
     def _init_auto_recompute(self, config: TrainingConfig) -> None:
+        """--auto-recompute-device-size: the adaptive recompute controller over the layers."""
         self.auto_recompute = None
         if config.parallel.auto_recompute_device_size is not None:
             layers = self.model.layers
@@ -247,12 +260,19 @@ class Trainer(TrainerState):
 
     def _init_optimization(self, config: TrainingConfig, wrap_inner: Any) -> None:
         """Optimizer, LR schedule, loss scaler and the micro-batch calculator."""
+        # --param-nvme-path: the parameter shards leave memory for a swap file before the
+        # optimizer (which steps them from that file) is built.
+        par = config.parallel
+        self.param_swap = build_param_swap(
+            self.model, par.param_nvme_path, par.param_nvme_buffer_count
+        )
         self.optimizer = build_training_optimizer(
             self.model,
             config.optim,
             self.plan,
             wrap_inner=wrap_inner,
             offload=config.parallel_config().optimizer_offload(),
+            param_swap=self.param_swap,
         )
         self.scheduler = LRScheduler(
             self.optimizer,

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from checkpoints.safe_fs import Dir, Escape, open_dir_beneath
 from kernels.optim import build_optimizer
 from parallel.offload_optimizer import OffloadAdamW, OptimizerOffload
+from parallel.param_swap import ParamSwap
 from training.config_sections import OptimSection
 from training.precision import PrecisionOptimizer, PrecisionPlan
 
@@ -58,10 +59,14 @@ MEGATRON_OPTIMIZER_NAMES = {"adam": "adamw"}
 
 
 def build_inner_optimizer(
-    optim: OptimSection, groups: list[dict], offload: OptimizerOffload | None = None
+    optim: OptimSection,
+    groups: list[dict],
+    offload: OptimizerOffload | None = None,
+    param_swap: ParamSwap | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer named by --optimizer from kernels.optim's registry over `groups`, or with
-    `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier."""
+    `offload` (--optimizer-cpu-offload) AdamW stepped on the CPU with its states in that tier
+    (and the parameter shards in `param_swap`'s file, --param-nvme-path)."""
     clean = [{k: v for k, v in g.items() if k != "names"} for g in groups]
     if offload is not None:
         # Validated with the config (training.config.check_optimizer_offload): an AdamW name.
@@ -76,6 +81,7 @@ def build_inner_optimizer(
             eps=optim.adam_eps,
             offload=offload,
             swap_dir=swap_dir,
+            param_swap=param_swap,
         )
     extra = {"momentum": optim.sgd_momentum} if optim.optimizer == "sgd" else {}
     return build_optimizer(
@@ -97,12 +103,13 @@ def build_training_optimizer(
     wrap_inner=None,
     group: torch.distributed.ProcessGroup | None = None,
     offload: OptimizerOffload | None = None,
+    param_swap: ParamSwap | None = None,
 ) -> PrecisionOptimizer:
     """Param groups -> kernels optimizer, or the offloaded AdamW (`offload`), optionally wrapped
     (e.g. ZeRO-1) -> precision handling."""
 
     def build(groups: list[dict]) -> torch.optim.Optimizer:
-        inner = build_inner_optimizer(optim, groups, offload)
+        inner = build_inner_optimizer(optim, groups, offload, param_swap)
         return wrap_inner(inner) if wrap_inner is not None else inner
 
     groups = param_groups(model, optim.weight_decay)
@@ -128,5 +135,13 @@ def open_nvme_path(path: str, flag: str) -> Dir:
     except OSError as exc:
         raise ValueError(
             f"{flag} {path!r} is not a usable directory ({exc.strerror}); give a writable local "
-            "directory for the optimizer's swap files"
+            "directory for the swap files"
         ) from None
+
+
+def build_param_swap(model: nn.Module, path: str | None, buffer_count: int) -> ParamSwap | None:
+    """--param-nvme-path: the ZeRO-3 model's parameter shards moved into a swap file there,
+    gathered through --param-nvme-buffer-count host buffers."""
+    if path is None:
+        return None
+    return ParamSwap(model, open_nvme_path(path, "--param-nvme-path"), buffer_count)

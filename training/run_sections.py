@@ -327,6 +327,15 @@ class ParallelSection:
     optimizer_nvme_path: str | None = None
     """With --optimizer-cpu-offload: hold the optimizer states in swap files in this local
     directory, streamed through bounded host buffers at each step (ZeRO-Infinity's NVMe tier)."""
+    param_nvme_path: str | None = None
+    """With --cpu-offload and --optimizer-cpu-offload (ZeRO-3): hold each rank's parameter shards
+    in a swap file in this local directory, read into bounded host buffers just before each
+    layer's all-gather (ZeRO-Infinity's offload_param to NVMe)."""
+    param_nvme_buffer_count: int = 5
+    """With --param-nvme-path: host buffers the shards are read into (each the size of the largest
+    layer's shards): the layer being gathered and up to N-1 layers read ahead (DeepSpeed's
+    offload_param buffer_count; its default, models.model_states.PARAM_SWAP_BUFFER_COUNT, spelt
+    out to keep this module torch-free)."""
     offload_pin_memory: bool = False
     """Pin the host buffers of --cpu-offload and --optimizer-cpu-offload where an accelerator
     exists (faster copies); a CPU run makes no host-device copies, so it changes nothing there."""
@@ -401,6 +410,26 @@ class ParallelSection:
             raise ValueError(
                 "--optimizer-nvme-path holds the offloaded optimizer's states: add "
                 "--optimizer-cpu-offload (the step runs on the CPU)"
+            )
+        if self.param_nvme_path and not (self.cpu_offload and self.optimizer_cpu_offload):
+            raise ValueError(
+                "--param-nvme-path holds ZeRO-3's parameter shards: add --cpu-offload (shards on "
+                "the host, --zero-stage 3) and --optimizer-cpu-offload (the step reads and writes "
+                "them on the CPU)"
+            )
+        if self.param_nvme_buffer_count < 1 or (
+            self.param_nvme_buffer_count != 5 and not self.param_nvme_path
+        ):
+            raise ValueError(
+                f"--param-nvme-buffer-count {self.param_nvme_buffer_count}: give 1 or more, with "
+                "--param-nvme-path (it sizes that tier's read-ahead)"
+            )
+        if self.param_nvme_path and (
+            self.model_parallel_size() > 1 or self.expert_model_parallel_size > 1
+        ):
+            raise ValueError(
+                "--param-nvme-path offloads ZeRO-3's data-parallel shards only: drop tensor, "
+                "pipeline, context and expert parallelism (sizes 1) or drop --param-nvme-path"
             )
         if self.offload_pin_memory and not (self.cpu_offload or self.optimizer_cpu_offload):
             raise ValueError(

@@ -39,12 +39,22 @@ def build_model_config(config: TrainingConfig, tokenizer_vocab: int | None = Non
     return config.model_config(tokenizer_vocab)
 
 
-def create_model(model_config: ModelConfig, device: torch.device, seed: int) -> nn.Module:
-    """Build on the meta device, materialise on `device`, initialise from `seed` (fp32)."""
+def create_model(
+    model_config: ModelConfig, device: torch.device, seed: int, *, materialize: bool = True
+) -> nn.Module:
+    """Build on the meta device, materialise on `device`, initialise from `seed` (fp32).
+    `materialize=False` leaves it on the meta device for `materialize_model` after sharding."""
     model = build_model(model_config, device="meta")
-    model.to_empty(device=device)
-    model.init_weights(seed=seed)
+    if materialize:
+        materialize_model(model, device, seed)
     return model
+
+
+def materialize_model(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a meta (possibly ZeRO-3-sharded) model storage on `device` and initialise it from
+    `seed`: sharded, each rank allocates its shards only, with the unsharded model's values."""
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)  # type: ignore[operator]
 
 
 def build_data(config: TrainingConfig, dp_size: int) -> tuple[tuple[Any, Any], int | None, Any]:

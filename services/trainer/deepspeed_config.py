@@ -626,10 +626,6 @@ def _bf16(ctx: _Ctx, path: str, value: Any) -> None:
 
 # --- ZeRO
 
-_NVME_PARAM = (
-    "parameter offload to NVMe is not implemented; use offload_param.device cpu (ZeRO-3 "
-    "--cpu-offload) with offload_optimizer.device nvme (--optimizer-nvme-path DIR)"
-)
 _BUCKET = (
     "bucket sizes are not configurable: ZeRO-2/3 (FSDP2) reduce and gather per decoder "
     'layer, DDP in 25 MB buckets; drop the key or set "auto"'
@@ -649,9 +645,6 @@ def _offload_device(ctx: _Ctx, path: str, value: Any, stage: int, which: str) ->
     block = _dict(path, value)
     device = block.get("device", "none")
     device = _choice(f"{path}.device", device, ("none", "cpu", "nvme"))
-    if which == "param" and device == "nvme":
-        ctx.refuse_all(path, block, _NVME_PARAM)
-        return device
     for key, val in block.items():
         at = f"{path}.{key}"
         if key == "device":
@@ -677,10 +670,17 @@ def _offload_device(ctx: _Ctx, path: str, value: Any, stage: int, which: str) ->
         elif key == "nvme_path":
             if not isinstance(val, str) or not val:
                 raise ValueError(f"{at}: expected a directory path, got {val!r}")
-            if device == "nvme":
+            if device == "nvme" and which == "param":
+                # --param-nvme-path also needs --optimizer-cpu-offload (offload_optimizer), which
+                # the config check names if the block is missing.
+                ctx.set(at, val, "param_nvme_path", val, "the parameter shards' swap file")
+            elif device == "nvme":
                 ctx.set(at, val, "optimizer_nvme_path", val, "the optimizer states' swap files")
             else:
                 ctx.same(at, val, f"unused: device is {device}, as DeepSpeed")
+        elif key == "buffer_count" and which == "param" and device == "nvme":
+            count = _number(at, val, integer=True)
+            ctx.set(at, val, "param_nvme_buffer_count", count, "gathered + read-ahead layers")
         elif key in _SWAP_DEFAULTS:
             default, use = _SWAP_DEFAULTS[key]
             _only(default, _SWAP_KNOB, use)(ctx, at, val)
@@ -703,10 +703,9 @@ def _offload_target(
     """The row of an offload block's `device` key."""
     if device == "none":
         ctx.same(at, val, "nothing offloaded, Meshline's default")
+    elif device == "nvme" and "nvme_path" not in block:
+        ctx.refuse(at, val, "NVMe offload needs nvme_path (a local directory for swap files)")
     elif which == "optimizer":
-        if device == "nvme" and "nvme_path" not in block:
-            ctx.refuse(at, val, "NVMe offload needs nvme_path (a local directory for swap files)")
-            return
         ctx.set(
             at,
             val,
@@ -725,7 +724,14 @@ def _offload_target(
             "offload_optimizer for ZeRO-1/2",
         )
     else:
-        ctx.set(at, val, "cpu_offload", True, "ZeRO-3 parameters and gradients on the CPU")
+        ctx.set(
+            at,
+            val,
+            "cpu_offload",
+            True,
+            "ZeRO-3 parameters and gradients on the CPU"
+            + (", parameter shards in a swap file under nvme_path" if device == "nvme" else ""),
+        )
 
 
 def _zero(ctx: _Ctx, path: str, value: Any) -> None:

@@ -19,7 +19,8 @@ Offload moves bytes off the device columns as the run would (`models.model_state
 `--cpu-offload` all of the rank's states to `host`; `--optimizer-cpu-offload` the optimizer's
 moments to `host` (or, with `--optimizer-nvme-path`, to `nvme`: swap files) plus the offloaded
 step's host buffers (the parameter and gradient staging ones only where this process's device
-is not the CPU).
+is not the CPU); `--param-nvme-path` the parameter shards from `host` to `nvme`, leaving its
+--param-nvme-buffer-count buffers (each the rank's largest gather group) in `host`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from torch.distributed.tensor import DTensor
 from kernels import device
 from kernels.activation import trains_fused_swiglu
 from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
-from models.model_states import OPTIMIZER_STATE_BYTES, offload_buffer_bytes
+from models.model_states import (
+    OPTIMIZER_STATE_BYTES,
+    offload_buffer_bytes,
+    param_group,
+    param_swap_buffer_bytes,
+)
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
 from services.trainer import deepspeed_config
@@ -180,6 +186,9 @@ def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, 
             ):
                 tied_copy = _local(named["embed_tokens.weight"]).numel()
         param_bytes = sum(_local(p).numel() * p.element_size() for p in params)
+        groups: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            groups[param_group(name)] = groups.get(param_group(name), 0) + _local(p).numel()
         grad_bytes = param_bytes
         inner = getattr(optimizer, "inner", optimizer)
         slots = getattr(inner, "slots", None)
@@ -207,6 +216,7 @@ def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, 
             "grad_bytes": grad_bytes,
             "optimizer_bytes": per_state * state_elements + master_bytes,
             "moment_bytes": per_state * state_elements,
+            "largest_group": max(groups.values(), default=0),
         }
     finally:
         dist.destroy_process_group()
@@ -239,6 +249,7 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
         optimizer_offload=config.parallel_config().optimizer_offload().device
         if par.optimizer_cpu_offload
         else None,
+        param_nvme=par.param_nvme_path is not None,
         staged_offload=device.current().type != "cpu",
         optimizer=config.optim.optimizer,
         release_fp32_grad=config.precision.release_fp32_grad,
@@ -306,7 +317,9 @@ def dry_run(
             "optimizer": counts["optimizer_bytes"],
             "activations": activations,
         }
-        offload_bytes(by_kind, counts["moment_bytes"], config.parallel_config())
+        offload_bytes(
+            by_kind, counts["moment_bytes"], config.parallel_config(), counts["largest_group"]
+        )
         by_kind["total"] = sum(v for k, v in by_kind.items() if k not in ("host", "nvme"))
         dp_index = coords["dp_replicate"] * sizes["dp_shard"] + coords["dp_shard"]
         unique = unique_elements(counts, coords, config)
@@ -352,9 +365,12 @@ def dry_run(
     }
 
 
-def offload_bytes(by_kind: dict[str, int], moment_bytes: int, par: ParallelConfig) -> None:
+def offload_bytes(
+    by_kind: dict[str, int], moment_bytes: int, par: ParallelConfig, largest_group: int = 0
+) -> None:
     """Move the offloaded bytes of one rank from its device columns to `host` and `nvme`, as
-    the run places them (the counting of `models.model_states.state_bytes`)."""
+    the run places them (the counting of `models.model_states.state_bytes`); `largest_group`
+    is the elements of its largest gather group (the parameter tier's buffer)."""
     host = nvme = 0
     offload = par.optimizer_offload()
     if offload is not None:
@@ -371,6 +387,10 @@ def offload_bytes(by_kind: dict[str, int], moment_bytes: int, par: ParallelConfi
         )
     if par.cpu_offload:
         host += by_kind["parameters"] + by_kind["gradients"] + by_kind["optimizer"]
+        if par.param_nvme_path:  # the shards in a swap file, gathered through host buffers
+            host -= by_kind["parameters"]
+            nvme += by_kind["parameters"]
+            host += param_swap_buffer_bytes(largest_group, par.param_nvme_buffer_count)
         by_kind.update(parameters=0, gradients=0, optimizer=0)
     if host or nvme:
         by_kind.update(host=host, nvme=nvme)

@@ -35,6 +35,7 @@ PATH_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("run", "log_dir", "--log-dir/--tensorboard-dir"),
     ("run", "profile_save_path", "--profile-save-path"),
     ("parallel", "optimizer_nvme_path", "--optimizer-nvme-path"),
+    ("parallel", "param_nvme_path", "--param-nvme-path"),
     ("peft", "lora_load", "--lora-load"),
     ("rl", "reward_model", "--reward-model"),
 )

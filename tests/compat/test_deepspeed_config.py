@@ -163,6 +163,24 @@ def test_the_offload_ladder_keys_take_effect(tmp_path):
     assert z3.optimizer_nvme_path == "/local_nvme" and z3.offload_pin_memory
 
 
+def test_zero_infinity_parameter_tier_keys_take_effect(tmp_path):
+    """The NVMe example's offload_param (device nvme) resolves to --cpu-offload,
+    --param-nvme-path and --param-nvme-buffer-count; without offload_optimizer the missing
+    optimizer offload is named."""
+    ds = json.loads((FIXTURES / "zero3_nvme.json").read_text())
+    del ds["gradient_accumulation_steps"]  # refused: not about offload
+    ds["zero_optimization"]["offload_param"]["buffer_count"] = 3
+    path = tmp_path / "z3_nvme.json"
+    path.write_text(json.dumps(ds))
+    z3 = parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True).parallel
+    assert (z3.zero_stage, z3.cpu_offload, z3.optimizer_cpu_offload) == (3, True, True)
+    assert (z3.param_nvme_path, z3.param_nvme_buffer_count) == ("/local_nvme", 3)
+    del ds["zero_optimization"]["offload_optimizer"]
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ValueError, match=r"--param-nvme-path .* add .*--optimizer-cpu-offload"):
+        parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True)
+
+
 @pytest.mark.parametrize(
     ("ds", "match"),
     [
@@ -209,9 +227,8 @@ def test_invalid_values_name_the_key_path(ds, match, tmp_path):
                                                                   "buffer_count": 8}}},
          "zero_optimization.offload_optimizer.buffer_count", "set 4"),
         ({"aio": {"queue_depth": 32}}, "aio.queue_depth", "pread/pwrite"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
-                                                              "nvme_path": "/nvme"}}},
-         "zero_optimization.offload_param.nvme_path", "NVMe"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+         "zero_optimization.offload_param.device", "needs nvme_path"),
         ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}},
          "zero_optimization.reduce_bucket_size", "bucket sizes"),
         ({"activation_checkpointing": {"partition_activations": True}},
@@ -319,13 +336,17 @@ def test_dry_run_prints_the_mapping_table_with_resolved_values(capsys):
     assert "needs 2 data-parallel ranks, but this job has 4" in capsys.readouterr().err
 
 
-def test_dry_run_prints_the_table_of_a_refused_file(capsys):
-    argv = ["--dry-run", "--world-size", "2", *BASE, "--deepspeed-config",
-            str(FIXTURES / "zero3_nvme.json")]  # fmt: skip
+def test_dry_run_prints_the_table_of_a_refused_file(capsys, tmp_path):
+    ds = json.loads((FIXTURES / "zero3_nvme.json").read_text())
+    ds["zero_optimization"]["reduce_bucket_size"] = 2e8  # refused: not configurable
+    path = tmp_path / "z3_nvme_refused.json"
+    path.write_text(json.dumps(ds))
+    argv = ["--dry-run", "--world-size", "2", *BASE, "--deepspeed-config", str(path)]
     assert train_main(argv) == 2
     captured = capsys.readouterr()
-    assert "zero_optimization.offload_param.nvme_path" in captured.out
-    assert "refused: parameter offload to NVMe is not implemented" in captured.out
+    assert "--param-nvme-path /local_nvme (the parameter shards' swap file)" in captured.out
+    assert "zero_optimization.reduce_bucket_size" in captured.out
+    assert "refused: bucket sizes are not configurable" in captured.out
     assert "key(s) refused" in captured.err
 
 

@@ -166,3 +166,20 @@ def test_optimizer_offload_moves_the_moments_off_the_device():
     )  # fmt: skip
     with pytest.raises(ValueError, match="--optimizer sgd has no offloaded form"):
         TrainingLayout(optimizer="sgd", optimizer_offload="cpu")
+
+
+def test_parameter_nvme_tier_moves_the_shards_off_the_host():
+    """--param-nvme-path on top of --cpu-offload: each rank's fp32 shards leave the host for the
+    NVMe column; the host keeps the tier's 5 buffers, each the rank's shards of the largest
+    gather group (for llama-7B the root's: embedding, head and final norm)."""
+    config = get_config("llama-7B")
+    n = count_parameters(config)
+    base = {"zero_stage": 3, "data_parallel": 8, "cpu_offload": True, "optimizer_offload": "nvme"}
+    kept = estimate(config, TrainingLayout(**base))[0]
+    moved = estimate(config, TrainingLayout(**base, param_nvme=True))[0]
+    root = 2 * config.vocab_size * config.hidden_size + config.hidden_size
+    assert moved.nvme - kept.nvme == 4 * n // 8
+    assert kept.host - moved.host == 4 * n // 8 - 5 * 4 * root // 8
+    assert (moved.parameters, moved.gradients, moved.optimizer) == (0, 0, 0)
+    with pytest.raises(ValueError, match="parameters on NVMe need --cpu-offload"):
+        TrainingLayout(zero_stage=3, optimizer_offload="cpu", param_nvme=True)

@@ -209,6 +209,11 @@ def test_cli_marks_the_flags_row_and_refuses_what_deepspeed_does_not_estimate(ca
             ["--model", "tiny-llama", "--optimizer-nvme"],
             "--optimizer-nvme needs --optimizer-cpu-offload",
         ),
+        "param nvme alone": (
+            ["--model", "tiny-llama", "--zero-stage", "3", "--cpu-offload", "--param-nvme"],
+            "--param-nvme needs --cpu-offload (ZeRO-3 shards on the host) and "
+            "--optimizer-cpu-offload",
+        ),
         "offload with sgd": (
             ["--model", "tiny-llama", "--optimizer-cpu-offload", "--optimizer", "sgd"],
             "--optimizer sgd has no offloaded form",

@@ -86,12 +86,16 @@ def test_estimate_equals_dry_run(name: str, layout: str) -> None:
         ["--optimizer-cpu-offload"],
         ["--optimizer-cpu-offload", "--optimizer-nvme-path", "SWAP"],
         ["--cpu-offload", "--optimizer-cpu-offload", "--optimizer-nvme-path", "SWAP"],
+        ["--cpu-offload", "--optimizer-cpu-offload", "--param-nvme-path", "PSWAP"],
+        ["--cpu-offload", "--optimizer-cpu-offload", "--optimizer-nvme-path", "SWAP",
+         "--param-nvme-path", "PSWAP"],
     ],
-)
+)  # fmt: skip
 def test_dry_run_places_offloaded_bytes_as_the_estimate(flags: list[str], tmp_path) -> None:
     """The dry run moves the offloaded bytes to `host` and `nvme` as the estimate does (on this
     CPU-only process the offloaded step stages nothing: `staged_offload=False`)."""
-    flags = [str(tmp_path / "swap") if f == "SWAP" else f for f in flags]
+    swaps = {"SWAP": str(tmp_path / "swap"), "PSWAP": str(tmp_path / "params")}
+    flags = [swaps.get(f, f) for f in flags]
     config = parse_args([*_flags("tiny-llama", ["--zero-stage", "3"]), *flags])
     report = dry_run(config, 2, None)
     model_config = build_model_config(config)
@@ -107,4 +111,6 @@ def test_dry_run_places_offloaded_bytes_as_the_estimate(flags: list[str], tmp_pa
             got["optimizer"],
         )
         assert (states.host, states.nvme) == (got["host"], got["nvme"])
-        assert got["nvme"] == (8 * rank["parameters"] if "--optimizer-nvme-path" in flags else 0)
+        moments = 8 * rank["parameters"] if "--optimizer-nvme-path" in flags else 0
+        shards = 4 * rank["parameters"] if "--param-nvme-path" in flags else 0
+        assert got["nvme"] == moments + shards

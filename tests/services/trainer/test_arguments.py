@@ -142,6 +142,8 @@ NON_DEFAULT = {
     "cpu_offload": None,  # needs --zero-stage 3, checked separately
     "optimizer_cpu_offload": ("--optimizer-cpu-offload",),
     "optimizer_nvme_path": ("--optimizer-nvme-path", "swap"),
+    "param_nvme_path": None,  # needs --cpu-offload (ZeRO-3): tests/parallel/test_param_swap.py
+    "param_nvme_buffer_count": None,  # with --param-nvme-path: tests/parallel/test_param_swap.py
     "offload_pin_memory": ("--offload-pin-memory",),
     "overlap_grad_reduce": ("--overlap-grad-reduce",),
     "zero3_prefetch_layers": None,  # needs --zero-stage 3, checked separately

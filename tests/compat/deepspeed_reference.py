@@ -10,8 +10,8 @@ trains; the data are the run's `--mock-data` samples in Meshline's order
 training (batch sizes, accumulation, ZeRO stage, optimizer, scheduler, clipping, precision) is
 DeepSpeed's reading of the JSON. The parameters are passed in HF Trainer's two groups (norm
 weights and biases without weight decay: Meshline's and Megatron's grouping). Rank 0 writes
-OUT_JSON: per step the loss (mean over the global batch), the learning rate the step used and
-DeepSpeed's global gradient norm.
+OUT_JSON: per step the loss (mean over the global batch), the learning rate after the step (the
+next step's, which Meshline's metrics.csv logs) and DeepSpeed's global gradient norm.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def main(argv: list[str]) -> int:
     batches = pretraining_batches(train, 0, micro, rank, world)
     record: dict[str, list[float]] = {"loss": [], "lr": [], "grad_norm": []}
     for _ in range(config.run.train_iters):
-        lr = float(engine.get_lr()[0])
         total = torch.zeros(())
         for _ in range(accumulation):
             batch = collate([train[i] for i in next(batches)])
@@ -76,7 +75,7 @@ def main(argv: list[str]) -> int:
             total += loss.detach().float()
         dist.all_reduce(total)
         record["loss"].append(float(total) / (accumulation * world))
-        record["lr"].append(lr)
+        record["lr"].append(float(engine.get_lr()[0]))  # the next step's, as Meshline logs
         record["grad_norm"].append(float(engine.get_global_grad_norm()))
     if rank == 0:
         out_path.write_text(json.dumps(record))

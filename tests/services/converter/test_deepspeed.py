@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints written by DeepSpeed itself (0.19.8 on its CPU accelerator, 2
 gloo ranks, `deepspeed_writer.py`) consolidate to the engine's fp32 master weights bit for bit,
 exactly as DeepSpeed's own zero_to_fp32 does, and `--load-format deepspeed` converts them to HF
-checkpoints with identical logits; broken or foreign files are refused."""
+checkpoints with identical logits; so do the universal checkpoints deepspeed's ds_to_universal
+makes of them; broken or foreign files are refused."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from checkpoints.deepspeed_format import DeepSpeedSource
 from checkpoints.deepspeed_format import load_file as load_deepspeed
+from checkpoints.deepspeed_universal import UniversalSource, universal_tag
 from services.converter import cli
 from services.converter.job import ConvertOptions, convert
 from tests.services.converter.deepspeed_writer import CASES, STEPS, VOCAB, bloom, llama
@@ -147,3 +149,69 @@ def test_missing_rank_and_foreign_objects_are_refused(deepspeed_checkpoints, tmp
     torch.save(state, evil / "mp_rank_00_model_states.pt")
     with pytest.raises(ValueError, match=r"refused to load; it holds shutil\.rmtree"):
         DeepSpeedSource(evil.parent, None)
+
+
+UNIVERSAL = [name for name, case in CASES.items() if case.universal]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("case", UNIVERSAL)
+def test_universal_checkpoints_read_bit_for_bit(case, deepspeed_checkpoints, tmp_path):
+    """ds_to_universal's output (per-parameter fp32 folders) of the ZeRO-2 and ZeRO-3 saves:
+    the engine's fp32 master weights, found through `latest_universal` or the tag folder."""
+    universal = deepspeed_checkpoints / f"{case}-universal"
+    tag = universal_tag(universal)
+    assert tag == universal / f"global_step{STEPS}" == universal_tag(tag)
+    assert universal_tag(universal, iteration=STEPS) == tag
+    assert universal_tag(deepspeed_checkpoints / case) is None  # a ZeRO checkpoint
+    source = UniversalSource(tag, None)
+    assert source.iteration == STEPS
+    engine = load_file(deepspeed_checkpoints / case / "expected.safetensors")
+    state = source.full_state_dict()
+    assert sorted(state) == sorted(engine)  # the tied head from shared_params
+    for name, tensor in engine.items():
+        assert torch.equal(state[name], tensor), name
+
+    out = tmp_path / "hf"
+    report = convert(ConvertOptions("deepspeed", "hf", universal, out, verify=True))
+    assert report.verify is not None and report.verify.max_abs_logit_diff == 0
+    model = llama() if CASES[case].family == "llama" else bloom()
+    model.load_state_dict(engine)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        converted = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert torch.equal(converted(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_broken_universal_checkpoints_are_refused(deepspeed_checkpoints, tmp_path):
+    def copy(name: str) -> Path:
+        shutil.copytree(deepspeed_checkpoints / "zero2-universal", tmp_path / name)
+        return tmp_path / name / f"global_step{STEPS}"
+
+    norm = "model.norm.weight"
+    missing = copy("missing")
+    (missing / "zero" / norm / "fp32.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=f"no fp32.pt for '{norm}'"):
+        UniversalSource(missing, None)
+
+    resized = copy("resized")
+    torch.save({"param": torch.zeros(3), "cat_dim": 0}, resized / "zero" / norm / "fp32.pt")
+    with pytest.raises(ValueError, match=r"3 elements, its shape \(54,\)"):
+        UniversalSource(resized, None).full_state_dict()
+
+    # A parameter name is a path component only when it is one plain file name.
+    escaping = copy("escaping")
+    original = deepspeed_checkpoints / "zero2-universal" / escaping.name
+    state = load_deepspeed(original / "mp_rank_00_model_states.pt")  # memory-mapped: not the copy
+    state["param_shapes"][0]["../../outside"] = torch.Size([2])
+    torch.save(state, escaping / "mp_rank_00_model_states.pt")
+    with pytest.raises(FileNotFoundError, match=r"no fp32.pt for '\.\./\.\./outside'"):
+        UniversalSource(escaping, None)
+
+    pointer = copy("pointer").parent
+    (pointer / "latest_universal").write_text("../zero2-universal")
+    with pytest.raises(FileNotFoundError, match="not a universal checkpoint folder"):
+        universal_tag(pointer)

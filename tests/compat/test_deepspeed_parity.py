@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = Path(__file__).resolve().parent / "deepspeed" / "zero2.json"
 WORLD = 2
 STEPS = 8
@@ -71,7 +72,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 
 
 def _deepspeed(ds_json: Path, out: Path) -> dict[str, list[float]]:
@@ -84,7 +86,9 @@ def _deepspeed(ds_json: Path, out: Path) -> dict[str, list[float]]:
         log = out.parent / f"deepspeed_rank{rank}.log"
         with log.open("w") as handle:
             procs.append(
-                subprocess.Popen([*command, *MODEL], env=rank_env, stdout=handle, stderr=handle)
+                subprocess.Popen(
+                    [*command, *MODEL], env=rank_env, stdout=handle, stderr=handle, cwd=REPO
+                )
             )
     codes = [p.wait(timeout=400) for p in procs]
     assert codes == [0] * WORLD, (out.parent / "deepspeed_rank0.log").read_text()[-3000:]
@@ -97,7 +101,9 @@ def _meshline(ds_json: Path, log_dir: Path) -> dict[str, list[float]]:
         "--eval-interval", "0", "--lr-decay-style", "constant",
         "--deepspeed_config", str(ds_json), "--log-dir", str(log_dir),
     ]  # fmt: skip
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        command, env=_env(), capture_output=True, text=True, timeout=400, cwd=REPO
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with (log_dir / "metrics.csv").open() as handle:
         rows = list(csv.DictReader(handle))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+REPO = Path(__file__).resolve().parents[3]
 WORLD = 2
 STEPS = 2
 VOCAB = 203
@@ -160,8 +161,10 @@ def write_all(out: Path, timeout: float = 600.0) -> None:
     then the universal conversions. RuntimeError with the ranks' output when one fails."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {
         **os.environ,
+        "PYTHONPATH": path,  # the ranks import this tree, whatever the caller's directory
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1",
@@ -174,7 +177,8 @@ def write_all(out: Path, timeout: float = 600.0) -> None:
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         command = [sys.executable, "-m", "tests.services.converter.deepspeed_writer", str(out)]
-        procs.append((subprocess.Popen(command, env=rank_env, stdout=log, stderr=log), log))
+        proc = subprocess.Popen(command, env=rank_env, stdout=log, stderr=log, cwd=REPO)
+        procs.append((proc, log))
     failed = []
     for rank, (proc, log) in enumerate(procs):
         try:

@@ -7,9 +7,8 @@ micro 2 x accumulation 4 x 2 ranks, AdamW with betas and weight decay, clipping)
 where DeepSpeed on a CPU needs it or a curve could not be compared (docs/decisions.md, "DeepSpeed
 itself as the reference"): fp32 instead of bf16, `torch_adam` (the compiled FusedAdam is not
 built here; Meshline maps the key as "same"), clipping at 0.5 so that it acts, no TensorBoard
-block, and no scheduler block (DeepSpeed then trains at the optimizer's constant lr, which
-Meshline is given as `--lr-decay-style constant`; DeepSpeed's schedulers start one step later
-than Meshline's: the last test measures that, docs/training.md).
+block, and no scheduler block (both then train at the optimizer's constant lr; DeepSpeed's
+schedulers start one step later than Meshline's: the last test measures that, docs/training.md).
 """
 
 from __future__ import annotations
@@ -98,7 +97,7 @@ def _deepspeed(ds_json: Path, out: Path) -> dict[str, list[float]]:
 def _meshline(ds_json: Path, log_dir: Path) -> dict[str, list[float]]:
     command = [
         sys.executable, "-m", "services.trainer.cli", "--nproc-per-node", str(WORLD), *MODEL,
-        "--eval-interval", "0", "--lr-decay-style", "constant",
+        "--eval-interval", "0",
         "--deepspeed_config", str(ds_json), "--log-dir", str(log_dir),
     ]  # fmt: skip
     done = subprocess.run(
@@ -126,6 +125,25 @@ def test_deepspeed_and_meshline_give_the_same_loss_curve(case, tmp_path):
     # clipping at 0.5 acts (pre-clip norms above it) and both measure the same norm
     assert min(reference["grad_norm"]) > 0.5
     assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+
+
+def test_no_scheduler_block_keeps_the_optimizers_rate():
+    """Plain DeepSpeed without a `scheduler` block steps at optimizer.params.lr throughout, so the
+    mapping sets --lr-decay-style constant (Meshline's default decays), unless the flag is given
+    or the rate is "auto" (HF Trainer's file: its own schedule flags decide)."""
+    from services.trainer import deepspeed_config
+
+    ds = _ds_config(ZERO2)
+    mapping = deepspeed_config.map_config(ds, {})
+    assert mapping.fields["lr_decay_style"] == "constant"
+    row = next(r for r in mapping.rows if r.key == "scheduler")
+    assert (row.value, row.status) == ("(absent)", "applied")
+    given = deepspeed_config.map_config(ds, {"lr_decay_style": "cosine"})
+    assert "lr_decay_style" not in given.fields
+    ds["optimizer"]["params"]["lr"] = "auto"
+    assert "lr_decay_style" not in deepspeed_config.map_config(ds, {}).fields
+    with_scheduler = deepspeed_config.map_config(json.loads(EXAMPLE.read_text()), {})
+    assert with_scheduler.fields["lr_decay_style"] == "linear"
 
 
 def test_deepspeed_schedulers_start_one_step_after_meshlines():

@@ -2,8 +2,8 @@
 
 Run as one rank of a gloo group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the caller):
 `python -m tests.services.converter.deepspeed_writer OUT`. On DeepSpeed's CPU accelerator
-(DS_ACCELERATOR=cpu) each case builds its tiny model, trains two steps with a torch AdamW (the
-compiled FusedAdam/CPUAdam ops are not built here), saves `OUT/<case>/` (`latest`,
+(DS_ACCELERATOR=cpu) each case builds its tiny model, trains two steps with a torch AdamW (`torch_adam`:
+no JIT build of DeepSpeed's CPUAdam, minutes on a busy machine, for the offload case), saves `OUT/<case>/` (`latest`,
 `global_step2/`, the model's HF `config.json`; the universal cases also `OUT/<case>-universal/`
 from deepspeed's `ds_to_universal` tool) and, on rank 0, `OUT/<case>/expected.safetensors`:
 every parameter's full fp32 master value as DeepSpeed's engine holds it after the last step

@@ -184,6 +184,25 @@ def find_tag(directory: Path, iteration: int | None = None) -> Path:
     return tag
 
 
+def read_config(root: Path, named: ModelConfig | None) -> tuple[ModelConfig, dict | None]:
+    """The model a DeepSpeed checkpoint under `root` holds: its HF `config.json` (reconciled with
+    --model when given), else the named config; DeepSpeed itself records no architecture."""
+    path = root / "config.json"
+    if not path.is_file():
+        if named is None:
+            raise FileNotFoundError(
+                f"{path} is missing: a DeepSpeed checkpoint records no architecture; pass "
+                "--model NAME or put the model's HF config.json beside `latest`"
+            )
+        return named, None
+    try:
+        hf = json.loads(path.read_text())
+        own = config_from_hf(hf)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a readable HF config ({exc})") from exc
+    return reconcile(own, named, str(path)), hf
+
+
 class DeepSpeedSource:
     """A DeepSpeed ZeRO-1/2/3 checkpoint of DP ranks, consolidated per unit to fp32."""
 
@@ -192,7 +211,7 @@ class DeepSpeedSource:
     ) -> None:
         self.tag_dir = find_tag(directory, iteration)
         root = directory if self.tag_dir != directory else directory.parent
-        self.config, self.hf_config = self._config(root, config)
+        self.config, self.hf_config = read_config(root, config)
         self.tokenizer_files = tokenizer_files(root)
         if any(self.tag_dir.glob("layer_*-model_*")):
             raise ValueError(
@@ -256,23 +275,6 @@ class DeepSpeedSource:
                     f"{self.config.num_layers}-layer model (wrong --model or config.json?)"
                 )
             self._by_unit[unit].append(name)
-
-    @staticmethod
-    def _config(root: Path, named: ModelConfig | None) -> tuple[ModelConfig, dict | None]:
-        path = root / "config.json"
-        if not path.is_file():
-            if named is None:
-                raise FileNotFoundError(
-                    f"{path} is missing: a DeepSpeed checkpoint records no architecture; pass "
-                    "--model NAME or put the model's HF config.json beside `latest`"
-                )
-            return named, None
-        try:
-            hf = json.loads(path.read_text())
-            own = config_from_hf(hf)
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path} is not a readable HF config ({exc})") from exc
-        return reconcile(own, named, str(path)), hf
 
     def _rank_files(self, pattern: re.Pattern[str], rank: int, mp: int, glob: str) -> list[Path]:
         found = [p for p in self.tag_dir.iterdir() if pattern.match(p.name)]

@@ -178,7 +178,11 @@ def _megatron_sink(
 def _deepspeed_source(directory: Path, named: ModelConfig | None, iteration: int | None) -> Source:
     # formats load on use: the registry imports none (nor gguf, safetensors, torch)
     from checkpoints.deepspeed_format import DeepSpeedSource
+    from checkpoints.deepspeed_universal import UniversalSource, universal_tag
 
+    tag = universal_tag(directory, iteration)  # ds_to_universal's output, else a ZeRO checkpoint
+    if tag is not None:
+        return UniversalSource(tag, named)
     return DeepSpeedSource(directory, named, iteration)
 
 

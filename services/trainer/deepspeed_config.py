@@ -416,6 +416,9 @@ def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
     for key, fname, ds_default in defaults:
         if key not in params and fname not in ctx.given:
             ctx.set(f"{p}.{key}", "(absent)", fname, ds_default, "DeepSpeed's default")
+    if scheduler is None and params.get("lr") != "auto" and "lr_decay_style" not in ctx.given:
+        # No scheduler block: DeepSpeed keeps the optimizer's rate (Meshline's default decays).
+        ctx.set("scheduler", "(absent)", "lr_decay_style", "constant", "DeepSpeed's default")
 
 
 # --- scheduler

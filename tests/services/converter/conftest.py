@@ -1,7 +1,9 @@
-"""Fixtures for the converter tests: tiny HF checkpoints written by transformers itself."""
+"""Fixtures for the converter tests: tiny HF checkpoints written by transformers itself, DeepSpeed
+checkpoints written by DeepSpeed itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -59,3 +61,16 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory, sentencepiece_model: Pat
 def bloom_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF tiny Bloom checkpoint."""
     return save_hf(hf_bloom(), tmp_path_factory.mktemp("hf") / "bloom")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints written by DeepSpeed itself on its CPU accelerator, 2 gloo ranks (about a
+    minute): one directory per case of `deepspeed_writer.CASES` (see that module)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (`make setup` installs it)")
+    from tests.services.converter.deepspeed_writer import write_all
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    write_all(out)
+    return out

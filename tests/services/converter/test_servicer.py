@@ -194,21 +194,21 @@ def test_second_job_on_the_same_output_is_aborted(llama_dir, tmp_path, monkeypat
     assert (tmp_path / "out" / "latest").is_file()
 
 
-def test_deepspeed_source_and_read_only_formats(tmp_path):
+@pytest.mark.slow
+@pytest.mark.dist
+def test_deepspeed_source_and_read_only_formats(deepspeed_checkpoints, tmp_path):
     from services.common.errors import InvalidArgument
     from services.converter.servicer import check_fields
-    from tests.services.converter.deepspeed_layout import ZeroLayout, write_zero_checkpoint
-    from tests.services.converter.test_deepspeed import _checkpoint, _llama
+    from tests.services.converter.test_deepspeed import two_tags
 
-    _checkpoint("llama", ZeroLayout(stage=3, world=2), tmp_path / "ds")
-    # `latest` names step 30; load_iteration picks step 12
-    write_zero_checkpoint(_llama(), tmp_path / "ds", ZeroLayout(stage=2, world=2), step=30)
+    # DeepSpeed's own files: `latest` names step 2 (ZeRO-2); load_iteration picks step 1 (ZeRO-3)
+    two_tags(deepspeed_checkpoints, tmp_path / "ds")
     request = converter_pb2.ConvertRequest(
         load_format=checkpoint_pb2.CHECKPOINT_FORMAT_DEEPSPEED,
         save_format=HF,
         load_dir=str(tmp_path / "ds"),
         save_dir=str(tmp_path / "hf"),
-        load_iteration=12,
+        load_iteration=1,
         verify=True,
     )
     operation, _ = arun(_convert(tmp_path, request), timeout=120)

@@ -400,6 +400,38 @@ class ParallelSection:
                     f"--use-distributed-optimizer means ZeRO-1 but --zero-stage is {self.zero_stage}; give one"
                 )
             self.zero_stage = 1
+        self._check_offload()
+        if self.overlap_grad_reduce and self.pipeline_model_parallel_size < 2:
+            warnings.warn(
+                "--overlap-grad-reduce applies under --pipeline-model-parallel-size > 1; ignored",
+                stacklevel=2,
+            )
+        if self.zero3_prefetch_layers < 0:
+            raise ValueError(
+                f"--zero3-prefetch-layers must be >= 0, got {self.zero3_prefetch_layers}"
+            )
+        if self.zero3_prefetch_layers and self.zero_stage != 3:
+            raise ValueError(
+                "--zero3-prefetch-layers needs --zero-stage 3 (only ZeRO-3 gathers parameters "
+                f"per layer), got --zero-stage {self.zero_stage}"
+            )
+        if self.hsdp_shard_size < 0:
+            raise ValueError(f"--hsdp-shard-size must be >= 0, got {self.hsdp_shard_size}")
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        self._check_recompute()
+        self._check_pipeline_split()
+
+    def _check_offload(self) -> None:
+        """The offload and sharding flags need the ZeRO stage and partners they act with."""
         if self.cpu_offload and self.zero_stage != 3:
             raise ValueError(
                 "--cpu-offload needs --zero-stage 3 (offloading works on sharded parameters)"
@@ -436,33 +468,9 @@ class ParallelSection:
                 "--offload-pin-memory pins offloaded tensors: add --cpu-offload (ZeRO-3) or "
                 "--optimizer-cpu-offload, or drop it"
             )
-        if self.overlap_grad_reduce and self.pipeline_model_parallel_size < 2:
-            warnings.warn(
-                "--overlap-grad-reduce applies under --pipeline-model-parallel-size > 1; ignored",
-                stacklevel=2,
-            )
-        if self.zero3_prefetch_layers < 0:
-            raise ValueError(
-                f"--zero3-prefetch-layers must be >= 0, got {self.zero3_prefetch_layers}"
-            )
-        if self.zero3_prefetch_layers and self.zero_stage != 3:
-            raise ValueError(
-                "--zero3-prefetch-layers needs --zero-stage 3 (only ZeRO-3 gathers parameters "
-                f"per layer), got --zero-stage {self.zero_stage}"
-            )
-        if self.hsdp_shard_size < 0:
-            raise ValueError(f"--hsdp-shard-size must be >= 0, got {self.hsdp_shard_size}")
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        self._check_recompute()
+
+    def _check_pipeline_split(self) -> None:
+        """Uneven first/last stages and virtual stages need a pipeline (and not both)."""
         for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
             value = getattr(self, name)
             if value is None:

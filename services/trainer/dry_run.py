@@ -41,8 +41,8 @@ from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES, offload_buffer_bytes
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
-from services.trainer import deepspeed_config
 from services.trainer.train_config import SECTIONS, TrainConfig
+from training import deepspeed_config
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 from services.common import compat_flags
 from services.common.compat_flags import DEST_PREFIX, CompatFlag
-from services.trainer import deepspeed_config
+from training import deepspeed_config
 
 
 def _recompute_policy(value: Any, given: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ import sys
 
 from services.trainer import dry_run
 from services.trainer.arguments import build_parser, parse_args
-from services.trainer.launch_checks import check_inputs, check_model_layout, check_paths
 from services.trainer.launcher import launch
+from training.launch_checks import check_inputs, check_model_layout, check_paths
 
 
 def _launcher_parser() -> argparse.ArgumentParser:

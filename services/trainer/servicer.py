@@ -39,10 +39,10 @@ from services.common.server import ServiceBinding
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.job import TrainingRun, run_job
 from services.trainer.k8s_launcher import use_kubernetes
-from services.trainer.launch_checks import check_inputs, check_model_layout
 from services.trainer.request_paths import argv_from_config, confine_config
 from services.trainer.train_config import TrainConfig
 from services.trainer.worker_env import env_violations
+from training.launch_checks import check_inputs, check_model_layout
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name

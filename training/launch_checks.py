@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from services.trainer.resume_check import check_same_model
-from services.trainer.train_config import TrainConfig
+from training.config import TrainingConfig
 from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
+from training.resume_check import check_same_model
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -30,7 +30,7 @@ def has_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / "latest").is_file()
 
 
-def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
+def load_action(config: TrainingConfig) -> Literal["none", "resume", "fresh"]:
     """What `--load` does: none (not given), resume (a checkpoint is there), fresh (start at step 0).
 
     Megatron's rule: `--load DIR` without a checkpoint in it starts from scratch, which is how a
@@ -66,7 +66,7 @@ def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
     return "fresh"
 
 
-def _check_resumable(config: TrainConfig, load: str) -> None:
+def _check_resumable(config: TrainingConfig, load: str) -> None:
     """A resume that asks for optimizer or RNG state the latest checkpoint was saved without
     (--no-save-optim, --no-save-rng) is refused here, naming the flag, not in every worker."""
     from training.checkpoint import check_resumable, latest_train_state
@@ -122,7 +122,7 @@ def _check_pairs(flag: str, prefix: str, data_format: str) -> None:
         raise ValueError(str(exc).replace("--data-path", flag, 1)) from None
 
 
-def _check_tokenizer(config: TrainConfig) -> None:
+def _check_tokenizer(config: TrainingConfig) -> None:
     data = config.data
     kind = data.tokenizer_type
     if kind is None:
@@ -158,7 +158,7 @@ def _check_tokenizer(config: TrainConfig) -> None:
         )
 
 
-def check_paths(config: TrainConfig) -> None:
+def check_paths(config: TrainingConfig) -> None:
     """Raise ValueError (one line: the flag and the fix) for any path flag that cannot work."""
     data = config.data
     if not data.mock_data:
@@ -235,7 +235,7 @@ _DATA_FLAGS = (
 )
 
 
-def check_data(config: TrainConfig) -> None:
+def check_data(config: TrainingConfig) -> None:
     """Opens every data prefix as the trainer will (FileNotFoundError / ValueError naming it)."""
     from tokendata.datasets.sources import open_instruction, open_pretraining
 
@@ -261,7 +261,7 @@ def check_data(config: TrainConfig) -> None:
                 raise ValueError(f"{flag} {prefix}: not a readable dataset: {exc}") from None
 
 
-def check_tokenizer(config: TrainConfig) -> None:
+def check_tokenizer(config: TrainingConfig) -> None:
     """The tokenizer file (SentencePiece) or folder (HF) exists (FileNotFoundError naming it)."""
     data = config.data
     if data.tokenizer_model and not Path(data.tokenizer_model).is_file():
@@ -277,7 +277,7 @@ def check_tokenizer(config: TrainConfig) -> None:
         )
 
 
-def check_checkpoints(config: TrainConfig) -> None:
+def check_checkpoints(config: TrainingConfig) -> None:
     """--load follows Megatron's rule (`load_action`: a missing or empty folder starts fresh when
     it is also --save); --lora-load names an existing folder."""
     try:
@@ -293,7 +293,7 @@ def check_checkpoints(config: TrainConfig) -> None:
         raise FileNotFoundError(f"--ref-model {ref}: no such checkpoint folder")
 
 
-def check_inputs(config: TrainConfig) -> None:
+def check_inputs(config: TrainingConfig) -> None:
     """Every input of the run exists and is readable (FileNotFoundError / ValueError)."""
     if not config.data.mock_data:
         check_tokenizer(config)
@@ -301,7 +301,7 @@ def check_inputs(config: TrainConfig) -> None:
     check_checkpoints(config)
 
 
-def check_model_layout(config: TrainConfig, world_size: int) -> None:
+def check_model_layout(config: TrainingConfig, world_size: int) -> None:
     """The model the flags define fits the parallel layout of `world_size` ranks (ValueError
     naming the flag), checked as the workers will check it but before any of them starts."""
     from parallel.parallel_dims import build_dims
@@ -323,7 +323,7 @@ def check_model_layout(config: TrainConfig, world_size: int) -> None:
         check_reference_config(reference, model_config, config.run.ref_model)
 
 
-def _tokenizer_vocab(config: TrainConfig) -> int | None:
+def _tokenizer_vocab(config: TrainingConfig) -> int | None:
     """The tokenizer's vocabulary (what the workers pad the model's to); None for --mock-data."""
     data = config.data
     source = data.tokenizer_model or data.tokenizer_name_or_path

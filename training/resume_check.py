@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.trainer.train_config import TrainConfig
+from training.config import TrainingConfig
 
 ARCHITECTURE_FLAGS = {
     "family": "--model",
@@ -33,7 +33,7 @@ ARCHITECTURE_FLAGS = {
 """Model fields that define the weights' shapes and meaning, and the flag setting each."""
 
 
-def check_same_model(config: TrainConfig, checkpoint: Path) -> None:
+def check_same_model(config: TrainingConfig, checkpoint: Path) -> None:
     """ValueError naming the flag when `checkpoint`'s model differs from the one `config` builds.
 
     A checkpoint without `config.json` (older meshline) is not checked here; DCP's own shape

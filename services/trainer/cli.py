@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.trainer import dry_run
+from services.trainer import dry_run_cli
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launcher import launch
+from training.dry_run import check_world_size
 from training.launch_checks import check_inputs, check_model_layout, check_paths
 
 
@@ -39,7 +40,7 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", "--master_addr", default=None)
     parser.add_argument("--master-port", "--master_port", default=None)
     parser.add_argument("--help-train", action="store_true")
-    dry_run.add_flags(parser)
+    dry_run_cli.add_flags(parser)
     return parser
 
 
@@ -58,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if launch_args.dry_run:
         try:
-            world_size = dry_run.check_world_size(launch_args.world_size)
+            world_size = check_world_size(launch_args.world_size)
         except ValueError as exc:
             print(f"meshline train: {exc}", file=sys.stderr)
             return 2
-        return dry_run.main(
+        return dry_run_cli.main(
             train_argv,
             world_size,
             launch_args.dry_run_report,

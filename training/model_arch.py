@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from training.config_sections import ModelSection
+
 # Megatron's spelling -> ModelConfig value.
 NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 POSITION_EMBEDDINGS = {"rope": "rope", "alibi": "alibi", "learned_absolute": "learned"}
@@ -179,16 +181,17 @@ def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, A
             )
 
 
-def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
+def megatron_fields(
+    arch: ArchSection, model: ModelSection, tokenizer_vocab: int | None
+) -> dict[str, Any]:
     """ModelConfig fields of a model given by Megatron's flags alone (no --model).
 
     Megatron's defaults for what is left out; the vocabulary is the tokenizer's padded up to
     --make-vocab-size-divisible-by; the FFN width and the position limit default as Megatron's.
     """
-    arch: ArchSection = config.arch
     fields = {**MEGATRON_DEFAULTS}
     fields.update({key: value for key, (_, value) in arch.fields_set().items()})
-    fields.update(config.model.overrides())
+    fields.update(model.overrides())
     if fields["position_embedding"] == "learned":
         if arch.no_position_embedding:
             raise ValueError(
@@ -202,8 +205,8 @@ def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
     if "vocab_size" not in fields and tokenizer_vocab is not None:
         fields["vocab_size"] = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
     fields.setdefault("ffn_hidden_size", megatron_ffn_size(fields["hidden_size"], arch.swiglu))
-    fields.setdefault("max_position_embeddings", config.model.seq_length)
-    if arch.group_query_attention and config.model.num_query_groups is None:
+    fields.setdefault("max_position_embeddings", model.seq_length)
+    if arch.group_query_attention and model.num_query_groups is None:
         fields["num_kv_heads"] = 1  # Megatron's --num-query-groups default
     fields["extra"] = {"megatron_flags": True}
     return fields

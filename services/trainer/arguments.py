@@ -21,8 +21,8 @@ from typing import Any
 import tomllib
 import yaml
 
+from services.common import megatron_flags
 from services.common.dataclass_flags import attribute_docs
-from services.trainer import megatron_flags
 from services.trainer.train_config import SECTIONS, TrainConfig
 
 # Older spellings that scripts still use, mapped to the field they set.

@@ -13,9 +13,10 @@ import time
 
 import pytest
 
+from services.common.config_values import MAX_ARGS, MAX_FLAGS
 from services.common.errors import InvalidArgument
 from services.trainer import dry_run_cli
-from services.trainer.arguments import MAX_ARGS, MAX_FLAGS, parse_args
+from services.trainer.arguments import parse_args
 from services.trainer.servicer import parse_training_flags
 from training import dry_run
 

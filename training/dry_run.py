@@ -34,12 +34,17 @@ from torch.distributed.tensor import DTensor
 
 from kernels import device
 from kernels.activation import trains_fused_swiglu
+from models import build_model
 from models.config import ModelConfig
 from models.memory import TrainingLayout, rank_activation_bytes
 from models.model_states import OPTIMIZER_STATE_BYTES, offload_buffer_bytes
+from parallel import pipeline
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
 from training.config import TrainingConfig
+from training.optimizer import build_training_optimizer
+from training.precision import plan_precision
+from training.setup import build_model_config, build_parallel
 
 
 @dataclass(frozen=True)
@@ -144,11 +149,6 @@ def build_rank(config: TrainingConfig, dims: ParallelDims, rank: int) -> dict[st
     """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from models import build_model
-    from training.optimizer import build_training_optimizer
-    from training.precision import plan_precision
-    from training.setup import build_model_config, build_parallel
-
     world_size = dims.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -211,8 +211,6 @@ def build_rank(config: TrainingConfig, dims: ParallelDims, rank: int) -> dict[st
 
 def _layout(config: TrainingConfig, world_size: int) -> TrainingLayout:
     """The estimator's view of this run (for activations)."""
-    from parallel import pipeline
-
     par = config.parallel
     precision = config.precision.dtype_name
     model_config = _model_config(config)
@@ -250,8 +248,6 @@ def _layout(config: TrainingConfig, world_size: int) -> TrainingLayout:
 
 
 def _model_config(config: TrainingConfig) -> ModelConfig:
-    from training.setup import build_model_config
-
     return build_model_config(config)
 
 

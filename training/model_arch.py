@@ -14,7 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from models.config import ModelConfig
 from training.config_sections import ModelSection
+from training.model_config import pad_vocab
 
 # Megatron's spelling -> ModelConfig value.
 NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
@@ -140,8 +142,6 @@ class ArchSection:
 
 
 def _model_fields() -> set[str]:
-    from models.config import ModelConfig
-
     return {f.name for f in dataclasses.fields(ModelConfig)}
 
 
@@ -170,7 +170,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
 }
 
 
-def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, Any]]) -> None:
+def check_against_model(
+    name: str, base: ModelConfig, from_flags: dict[str, tuple[str, Any]]
+) -> None:
     """ValueError naming both when an architecture flag contradicts the `--model` config."""
     for key, (flag, value) in from_flags.items():
         have = base.head_dim if key == "kv_channels" else getattr(base, key)
@@ -217,9 +219,3 @@ def megatron_ffn_size(hidden_size: int, swiglu: bool) -> int:
     if not swiglu:
         return 4 * hidden_size
     return -(-int(4 * hidden_size * 2 / 3) // 64) * 64
-
-
-def pad_vocab(vocab: int, multiple: int, tensor_parallel: int = 1) -> int:
-    """Megatron's padded vocabulary: `vocab` rounded up to `multiple x tensor_parallel`."""
-    step = multiple * tensor_parallel
-    return -(-vocab // step) * step

@@ -14,11 +14,12 @@ import functools
 import inspect
 import re
 import textwrap
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from services.common.config_values import strip_optional
 
 _FLAG_PREFIX = re.compile(r"^--[a-z0-9-]+(?:/--[a-z0-9-]+)*:\s*")
 
@@ -72,14 +73,6 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _optional_inner(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
 def add_fields(
     group: argparse._ActionsContainer,
     cls: type,
@@ -110,7 +103,7 @@ def add_fields(
             kwargs["required"] = True
         else:
             kwargs["default"] = list(default) if isinstance(default, tuple) else default
-        tp = _optional_inner(hints[name])
+        tp = strip_optional(hints[name])
         origin = typing.get_origin(tp)
         if tp is bool:
             kwargs.update(spec.extra)
@@ -138,7 +131,7 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        if isinstance(value, list) and typing.get_origin(_optional_inner(hints[f.name])) is tuple:
+        if isinstance(value, list) and typing.get_origin(strip_optional(hints[f.name])) is tuple:
             value = tuple(value)
         values[f.name] = value
     return values

@@ -530,10 +530,10 @@ def _scheduler_param(
 
 def _cos_min_ratio(ctx: _Ctx, at: str, val: Any) -> None:
     """WarmupCosineLR's floor as a fraction of the peak: --min-lr = ratio x lr."""
-    ratio = "auto" if _is_auto(val) else _number(at, val)
-    if ratio == "auto":
+    if _is_auto(val):
         ctx.auto(at, "min_lr")
         return
+    ratio = _number(at, val)
     if ratio > 1:
         raise ValueError(f"{at}: a ratio in [0, 1], got {val!r}")
     lr = ctx.out.fields.get("lr", ctx.given.get("lr"))

@@ -20,9 +20,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from models.tokenizer import build_tokenizer
+from parallel.parallel_dims import build_dims
+from parallel.parallelize import check_model
+from parallel.pipeline import virtual_chunks
+from tokendata.datasets.pairwise import PairSource
+from tokendata.datasets.sources import detect_format, open_instruction, open_pretraining
+from training.checkpoint import check_resumable, latest_train_state
 from training.config import TrainingConfig
 from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
+from training.objectives.reference import (
+    check_reference_config,
+    read_reference_config,
+    reference_step_dir,
+)
+from training.prompt_data import read_prompts
 from training.resume_check import check_same_model
+from training.setup import build_model_config
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -69,7 +83,6 @@ def load_action(config: TrainingConfig) -> Literal["none", "resume", "fresh"]:
 def _check_resumable(config: TrainingConfig, load: str) -> None:
     """A resume that asks for optimizer or RNG state the latest checkpoint was saved without
     (--no-save-optim, --no-save-rng) is refused here, naming the flag, not in every worker."""
-    from training.checkpoint import check_resumable, latest_train_state
 
     run = config.run
     if run.finetune or config.peft.peft_method is not None:  # the weights only
@@ -93,7 +106,6 @@ def _prefixes(paths: list[str]) -> list[str]:
 
 
 def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
-    from tokendata.datasets.sources import detect_format
 
     try:
         detect_format(prefix, instruction)
@@ -114,7 +126,6 @@ def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
 
 def _check_pairs(flag: str, prefix: str, data_format: str) -> None:
     """A preference stage's prefix holds pairwise shards (tokendata/datasets/pairwise.py)."""
-    from tokendata.datasets.pairwise import PairSource
 
     try:
         PairSource(prefix, data_format)
@@ -204,8 +215,6 @@ def check_paths(config: TrainingConfig) -> None:
             "weights with --finetune"
         )
     if run.ref_model is not None:
-        from training.objectives.reference import reference_step_dir
-
         if not Path(run.ref_model).is_dir():
             raise ValueError(
                 f"--ref-model {run.ref_model}: no such directory; pass the reference's trainer "
@@ -237,7 +246,6 @@ _DATA_FLAGS = (
 
 def check_data(config: TrainingConfig) -> None:
     """Opens every data prefix as the trainer will (FileNotFoundError / ValueError naming it)."""
-    from tokendata.datasets.sources import open_instruction, open_pretraining
 
     data = config.data
     for name, flag in _DATA_FLAGS:
@@ -246,8 +254,6 @@ def check_data(config: TrainingConfig) -> None:
                 _check_pairs(flag, prefix, data.data_format)
                 continue
             if config.run.stage in RL_STAGES:  # a JSON-lines prompt file, read as the trainer does
-                from training.prompt_data import read_prompts
-
                 read_prompts(prefix, flag)
                 continue
             try:
@@ -304,10 +310,6 @@ def check_inputs(config: TrainingConfig) -> None:
 def check_model_layout(config: TrainingConfig, world_size: int) -> None:
     """The model the flags define fits the parallel layout of `world_size` ranks (ValueError
     naming the flag), checked as the workers will check it but before any of them starts."""
-    from parallel.parallel_dims import build_dims
-    from parallel.parallelize import check_model
-    from parallel.pipeline import virtual_chunks
-    from training.setup import build_model_config
 
     model_config = build_model_config(config, _tokenizer_vocab(config))
     dims = build_dims(config, world_size)
@@ -317,8 +319,6 @@ def check_model_layout(config: TrainingConfig, world_size: int) -> None:
     )
     check_model(dims, model_config, config.parallel_config())
     if config.run.ref_model is not None:  # DPO's reference: the policy's vocabulary and model
-        from training.objectives.reference import check_reference_config, read_reference_config
-
         reference = read_reference_config(config.run.ref_model)
         check_reference_config(reference, model_config, config.run.ref_model)
 
@@ -329,7 +329,6 @@ def _tokenizer_vocab(config: TrainingConfig) -> int | None:
     source = data.tokenizer_model or data.tokenizer_name_or_path
     if data.mock_data or data.tokenizer_type is None or source is None:
         return None
-    from models.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(
         data.tokenizer_type, source, use_fast=not data.tokenizer_not_use_fast

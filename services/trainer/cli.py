@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             launch_args.nproc_per_node,
         )
     if launch_args.nproc_per_node is None and launch_args.nnodes == "1":
+        # The worker's imports (the loop, the rollout engine) only where this process trains;
+        # a torchrun parent or a dry run never needs them.
         from services.trainer import train
 
         return train.main(train_argv)

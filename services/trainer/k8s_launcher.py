@@ -34,6 +34,7 @@ from services.common.k8s_jobs import (
 from services.common.k8s_status import metrics_record, pod_outcome
 from services.common.state_db import ProcessRecord
 from services.trainer.config import LAUNCHERS
+from services.trainer.launcher import launch
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # After a stop, pods get the template's terminationGracePeriodSeconds (120 s) to save and exit.
@@ -59,8 +60,6 @@ def select_launcher(choice: str, operation: str) -> Callable[..., int]:
     """`launch(config_or_argv, nproc_per_node, **options) -> exit code` for the setting."""
     if use_kubernetes(choice):
         return functools.partial(KubernetesLauncher.in_cluster().launch, operation=operation)
-    from services.trainer.launcher import launch
-
     return launch
 
 

@@ -36,6 +36,7 @@ from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import ROOTS_ENV, resolve_under_roots, roots_env_value
 from services.common.server import ServiceBinding
+from services.trainer.arguments import parse_args
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.job import TrainingRun, run_job
 from services.trainer.k8s_launcher import use_kubernetes
@@ -105,8 +106,6 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
     too, so the parsed config is what is confined); its inputs have been checked to exist
     (NOT_FOUND) and to be readable datasets (INVALID_ARGUMENT).
     """
-    from services.trainer.arguments import parse_args
-
     # The parser reads --config files, so those are confined before it runs, and it reads the
     # resolved path, not the requester's string.
     args = list(args)

@@ -9,7 +9,8 @@ itself and libraries, never another stage. Only the composition layer (`services
 import under `if TYPE_CHECKING:` is not a runtime edge and does not count); no `_private` name of
 one first-party module imported by another. `services/*` build engines only through
 `engine.build.build_engine`: no service constructs an engine class or imports the loader or the
-parallel engine builders.
+parallel engine builders. The trainer service stays thin: under `TRAINER_LINE_BUDGET` lines, and
+no function in it or in `services/common` of `MAX_FUNCTION_LINES` lines or more.
 """
 
 from __future__ import annotations
@@ -155,7 +156,12 @@ def test_libraries_never_import_services_and_keep_their_layer() -> None:
 
 
 def test_training_and_engine_are_libraries_apart_from_services_and_each_other() -> None:
-    assert {"training.loop", "training.objectives", "engine.engine"} <= set(MODULES)
+    assert {
+        "training.loop",
+        "training.objectives",
+        "training.deepspeed_config",
+        "engine.engine",
+    } <= set(MODULES)
     bad = [
         f"{MODULES[module].relative_to(ROOT)}:{imp.line} imports {imp.target}"
         for module, found in IMPORTS.items()
@@ -347,3 +353,57 @@ def test_services_build_engines_only_through_build_engine() -> None:
                 if any(full == b or full.startswith(b + ".") for b in ENGINE_BUILDING):
                     bad.append(f"{module}:{imp.line} imports {full}")
     assert not bad, "build engines with engine.build.build_engine:\n" + "\n".join(bad)
+
+
+TRAINER_LINE_BUDGET = 3_000
+"""Lines of Python `services/trainer/` may hold (issue #35: no bigger than the other stages)."""
+MAX_FUNCTION_LINES = 80
+"""A function this long or longer in the thin service folders is split into helpers."""
+THIN_FOLDERS = ("services/trainer", "services/common")
+
+
+def test_trainer_service_stays_under_its_line_budget() -> None:
+    """The trainer service is config, CLI, servicer, launchers and job plumbing over the training
+    library (docs/architecture.md, "The trainer service stays thin"). It once held the library
+    itself (6,211 lines: the DeepSpeed mapping, the dry-run arithmetic, the pre-launch checks,
+    Kubernetes workloads); code that makes it grow past the budget is library code that belongs
+    in `training/` (or, when any stage could use it, in `services/common/`)."""
+    lines = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for path in sorted((ROOT / "services" / "trainer").rglob("*.py"))
+    }
+    total = sum(lines.values())
+    largest = sorted(lines.items(), key=lambda item: -item[1])[:5]
+    assert total < TRAINER_LINE_BUDGET, (
+        f"services/trainer holds {total} lines (budget {TRAINER_LINE_BUDGET}); move library code "
+        f"out (largest files: {largest})"
+    )
+
+
+def _long_functions(source: str, limit: int) -> list[tuple[str, int, int]]:
+    """(name, first line, length) of every function of `limit` lines or more in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length >= limit:
+                found.append((node.name, node.lineno, length))
+    return found
+
+
+def test_long_function_finder_finds_one() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(5))
+    assert _long_functions(f"def f():\n{body}\ndef g():\n    pass\n", 6) == [("f", 1, 6)]
+
+
+def test_thin_service_folders_have_no_long_functions() -> None:
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} {name} ({length} lines)"
+        for folder in THIN_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name, line, length in _long_functions(path.read_text(), MAX_FUNCTION_LINES)
+    ]
+    assert not bad, (
+        f"functions of {MAX_FUNCTION_LINES}+ lines (split them into single-purpose helpers):\n"
+        + "\n".join(bad)
+    )

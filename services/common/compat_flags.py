@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 Kind = Literal["map", "same", "check", "refuse"]
 DEST_PREFIX = "megatron__"
+SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
+"""The note of a fused-kernel switch (`--use-fused-rmsnorm`): kernels/ picks the kernel per device."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class CompatFlag:
     def dest(self) -> str:
         """Where argparse stores the flag's value."""
         return DEST_PREFIX + self.flag.lstrip("-").replace("-", "_")
+
+
+def same_rows(note: str, *flags: str) -> tuple[CompatFlag, ...]:
+    """`same` switches that share one note, in the order given."""
+    return tuple(CompatFlag(flag, "same", note) for flag in flags)
 
 
 def by_flag(rows: Iterable[CompatFlag], table: str) -> dict[str, CompatFlag]:

@@ -16,11 +16,12 @@ import functools
 import inspect
 import re
 import textwrap
-import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from services.common.config_values import strip_optional
 
 _FLAG_PREFIX = re.compile(r"^--[a-z0-9-]+(?:/--[a-z0-9-]+)*:\s*")
 
@@ -83,14 +84,6 @@ def attribute_docs(cls: type) -> dict[str, str]:
 def flag_name(name: str) -> str:
     """`output_prefix` -> `--output-prefix`."""
     return "--" + name.replace("_", "-")
-
-
-def _optional_inner(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
 
 
 def _default(f: Any) -> Any:
@@ -168,7 +161,7 @@ def add_fields(
             kwargs["required"] = True
         else:
             kwargs["default"] = list(default) if isinstance(default, tuple) else default
-        tp = _optional_inner(hints[name])
+        tp = strip_optional(hints[name])
         if tp is bool:
             optional = tp is not hints[name]
             kwargs["action"] = argparse.BooleanOptionalAction if optional else "store_true"
@@ -193,7 +186,7 @@ def config_values(
         value = getattr(args, spec.dest(f.name))
         if spec.convert is not None and value is not None:
             value = spec.convert(value)
-        if isinstance(value, list) and typing.get_origin(_optional_inner(hints[f.name])) is tuple:
+        if isinstance(value, list) and typing.get_origin(strip_optional(hints[f.name])) is tuple:
             value = tuple(value)
         values[f.name] = value
     return values

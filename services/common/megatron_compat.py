@@ -24,7 +24,7 @@ from typing import Any
 
 from models.config import ModelConfig
 from services.common import compat_flags
-from services.common.compat_flags import CompatFlag
+from services.common.compat_flags import SAME_KERNEL, CompatFlag, same_rows
 
 Check = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
@@ -124,7 +124,6 @@ def _micro_batch(value: Any, given: dict[str, Any]) -> dict[str, Any]:
 
 
 _INT = int
-_SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
 _ONE_PROCESS = "one process runs the model: there is no distributed backend to choose"
 _NO_TRAINING = "inference loads the weights and never the optimizer or RNG state"
 
@@ -223,13 +222,9 @@ TABLE: tuple[CompatFlag, ...] = (
                "(tokenizer.json / tokenizer.model)", nargs=1),
     CompatFlag("--tokenizer-not-use-fast", "same", "the Rust tokenizer is used; HF's slow and "
                "fast tokenizers give the same ids"),
-    CompatFlag("--use-flash-attn", "same", _SAME_KERNEL),
-    CompatFlag("--triangle-attn", "same", _SAME_KERNEL),
-    CompatFlag("--use-fused-rmsnorm", "same", _SAME_KERNEL),
-    CompatFlag("--use-fused-rotary-pos-emb", "same", _SAME_KERNEL),
-    CompatFlag("--use-fused-swiglu", "same", _SAME_KERNEL),
-    CompatFlag("--mlp-layer-fusion", "same", _SAME_KERNEL),
-    CompatFlag("--no-masked-softmax-fusion", "same", _SAME_KERNEL),
+    *same_rows(SAME_KERNEL, "--use-flash-attn", "--triangle-attn", "--use-fused-rmsnorm",
+               "--use-fused-rotary-pos-emb", "--use-fused-swiglu", "--mlp-layer-fusion",
+               "--no-masked-softmax-fusion"),
     CompatFlag("--no-gradient-accumulation-fusion", "same", "inference accumulates no "
                "gradients"),
     CompatFlag("--attention-softmax-in-fp32", "same", "attention softmax is computed in fp32"),

@@ -12,17 +12,19 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import types
 import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
-import yaml
-
+from services.common import megatron_flags
+from services.common.config_values import (
+    check_argv,
+    check_types,
+    read_settings_file,
+    strip_optional,
+)
 from services.common.dataclass_flags import attribute_docs
-from services.trainer import megatron_flags
 from services.trainer.train_config import SECTIONS, TrainConfig
 
 # Older spellings that scripts still use, mapped to the field they set.
@@ -50,18 +52,10 @@ def field_index() -> dict[str, tuple[str, Any]]:
     return index
 
 
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
 def _add_flag(parser: argparse.ArgumentParser, name: str, tp: Any, help_text: str) -> None:
     flag = "--" + name.replace("_", "-")
     names = [flag, *(alias for alias, target in ALIASES.items() if target == name)]
-    base = _strip_optional(tp)
+    base = strip_optional(tp)
     kwargs: dict[str, Any] = {"dest": name, "help": help_text, "default": argparse.SUPPRESS}
     if base is bool:
         parser.add_argument(*names, action="store_true", **kwargs)
@@ -111,22 +105,7 @@ def build_parser(prog: str = "meshline train") -> argparse.ArgumentParser:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML/TOML settings file into `{field_name: value}` (nested or flat keys accepted)."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".toml":
-            raw = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            raw = yaml.safe_load(text) or {}
-        else:
-            raise ValueError(
-                f"--config {path}: unknown extension {path.suffix!r}; use .yaml, .yml or .toml"
-            )
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"--config {path}: not valid {path.suffix[1:].upper()}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {path}: the top level must be a mapping of settings")
+    raw = read_settings_file(path)
     index = field_index()
     flat: dict[str, Any] = {}
     for key, value in raw.items():
@@ -141,98 +120,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-MAX_ARGS = 20_000
-"""Command-line arguments accepted at most (long --data-path lists included)."""
-MAX_FLAGS = 2_000
-"""Option strings (`--name`) accepted at most: argparse's cost grows with their square."""
-MAX_ARG_CHARS = 65_536
-"""Characters of one argument at most (a path, a data blend entry)."""
-
-
-def check_argv(argv: list[str]) -> None:
-    """ValueError naming the limit when `argv` is too long to parse in bounded time.
-
-    One linear pass before argparse, whose cost grows with the square of the number of option
-    strings (100k arguments kept a service thread busy for minutes).
-    """
-    if len(argv) > MAX_ARGS:
-        raise ValueError(
-            f"{len(argv)} arguments: at most {MAX_ARGS} are accepted; put long settings in "
-            "--config FILE"
-        )
-    flags = 0
-    for position, arg in enumerate(argv):
-        if len(arg) > MAX_ARG_CHARS:
-            raise ValueError(
-                f"argument {position} ({arg[:40]!r}...) is {len(arg)} characters; at most "
-                f"{MAX_ARG_CHARS} are accepted"
-            )
-        flags += arg.startswith("-") and not _is_number(arg)
-    if flags > MAX_FLAGS:
-        raise ValueError(
-            f"{flags} flags: at most {MAX_FLAGS} are accepted (each flag once is ~300); drop "
-            "the repeated ones or use --config FILE"
-        )
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
-    if origin is list:
-        item = typing.get_args(tp)[0]
-        plural = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
-        return f"a list of {plural.get(item, _type_name(item))}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Whether a config-file `value` has the field type `tp` (an int is a number, not a bool)."""
-    if value is None:
-        return tp is not _strip_optional(tp)  # None only where the field is optional
-    tp = _strip_optional(tp)
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    return True  # a type the flags do not declare (none today): the section checks it
-
-
-def check_types(values: dict[str, Any], source: str) -> None:
-    """ValueError naming the key when a value from `source` (--config FILE) has the wrong type."""
-    index = field_index()
-    for name, value in values.items():
-        if name in index and not _type_ok(value, index[name][1]):
-            wanted = _type_name(_strip_optional(index[name][1]))
-            hint = ""
-            if isinstance(value, str) and _is_number(value):
-                hint = " (YAML reads 1e-3 as text: write 1.0e-3)"
-            raise ValueError(
-                f"{source}: setting {name!r} must be {wanted}, got {type(value).__name__} "
-                f"{str(value)[:60]!r}{hint}"
-            )
-
-
 def config_from_values(values: dict[str, Any]) -> TrainConfig:
     """Build the config from `{field_name: value}`; unset fields keep their defaults."""
     per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -241,7 +128,7 @@ def config_from_values(values: dict[str, Any]) -> TrainConfig:
         if name not in index:
             raise ValueError(f"unknown training setting {name!r}")
         section, tp = index[name]
-        if _strip_optional(tp) is float and isinstance(value, int) and not isinstance(value, bool):
+        if strip_optional(tp) is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         per_section[section][name] = value
     return TrainConfig(**{name: SECTIONS[name](**vals) for name, vals in per_section.items()})
@@ -262,7 +149,8 @@ def parse_args(argv: list[str] | None = None, *, read_files: bool = False) -> Tr
     given = vars(namespace)
     config_path = given.pop("config", None)
     values = load_config_file(config_path) if config_path else {}
-    check_types(values, f"--config {config_path}")
+    field_types = {name: tp for name, (_, tp) in field_index().items()}
+    check_types(values, field_types, f"--config {config_path}")
     values.update(given)
     values = megatron_flags.apply(values, read_files=read_files)
     config = config_from_values(values)

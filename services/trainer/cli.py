@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.trainer import dry_run
+from services.trainer import dry_run_cli
 from services.trainer.arguments import build_parser, parse_args
-from services.trainer.launch_checks import check_inputs, check_model_layout, check_paths
 from services.trainer.launcher import launch
+from training.dry_run import check_world_size
+from training.launch_checks import check_inputs, check_model_layout, check_paths
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", "--master_addr", default=None)
     parser.add_argument("--master-port", "--master_port", default=None)
     parser.add_argument("--help-train", action="store_true")
-    dry_run.add_flags(parser)
+    dry_run_cli.add_flags(parser)
     return parser
 
 
@@ -72,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if launch_args.dry_run:
         try:
-            world_size = dry_run.check_world_size(launch_args.world_size)
+            world_size = check_world_size(launch_args.world_size)
         except ValueError as exc:
             print(f"meshline train: {exc}", file=sys.stderr)
             return 2
-        code = dry_run.main(
+        code = dry_run_cli.main(
             train_argv,
             world_size,
             launch_args.dry_run_report,
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     in_place = launch_args.nproc_per_node is None and launch_args.nnodes == "1"
     if in_place and not config.autotune.autotune:
+        # The worker's imports (the loop, the rollout engine) only where this process trains;
+        # a torchrun parent or a dry run never needs them.
         from services.trainer import train
 
         return train.main(train_argv)

@@ -1,7 +1,7 @@
 """The trainer service's launcher inside a Kubernetes cluster.
 
 `KubernetesLauncher.launch` takes the arguments of `services.trainer.launcher.launch` (the local
-torchrun launcher) and runs the job as a workload built by `services.trainer.k8s_jobs`: it
+torchrun launcher) and runs the job as a workload built by `services.common.k8s_jobs`: it
 creates the objects, follows the worker pods (their state every `poll_s`, their logs as
 streams: `MESHLINE_METRICS <nonce> {json}` lines, framed with the job's own random nonce,
 become metrics records, other lines go to `output`),
@@ -24,16 +24,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from services.common.errors import FailedPrecondition, MeshlineError, ResourceExhausted, Unavailable
-from services.common.state_db import ProcessRecord
-from services.trainer.config import LAUNCHERS
-from services.trainer.k8s_client import KubeClient
-from services.trainer.k8s_jobs import (
+from services.common.k8s_client import KubeClient
+from services.common.k8s_jobs import (
     K8sLaunchConfig,
     TrainingJobSpec,
     build_training_objects,
     job_name,
 )
-from services.trainer.k8s_status import metrics_record, pod_outcome
+from services.common.k8s_status import metrics_record, pod_outcome
+from services.common.state_db import ProcessRecord
+from services.trainer.config import LAUNCHERS
+from services.trainer.launcher import launch
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # After a stop, pods get the template's terminationGracePeriodSeconds (120 s) to save and exit.
@@ -59,8 +60,6 @@ def select_launcher(choice: str, operation: str) -> Callable[..., int]:
     """`launch(config_or_argv, nproc_per_node, **options) -> exit code` for the setting."""
     if use_kubernetes(choice):
         return functools.partial(KubernetesLauncher.in_cluster().launch, operation=operation)
-    from services.trainer.launcher import launch
-
     return launch
 
 

@@ -207,18 +207,10 @@ def launch(
     out = output or sys.stdout
     token = secrets.token_hex(16)
     nonce = secrets.token_hex(16)
-    prefix = f"{METRICS_PREFIX}{nonce} "
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshline-launch-")))
         argv = config_argv(config, tmp) if isinstance(config, TrainConfig) else list(config)
-        child_env = {
-            **os.environ,
-            **(env or {}),
-            METRICS_STDOUT_ENV: nonce,
-            SAVE_ON_STOP_ENV: "0" if save_on_stop is False else "1",
-            JOB_TOKEN_ENV: token,
-            "PYTHONUNBUFFERED": "1",
-        }
+        child_env = _child_env(env, nonce, save_on_stop, token)
         spare_env = stack.enter_context(warm_spare(tmp, token, child_env, max_restarts > 0))
         child_env.update(spare_env)
         entry = "services.trainer.warm_start" if spare_env else "services.trainer.train"
@@ -243,25 +235,8 @@ def launch(
                         operation, "local", proc.pid, proc.pid, started, token, os.uname().nodename
                     )
                 )
-            watcher = None
-            if stop_event is not None:
-                watcher = threading.Thread(
-                    target=_watch_stop, args=(proc, stop_event, save_on_stop, token), daemon=True
-                )
-                watcher.start()
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith(prefix):
-                    _metrics_line(line[len(prefix) :], on_metrics, out)
-                    continue
-                out.write(line)
-                out.flush()
-            code = proc.wait()
-            if stop_event is not None:
-                stop_event.set()
-                assert watcher is not None
-                watcher.join()
-            return code
+            prefix = f"{METRICS_PREFIX}{nonce} "
+            return _follow(proc, prefix, on_metrics, out, stop_event, save_on_stop, token)
         finally:
             spare_pid = int(spare_env.get(SPARE_PID_ENV, "0"))
             leftovers = [p for p in find_processes(token) if p.pid != spare_pid]
@@ -269,6 +244,52 @@ def launch(
                 # Something above raised: never leave the job running without a reader (its
                 # claim is released when this returns).
                 _kill_job(proc, token)
+
+
+def _child_env(
+    env: dict[str, str] | None, nonce: str, save_on_stop: bool | Callable[[], bool], token: str
+) -> dict[str, str]:
+    """The agent's environment: ours, the caller's `env`, and the job's framing and token."""
+    return {
+        **os.environ,
+        **(env or {}),
+        METRICS_STDOUT_ENV: nonce,
+        SAVE_ON_STOP_ENV: "0" if save_on_stop is False else "1",
+        JOB_TOKEN_ENV: token,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _follow(
+    proc: subprocess.Popen,
+    prefix: str,
+    on_metrics: Callable[[dict[str, Any]], None] | None,
+    out: TextIO,
+    stop_event: threading.Event | None,
+    save_on_stop: bool | Callable[[], bool],
+    token: str,
+) -> int:
+    """Read the agent's output to its end (metrics records framed by `prefix` to `on_metrics`,
+    the rest to `out`), watching `stop_event`; returns torchrun's exit code."""
+    watcher = None
+    if stop_event is not None:
+        watcher = threading.Thread(
+            target=_watch_stop, args=(proc, stop_event, save_on_stop, token), daemon=True
+        )
+        watcher.start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            _metrics_line(line[len(prefix) :], on_metrics, out)
+            continue
+        out.write(line)
+        out.flush()
+    code = proc.wait()
+    if stop_event is not None:
+        stop_event.set()
+        assert watcher is not None
+        watcher.join()
+    return code
 
 
 def _metrics_line(

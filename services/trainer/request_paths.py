@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from services.common.config_values import is_number
 from services.common.paths import confine_tree, resolve_under_roots
 from services.trainer.train_config import SECTIONS, TrainConfig
 
@@ -50,14 +51,6 @@ PERMISSION_DENIED_TAG = "PERMISSION_DENIED"
 """A worker's message for a path refused at use time starts with this (the job's status)."""
 
 
-def _is_weight(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
-
-
 def _prefix_files(prefix: Path) -> list[Path]:
     """The files a data prefix stands for (`.bin/.idx`, `_packed_*`, `-NNNNN.arrow`, ...)."""
     return [Path(p) for p in glob.glob(glob.escape(str(prefix)) + "*")]
@@ -79,7 +72,7 @@ def confine_config(config: TrainConfig, roots: Sequence[Path]) -> TrainConfig:
         if isinstance(value, list):
             resolved = []
             for token in value:
-                if _is_weight(token):
+                if is_number(token):
                     resolved.append(token)
                     continue
                 prefix = resolve_under_roots(token, roots, field)
@@ -106,7 +99,7 @@ def _default_cache_dirs(config: TrainConfig) -> list[tuple[str, str]]:
     prefixes = [*data.data_path, *data.train_data_path, *data.valid_data_path]
     prefixes += data.test_data_path
     flag = "--data-cache-path (default: cache/ beside the data)"
-    dirs = {str(Path(p).parent / "cache") for p in prefixes if not _is_weight(p)}
+    dirs = {str(Path(p).parent / "cache") for p in prefixes if not is_number(p)}
     return [(flag, d) for d in sorted(dirs)]
 
 
@@ -142,6 +135,6 @@ def path_values(config: TrainConfig) -> list[tuple[str, str]]:
     for section, name, flag in PATH_SETTINGS:
         value = getattr(getattr(config, section), name)
         for item in value if isinstance(value, list) else [value]:
-            if item and not _is_weight(item):
+            if item and not is_number(item):
                 out.append((flag, os.fspath(item)))
     return out + _default_cache_dirs(config)

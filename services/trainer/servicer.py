@@ -36,13 +36,14 @@ from services.common.operations import OperationsStore
 from services.common.operations_servicer import operations_binding
 from services.common.paths import ROOTS_ENV, resolve_under_roots, roots_env_value
 from services.common.server import ServiceBinding
+from services.trainer.arguments import parse_args
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.job import TrainingRun, run_job
 from services.trainer.k8s_launcher import use_kubernetes
-from services.trainer.launch_checks import check_inputs, check_model_layout
 from services.trainer.request_paths import argv_from_config, confine_config
 from services.trainer.train_config import TrainConfig
 from services.trainer.worker_env import env_violations
+from training.launch_checks import check_inputs, check_model_layout
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -105,8 +106,6 @@ def parse_training_flags(args: list[str], world_size: int, roots: tuple[Path, ..
     too, so the parsed config is what is confined); its inputs have been checked to exist
     (NOT_FOUND) and to be readable datasets (INVALID_ARGUMENT).
     """
-    from services.trainer.arguments import parse_args
-
     # The parser reads --config files, so those are confined before it runs, and it reads the
     # resolved path, not the requester's string.
     args = list(args)

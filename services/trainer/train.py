@@ -25,10 +25,10 @@ from kernels.cpu.threads import apply_torch_threads
 from services.common.errors import PermissionDenied
 from services.common.paths import check_at_use
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_paths, load_action
 from services.trainer.request_paths import PERMISSION_DENIED_TAG, path_values
 from services.trainer.rollouts import colocated_rollouts
 from training.ckpt.signals import LastGasp
+from training.launch_checks import check_paths, load_action
 from training.loop import SAVE_ON_STOP_ENV, NonFiniteLossError, RunSummary, Trainer
 from training.objectives.layout import RL_STAGES
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from models.config import ModelConfig
 from models.registry import get_config
-from services.trainer.model_arch import ArchSection, check_against_model, megatron_fields
 from training.config import (
     AutotuneSection,
     BatchSection,
@@ -32,6 +31,7 @@ from training.config import (
     RunSection,
     TrainingConfig,
 )
+from training.model_arch import ArchSection, check_against_model, megatron_fields
 from training.model_config import DEFAULT_MODEL, check_known_model, finish_model_config
 
 __all__ = [
@@ -75,7 +75,7 @@ class TrainConfig(TrainingConfig):
 
         With --model, the registry config plus the shape flags; an architecture flag that
         contradicts the registry value is an error naming both. Without it, Megatron's defaults
-        plus the flags (`services.trainer.model_arch`), the vocabulary being the tokenizer's
+        plus the flags (`training.model_arch`), the vocabulary being the tokenizer's
         padded up to --make-vocab-size-divisible-by.
         """
         name = self.model.model or DEFAULT_MODEL
@@ -85,7 +85,7 @@ class TrainConfig(TrainingConfig):
             check_known_model(name)
             check_against_model(name, get_config(name), arch.fields_set())
         else:
-            overrides = megatron_fields(self, tokenizer_vocab)
+            overrides = megatron_fields(arch, self.model, tokenizer_vocab)
         model_config = get_config(name, **overrides)
         if arch.kv_channels is not None and arch.kv_channels != model_config.head_dim:
             raise ValueError(

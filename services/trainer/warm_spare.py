@@ -122,6 +122,7 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
         if threads := request["env"].get("OMP_NUM_THREADS", "").strip():
             torch.set_num_threads(max(1, int(threads)))
+        # Already in sys.modules (main() imported it before the first fork): binds the name only.
         from services.trainer.train import main
 
         sys.argv = ["services.trainer.train", *request["argv"]]

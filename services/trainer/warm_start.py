@@ -96,6 +96,7 @@ def main() -> int:
     if conn is None:
         if os.environ.get(SPARE_ENV):
             print("meshline train: no warm spare answered; starting a cold worker", flush=True)
+        # A cold worker only: with a spare, this thin process must start without importing torch.
         from services.trainer.train import main as train_main
 
         return train_main(argv)

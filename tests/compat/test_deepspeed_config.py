@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from services.trainer import deepspeed_config
 from services.trainer.arguments import parse_args
 from services.trainer.cli import main as train_main
 from services.trainer.train_config import SECTIONS, TrainConfig
+from training import deepspeed_config
 
 FIXTURES = Path(__file__).resolve().parent / "deepspeed"
 EXAMPLES = sorted(p.name for p in FIXTURES.glob("*.json"))

@@ -9,7 +9,7 @@ from models import build_model
 from models.lora import LoraConfig, apply_lora, resolve_targets
 from models.registry import get_config
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_paths, load_action
+from training.launch_checks import check_paths, load_action
 
 MOCK = ["--model", "tiny-llama", "--mock-data", "--train-iters", "2"]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from models.config import ModelConfig
-from services.trainer import megatron_flags
+from services.common import megatron_flags
 from services.trainer.arguments import field_index, parse_args
 from training.setup import build_model_config
 

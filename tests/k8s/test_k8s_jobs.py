@@ -1,4 +1,4 @@
-"""Training workloads built by the trainer's Kubernetes launcher (services.trainer.k8s_jobs):
+"""Training workloads built by the trainer's Kubernetes launcher (services.common.k8s_jobs):
 for given parallel layouts they carry the right ranks, environment, resources and rendezvous
 settings, validate strictly, and match the kustomize templates they are built from."""
 
@@ -9,7 +9,7 @@ import re
 import pytest
 from torch.distributed.run import get_args_parser
 
-from services.trainer.k8s_jobs import (
+from services.common.k8s_jobs import (
     K8sLaunchConfig,
     TrainingJobSpec,
     build_training_objects,

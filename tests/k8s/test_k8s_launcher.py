@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import Conflict, FailedPrecondition, ResourceExhausted, Unavailable
-from services.trainer.k8s_client import api_error
-from services.trainer.k8s_jobs import K8sLaunchConfig
+from services.common.k8s_client import api_error
+from services.common.k8s_jobs import K8sLaunchConfig
+from services.common.k8s_status import metrics_record, pod_outcome
 from services.trainer.k8s_launcher import (
     KubernetesLauncher,
     in_cluster,
     select_launcher,
     use_kubernetes,
 )
-from services.trainer.k8s_status import metrics_record, pod_outcome
 from tests.k8s.fake_cluster import FakeCluster, done, pod, running
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 
 from meshline.common.v1 import operations_pb2
+from services.common.k8s_jobs import K8sLaunchConfig
 from services.common.operations import OperationsStore
 from services.common.state_db import ProcessRecord
-from services.trainer.k8s_jobs import K8sLaunchConfig
 from services.trainer.k8s_launcher import KubernetesLauncher, stop_recorded_workload
 from tests.k8s.fake_cluster import FakeCluster, done, running
 

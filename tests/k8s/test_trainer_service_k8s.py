@@ -12,10 +12,10 @@ import grpc
 from meshline.common.v1 import operations_pb2, operations_pb2_grpc
 from meshline.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.config import ServerConfig
+from services.common.k8s_jobs import K8sLaunchConfig
 from services.common.operations import OperationsStore
 from services.common.server import create_server
 from services.trainer.config import TrainerServiceConfig
-from services.trainer.k8s_jobs import K8sLaunchConfig
 from services.trainer.k8s_launcher import KubernetesLauncher
 from services.trainer.servicer import bindings
 from tests.k8s.fake_cluster import FakeCluster, done, running

@@ -67,7 +67,7 @@ def test_auto_ranks_layouts_that_fit_and_the_dry_run_agrees(capsys, tmp_path):
     import shlex
 
     from services.trainer.arguments import parse_args
-    from services.trainer.dry_run import dry_run
+    from training.dry_run import dry_run
 
     argv = [
         "--model", "llama2-70B", "--auto", "--world-size", "64", "--device-memory", "64GiB",

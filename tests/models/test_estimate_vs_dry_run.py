@@ -15,7 +15,7 @@ from models.memory import rank_state_bytes
 from models.registry import get_config, list_configs
 from parallel.parallel_dims import build_dims
 from services.trainer.arguments import parse_args
-from services.trainer.dry_run import _axis_sizes, _layout, dry_run
+from training.dry_run import _axis_sizes, _layout, dry_run
 from training.setup import build_model_config
 
 GRID = {

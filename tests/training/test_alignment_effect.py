@@ -19,10 +19,10 @@ from services.converter.job import convert
 from services.converter.options import ConvertOptions
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_paths
 from tests.fixtures import records as fx
 from tests.training.test_alignment_train import COLOURS, _flags
 from tokendata.datasets.pairwise import PairSource
+from training.launch_checks import check_paths
 from training.loop import Trainer
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_model_layout, check_paths
 from tests.training.test_alignment_train import _flags, _run, pair_prefix  # noqa: F401
+from training.launch_checks import check_model_layout, check_paths
 from training.loop import Trainer
 from training.objectives.orpo import ORPOLoss
 

@@ -10,8 +10,8 @@ import torch
 
 from services.preprocess.job import PreprocessConfig, run_preprocess
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_inputs, check_paths
 from tests.fixtures import records as fx
+from training.launch_checks import check_inputs, check_paths
 from training.loop import Trainer
 from training.objectives.dpo import DPOLoss
 from training.objectives.rm import RewardLoss

@@ -203,7 +203,7 @@ def test_online_rl_beyond_replicated_data_parallelism_is_refused_by_flag(
 def test_the_launcher_reads_a_prompt_file_as_the_trainer_does(digit_task, tmp_path) -> None:
     """`meshline train --nproc-per-node N` checks the inputs before starting workers: a prompt
     file passes (it was looked up as a token dataset and refused), a broken line is named."""
-    from services.trainer.launch_checks import check_inputs
+    from training.launch_checks import check_inputs
 
     check_inputs(parse_args(_flags(digit_task)))
     broken = tmp_path / "broken.jsonl"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import check_paths
 from services.trainer.rollouts import colocated_rollouts
 from tests.training.test_grpo_train import _flags, digit_task  # noqa: F401  (a fixture)
+from training.launch_checks import check_paths
 from training.loop import Trainer
 from training.objectives.ppo import PolicyAndCritic, PPOLoss
 

@@ -13,10 +13,12 @@ import time
 
 import pytest
 
+from services.common.config_values import MAX_ARGS, MAX_FLAGS
 from services.common.errors import InvalidArgument
-from services.trainer import dry_run
-from services.trainer.arguments import MAX_ARGS, MAX_FLAGS, parse_args
+from services.trainer import dry_run_cli
+from services.trainer.arguments import parse_args
 from services.trainer.servicer import parse_training_flags
+from training import dry_run
 
 BASE = ["--model", "tiny-llama", "--mock-data"]
 
@@ -77,7 +79,7 @@ def test_wrong_typed_config_values_name_the_key(tmp_path, yaml_text, pattern):
 
 def test_dry_run_of_ten_million_ranks_is_refused_at_once(capsys):
     started = time.perf_counter()
-    code = dry_run.main([*BASE, "--seq-length", "32"], 10**7, None, None)
+    code = dry_run_cli.main([*BASE, "--seq-length", "32"], 10**7, None, None)
     assert code == 2 and time.perf_counter() - started < 5.0
     err = capsys.readouterr().err
     assert f"--world-size 10000000: a dry run simulates at most {dry_run.MAX_WORLD_SIZE}" in err

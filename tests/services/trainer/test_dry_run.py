@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from models.accounting import count_parameters
+from models.memory import parse_bytes
 from services.trainer.arguments import parse_args
-from services.trainer.dry_run import dry_run, parse_bytes
+from training.dry_run import dry_run
 from training.setup import build_model_config
 
 REPO = Path(__file__).resolve().parents[3]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.arguments import parse_args
-from services.trainer.launch_checks import load_action
+from training.launch_checks import load_action
 from training.loop import Trainer
 
 BASE = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--eval-interval", "0",

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.trainer.train_config import TrainConfig
+from models.value_head import value_head_config
+from training.config import TrainingConfig
+from training.setup import build_model_config
 
 ARCHITECTURE_FLAGS = {
     "family": "--model",
@@ -33,7 +35,7 @@ ARCHITECTURE_FLAGS = {
 """Model fields that define the weights' shapes and meaning, and the flag setting each."""
 
 
-def check_same_model(config: TrainConfig, checkpoint: Path) -> None:
+def check_same_model(config: TrainingConfig, checkpoint: Path) -> None:
     """ValueError naming the flag when `checkpoint`'s model differs from the one `config` builds.
 
     A checkpoint without `config.json` (older meshline) is not checked here; DCP's own shape
@@ -48,12 +50,9 @@ def check_same_model(config: TrainConfig, checkpoint: Path) -> None:
         raise ValueError(
             f"--load: {saved_path} cannot be read ({exc}); the checkpoint is damaged"
         ) from None
-    from training.setup import build_model_config
 
     ours = build_model_config(config)
     if config.run.stage == "rm":  # a reward model saves its value head's config
-        from models.value_head import value_head_config
-
         ours = value_head_config(ours)
     for name, flag in ARCHITECTURE_FLAGS.items():
         if name not in saved:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import Conflict, FailedPrecondition, MeshlineError, Unavailable
-from services.trainer.k8s_jobs import JOB_LABEL
+from services.common.k8s_jobs import JOB_LABEL
 
 
 def api_error(status: int | None, body: str, action: str) -> MeshlineError:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common import compat_flags
-from services.common.compat_flags import DEST_PREFIX, CompatFlag
-from services.trainer import deepspeed_config
+from services.common.compat_flags import DEST_PREFIX, SAME_KERNEL, CompatFlag, same_rows
+from training import deepspeed_config
 
 
 def _recompute_policy(value: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +133,6 @@ _FP8_SCALING = (
     "dynamic scaling: each tensor's current amax, so over a history of 1 (the only length) max "
     "and most_recent agree"
 )
-_SAME_KERNEL = "the device's fused kernel is chosen automatically (docs/kernels.md)"
 _NO_FUSION = (
     "kernel fusion is chosen per device by kernels/; fused and reference kernels agree within "
     "rounding (MESHLINE_KERNELS=reference forces the reference ones)"
@@ -157,9 +156,8 @@ TABLE: tuple[CompatFlag, ...] = (
                sets=(("position_embedding_type", "rope"),)),
     CompatFlag("--rotary-percent", "map", "1.0 only (whole-head rotary)", nargs=1,
                convert=_rotary_percent),
-    CompatFlag("--use-fused-rmsnorm", "same", _SAME_KERNEL),
-    CompatFlag("--use-fused-rotary-pos-emb", "same", _SAME_KERNEL),
-    CompatFlag("--use-fused-swiglu", "same", _SAME_KERNEL),
+    *same_rows(SAME_KERNEL, "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb",
+               "--use-fused-swiglu"),
     CompatFlag("--mlp-layer-fusion", "same", "gate and up projections are one fused GEMM "
                "(gate_up_proj) in every gated model"),
     CompatFlag("--attention-softmax-in-fp32", "same", "attention softmax is computed in fp32"),
@@ -226,14 +224,10 @@ TABLE: tuple[CompatFlag, ...] = (
                "overlapped; drop the flag"),
     CompatFlag("--grad-reduce-in-bf16", "refuse", "gradients are reduced in fp32; drop the "
                "flag"),
-    CompatFlag("--no-masked-softmax-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-bias-gelu-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-bias-swiglu-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-bias-dropout-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-rope-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-gradient-accumulation-fusion", "same", _NO_FUSION),
-    CompatFlag("--cross-entropy-loss-fusion", "same", _NO_FUSION),
-    CompatFlag("--no-async-tensor-model-parallel-allreduce", "same", _NO_FUSION),
+    *same_rows(_NO_FUSION, "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+               "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+               "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
+               "--no-async-tensor-model-parallel-allreduce"),
     CompatFlag("--fp16-lm-cross-entropy", "refuse", "the cross entropy is computed in fp32; "
                "drop the flag"),
     CompatFlag("--calculate-per-token-loss", "same", "the loss is already the mean over "

@@ -20,9 +20,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from services.trainer.resume_check import check_same_model
-from services.trainer.train_config import TrainConfig
+from models.tokenizer import build_tokenizer
+from parallel.parallel_dims import build_dims
+from parallel.parallelize import check_model
+from parallel.pipeline import virtual_chunks
+from tokendata.datasets.pairwise import PairSource
+from tokendata.datasets.sources import detect_format, open_instruction, open_pretraining
+from training.checkpoint import check_resumable, latest_train_state
+from training.config import TrainingConfig
 from training.objectives.layout import PREFERENCE_STAGES, RL_STAGES
+from training.objectives.reference import (
+    check_reference_config,
+    read_reference_config,
+    reference_step_dir,
+)
+from training.prompt_data import read_prompts
+from training.resume_check import check_same_model
+from training.setup import build_model_config
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -30,7 +44,7 @@ def has_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / "latest").is_file()
 
 
-def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
+def load_action(config: TrainingConfig) -> Literal["none", "resume", "fresh"]:
     """What `--load` does: none (not given), resume (a checkpoint is there), fresh (start at step 0).
 
     Megatron's rule: `--load DIR` without a checkpoint in it starts from scratch, which is how a
@@ -66,10 +80,9 @@ def load_action(config: TrainConfig) -> Literal["none", "resume", "fresh"]:
     return "fresh"
 
 
-def _check_resumable(config: TrainConfig, load: str) -> None:
+def _check_resumable(config: TrainingConfig, load: str) -> None:
     """A resume that asks for optimizer or RNG state the latest checkpoint was saved without
     (--no-save-optim, --no-save-rng) is refused here, naming the flag, not in every worker."""
-    from training.checkpoint import check_resumable, latest_train_state
 
     run = config.run
     if run.finetune or config.peft.peft_method is not None:  # the weights only
@@ -93,7 +106,6 @@ def _prefixes(paths: list[str]) -> list[str]:
 
 
 def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
-    from tokendata.datasets.sources import detect_format
 
     try:
         detect_format(prefix, instruction)
@@ -114,7 +126,6 @@ def _check_dataset(flag: str, prefix: str, instruction: bool) -> None:
 
 def _check_pairs(flag: str, prefix: str, data_format: str) -> None:
     """A preference stage's prefix holds pairwise shards (tokendata/datasets/pairwise.py)."""
-    from tokendata.datasets.pairwise import PairSource
 
     try:
         PairSource(prefix, data_format)
@@ -122,7 +133,7 @@ def _check_pairs(flag: str, prefix: str, data_format: str) -> None:
         raise ValueError(str(exc).replace("--data-path", flag, 1)) from None
 
 
-def _check_tokenizer(config: TrainConfig) -> None:
+def _check_tokenizer(config: TrainingConfig) -> None:
     data = config.data
     kind = data.tokenizer_type
     if kind is None:
@@ -158,7 +169,7 @@ def _check_tokenizer(config: TrainConfig) -> None:
         )
 
 
-def check_paths(config: TrainConfig) -> None:
+def check_paths(config: TrainingConfig) -> None:
     """Raise ValueError (one line: the flag and the fix) for any path flag that cannot work."""
     data = config.data
     if not data.mock_data:
@@ -204,8 +215,6 @@ def check_paths(config: TrainConfig) -> None:
             "weights with --finetune"
         )
     if run.ref_model is not None:
-        from training.objectives.reference import reference_step_dir
-
         if not Path(run.ref_model).is_dir():
             raise ValueError(
                 f"--ref-model {run.ref_model}: no such directory; pass the reference's trainer "
@@ -235,9 +244,8 @@ _DATA_FLAGS = (
 )
 
 
-def check_data(config: TrainConfig) -> None:
+def check_data(config: TrainingConfig) -> None:
     """Opens every data prefix as the trainer will (FileNotFoundError / ValueError naming it)."""
-    from tokendata.datasets.sources import open_instruction, open_pretraining
 
     data = config.data
     for name, flag in _DATA_FLAGS:
@@ -246,8 +254,6 @@ def check_data(config: TrainConfig) -> None:
                 _check_pairs(flag, prefix, data.data_format)
                 continue
             if config.run.stage in RL_STAGES:  # a JSON-lines prompt file, read as the trainer does
-                from training.prompt_data import read_prompts
-
                 read_prompts(prefix, flag)
                 continue
             try:
@@ -261,7 +267,7 @@ def check_data(config: TrainConfig) -> None:
                 raise ValueError(f"{flag} {prefix}: not a readable dataset: {exc}") from None
 
 
-def check_tokenizer(config: TrainConfig) -> None:
+def check_tokenizer(config: TrainingConfig) -> None:
     """The tokenizer file (SentencePiece) or folder (HF) exists (FileNotFoundError naming it)."""
     data = config.data
     if data.tokenizer_model and not Path(data.tokenizer_model).is_file():
@@ -277,7 +283,7 @@ def check_tokenizer(config: TrainConfig) -> None:
         )
 
 
-def check_checkpoints(config: TrainConfig) -> None:
+def check_checkpoints(config: TrainingConfig) -> None:
     """--load follows Megatron's rule (`load_action`: a missing or empty folder starts fresh when
     it is also --save); --lora-load names an existing folder."""
     try:
@@ -293,7 +299,7 @@ def check_checkpoints(config: TrainConfig) -> None:
         raise FileNotFoundError(f"--ref-model {ref}: no such checkpoint folder")
 
 
-def check_inputs(config: TrainConfig) -> None:
+def check_inputs(config: TrainingConfig) -> None:
     """Every input of the run exists and is readable (FileNotFoundError / ValueError)."""
     if not config.data.mock_data:
         check_tokenizer(config)
@@ -301,13 +307,9 @@ def check_inputs(config: TrainConfig) -> None:
     check_checkpoints(config)
 
 
-def check_model_layout(config: TrainConfig, world_size: int) -> None:
+def check_model_layout(config: TrainingConfig, world_size: int) -> None:
     """The model the flags define fits the parallel layout of `world_size` ranks (ValueError
     naming the flag), checked as the workers will check it but before any of them starts."""
-    from parallel.parallel_dims import build_dims
-    from parallel.parallelize import check_model
-    from parallel.pipeline import virtual_chunks
-    from training.setup import build_model_config
 
     model_config = build_model_config(config, _tokenizer_vocab(config))
     dims = build_dims(config, world_size)
@@ -317,19 +319,16 @@ def check_model_layout(config: TrainConfig, world_size: int) -> None:
     )
     check_model(dims, model_config, config.parallel_config())
     if config.run.ref_model is not None:  # DPO's reference: the policy's vocabulary and model
-        from training.objectives.reference import check_reference_config, read_reference_config
-
         reference = read_reference_config(config.run.ref_model)
         check_reference_config(reference, model_config, config.run.ref_model)
 
 
-def _tokenizer_vocab(config: TrainConfig) -> int | None:
+def _tokenizer_vocab(config: TrainingConfig) -> int | None:
     """The tokenizer's vocabulary (what the workers pad the model's to); None for --mock-data."""
     data = config.data
     source = data.tokenizer_model or data.tokenizer_name_or_path
     if data.mock_data or data.tokenizer_type is None or source is None:
         return None
-    from models.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(
         data.tokenizer_type, source, use_fast=not data.tokenizer_not_use_fast

@@ -14,6 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from models.config import ModelConfig
+from training.config_sections import ModelSection
+from training.model_config import pad_vocab
+
 # Megatron's spelling -> ModelConfig value.
 NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 POSITION_EMBEDDINGS = {"rope": "rope", "alibi": "alibi", "learned_absolute": "learned"}
@@ -138,8 +142,6 @@ class ArchSection:
 
 
 def _model_fields() -> set[str]:
-    from models.config import ModelConfig
-
     return {f.name for f in dataclasses.fields(ModelConfig)}
 
 
@@ -168,7 +170,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
 }
 
 
-def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, Any]]) -> None:
+def check_against_model(
+    name: str, base: ModelConfig, from_flags: dict[str, tuple[str, Any]]
+) -> None:
     """ValueError naming both when an architecture flag contradicts the `--model` config."""
     for key, (flag, value) in from_flags.items():
         have = base.head_dim if key == "kv_channels" else getattr(base, key)
@@ -179,16 +183,17 @@ def check_against_model(name: str, base: Any, from_flags: dict[str, tuple[str, A
             )
 
 
-def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
+def megatron_fields(
+    arch: ArchSection, model: ModelSection, tokenizer_vocab: int | None
+) -> dict[str, Any]:
     """ModelConfig fields of a model given by Megatron's flags alone (no --model).
 
     Megatron's defaults for what is left out; the vocabulary is the tokenizer's padded up to
     --make-vocab-size-divisible-by; the FFN width and the position limit default as Megatron's.
     """
-    arch: ArchSection = config.arch
     fields = {**MEGATRON_DEFAULTS}
     fields.update({key: value for key, (_, value) in arch.fields_set().items()})
-    fields.update(config.model.overrides())
+    fields.update(model.overrides())
     if fields["position_embedding"] == "learned":
         if arch.no_position_embedding:
             raise ValueError(
@@ -202,8 +207,8 @@ def megatron_fields(config: Any, tokenizer_vocab: int | None) -> dict[str, Any]:
     if "vocab_size" not in fields and tokenizer_vocab is not None:
         fields["vocab_size"] = pad_vocab(tokenizer_vocab, arch.make_vocab_size_divisible_by)
     fields.setdefault("ffn_hidden_size", megatron_ffn_size(fields["hidden_size"], arch.swiglu))
-    fields.setdefault("max_position_embeddings", config.model.seq_length)
-    if arch.group_query_attention and config.model.num_query_groups is None:
+    fields.setdefault("max_position_embeddings", model.seq_length)
+    if arch.group_query_attention and model.num_query_groups is None:
         fields["num_kv_heads"] = 1  # Megatron's --num-query-groups default
     fields["extra"] = {"megatron_flags": True}
     return fields
@@ -214,9 +219,3 @@ def megatron_ffn_size(hidden_size: int, swiglu: bool) -> int:
     if not swiglu:
         return 4 * hidden_size
     return -(-int(4 * hidden_size * 2 / 3) // 64) * 64
-
-
-def pad_vocab(vocab: int, multiple: int, tensor_parallel: int = 1) -> int:
-    """Megatron's padded vocabulary: `vocab` rounded up to `multiple x tensor_parallel`."""
-    step = multiple * tensor_parallel
-    return -(-vocab // step) * step

@@ -25,10 +25,7 @@ is not the CPU); `--param-nvme-path` the parameter shards from `host` to `nvme`,
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,17 +35,22 @@ from torch.distributed.tensor import DTensor
 
 from kernels import device
 from kernels.activation import trains_fused_swiglu
-from models.memory import TrainingLayout, parse_bytes, rank_activation_bytes
+from models import build_model
+from models.config import ModelConfig
+from models.memory import TrainingLayout, rank_activation_bytes
 from models.model_states import (
     OPTIMIZER_STATE_BYTES,
     offload_buffer_bytes,
     param_group,
     param_swap_buffer_bytes,
 )
+from parallel import pipeline
 from parallel.config import ParallelConfig
 from parallel.parallel_dims import AXES, ParallelDims, build_dims
-from services.trainer import deepspeed_config
-from services.trainer.train_config import SECTIONS, TrainConfig
+from training.config import TrainingConfig
+from training.optimizer import build_training_optimizer
+from training.precision import plan_precision
+from training.setup import build_model_config, build_parallel
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_ranks(
-    config: TrainConfig, dims: ParallelDims, ranks: list[int]
+    config: TrainingConfig, dims: ParallelDims, ranks: list[int]
 ) -> dict[int, dict[str, int]]:
     """`build_rank` for each of `ranks`, each in a fresh child process.
 
@@ -101,7 +103,7 @@ def build_ranks(
     runner can inherit a lock some other thread held, and hang).
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["services.trainer.dry_run"])
+    context.set_forkserver_preload(["training.dry_run"])
     with context.Pool(processes=1, maxtasksperchild=1) as pool:
         return {r: pool.apply(build_rank, (config, dims, r)) for r in ranks}
 
@@ -117,7 +119,7 @@ def _on_axis(p: torch.Tensor, axis: str, sharded: bool = False) -> bool:
 
 
 def _holds_first_stage(
-    config: TrainConfig, model_config: Any, rank: int, dims: ParallelDims
+    config: TrainingConfig, model_config: ModelConfig, rank: int, dims: ParallelDims
 ) -> bool:
     pp_rank = _coordinates(rank, _axis_sizes(dims))["pp"]
     layout = _layout(config, dims.world_size)
@@ -130,7 +132,7 @@ def _axis_sizes(dims: ParallelDims) -> dict[str, int]:
     return {axis: getattr(dims, axis) for axis in AXES}
 
 
-def unique_elements(counts: dict[str, int], coords: dict[str, int], config: TrainConfig) -> int:
+def unique_elements(counts: dict[str, int], coords: dict[str, int], config: TrainingConfig) -> int:
     """Elements rank `coords` adds to the model's total when all ranks' are summed: copies held
     alike by several ranks (replicated over tp, over data/context-parallel ranks, a tied head's
     copy of the embedding) are counted once."""
@@ -149,14 +151,9 @@ def unique_elements(counts: dict[str, int], coords: dict[str, int], config: Trai
     return (dense - counts["tied_copy"] if first_replica else 0) + (experts if expert_owner else 0)
 
 
-def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, int]:
+def build_rank(config: TrainingConfig, dims: ParallelDims, rank: int) -> dict[str, int]:
     """Join a fake group as `rank`, build its model and optimizer on meta, count its states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from models import build_model
-    from training.optimizer import build_training_optimizer
-    from training.precision import plan_precision
-    from training.setup import build_model_config, build_parallel
 
     world_size = dims.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -222,10 +219,8 @@ def build_rank(config: TrainConfig, dims: ParallelDims, rank: int) -> dict[str, 
         dist.destroy_process_group()
 
 
-def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
+def _layout(config: TrainingConfig, world_size: int) -> TrainingLayout:
     """The estimator's view of this run (for activations)."""
-    from parallel import pipeline
-
     par = config.parallel
     precision = config.precision.dtype_name
     model_config = _model_config(config)
@@ -263,13 +258,11 @@ def _layout(config: TrainConfig, world_size: int) -> TrainingLayout:
     )
 
 
-def _model_config(config: TrainConfig) -> Any:
-    from training.setup import build_model_config
-
+def _model_config(config: TrainingConfig) -> ModelConfig:
     return build_model_config(config)
 
 
-def representatives(config: TrainConfig, dims: ParallelDims) -> dict[int, int]:
+def representatives(config: TrainingConfig, dims: ParallelDims) -> dict[int, int]:
     """Every rank → the rank built for it (same pipeline rank and ZeRO shard index)."""
     zero = config.parallel.zero_stage
     sizes = _axis_sizes(dims)
@@ -286,7 +279,7 @@ def representatives(config: TrainConfig, dims: ParallelDims) -> dict[int, int]:
 
 
 def dry_run(
-    config: TrainConfig,
+    config: TrainingConfig,
     world_size: int,
     device_memory: int | None,
     local_world_size: int | None = None,
@@ -430,93 +423,6 @@ def format_table(report: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
-
-
-def main(
-    train_argv: list[str],
-    world_size: int,
-    report_path: str | None,
-    device_memory: str | None,
-    nproc_per_node: int | None = None,
-) -> int:
-    """Entry point from `meshline train --dry-run` (`nproc_per_node`: the launcher's flag)."""
-    from services.trainer.arguments import parse_args
-
-    mapping = _deepspeed_mapping(train_argv)
-    try:
-        config = parse_args(train_argv, read_files=True)
-        if mapping is not None:
-            print(f"DeepSpeed configuration {deepspeed_config.path_in_argv(train_argv)}:")
-            print(deepspeed_config.format_table(mapping, lambda f: _resolved(config, f)))
-            deepspeed_config.check_world(mapping, config.dp_size(world_size))
-        memory = parse_bytes(device_memory) if device_memory else None
-        if nproc_per_node is not None and (nproc_per_node < 1 or world_size % nproc_per_node):
-            raise ValueError(
-                f"--nproc-per-node {nproc_per_node} does not divide --world-size {world_size}: "
-                "the simulated run has world-size / nproc-per-node nodes"
-            )
-        report = dry_run(config, world_size, memory, nproc_per_node)
-    except ValueError as exc:
-        if mapping is not None and mapping.refused():
-            print(f"DeepSpeed configuration {deepspeed_config.path_in_argv(train_argv)}:")
-            print(deepspeed_config.format_table(mapping))
-        print(f"meshline train --dry-run: {exc}", file=sys.stderr)
-        return 2
-    layout = report["layout"]
-    total_params = sum(r["unique_parameters"] for r in report["ranks"])
-    print(
-        f"dry run: {world_size} ranks, TP={layout['tp']} PP={layout['pp']} (virtual "
-        f"{layout['virtual_pp']}) DP={layout['dp']} CP={layout['cp']} EP={layout['ep']} "
-        f"ZeRO-{layout['zero_stage']} {layout['precision']}; {layout['ranks_built']} distinct "
-        "ranks built on the meta device"
-    )
-    print(f"model parameters (the ranks' unique elements added up): {total_params:,}")
-    print(format_table(report))
-    fits = report["fits"]
-    if fits["ok"] is not None:
-        verdict = "fits" if fits["ok"] else "does NOT fit"
-        print(
-            f"peak rank {fits['peak_rank_bytes'] / 2**30:.2f} GiB {verdict} in "
-            f"{fits['device_memory_bytes'] / 2**30:.2f} GiB per device"
-        )
-    if report_path:
-        with open(report_path, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
-        print(f"report written to {report_path}")
-    return 0 if fits["ok"] in (None, True) else 1
-
-
-def _deepspeed_mapping(train_argv: list[str]) -> deepspeed_config.Mapping | None:
-    """The --deepspeed-config mapping report of a training command line (None without the
-    flag, or when the file itself is invalid: parsing reports that)."""
-    from services.trainer.arguments import build_parser
-
-    path = deepspeed_config.path_in_argv(train_argv)
-    if path is None:
-        return None
-    try:
-        given = dict(vars(build_parser().parse_args(train_argv)))
-        return deepspeed_config.read(path, given)
-    except (ValueError, SystemExit):
-        return None
-
-
-def _resolved(config: TrainConfig, field: str) -> Any:
-    """The run's resolved value of a training field."""
-    for name in SECTIONS:
-        section = getattr(config, name)
-        if hasattr(section, field):
-            return getattr(section, field)
-    raise KeyError(field)
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The launcher-level flags of a dry run (`meshline train --help` lists them)."""
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--world-size", type=int, default=None)
-    parser.add_argument("--dry-run-report", default=None)
-    parser.add_argument("--device-memory", default=None)
 
 
 MAX_WORLD_SIZE = 65_536

@@ -302,14 +302,21 @@ _OTHER_OPTIMIZERS = (
 )  # fmt: skip
 
 
+def _refuse_other_keys(
+    ctx: _Ctx, path: str, block: dict[str, Any], known: tuple[str, ...], what: str
+) -> None:
+    """Refuse, by name, the keys of `block` (DeepSpeed's `what` block) outside `known`."""
+    for key in block:
+        if key not in known:
+            ctx.refuse_all(
+                f"{path}.{key}", block[key], f"not a key of DeepSpeed's {what} block; remove it"
+            )
+
+
 def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
     block = _dict(path, value)
     params = _dict(f"{path}.params", block.get("params", {}))
-    for key in block:
-        if key not in ("type", "params", "legacy_fusion"):
-            ctx.refuse_all(
-                f"{path}.{key}", block[key], "not a key of DeepSpeed's optimizer block; remove it"
-            )
+    _refuse_other_keys(ctx, path, block, ("type", "params", "legacy_fusion"), "optimizer")
     if "legacy_fusion" in block:
         _bool(f"{path}.legacy_fusion", block["legacy_fusion"])
         ctx.same(
@@ -333,79 +340,92 @@ def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
     ctx.set(f"{path}.type", kind, "optimizer", "sgd" if name == "sgd" else name)
     p = f"{path}.params"
     for key, val in params.items():
-        at = f"{p}.{key}"
-        if key == "lr":
-            ctx.auto(at, "lr") if _is_auto(val) else ctx.set(at, val, "lr", _number(at, val))
-        elif key == "weight_decay":
-            if _is_auto(val):
-                ctx.auto(at, "weight_decay")
-            else:
-                ctx.set(at, val, "weight_decay", _number(at, val))
-        elif key == "betas" and name in _ADAM:
-            if _is_auto(val):
-                ctx.auto(at, "adam_beta1", "adam_beta2")
-                continue
-            if not isinstance(val, list) or len(val) != 2:
-                raise ValueError(f"{at}: expected [beta1, beta2], got {val!r}")
-            b1, b2 = (_number(at, b) for b in val)
-            if not (b1 < 1 and b2 < 1):
-                raise ValueError(f"{at}: betas must be in [0, 1), got {val!r}")
-            ctx.claim(at, "adam_beta1", b1)
-            ctx.claim(at, "adam_beta2", b2)
-            ctx.out.fields.update(adam_beta1=b1, adam_beta2=b2)
-            ctx.out.rows.append(
-                Row(
-                    at,
-                    val,
-                    "applied",
-                    f"--adam-beta1 {b1} --adam-beta2 {b2}",
-                    ("adam_beta1", "adam_beta2"),
-                )
-            )
-        elif key == "eps" and name in _ADAM:
-            if _is_auto(val):
-                ctx.auto(at, "adam_eps")
-            else:
-                eps = _number(at, val)
-                if eps <= 0:
-                    raise ValueError(f"{at}: must be > 0, got {val!r}")
-                ctx.set(at, val, "adam_eps", eps)
-        elif key == "adam_w_mode" and name in _ADAM:
-            if _bool(at, val):
-                ctx.same(at, val, "weight decay is decoupled (AdamW), as Megatron's adam")
-            else:
-                ctx.refuse(
-                    at,
-                    val,
-                    "Meshline's Adam decays weights decoupled (AdamW); "
-                    "drop adam_w_mode or set weight_decay 0",
-                )
-        elif key == "torch_adam" and name in _ADAM:
-            _bool(at, val)
-            ctx.same(
+        _optimizer_param(ctx, f"{p}.{key}", key, val, name)
+    _optimizer_defaults(ctx, p, params, name)
+
+
+def _optimizer_param(ctx: _Ctx, at: str, key: str, val: Any, name: str) -> None:
+    """The row of one `optimizer.params` key of optimizer `name` (adam, adamw or sgd)."""
+    if key == "lr":
+        ctx.auto(at, "lr") if _is_auto(val) else ctx.set(at, val, "lr", _number(at, val))
+    elif key == "weight_decay":
+        if _is_auto(val):
+            ctx.auto(at, "weight_decay")
+        else:
+            ctx.set(at, val, "weight_decay", _number(at, val))
+    elif key == "betas" and name in _ADAM:
+        _betas(ctx, at, val)
+    elif key == "eps" and name in _ADAM:
+        if _is_auto(val):
+            ctx.auto(at, "adam_eps")
+        else:
+            eps = _number(at, val)
+            if eps <= 0:
+                raise ValueError(f"{at}: must be > 0, got {val!r}")
+            ctx.set(at, val, "adam_eps", eps)
+    elif key == "adam_w_mode" and name in _ADAM:
+        if _bool(at, val):
+            ctx.same(at, val, "weight decay is decoupled (AdamW), as Megatron's adam")
+        else:
+            ctx.refuse(
                 at,
                 val,
-                "the implementation is chosen per device (kernels/optim); the update is the same",
+                "Meshline's Adam decays weights decoupled (AdamW); "
+                "drop adam_w_mode or set weight_decay 0",
             )
-        elif key in ("amsgrad", "nesterov") or (key == "bias_correction" and name in _ADAM):
-            ok = _bool(at, val) is (key == "bias_correction")
-            if ok:
-                ctx.same(at, val, "Meshline's default")
-            else:
-                ctx.refuse(at, val, f"no {key} variant; drop the key")
-        elif key == "momentum" and name == "sgd":
-            if _is_auto(val):
-                ctx.auto(at, "sgd_momentum")
-            else:
-                ctx.set(at, val, "sgd_momentum", _number(at, val))
-        elif key == "dampening" and name == "sgd":
-            if _number(at, val) == 0:
-                ctx.same(at, val, "no dampening, as Meshline's SGD")
-            else:
-                ctx.refuse(at, val, "Meshline's SGD has no dampening; drop the key")
+    elif key == "torch_adam" and name in _ADAM:
+        _bool(at, val)
+        ctx.same(
+            at,
+            val,
+            "the implementation is chosen per device (kernels/optim); the update is the same",
+        )
+    elif key in ("amsgrad", "nesterov") or (key == "bias_correction" and name in _ADAM):
+        ok = _bool(at, val) is (key == "bias_correction")
+        if ok:
+            ctx.same(at, val, "Meshline's default")
         else:
-            ctx.refuse(at, val, f"not a parameter of Meshline's {name}; remove it")
-    # DeepSpeed's Adam/AdamW defaults where Meshline's differ (unless a flag sets them).
+            ctx.refuse(at, val, f"no {key} variant; drop the key")
+    elif key == "momentum" and name == "sgd":
+        if _is_auto(val):
+            ctx.auto(at, "sgd_momentum")
+        else:
+            ctx.set(at, val, "sgd_momentum", _number(at, val))
+    elif key == "dampening" and name == "sgd":
+        if _number(at, val) == 0:
+            ctx.same(at, val, "no dampening, as Meshline's SGD")
+        else:
+            ctx.refuse(at, val, "Meshline's SGD has no dampening; drop the key")
+    else:
+        ctx.refuse(at, val, f"not a parameter of Meshline's {name}; remove it")
+
+
+def _betas(ctx: _Ctx, at: str, val: Any) -> None:
+    """Adam's `betas` [beta1, beta2] onto --adam-beta1 and --adam-beta2 (one row)."""
+    if _is_auto(val):
+        ctx.auto(at, "adam_beta1", "adam_beta2")
+        return
+    if not isinstance(val, list) or len(val) != 2:
+        raise ValueError(f"{at}: expected [beta1, beta2], got {val!r}")
+    b1, b2 = (_number(at, b) for b in val)
+    if not (b1 < 1 and b2 < 1):
+        raise ValueError(f"{at}: betas must be in [0, 1), got {val!r}")
+    ctx.claim(at, "adam_beta1", b1)
+    ctx.claim(at, "adam_beta2", b2)
+    ctx.out.fields.update(adam_beta1=b1, adam_beta2=b2)
+    ctx.out.rows.append(
+        Row(
+            at,
+            val,
+            "applied",
+            f"--adam-beta1 {b1} --adam-beta2 {b2}",
+            ("adam_beta1", "adam_beta2"),
+        )
+    )
+
+
+def _optimizer_defaults(ctx: _Ctx, p: str, params: dict[str, Any], name: str) -> None:
+    """DeepSpeed's Adam/AdamW defaults where Meshline's differ (unless a flag sets them)."""
     defaults = [("weight_decay", "weight_decay", 0.0), ("lr", "lr", 1e-3)]
     if name == "sgd":  # torch.optim.SGD's default; Meshline's --sgd-momentum defaults to 0.9
         defaults.append(("momentum", "sgd_momentum", 0.0))
@@ -424,29 +444,30 @@ def _optimizer(ctx: _Ctx, path: str, value: Any) -> None:
 # --- scheduler
 
 
+_SCHEDULER_USE = (
+    "use WarmupLR, WarmupDecayLR or WarmupCosineLR with warmup_type linear, or "
+    "--lr-warmup-iters N --lr-decay-style linear/cosine"
+)
+_SCHEDULE_STYLES = {"warmuplr": "constant", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
+"""DeepSpeed's scheduler types -> --lr-decay-style."""
+
+
 def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
     block = _dict(path, value)
     p = f"{path}.params"
     params = _dict(p, block.get("params", {}))
-    for key in block:
-        if key not in ("type", "params"):
-            ctx.refuse_all(
-                f"{path}.{key}", block[key], "not a key of DeepSpeed's scheduler block; remove it"
-            )
+    _refuse_other_keys(ctx, path, block, ("type", "params"), "scheduler")
     kind = block.get("type")
     if not isinstance(kind, str):
         raise ValueError(f'{path}.type: expected a name such as "WarmupDecayLR", got {kind!r}')
-    use = (
-        "use WarmupLR, WarmupDecayLR or WarmupCosineLR with warmup_type linear, or "
-        "--lr-warmup-iters N --lr-decay-style linear/cosine"
-    )
-    known = {"warmuplr": "constant", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
-    style = known.get(kind.lower())
+    style = _SCHEDULE_STYLES.get(kind.lower())
     if style is None:
         ctx.refuse(
-            f"{path}.type", kind, f"{kind}'s shape is not one of Meshline's schedules; {use}"
+            f"{path}.type",
+            kind,
+            f"{kind}'s shape is not one of Meshline's schedules; {_SCHEDULER_USE}",
         )
-        ctx.refuse_all(p, params, f"belongs to scheduler {kind!r}; {use}")
+        ctx.refuse_all(p, params, f"belongs to scheduler {kind!r}; {_SCHEDULER_USE}")
         return
     # DeepSpeed warms up logarithmically unless warmup_type is linear; Meshline linearly.
     warmup_type = _choice(f"{p}.warmup_type", params.get("warmup_type", "log"), ("log", "linear"))
@@ -459,62 +480,74 @@ def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
         )
     else:
         ctx.set(f"{path}.type", kind, "lr_decay_style", style)
-    cosine = style == "cosine"
     for key, val in params.items():
-        at = f"{p}.{key}"
-        if key == "warmup_type":
-            if warmup_type == "linear":
-                ctx.same(at, val, "linear warmup, as Meshline's")
-            else:
-                ctx.refuse(at, val, 'Meshline warms up linearly: set "linear"')
-        elif key == "warmup_num_steps":
-            if _is_auto(val):
-                ctx.auto(at, "lr_warmup_iters")
-            else:
-                ctx.set(at, val, "lr_warmup_iters", _number(at, val, integer=True))
-        elif key == "total_num_steps" and style != "constant":
-            if _is_auto(val):
-                ctx.auto(at, "lr_decay_iters")
-            else:
-                ctx.set(at, val, "lr_decay_iters", _number(at, val, lo=1, integer=True))
-        elif key == "warmup_min_lr" and style == "linear":
-            if not (_is_auto(val) or _number(at, val) == 0):
-                ctx.refuse(at, val, "Meshline's warmup starts at lr 0; set it to 0")
-            else:
-                ctx.set(at, val, "min_lr", 0.0, "warmup starts at 0 and the decay ends there")
-        elif key in ("warmup_min_lr", "warmup_min_ratio") and not (
-            cosine and key == "warmup_min_lr"
-        ):
-            if _is_auto(val) or _number(at, val) == 0:
-                ctx.same(at, val, "warmup starts at 0, as Meshline's (and decay ends at --min-lr)")
-            else:
-                ctx.refuse(at, val, "Meshline's warmup starts at lr 0; set it to 0")
-        elif key == "warmup_max_lr" and not cosine:
-            if _is_auto(val):
-                ctx.auto(at, "lr")
-            else:
-                ctx.set(at, val, "lr", _number(at, val))
-        elif key == "cos_min_ratio" and cosine:
-            ratio = "auto" if _is_auto(val) else _number(at, val)
-            if ratio == "auto":
-                ctx.auto(at, "min_lr")
-                continue
-            if ratio > 1:
-                raise ValueError(f"{at}: a ratio in [0, 1], got {val!r}")
-            lr = ctx.out.fields.get("lr", ctx.given.get("lr"))
-            if lr is None:
-                ctx.refuse(
-                    at, val, "give optimizer.params.lr or --lr (min lr = ratio x lr), or --min-lr"
-                )
-            else:
-                ctx.set(at, val, "min_lr", float(ratio) * float(lr), f"{ratio} x lr {lr}")
-        elif key == "last_batch_iteration":
-            if _number(at, val, lo=-1, integer=True) == -1:
-                ctx.same(at, val, "the schedule starts at step 0 (or the resumed step)")
-            else:
-                ctx.refuse(at, val, "the schedule position comes from the checkpoint: --load")
+        _scheduler_param(ctx, f"{p}.{key}", key, val, kind, style, warmup_type)
+    _scheduler_defaults(ctx, p, params, style)
+
+
+def _scheduler_param(
+    ctx: _Ctx, at: str, key: str, val: Any, kind: str, style: str, warmup_type: str
+) -> None:
+    """The row of one `scheduler.params` key of scheduler `kind` (decay `style`)."""
+    cosine = style == "cosine"
+    if key == "warmup_type":
+        if warmup_type == "linear":
+            ctx.same(at, val, "linear warmup, as Meshline's")
         else:
-            ctx.refuse(at, val, f"not a parameter of {kind} Meshline maps; {use}")
+            ctx.refuse(at, val, 'Meshline warms up linearly: set "linear"')
+    elif key == "warmup_num_steps":
+        if _is_auto(val):
+            ctx.auto(at, "lr_warmup_iters")
+        else:
+            ctx.set(at, val, "lr_warmup_iters", _number(at, val, integer=True))
+    elif key == "total_num_steps" and style != "constant":
+        if _is_auto(val):
+            ctx.auto(at, "lr_decay_iters")
+        else:
+            ctx.set(at, val, "lr_decay_iters", _number(at, val, lo=1, integer=True))
+    elif key == "warmup_min_lr" and style == "linear":
+        if not (_is_auto(val) or _number(at, val) == 0):
+            ctx.refuse(at, val, "Meshline's warmup starts at lr 0; set it to 0")
+        else:
+            ctx.set(at, val, "min_lr", 0.0, "warmup starts at 0 and the decay ends there")
+    elif key in ("warmup_min_lr", "warmup_min_ratio") and not (cosine and key == "warmup_min_lr"):
+        if _is_auto(val) or _number(at, val) == 0:
+            ctx.same(at, val, "warmup starts at 0, as Meshline's (and decay ends at --min-lr)")
+        else:
+            ctx.refuse(at, val, "Meshline's warmup starts at lr 0; set it to 0")
+    elif key == "warmup_max_lr" and not cosine:
+        if _is_auto(val):
+            ctx.auto(at, "lr")
+        else:
+            ctx.set(at, val, "lr", _number(at, val))
+    elif key == "cos_min_ratio" and cosine:
+        _cos_min_ratio(ctx, at, val)
+    elif key == "last_batch_iteration":
+        if _number(at, val, lo=-1, integer=True) == -1:
+            ctx.same(at, val, "the schedule starts at step 0 (or the resumed step)")
+        else:
+            ctx.refuse(at, val, "the schedule position comes from the checkpoint: --load")
+    else:
+        ctx.refuse(at, val, f"not a parameter of {kind} Meshline maps; {_SCHEDULER_USE}")
+
+
+def _cos_min_ratio(ctx: _Ctx, at: str, val: Any) -> None:
+    """WarmupCosineLR's floor as a fraction of the peak: --min-lr = ratio x lr."""
+    if _is_auto(val):
+        ctx.auto(at, "min_lr")
+        return
+    ratio = _number(at, val)
+    if ratio > 1:
+        raise ValueError(f"{at}: a ratio in [0, 1], got {val!r}")
+    lr = ctx.out.fields.get("lr", ctx.given.get("lr"))
+    if lr is None:
+        ctx.refuse(at, val, "give optimizer.params.lr or --lr (min lr = ratio x lr), or --min-lr")
+    else:
+        ctx.set(at, val, "min_lr", float(ratio) * float(lr), f"{ratio} x lr {lr}")
+
+
+def _scheduler_defaults(ctx: _Ctx, p: str, params: dict[str, Any], style: str) -> None:
+    """DeepSpeed's defaults for the scheduler keys left out, where Meshline's differ."""
     if style == "cosine" and "cos_min_ratio" not in params and "min_lr" not in ctx.given:
         lr = ctx.out.fields.get("lr", ctx.given.get("lr"))
         if lr is not None:  # DeepSpeed's cos_min_ratio defaults to 1e-4
@@ -737,6 +770,166 @@ def _offload_target(
         )
 
 
+_PERF_SAME = "a performance knob at DeepSpeed's default; results do not depend on it"
+# zero_optimization keys Meshline behaves as at one value: (value, why the same, what to use else).
+_ZERO_DEFAULTS: dict[str, tuple[Any, str, str]] = {
+    "allgather_partitions": (
+        True,
+        "parameters are all-gathered",
+        "parameters are always all-gathered; drop the key",
+    ),
+    "reduce_scatter": (
+        True,
+        "gradients are reduce-scattered (ZeRO-2/3) or all-reduced",
+        "gradients are always reduce-scattered under ZeRO-2/3; drop the key",
+    ),
+    "overlap_comm": (
+        True,
+        "gradient reduction overlaps backward (DDP buckets, FSDP2 per layer)",
+        "gradient reduction always overlaps backward; drop the key",
+    ),
+    "contiguous_gradients": (
+        True,
+        "FSDP2 keeps each layer's gradient shard contiguous",
+        "gradient shards are always contiguous; drop the key",
+    ),
+    "load_from_fp32_weights": (
+        True,
+        "resume loads the fp32 master weights",
+        "resume always loads the fp32 master weights; drop the key",
+    ),
+    "elastic_checkpoint": (
+        False,
+        "checkpoints are resharded on load (DCP) anyway",
+        "checkpoints are torch.distributed.checkpoint, resharded on load; drop the key",
+    ),
+    "ignore_unused_parameters": (
+        True,
+        "unused parameters get zero gradients",
+        "unused parameters always get zero gradients; drop it",
+    ),
+    "legacy_stage1": (False, "Meshline's ZeRO-1", "no legacy stage 1; drop the key"),
+    "round_robin_gradients": (
+        False,
+        _PERF_SAME,
+        "gradients are copied to the offloaded optimizer in parameter order; drop the key",
+    ),
+    "grad_hooks": (
+        True,
+        "gradients are reduced from backward hooks",
+        "gradients are always reduced from backward hooks; drop the key",
+    ),
+    "sub_group_size": (
+        1e9,
+        _PERF_SAME,
+        "the optimizer steps each rank's shard at once; drop the key or set 1e9",
+    ),
+    "allgather_bucket_size": (5e8, _PERF_SAME, _BUCKET),
+    "reduce_bucket_size": (5e8, _PERF_SAME, _BUCKET),
+    "stage3_prefetch_bucket_size": (
+        5e7,
+        _PERF_SAME,
+        "prefetch is counted in layers: use --zero3-prefetch-layers N",
+    ),
+    "stage3_param_persistence_threshold": (
+        1e5,
+        _PERF_SAME,
+        'every ZeRO-3 parameter is sharded; drop the key or set "auto"',
+    ),
+    "stage3_model_persistence_threshold": (
+        9223372036854775807,
+        _PERF_SAME,
+        "every ZeRO-3 parameter is sharded; drop the key",
+    ),
+    "stage3_max_live_parameters": (
+        1e9,
+        _PERF_SAME,
+        "gathered parameters are freed after each layer; use --zero3-prefetch-layers N",
+    ),
+    "stage3_max_reuse_distance": (
+        1e9,
+        _PERF_SAME,
+        "gathered parameters are freed after each layer; use --zero3-prefetch-layers N",
+    ),
+    "stage3_gather_16bit_weights_on_model_save": (
+        False,
+        "checkpoints hold the sharded state",
+        "checkpoints are sharded (DCP); "
+        "write consolidated weights with "
+        "`meshline convert --load-format native --save-format hf`",
+    ),
+    "stage3_gather_fp16_weights_on_model_save": (
+        False,
+        "checkpoints hold the sharded state",
+        "checkpoints are sharded (DCP); use `meshline convert --load-format native --save-format hf`",
+    ),
+    "zero_hpz_partition_size": (
+        1,
+        "no secondary partition, as Meshline",
+        "ZeRO++ hpZ is not implemented; nearest: --hsdp --hsdp-shard-size N",
+    ),
+    "zero_quantized_weights": (
+        False,
+        "weights gathered unquantized",
+        "ZeRO++ quantized communication is not implemented; drop the key",
+    ),
+    "zero_quantized_nontrainable_weights": (
+        False,
+        "weights gathered unquantized",
+        "ZeRO++ quantized weights are not implemented; drop the key",
+    ),
+    "zero_quantized_gradients": (
+        False,
+        "gradients reduced unquantized",
+        "ZeRO++ quantized gradients are not implemented; drop the key",
+    ),
+    "mics_shard_size": (
+        -1,
+        "shard over all data-parallel ranks",
+        "MiCS is not implemented; nearest: --hsdp --hsdp-shard-size N",
+    ),
+    "mics_hierarchical_params_gather": (
+        False,
+        "flat all-gather",
+        "MiCS is not implemented; drop the key",
+    ),
+    "use_multi_rank_bucket_allreduce": (True, _PERF_SAME, _BUCKET),
+    "log_trace_cache_warnings": (
+        False,
+        "no trace-cache warnings",
+        "no trace cache; drop the key",
+    ),
+    "pipeline_loading_checkpoint": (
+        False,
+        "checkpoints load per rank",
+        "no pipelined checkpoint load; drop the key",
+    ),
+    "override_module_apply": (True, "module.apply sees full parameters", "drop the key"),
+    "stage3_module_granularity_threshold": (
+        0,
+        _PERF_SAME,
+        "parameters are gathered per decoder layer; drop the key",
+    ),
+    "stage3_use_all_reduce_for_fetch_params": (
+        False,
+        _PERF_SAME,
+        "parameters are all-gathered; drop the key",
+    ),
+    "stage3_allgather_sequential": (
+        False,
+        _PERF_SAME,
+        "parameters are gathered per decoder layer; drop the key",
+    ),
+    "stage3_partition_stream_chunk_size": (
+        0,
+        _PERF_SAME,
+        "parameters are sharded whole; drop the key",
+    ),
+    "enable_sanity_checks": (False, "no extra checks", "drop the key"),
+    "save_muon_momentum_buffer_in_memory": (False, "no Muon optimizer", "drop the key"),
+}
+
+
 def _zero(ctx: _Ctx, path: str, value: Any) -> None:
     block = _dict(path, value)
     stage = block.get("stage", 0)
@@ -744,163 +937,6 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
         stage = _number(f"{path}.stage", stage, integer=True)
         if stage > 3:
             raise ValueError(f"{path}.stage: 0, 1, 2 or 3, got {stage}")
-    perf_same = "a performance knob at DeepSpeed's default; results do not depend on it"
-    default_only: dict[str, tuple[Any, str, str]] = {
-        "allgather_partitions": (
-            True,
-            "parameters are all-gathered",
-            "parameters are always all-gathered; drop the key",
-        ),
-        "reduce_scatter": (
-            True,
-            "gradients are reduce-scattered (ZeRO-2/3) or all-reduced",
-            "gradients are always reduce-scattered under ZeRO-2/3; drop the key",
-        ),
-        "overlap_comm": (
-            True,
-            "gradient reduction overlaps backward (DDP buckets, FSDP2 per layer)",
-            "gradient reduction always overlaps backward; drop the key",
-        ),
-        "contiguous_gradients": (
-            True,
-            "FSDP2 keeps each layer's gradient shard contiguous",
-            "gradient shards are always contiguous; drop the key",
-        ),
-        "load_from_fp32_weights": (
-            True,
-            "resume loads the fp32 master weights",
-            "resume always loads the fp32 master weights; drop the key",
-        ),
-        "elastic_checkpoint": (
-            False,
-            "checkpoints are resharded on load (DCP) anyway",
-            "checkpoints are torch.distributed.checkpoint, resharded on load; drop the key",
-        ),
-        "ignore_unused_parameters": (
-            True,
-            "unused parameters get zero gradients",
-            "unused parameters always get zero gradients; drop it",
-        ),
-        "legacy_stage1": (False, "Meshline's ZeRO-1", "no legacy stage 1; drop the key"),
-        "round_robin_gradients": (
-            False,
-            perf_same,
-            "gradients are copied to the offloaded optimizer in parameter order; drop the key",
-        ),
-        "grad_hooks": (
-            True,
-            "gradients are reduced from backward hooks",
-            "gradients are always reduced from backward hooks; drop the key",
-        ),
-        "sub_group_size": (
-            1e9,
-            perf_same,
-            "the optimizer steps each rank's shard at once; drop the key or set 1e9",
-        ),
-        "allgather_bucket_size": (5e8, perf_same, _BUCKET),
-        "reduce_bucket_size": (5e8, perf_same, _BUCKET),
-        "stage3_prefetch_bucket_size": (
-            5e7,
-            perf_same,
-            "prefetch is counted in layers: use --zero3-prefetch-layers N",
-        ),
-        "stage3_param_persistence_threshold": (
-            1e5,
-            perf_same,
-            'every ZeRO-3 parameter is sharded; drop the key or set "auto"',
-        ),
-        "stage3_model_persistence_threshold": (
-            9223372036854775807,
-            perf_same,
-            "every ZeRO-3 parameter is sharded; drop the key",
-        ),
-        "stage3_max_live_parameters": (
-            1e9,
-            perf_same,
-            "gathered parameters are freed after each layer; use --zero3-prefetch-layers N",
-        ),
-        "stage3_max_reuse_distance": (
-            1e9,
-            perf_same,
-            "gathered parameters are freed after each layer; use --zero3-prefetch-layers N",
-        ),
-        "stage3_gather_16bit_weights_on_model_save": (
-            False,
-            "checkpoints hold the sharded state",
-            "checkpoints are sharded (DCP); "
-            "write consolidated weights with "
-            "`meshline convert --load-format native --save-format hf`",
-        ),
-        "stage3_gather_fp16_weights_on_model_save": (
-            False,
-            "checkpoints hold the sharded state",
-            "checkpoints are sharded (DCP); use `meshline convert --load-format native --save-format hf`",
-        ),
-        "zero_hpz_partition_size": (
-            1,
-            "no secondary partition, as Meshline",
-            "ZeRO++ hpZ is not implemented; nearest: --hsdp --hsdp-shard-size N",
-        ),
-        "zero_quantized_weights": (
-            False,
-            "weights gathered unquantized",
-            "ZeRO++ quantized communication is not implemented; drop the key",
-        ),
-        "zero_quantized_nontrainable_weights": (
-            False,
-            "weights gathered unquantized",
-            "ZeRO++ quantized weights are not implemented; drop the key",
-        ),
-        "zero_quantized_gradients": (
-            False,
-            "gradients reduced unquantized",
-            "ZeRO++ quantized gradients are not implemented; drop the key",
-        ),
-        "mics_shard_size": (
-            -1,
-            "shard over all data-parallel ranks",
-            "MiCS is not implemented; nearest: --hsdp --hsdp-shard-size N",
-        ),
-        "mics_hierarchical_params_gather": (
-            False,
-            "flat all-gather",
-            "MiCS is not implemented; drop the key",
-        ),
-        "use_multi_rank_bucket_allreduce": (True, perf_same, _BUCKET),
-        "log_trace_cache_warnings": (
-            False,
-            "no trace-cache warnings",
-            "no trace cache; drop the key",
-        ),
-        "pipeline_loading_checkpoint": (
-            False,
-            "checkpoints load per rank",
-            "no pipelined checkpoint load; drop the key",
-        ),
-        "override_module_apply": (True, "module.apply sees full parameters", "drop the key"),
-        "stage3_module_granularity_threshold": (
-            0,
-            perf_same,
-            "parameters are gathered per decoder layer; drop the key",
-        ),
-        "stage3_use_all_reduce_for_fetch_params": (
-            False,
-            perf_same,
-            "parameters are all-gathered; drop the key",
-        ),
-        "stage3_allgather_sequential": (
-            False,
-            perf_same,
-            "parameters are gathered per decoder layer; drop the key",
-        ),
-        "stage3_partition_stream_chunk_size": (
-            0,
-            perf_same,
-            "parameters are sharded whole; drop the key",
-        ),
-        "enable_sanity_checks": (False, "no extra checks", "drop the key"),
-        "save_muon_momentum_buffer_in_memory": (False, "no Muon optimizer", "drop the key"),
-    }
     for key, val in block.items():
         at = f"{path}.{key}"
         if key == "stage":
@@ -911,23 +947,8 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
         elif key in ("offload_param", "offload_optimizer"):
             which = key.split("_")[1]
             _offload_device(ctx, at, val, -1 if _is_auto(stage) else stage, which)
-        elif key == "cpu_offload":  # deprecated spelling of offload_optimizer.device cpu
-            if _bool(at, val) is False:
-                ctx.same(at, val, "nothing offloaded (deprecated key)")
-            else:
-                ctx.set(at, val, "optimizer_cpu_offload", True, "deprecated key")
-        elif key == "cpu_offload_param":  # deprecated spelling of offload_param.device cpu
-            if _bool(at, val) is False:
-                ctx.same(at, val, "nothing offloaded (deprecated key)")
-            elif stage == 3:
-                ctx.set(at, val, "cpu_offload", True, "deprecated key")
-            else:
-                ctx.refuse(at, val, f"parameter offload needs ZeRO-3, got stage {stage}")
-        elif key == "cpu_offload_use_pin_memory":  # deprecated spelling of pin_memory
-            if _bool(at, val):
-                ctx.set(at, val, "offload_pin_memory", True, "deprecated key")
-            else:
-                ctx.same(at, val, "nothing pinned (deprecated key)")
+        elif key in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+            _zero_deprecated(ctx, at, key, val, stage)
         elif key == "memory_efficient_linear":
             _bool(at, val)
             ctx.same(
@@ -936,8 +957,8 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
                 "ZeRO-3 parameters are re-gathered for backward by FSDP2 either "
                 "way; the math is the same",
             )
-        elif key in default_only:
-            default, same, use = default_only[key]
+        elif key in _ZERO_DEFAULTS:
+            default, same, use = _ZERO_DEFAULTS[key]
             _only(default, same, use)(ctx, at, val)
         else:
             ctx.refuse_all(
@@ -945,6 +966,26 @@ def _zero(ctx: _Ctx, path: str, value: Any) -> None:
                 val,
                 "not a key of DeepSpeed's zero_optimization block Meshline knows; remove it",
             )
+
+
+def _zero_deprecated(ctx: _Ctx, at: str, key: str, val: Any, stage: int | str) -> None:
+    """DeepSpeed's deprecated offload spellings (before the offload_* blocks)."""
+    if key == "cpu_offload":  # deprecated spelling of offload_optimizer.device cpu
+        if _bool(at, val) is False:
+            ctx.same(at, val, "nothing offloaded (deprecated key)")
+        else:
+            ctx.set(at, val, "optimizer_cpu_offload", True, "deprecated key")
+    elif key == "cpu_offload_param":  # deprecated spelling of offload_param.device cpu
+        if _bool(at, val) is False:
+            ctx.same(at, val, "nothing offloaded (deprecated key)")
+        elif stage == 3:
+            ctx.set(at, val, "cpu_offload", True, "deprecated key")
+        else:
+            ctx.refuse(at, val, f"parameter offload needs ZeRO-3, got stage {stage}")
+    elif _bool(at, val):  # cpu_offload_use_pin_memory: deprecated spelling of pin_memory
+        ctx.set(at, val, "offload_pin_memory", True, "deprecated key")
+    else:
+        ctx.same(at, val, "nothing pinned (deprecated key)")
 
 
 # --- activation checkpointing, logging, monitors

@@ -125,6 +125,17 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
             f"{flags}: --auto --trial measures the layouts the ranking chooses; drop it, or drop "
             "--auto --trial to size that one layout"
         )
+    listed = [
+        name
+        for name in ("top", "devices_per_node")
+        if getattr(args, name) != parser.get_default(name)
+    ]
+    if listed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in listed)
+        raise ValueError(
+            f"{flags}: with --trial the table lists the N measured layouts and the trials run on "
+            "this machine as one node; drop it (or drop --trial for the analytic table)"
+        )
     if args.trial_warmup_steps < 0 or args.trial_steps < 1:
         raise ValueError(
             f"--trial-warmup-steps {args.trial_warmup_steps} / --trial-steps {args.trial_steps}: "

@@ -125,6 +125,7 @@ def test_what_this_machine_cannot_measure_is_refused_by_name(capsys):
         (["--auto", "--trial", "0"], "--trial 0"),
         ([*ESTIMATE[1:], "--trial", "1", "--zero-stage", "1"], "--zero-stage: --auto --trial"),
         ([*ESTIMATE[1:], "--trial", "1", "--autotune-steps", "3"], "--autotune-steps is"),
+        ([*ESTIMATE[1:], "--trial", "1", "--top", "9"], "--top: with --trial"),
         ([*ESTIMATE[1:], "--trial", "1", "--nproc-per-node", "1"], "--nproc-per-node 1 with"),
         (
             [

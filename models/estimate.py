@@ -13,7 +13,10 @@ are the counting `meshline train --dry-run` checks on the built model, rank by r
         --global-batch-size 512 --seq-length 4096
 
 ranks the layouts that fit (TP, PP, virtual PP, DP/ZeRO, recompute, micro-batch) by the cost
-model of `models/auto_config.py` and prints the `meshline train` command of the best.
+model of `models/auto_config.py` and prints the `meshline train` command of the best. With
+`--trial N` (and the training flags: data, ...) the top N are measured by short training runs
+and the fastest that fits is picked: `services/trainer/estimate_trial.py`, where `meshline`
+routes that command line (this library launches nothing).
 
     meshline estimate --model llama2-7B --zero-stage 3 --world-size 16 --devices-per-node 8 \
         --bf16 --deepspeed-estimate
@@ -102,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer (state bytes per element)",
     )  # fmt: skip
     run.add_argument("--release-fp32-grad", action="store_true")
-    auto = parser.add_argument_group("auto-configuration (--auto)")
+    auto = parser.add_argument_group(
+        "auto-configuration (--auto)",
+        "--trial N: measure the top N layouts by short training runs "
+        "(meshline estimate --auto --trial 1 --help)",
+    )
     auto.add_argument("--auto", action="store_true", help="rank the layouts that fit")
     auto.add_argument("--device-memory", help="memory per device, e.g. 64GiB (needed by --auto)")
     auto.add_argument("--global-batch-size", type=int, help="sequences per step (default 8·DP)")

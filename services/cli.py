@@ -22,6 +22,9 @@ class Subcommand:
     precheck: str | None = None
     """Torch-free module whose `precheck(argv) -> exit code | None` runs before `module` is
     imported: a parallel layout the model's config rules out is refused in well under a second."""
+    routes: tuple[tuple[str, str], ...] = ()
+    """(flag, module): a command line holding the flag runs that module instead of `module`
+    (a library command whose flag needs a service, e.g. `estimate --trial`)."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -49,7 +52,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "services.evaluator.cli", "score a model on BoolQ, MMLU, GSM8K, HumanEval, ...", 9
     ),
     "estimate": Subcommand(
-        "models.estimate", "per-device memory estimate for a model and parallel layout", 3
+        "models.estimate",
+        "per-device memory estimate for a model and parallel layout",
+        3,
+        # Measuring the ranked layouts launches training jobs: the trainer's composition.
+        routes=(("--trial", "services.trainer.estimate_trial"),),
     ),
     "plot": Subcommand(
         "services.trainer.plot", "draw loss / lr / throughput curves from a run's metrics.csv", 5
@@ -85,10 +92,18 @@ def main(argv: list[str] | None = None) -> int:
         code = importlib.import_module(sub.precheck).precheck(rest)
         if code is not None:
             return int(code)
+    target = next(
+        (
+            module
+            for flag, module in sub.routes
+            if any(arg == flag or arg.startswith(flag + "=") for arg in rest)
+        ),
+        sub.module,
+    )
     try:
-        module = importlib.import_module(sub.module)
+        module = importlib.import_module(target)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and sub.module.startswith(exc.name):
+        if exc.name is not None and target.startswith(exc.name):
             print(
                 f"meshline {name}: arrives with issue #{sub.issue} ({sub.summary}); "
                 "it is not part of this build yet",

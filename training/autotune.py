@@ -300,6 +300,43 @@ def tune(
     return result
 
 
+def run_points(
+    points: list[tuple[C, Trial]],
+    world_size: int,
+    run_trial: RunTrial,
+    directory: Path,
+    report: Callable[[str], None] = print,
+) -> AutotuneResult:
+    """Run given points in order, each a trial job of its own config (its parallel layout may
+    differ from the others') in `directory/trial-NN`, every one of them (no grid, skipping or
+    early stop: the caller chose them); returns every outcome and the pick, the accepted trial
+    of the highest `job_tokens_per_s`. `meshline estimate --auto --trial N` measures the
+    analytic ranking's top layouts with it."""
+    result = AutotuneResult()
+    replicas = []
+    for index, (config, trial) in enumerate(points, start=1):
+        outcome = _run_one(config, trial, world_size, directory / f"trial-{index:02d}", run_trial)
+        result.trials.append(outcome)
+        replicas.append(config.dp_size(world_size))
+        report(f"autotune: trial {index} {trial.flags()}: {_describe(outcome)}")
+    accepted = [
+        (job_tokens_per_s(t, dp), i)
+        for i, (t, dp) in enumerate(zip(result.trials, replicas, strict=True))
+        if t.status == "ok" and t.tokens_per_s is not None
+    ]
+    if accepted:
+        # max over (rate, -index): the first of equals, as `pick`.
+        result.best = result.trials[max(accepted, key=lambda a: (a[0], -a[1]))[1]]
+    return result
+
+
+def job_tokens_per_s(outcome: TrialResult, data_parallel: int) -> float:
+    """The whole job's measured tokens/s: rank 0's (the tokens of its data-parallel replica,
+    which its tensor and pipeline peers share) times the replicas, which run equal batches;
+    the measure that compares layouts of one world size whatever their TP/PP split."""
+    return (outcome.tokens_per_s or 0.0) * data_parallel
+
+
 def _describe(outcome: TrialResult) -> str:
     if outcome.tokens_per_s is None:
         return f"{outcome.status} ({outcome.note})"

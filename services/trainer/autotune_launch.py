@@ -21,7 +21,9 @@ from training import autotune
 from training.config import TrainingConfig
 
 
-def _trial_runner(nproc_per_node: int) -> autotune.RunTrial:
+def trial_runner(nproc_per_node: int) -> autotune.RunTrial:
+    """Each trial as a launch of `nproc_per_node` workers of this job, stopped at its timeout."""
+
     def run_trial(config: TrainingConfig, directory: Path, timeout: float) -> autotune.TrialRun:
         assert isinstance(config, TrainConfig)
         stop, expired = threading.Event(), threading.Event()
@@ -61,7 +63,7 @@ def run(config: TrainConfig, nproc_per_node: int) -> int:
         directory = Path(base) if base else Path(scratch)
         with open_dir_beneath(directory, roots=(), create=True):
             pass  # created beneath its resolved parent, never through a symlink
-        result = autotune.tune(config, nproc_per_node, _trial_runner(nproc_per_node), directory)
+        result = autotune.tune(config, nproc_per_node, trial_runner(nproc_per_node), directory)
         print(autotune.format_table(result, config), flush=True)
         autotune.write_report(result, directory / "autotune.json")
         if result.best is None:

@@ -15,7 +15,7 @@ are the counting `meshline train --dry-run` checks on the built model, rank by r
 ranks the layouts that fit (TP, PP, virtual PP, DP/ZeRO, recompute, micro-batch) by the cost
 model of `models/auto_config.py` and prints the `meshline train` command of the best. With
 `--trial N` (and the training flags: data, ...) the top N are measured by short training runs
-and the fastest that fits is picked: `services/trainer/estimate_trial.py`, where `meshline`
+and the fastest that fits is picked: `services/estimate_trial.py`, where `meshline`
 routes that command line (this library launches nothing).
 
     meshline estimate --model llama2-7B --zero-stage 3 --world-size 16 --devices-per-node 8 \
@@ -53,6 +53,38 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--num-attention-heads", type=int)
     size.add_argument("--num-query-groups", type=int, help="KV heads (GQA)")
     size.add_argument("--vocab-size", type=int)
+    _add_layout_flags(parser)
+    ds = parser.add_argument_group("DeepSpeed's estimate (--deepspeed-estimate)")
+    ds.add_argument(
+        "--deepspeed-estimate",
+        action="store_true",
+        help="also print DeepSpeed's estimate_zero2/3_model_states_mem_needs table "
+        "(--zero-stage 2 or 3, data parallelism only; nodes = world size / --devices-per-node)",
+    )
+    ds.add_argument(
+        "--additional-buffer-factor",
+        type=float,
+        help=f"DeepSpeed's host-buffer factor (default {DEFAULT_BUFFER_FACTOR})",
+    )
+    run = parser.add_argument_group("run shape")
+    run.add_argument("--recompute-granularity", choices=RECOMPUTE, default="none")
+    run.add_argument("--micro-batch-size", type=int, default=1)
+    run.add_argument("--seq-length", type=int, default=2048)
+    run.add_argument("--no-flash-attention", action="store_true", help="store s×s scores")
+    run.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw",
+        help="optimizer (state bytes per element)",
+    )  # fmt: skip
+    run.add_argument("--release-fp32-grad", action="store_true")
+    _add_auto_flags(parser)
+    prec = run.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true")
+    prec.add_argument("--fp16", action="store_true")
+    return parser
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The parallel layout and offload flags (what --auto chooses itself)."""
     par = parser.add_argument_group("parallel layout")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -83,28 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --cpu-offload and --optimizer-cpu-offload: ZeRO-3's parameter shards in an "
         "NVMe swap file (meshline train --param-nvme-path)",
     )
-    ds = parser.add_argument_group("DeepSpeed's estimate (--deepspeed-estimate)")
-    ds.add_argument(
-        "--deepspeed-estimate",
-        action="store_true",
-        help="also print DeepSpeed's estimate_zero2/3_model_states_mem_needs table "
-        "(--zero-stage 2 or 3, data parallelism only; nodes = world size / --devices-per-node)",
-    )
-    ds.add_argument(
-        "--additional-buffer-factor",
-        type=float,
-        help=f"DeepSpeed's host-buffer factor (default {DEFAULT_BUFFER_FACTOR})",
-    )
-    run = parser.add_argument_group("run shape")
-    run.add_argument("--recompute-granularity", choices=RECOMPUTE, default="none")
-    run.add_argument("--micro-batch-size", type=int, default=1)
-    run.add_argument("--seq-length", type=int, default=2048)
-    run.add_argument("--no-flash-attention", action="store_true", help="store s×s scores")
-    run.add_argument(
-        "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw",
-        help="optimizer (state bytes per element)",
-    )  # fmt: skip
-    run.add_argument("--release-fp32-grad", action="store_true")
+
+
+def _add_auto_flags(parser: argparse.ArgumentParser) -> None:
+    """--auto's flags: the machine and the batch the ranking is for."""
     auto = parser.add_argument_group(
         "auto-configuration (--auto)",
         "--trial N: measure the top N layouts by short training runs "
@@ -121,10 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     auto.add_argument("--peak-tflops", type=float, default=989.0, help="per-device 16-bit peak")
     auto.add_argument("--top", type=int, default=5, help="layouts to list")
-    prec = run.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true")
-    prec.add_argument("--fp16", action="store_true")
-    return parser
 
 
 def _config(args: argparse.Namespace) -> ModelConfig:
@@ -291,8 +301,40 @@ def format_deepspeed(args: argparse.Namespace, counts: ModelCounts, layout: Trai
     return "\n".join(lines)
 
 
-def auto(args: argparse.Namespace) -> int:
+AUTO_CHOSEN = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "data_parallel_size",
+    "zero_stage",
+    "sequence_parallel",
+    "recompute_granularity",
+    "micro_batch_size",
+    "no_flash_attention",
+    "optimizer",
+    "release_fp32_grad",
+)
+"""Flags `--auto` does not take: the ranking chooses the layout (TP, PP, virtual PP, DP, ZeRO,
+recompute, micro-batch) and models flash attention, AdamW and the fp32 gradient as it ranks."""
+
+
+def given_flags(argv: list[str], dests: tuple[str, ...]) -> list[str]:
+    """The flags among `dests` that `argv` spells out (a default value given explicitly counts)."""
+    parser = build_parser()
+    unset = object()  # not a string: argparse would run a string default through `type`
+    parser.set_defaults(**dict.fromkeys(dests, unset))
+    seen, _ = parser.parse_known_args(argv)
+    return ["--" + d.replace("_", "-") for d in dests if getattr(seen, d) is not unset]
+
+
+def auto(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """`--auto`: list the fastest layouts that fit and the command of the best."""
+    chosen = given_flags(sys.argv[1:] if argv is None else argv, AUTO_CHOSEN)
+    if chosen:
+        raise ValueError(
+            f"--auto chooses the layout itself and ranks with flash attention, AdamW and no "
+            f"--release-fp32-grad; drop {' '.join(chosen)} (or drop --auto to size that layout)"
+        )
     if not (args.world_size and args.device_memory):
         raise ValueError("--auto needs --world-size N and --device-memory SIZE (e.g. 64GiB)")
     offloads = ("cpu_offload", "optimizer_cpu_offload", "optimizer_nvme", "param_nvme")
@@ -341,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.auto:
         try:
-            return auto(args)
+            return auto(args, argv)
         except ValueError as exc:
             print(f"meshline estimate: {exc}", file=sys.stderr)
             return 2

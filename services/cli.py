@@ -56,7 +56,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "per-device memory estimate for a model and parallel layout",
         3,
         # Measuring the ranked layouts launches training jobs: the trainer's composition.
-        routes=(("--trial", "services.trainer.estimate_trial"),),
+        routes=(("--trial", "services.estimate_trial"),),
     ),
     "plot": Subcommand(
         "services.trainer.plot", "draw loss / lr / throughput curves from a run's metrics.csv", 5

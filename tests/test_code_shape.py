@@ -5,9 +5,6 @@ and build/) is 80 lines or longer, decorators excluded. Every function-local imp
 first-party module outside tests/ says why it is not at the module top: a comment on one of its
 lines, or on the two lines above the run of import statements it belongs to (one comment heads a
 group, e.g. "# in the spawned rank, after run_distributed has set its environment").
-
-PENDING_* list what other in-flight changes of the same issue still fix; empty them once those
-have merged.
 """
 
 from __future__ import annotations
@@ -35,35 +32,6 @@ FIRST_PARTY = frozenset(
         "meshline_client",
     }
 )
-
-PENDING_LONG_FUNCTIONS = frozenset(
-    {
-        ("services/inference/config.py", "add_flags"),
-        ("services/converter/cli.py", "build_parser"),
-        ("services/converter/job.py", "convert"),
-        ("services/converter/servicer.py", "check_fields"),
-        ("services/trainer/deepspeed_config.py", "_zero"),
-        ("services/trainer/deepspeed_config.py", "_optimizer"),
-        ("services/trainer/deepspeed_config.py", "_scheduler"),
-        ("services/trainer/launcher.py", "launch"),
-        ("services/evaluator/cli.py", "build_parser"),
-        ("services/evaluator/cli.py", "main"),
-        ("services/evaluator/runner.py", "evaluate"),
-        ("services/evaluator/servicer.py", "check_fields"),
-        ("services/evaluator/servicer.py", "_run"),
-        ("services/demos/evaluate.py", "main"),
-    }
-)
-"""(path, function) still 80 lines or longer, split by other changes of issue #35."""
-PENDING_IMPORT_REASONS = (
-    "services/inference/",
-    "services/converter/",
-    "services/evaluator/",
-    "services/demos/",
-    "services/trainer/",
-    "services/common/",
-)
-"""Folders whose function-local imports other changes of issue #35 still move or explain."""
 
 
 def _sources() -> list[Path]:
@@ -172,7 +140,6 @@ def test_no_function_is_80_lines_or_longer() -> None:
         f"{path}:{line} {name} ({length} lines)"
         for path, source in SOURCES.items()
         for name, line, length in long_functions(source)
-        if (path, name) not in PENDING_LONG_FUNCTIONS
     ]
     assert not offenders, (
         f"functions of {MAX_FUNCTION_LINES} lines or more (split them into single-purpose "
@@ -182,10 +149,7 @@ def test_no_function_is_80_lines_or_longer() -> None:
 
 def test_every_function_local_first_party_import_says_why() -> None:
     offenders = [
-        f"{path}:{line}"
-        for path, source in SOURCES.items()
-        if not path.startswith(PENDING_IMPORT_REASONS)
-        for line in unexplained_imports(source)
+        f"{path}:{line}" for path, source in SOURCES.items() for line in unexplained_imports(source)
     ]
     assert not offenders, (
         "function-local first-party imports without a reason (move them to the module top, or "

@@ -5,7 +5,7 @@ Libraries (kernels, models, tokendata, checkpoints, parallel, engine, training) 
 do not import each other). A library owns the typed config it reads: no parameter of `parallel/`
 or `training/` that takes a config is typed `Any`. A stage folder `services/<a>/` imports `services.common`,
 itself and libraries, never another stage. Only the composition layer (`services/cli.py`,
-`services/serve.py`, `services/demos/`) may import several stages. No import cycle anywhere (an
+`services/serve.py`, `services/demos/`, `services/estimate_trial.py`) may import several stages. No import cycle anywhere (an
 import under `if TYPE_CHECKING:` is not a runtime edge and does not count); no `_private` name of
 one first-party module imported by another. `services/*` build engines only through
 `engine.build.build_engine`: no service constructs an engine class or imports the loader or the
@@ -35,7 +35,7 @@ LIBRARY_DEPS: dict[str, frozenset[str]] = {
 """Each library and the libraries it may import (the layer order, bottom first)."""
 
 STAGES = ("preprocess", "trainer", "converter", "inference", "evaluator")
-COMPOSITION = ("services.cli", "services.serve", "services.demos")
+COMPOSITION = ("services.cli", "services.serve", "services.demos", "services.estimate_trial")
 """Modules that chain stages: the only ones under services/ that may import several."""
 FIRST_PARTY = (*LIBRARY_DEPS, "services", "meshline_client")
 

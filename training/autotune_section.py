@@ -1,5 +1,5 @@
 """`--autotune` and its search space: the settings of `training.autotune` (DeepSpeed's
-`autotuning` block, mapped key by key in `services.trainer.deepspeed_config`)."""
+`autotuning` block, mapped key by key in `training.deepspeed_config`)."""
 
 from __future__ import annotations
 

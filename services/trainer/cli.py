@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.trainer import dry_run_cli
+from services.trainer import autotune_launch, dry_run_cli
 from services.trainer.arguments import build_parser, parse_args
 from services.trainer.launcher import launch
 from training.dry_run import check_world_size
@@ -48,10 +48,8 @@ def _autotune_plan(train_argv: list[str], world_size: int) -> int:
     """A dry run of `--autotune` also lists the points the trials would try."""
     config = parse_args(train_argv, read_files=True)
     if config.autotune.autotune:
-        from services.trainer.autotune_launch import plan_text
-
         try:
-            print(plan_text(config, world_size))
+            print(autotune_launch.plan_text(config, world_size))
         except ValueError as exc:
             print(f"meshline train: {exc}", file=sys.stderr)
             return 2
@@ -110,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
         check_model_layout(config, world_size)
         if config.autotune.autotune:
-            from services.trainer import autotune_launch
-
             return autotune_launch.run(config, world_size)
         return launch(
             train_argv,

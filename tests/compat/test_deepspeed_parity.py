@@ -131,7 +131,7 @@ def test_no_scheduler_block_keeps_the_optimizers_rate():
     """Plain DeepSpeed without a `scheduler` block steps at optimizer.params.lr throughout, so the
     mapping sets --lr-decay-style constant (Meshline's default decays), unless the flag is given
     or the rate is "auto" (HF Trainer's file: its own schedule flags decide)."""
-    from services.trainer import deepspeed_config
+    from training import deepspeed_config
 
     ds = _ds_config(ZERO2)
     mapping = deepspeed_config.map_config(ds, {})
@@ -155,7 +155,7 @@ def test_deepspeed_schedulers_start_one_step_after_meshlines():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
-    from services.trainer import deepspeed_config
+    from training import deepspeed_config
     from training.lr_schedule import lr_at
 
     ds = json.loads(EXAMPLE.read_text())

@@ -90,3 +90,16 @@ def test_auto_says_when_nothing_fits(capsys):
     assert main(argv) == 1
     assert "no layout of 2 devices fits 16GiB" in capsys.readouterr().out
     assert main(["--model", "llama2-70B", "--auto"]) == 2
+
+
+def test_auto_refuses_the_layout_flags_it_chooses_itself(capsys):
+    """--auto picks TP, PP, DP, ZeRO, recompute and micro-batch: a layout flag given with it,
+    even at its default value, is refused by name instead of being silently ignored."""
+    base = ["--model", "llama2-7B", "--auto", "--world-size", "8", "--device-memory", "80GiB"]
+    for extra in (["--zero-stage", "0"], ["--micro-batch-size", "4"], ["--optimizer", "sgd"]):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"drop {extra[0]}" in err, err
+    assert main([*base, "--tensor-model-parallel-size", "2", "--sequence-parallel"]) == 2
+    assert "drop --tensor-model-parallel-size --sequence-parallel" in capsys.readouterr().err
+    assert main(base) == 0

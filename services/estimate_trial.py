@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -33,15 +32,17 @@ from pathlib import Path
 
 from checkpoints.safe_fs import open_dir_beneath
 from engine.linear_choice import available_memory
+from kernels.cpu.threads import available_cpus
+from kernels.device import resolve
 from models.auto_config import Candidate, Hardware, candidates, command_line
 from models.estimate import build_parser as estimate_parser
 from models.memory import parse_bytes
 from services.trainer.arguments import parse_args
 from services.trainer.autotune_launch import trial_runner
-from services.trainer.launch_checks import check_inputs, check_paths
 from services.trainer.train_config import TrainConfig
 from training import autotune
 from training.autotune_section import MAX_TRIAL_STEPS, AutotuneSection
+from training.launch_checks import check_inputs, check_paths
 
 FORWARDED = {
     "model": "--model",
@@ -166,11 +167,9 @@ class LocalMachine:
 
 def local_machine() -> LocalMachine:
     """The trainer's platform here and what it can hold."""
-    from kernels.device import resolve
-
     platform = resolve()
     if platform.type == "cpu":
-        return LocalMachine("cpu", os.cpu_count() or 1, available_memory())
+        return LocalMachine("cpu", available_cpus(), available_memory())
     try:
         memory: int | None = int(platform.module.mem_get_info()[1])
     except (AttributeError, RuntimeError):

@@ -19,8 +19,8 @@ import pytest
 
 from models.auto_config import Hardware, candidates
 from models.registry import get_config
+from services import estimate_trial
 from services.cli import main as meshline
-from services.trainer import estimate_trial
 from training import autotune
 from training.autotune_section import AutotuneSection
 from training.metrics import MetricsWriter, StepMetrics

@@ -105,6 +105,23 @@ def safe_globals() -> list[Any]:
     return [*megatron_safe_globals(), *_DEEPSPEED_TYPES]
 
 
+def names_by_unit(config: ModelConfig, names: Iterable[str], where: Path) -> dict[Unit, list[str]]:
+    """The checkpoint's HF parameter names grouped by the conversion unit (layer) they belong
+    to; a name of no layer of `config` is an error naming `where` (a wrong --model or config)."""
+    by_unit: dict[Unit, list[str]] = {u: [] for u in units(config)}
+    for name in names:
+        unit = hf_unit(name)
+        if unit is None:
+            continue
+        if unit not in by_unit:
+            raise ValueError(
+                f"{where}: parameter {name!r} belongs to no layer of the "
+                f"{config.num_layers}-layer model (wrong --model or config.json?)"
+            )
+        by_unit[unit].append(name)
+    return by_unit
+
+
 def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed `.pt` file, memory-mapped, through the allow-list (clear errors otherwise)."""
     state = load_weights_only(
@@ -264,17 +281,7 @@ class DeepSpeedSource:
         )
         self._recipes = self._plan(model_state, world)
         del model_state
-        self._by_unit: dict[Unit, list[str]] = {u: [] for u in units(self.config)}
-        for name in self._recipes:
-            unit = hf_unit(name)
-            if unit is None:
-                continue
-            if unit not in self._by_unit:
-                raise ValueError(
-                    f"{self.tag_dir}: parameter {name!r} belongs to no layer of the "
-                    f"{self.config.num_layers}-layer model (wrong --model or config.json?)"
-                )
-            self._by_unit[unit].append(name)
+        self._by_unit = names_by_unit(self.config, self._recipes, self.tag_dir)
 
     def _rank_files(self, pattern: re.Pattern[str], rank: int, mp: int, glob: str) -> list[Path]:
         found = [p for p in self.tag_dir.iterdir() if pattern.match(p.name)]

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from checkpoints.bounds import check_declared_size
-from checkpoints.deepspeed_format import load_file, read_config, safe_globals
-from checkpoints.hf_format import hf_unit, tokenizer_files
+from checkpoints.deepspeed_format import load_file, names_by_unit, read_config, safe_globals
+from checkpoints.hf_format import tokenizer_files
 from checkpoints.torch_files import load_weights_only
-from checkpoints.units import Tensors, Unit, units
+from checkpoints.units import Tensors, Unit
 from models.config import ModelConfig
 from models.hf_adapters import from_hf
 
@@ -106,17 +106,8 @@ class UniversalSource:
         self.iteration = int(steps.group(1)) if steps else int(state.get("global_steps", 0))
         files = [tag_dir / "zero" / n / "fp32.pt" for n in self.shapes]
         check_declared_size(self.config, files, str(tag_dir))
-        self._by_unit: dict[Unit, list[str]] = {u: [] for u in units(self.config)}
-        for name in [*self.shapes, *self.aliases, *self.buffers]:
-            unit = hf_unit(name)
-            if unit is None:
-                continue
-            if unit not in self._by_unit:
-                raise ValueError(
-                    f"{tag_dir}: parameter {name!r} belongs to no layer of the "
-                    f"{self.config.num_layers}-layer model (wrong --model or config.json?)"
-                )
-            self._by_unit[unit].append(name)
+        names = [*self.shapes, *self.aliases, *self.buffers]
+        self._by_unit = names_by_unit(self.config, names, tag_dir)
 
     def _fp32(self, name: str) -> torch.Tensor:
         path = self.tag_dir / "zero" / name / "fp32.pt"

@@ -35,6 +35,7 @@ from engine.linear_choice import available_memory
 from kernels.cpu.threads import available_cpus
 from kernels.device import resolve
 from models.auto_config import Candidate, Hardware, candidates, command_line
+from models.estimate import AUTO_CHOSEN
 from models.estimate import build_parser as estimate_parser
 from models.memory import parse_bytes
 from services.trainer.arguments import parse_args
@@ -55,22 +56,12 @@ FORWARDED = {
 }
 """Estimate flags that define the model: passed on to the trials as the same training flags."""
 RANKED = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage",
-    "data_parallel_size",
-    "zero_stage",
-    "sequence_parallel",
-    "recompute_granularity",
-    "micro_batch_size",
+    *AUTO_CHOSEN,
     "cpu_offload",
     "optimizer_cpu_offload",
     "optimizer_nvme",
     "deepspeed_estimate",
     "additional_buffer_factor",
-    "no_flash_attention",
-    "optimizer",
-    "release_fp32_grad",
 )
 """Estimate flags of one layout or its memory model: the ranking chooses the layout, so with
 --trial they are refused rather than ignored."""

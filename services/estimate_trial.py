@@ -369,9 +369,7 @@ def run(argv: list[str]) -> int:
                 rank,
                 candidate,
                 outcome,
-                None
-                if outcome.tokens_per_s is None
-                else autotune.job_tokens_per_s(outcome, candidate.layout.data_parallel),
+                None if outcome.tokens_per_s is None else autotune.job_tokens_per_s(outcome, world),
             )
             for rank, (candidate, outcome) in enumerate(
                 zip(ranked, result.trials, strict=True), start=1

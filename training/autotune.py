@@ -313,15 +313,13 @@ def run_points(
     of the highest `job_tokens_per_s`. `meshline estimate --auto --trial N` measures the
     analytic ranking's top layouts with it."""
     result = AutotuneResult()
-    replicas = []
     for index, (config, trial) in enumerate(points, start=1):
         outcome = _run_one(config, trial, world_size, directory / f"trial-{index:02d}", run_trial)
         result.trials.append(outcome)
-        replicas.append(config.dp_size(world_size))
         report(f"autotune: trial {index} {trial.flags()}: {_describe(outcome)}")
     accepted = [
-        (job_tokens_per_s(t, dp), i)
-        for i, (t, dp) in enumerate(zip(result.trials, replicas, strict=True))
+        (job_tokens_per_s(t, world_size), i)
+        for i, t in enumerate(result.trials)
         if t.status == "ok" and t.tokens_per_s is not None
     ]
     if accepted:
@@ -330,11 +328,11 @@ def run_points(
     return result
 
 
-def job_tokens_per_s(outcome: TrialResult, data_parallel: int) -> float:
-    """The whole job's measured tokens/s: rank 0's (the tokens of its data-parallel replica,
-    which its tensor and pipeline peers share) times the replicas, which run equal batches;
-    the measure that compares layouts of one world size whatever their TP/PP split."""
-    return (outcome.tokens_per_s or 0.0) * data_parallel
+def job_tokens_per_s(outcome: TrialResult, world_size: int) -> float:
+    """The whole job's measured tokens/s: the logged tokens/s per device (rank 0's replica's
+    tokens over its tensor x pipeline x context ranks) times the devices, which run equal
+    shares; the measure that compares layouts of one world size whatever their TP/PP split."""
+    return (outcome.tokens_per_s or 0.0) * world_size
 
 
 def _describe(outcome: TrialResult) -> str:

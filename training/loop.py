@@ -621,7 +621,9 @@ class Trainer(TrainerState):
 
     def _log(self, window: list[StepResult], seconds: float) -> None:
         good = [r for r in window if not r.skipped]
-        tokens = sum(r.tokens for r in window)
+        # Rank 0 counts its data-parallel replica's tokens, which the replica's tensor, pipeline
+        # and context ranks process together: per device, each of them has a share.
+        tokens = sum(r.tokens for r in window) / self.dims.model_parallel
         tps, tflops, mfu = throughput(tokens, seconds, self.flops_per_token, self.peak_tflops)
         metrics = StepMetrics(
             step=self.state.step,

@@ -56,7 +56,7 @@ class StepMetrics:
 
 
 def throughput(
-    tokens: int, seconds: float, flops_per_token: float, peak_tflops: float
+    tokens: float, seconds: float, flops_per_token: float, peak_tflops: float
 ) -> tuple[float, float, float]:
     """(tokens/s, TFLOP/s, MFU) for `tokens` processed on one device in `seconds`."""
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0

@@ -53,7 +53,7 @@ def test_the_top_ranked_layouts_are_measured_and_the_fastest_fit_is_picked(tmp_p
         assert trial["status"] == "ok", trial
         got = autotune.measure(trials / f"trial-{index:02d}" / "metrics.csv", 1, 2)
         assert got is not None
-        job = got[0] * trial["layout"]["data_parallel"]
+        job = got[0] * 2  # tokens/s per device x the 2 devices
         assert trial["job_tokens_per_s"] == pytest.approx(job)
         assert trial["peak_bytes"] == got[1] <= 4 << 30
         measured[trial["rank"]] = job
@@ -82,8 +82,8 @@ def _write_metrics(directory: Path, steps: int, tokens_per_s: float, peak_gib: f
 
 
 def test_the_pick_is_the_fastest_job_among_the_trials_that_fit(tmp_path):
-    # rank 0's tokens/s, peak GiB by (TP, DP): a DP-2 layout runs half the tokens on rank 0.
-    answers = {(2, 1): (300.0, 1.0), (1, 2): (200.0, 1.0), (1, 1): (900.0, 9.0)}
+    # tokens/s per device, peak GiB by (TP, DP): the job runs 2 devices' worth.
+    answers = {(2, 1): (150.0, 1.0), (1, 2): (200.0, 1.0), (1, 1): (450.0, 9.0)}
     seen = []
 
     def run_trial(config, directory: Path, timeout: float) -> autotune.TrialRun:
@@ -115,7 +115,7 @@ def test_the_pick_is_the_fastest_job_among_the_trials_that_fit(tmp_path):
     result = autotune.run_points(points, 2, run_trial, tmp_path, report=lambda _: None)
     assert seen == [(2, 1), (1, 2), (1, 1)]
     assert [t.status for t in result.trials] == ["ok", "ok", "over memory"]
-    # 200 x 2 replicas beats 300 x 1; the 900 of the PP layout does not fit 4 GiB.
+    # 200 x 2 devices beats 150 x 2; the 450 of the PP layout does not fit 4 GiB.
     assert result.best is result.trials[1]
 
 

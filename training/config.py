@@ -20,6 +20,7 @@ from training.autotune_section import AutotuneSection
 from training.config_sections import BatchSection, DataSection, ModelSection, OptimSection
 from training.finetune import PeftSection, check
 from training.fp8 import check_fp8
+from training.lr_schedule import check_warmup
 from training.model_config import registry_model_config
 from training.objectives.layout import check_stage
 from training.optimizer import open_nvme_path
@@ -99,6 +100,7 @@ class TrainingConfig:
                 f"--lr-warmup-iters {warmup} is longer than --lr-decay-iters {decay} (default: "
                 "--train-iters); shorten the warmup or lengthen the decay"
             )
+        check_warmup(warmup, self.optim.lr_warmup_style, self.optim.lr_schedule_lag)
         self._check_profile(world_size)
         check(self)
         check_fp8(self)

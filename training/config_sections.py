@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from training.lr_schedule import MAX_SCHEDULE_LAG
+
 
 def flag_name(name: str) -> str:
     """The command-line spelling of a field name."""
@@ -232,7 +234,11 @@ class OptimSection:
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     """Shape of the decay after warmup."""
     lr_warmup_iters: int = 0
-    """Iterations of linear warmup from 0 to --lr."""
+    """Iterations of warmup from 0 to --lr."""
+    lr_warmup_style: Literal["linear", "log"] = "linear"
+    """Warmup curve: linear (Megatron's) or log, lr x log(step + 1) / log(warmup) (DeepSpeed's default)."""
+    lr_schedule_lag: int = 0
+    """Steps the schedule runs behind the optimizer: step k uses iteration k - lag's rate (DeepSpeed: 1)."""
     lr_warmup_fraction: float | None = None
     """Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
     lr_decay_iters: int | None = None
@@ -257,6 +263,10 @@ class OptimSection:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if not 0 <= self.lr_schedule_lag <= MAX_SCHEDULE_LAG:
+            raise ValueError(
+                f"--lr-schedule-lag must be in [0, {MAX_SCHEDULE_LAG}], got {self.lr_schedule_lag}"
+            )
         if self.lr_warmup_fraction is not None:
             if not 0.0 <= self.lr_warmup_fraction <= 1.0:
                 raise ValueError(

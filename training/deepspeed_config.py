@@ -445,11 +445,13 @@ def _optimizer_defaults(ctx: _Ctx, p: str, params: dict[str, Any], name: str) ->
 
 
 _SCHEDULER_USE = (
-    "use WarmupLR, WarmupDecayLR or WarmupCosineLR with warmup_type linear, or "
-    "--lr-warmup-iters N --lr-decay-style linear/cosine"
+    "use WarmupLR or WarmupDecayLR (log or linear warmup), WarmupCosineLR with warmup_type "
+    "linear, or --lr-warmup-iters N --lr-decay-style linear/cosine"
 )
 _SCHEDULE_STYLES = {"warmuplr": "constant", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 """DeepSpeed's scheduler types -> --lr-decay-style."""
+_LAG_WHY = "DeepSpeed's scheduler steps after the optimizer"
+"""Why WarmupLR/WarmupDecayLR set --lr-schedule-lag 1 (docs/training.md)."""
 
 
 def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
@@ -469,20 +471,34 @@ def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
         )
         ctx.refuse_all(p, params, f"belongs to scheduler {kind!r}; {_SCHEDULER_USE}")
         return
-    # DeepSpeed warms up logarithmically unless warmup_type is linear; Meshline linearly.
+    # DeepSpeed warms up logarithmically unless warmup_type is linear.
     warmup_type = _choice(f"{p}.warmup_type", params.get("warmup_type", "log"), ("log", "linear"))
-    if warmup_type == "log" and "warmup_type" not in params:
+    if style == "cosine" and warmup_type == "log" and "warmup_type" not in params:
         ctx.refuse(
             f"{path}.type",
             kind,
-            "DeepSpeed's default warmup is logarithmic; Meshline "
-            'warms up linearly: add "warmup_type": "linear" to params',
+            "WarmupCosineLR's default warmup is logarithmic and its decay starts one step "
+            'earlier than Meshline\'s cosine: add "warmup_type": "linear" to params',
         )
-    else:
+    elif style == "cosine":
         ctx.set(f"{path}.type", kind, "lr_decay_style", style)
+    else:
+        _warmup_schedule(ctx, f"{path}.type", kind, style)
+        if "warmup_type" not in params:
+            note = "DeepSpeed's default warmup_type"
+            ctx.set(f"{p}.warmup_type", "(absent)", "lr_warmup_style", "log", note)
     for key, val in params.items():
         _scheduler_param(ctx, f"{p}.{key}", key, val, kind, style, warmup_type)
     _scheduler_defaults(ctx, p, params, style)
+
+
+def _warmup_schedule(ctx: _Ctx, at: str, kind: str, style: str) -> None:
+    """WarmupLR/WarmupDecayLR's type row: the decay style, one step behind the optimizer."""
+    ctx.claim(at, "lr_decay_style", style)
+    ctx.claim(at, "lr_schedule_lag", 1)
+    ctx.out.fields.update(lr_decay_style=style, lr_schedule_lag=1)
+    text = f"--lr-decay-style {style} --lr-schedule-lag 1 ({_LAG_WHY})"
+    ctx.out.rows.append(Row(at, kind, "applied", text, ("lr_decay_style", "lr_schedule_lag")))
 
 
 def _scheduler_param(
@@ -490,16 +506,20 @@ def _scheduler_param(
 ) -> None:
     """The row of one `scheduler.params` key of scheduler `kind` (decay `style`)."""
     cosine = style == "cosine"
-    if key == "warmup_type":
+    if key == "warmup_type" and not cosine:
+        ctx.set(at, val, "lr_warmup_style", warmup_type)
+    elif key == "warmup_type":
         if warmup_type == "linear":
             ctx.same(at, val, "linear warmup, as Meshline's")
         else:
-            ctx.refuse(at, val, 'Meshline warms up linearly: set "linear"')
+            ctx.refuse(at, val, 'Meshline\'s cosine warms up linearly here: set "linear"')
     elif key == "warmup_num_steps":
         if _is_auto(val):
             ctx.auto(at, "lr_warmup_iters")
-        else:
-            ctx.set(at, val, "lr_warmup_iters", _number(at, val, integer=True))
+        else:  # DeepSpeed warms up over at least 2 steps (its log warmup divides by log(n))
+            steps = _number(at, val, lo=1, integer=True)
+            note = "DeepSpeed's minimum of 2" if steps < 2 else ""
+            ctx.set(at, val, "lr_warmup_iters", max(2, steps), note)
     elif key == "total_num_steps" and style != "constant":
         if _is_auto(val):
             ctx.auto(at, "lr_decay_iters")

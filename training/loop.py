@@ -281,6 +281,8 @@ class Trainer(TrainerState):
             warmup_steps=config.lr_warmup_iters(),
             decay_steps=config.lr_decay_iters(),
             decay_style=config.optim.lr_decay_style,
+            warmup_style=config.optim.lr_warmup_style,
+            lag=config.optim.lr_schedule_lag,
         )
         self.scaler = build_loss_scaler(config.precision)
         self.batches = MicroBatchCalculator(

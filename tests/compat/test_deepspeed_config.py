@@ -216,7 +216,7 @@ def test_invalid_values_name_the_key_path(ds, match, tmp_path):
          "optimizer.params.freeze_step", "AdamW"),
         ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0}}}, "scheduler.type",
          "--lr-decay-style"),
-        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}},
+        ({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10}}},
          "scheduler.type", "warmup_type"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
          "zero_optimization.offload_param.device", "needs ZeRO-3"),

@@ -76,6 +76,8 @@ NON_DEFAULT = {
     "min_lr": ("--min-lr", "1e-5"),
     "lr_decay_style": ("--lr-decay-style", "inverse-square-root"),
     "lr_warmup_iters": None,  # exclusive with --lr-warmup-fraction: checked separately
+    "lr_warmup_style": ("--lr-warmup-style", "log"),
+    "lr_schedule_lag": ("--lr-schedule-lag", "1"),
     "lr_warmup_fraction": ("--lr-warmup-fraction", "0.1"),
     "lr_decay_iters": ("--lr-decay-iters", "50"),
     "weight_decay": ("--weight-decay", "0.1"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 
@@ -71,6 +72,37 @@ def test_lr_shape_and_state():
         lr_at(1, **{**kw, "decay_style": "exp"})
     with pytest.raises(ValueError, match="--lr-warmup-iters"):
         LRScheduler(opt, **{**kw, "warmup_steps": 200})
+
+
+def test_log_warmup_lag_and_resume_consistency():
+    """--lr-warmup-style log and --lr-schedule-lag (DeepSpeed's WarmupLR shape, one step behind);
+    a resume must keep both, since they decide which rate a step count means."""
+    kw = dict(max_lr=1.0, min_lr=0.0, warmup_steps=4, decay_steps=4, decay_style="constant")
+    log = {**kw, "warmup_style": "log"}
+    assert lr_at(0, **log) == 0.0 and lr_at(4, **log) == 1.0 and lr_at(9, **log) == 1.0
+    assert lr_at(1, **log) == pytest.approx(math.log(2) / math.log(4))
+    assert lr_at(3, **log) == 1.0  # log(4) / log(4): DeepSpeed's log warmup peaks a step early
+    lagged = [lr_at(k, **kw, lag=1) for k in range(6)]
+    assert lagged == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0]
+    with pytest.raises(ValueError, match="--lr-warmup-style log needs"):
+        lr_at(0, **{**log, "warmup_steps": 1})
+    with pytest.raises(ValueError, match="--lr-schedule-lag must be"):
+        lr_at(0, **kw, lag=-1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = LRScheduler(opt, **log, lag=1)
+    sched.step(2)
+    state = sched.state_dict()
+    resumed = LRScheduler(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), **log, lag=1
+    )
+    resumed.load_state_dict(state)
+    assert resumed.get_lr() == sched.get_lr() == lr_at(1, **log)
+    for changed in ({**kw, "lag": 1}, {**log}):
+        other = LRScheduler(opt, **changed)
+        with pytest.raises(ValueError, match="resume with the checkpoint's values"):
+            other.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k not in ("warmup_style", "lag")}
+    LRScheduler(opt, **kw).load_state_dict(old)  # a checkpoint from before: linear, lag 0
 
 
 def test_dynamic_scaler_matches_megatron():

@@ -578,6 +578,9 @@ def _scheduler_defaults(ctx: _Ctx, p: str, params: dict[str, Any], style: str) -
                 1e-4 * float(lr),
                 "DeepSpeed's default ratio 0.0001 x lr",
             )
+    if style == "linear" and "warmup_max_lr" not in params and "lr" not in ctx.given:
+        # WarmupDecayLR's peak defaults to 0.001 whatever the optimizer's lr (WarmupLR's to it).
+        ctx.set(f"{p}.warmup_max_lr", "(absent)", "lr", 1e-3, "WarmupDecayLR's default")
     if style == "linear" and "warmup_min_lr" not in params and "min_lr" not in ctx.given:
         ctx.set(f"{p}.warmup_min_lr", "(absent)", "min_lr", 0.0, "DeepSpeed decays to 0")
     if style != "constant" and "total_num_steps" not in params:

@@ -49,7 +49,9 @@ def _deepspeed_rates(kind: str, params: dict[str, Any]) -> list[float]:
 
 
 def _meshline_rates(kind: str, params: dict[str, Any], tmp_path: Path) -> list[float]:
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    ds: dict[str, Any] = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    if "warmup_max_lr" not in params:  # HF Trainer's "auto": without a scheduler default,
+        ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}  # --lr's would win
     ds["scheduler"] = {"type": kind, "params": params}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
@@ -91,6 +93,10 @@ CASES = {
         "WarmupDecayLR",
         {"warmup_max_lr": LR, "warmup_num_steps": 6, "total_num_steps": 24},
     ),
+    "WarmupDecayLR-default-peak (0.001, not the optimizer's lr)": (
+        "WarmupDecayLR",
+        {"warmup_num_steps": 6, "total_num_steps": 24},
+    ),
     "WarmupDecayLR-linear (the notes' ZeRO-2 example's type)": (
         "WarmupDecayLR",
         {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 10,
@@ -105,7 +111,8 @@ def test_mapped_schedule_gives_deepspeeds_rates(case, tmp_path):
     theirs = _deepspeed_rates(kind, params)
     ours = _meshline_rates(kind, params, tmp_path)
     assert theirs[:2] == [0.0, 0.0]  # DeepSpeed's first two steps: iteration -1, then 0
-    assert max(theirs) == pytest.approx(LR)  # the warmup reaches the peak within the run
+    peak = params.get("warmup_max_lr", 1e-3 if kind == "WarmupDecayLR" else LR)
+    assert max(theirs) == pytest.approx(peak)  # the warmup reaches the peak within the run
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-12)
 
 
@@ -121,3 +128,8 @@ def test_the_lag_and_log_warmup_rows():
         "applied",
         ("lr_warmup_style",),
     )
+    # WarmupDecayLR without warmup_max_lr peaks at 0.001 whatever the optimizer's lr says.
+    decay = {"optimizer": {"type": "AdamW", "params": {"lr": LR}},
+             "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 20}}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"warmup_max_lr means --lr 0\.001 but optimizer"):
+        deepspeed_config.map_config(decay, {})

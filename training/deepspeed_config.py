@@ -578,6 +578,10 @@ def _scheduler_defaults(ctx: _Ctx, p: str, params: dict[str, Any], style: str) -
                 1e-4 * float(lr),
                 "DeepSpeed's default ratio 0.0001 x lr",
             )
+    if "warmup_num_steps" not in params and not {"lr_warmup_iters", "lr_warmup_fraction"} & set(
+        ctx.given
+    ):  # DeepSpeed's default for all three; Meshline's is no warmup
+        ctx.set(f"{p}.warmup_num_steps", "(absent)", "lr_warmup_iters", 1000, "DeepSpeed's default")
     if style == "linear" and "warmup_max_lr" not in params and "lr" not in ctx.given:
         # WarmupDecayLR's peak defaults to 0.001 whatever the optimizer's lr (WarmupLR's to it).
         ctx.set(f"{p}.warmup_max_lr", "(absent)", "lr", 1e-3, "WarmupDecayLR's default")

@@ -17,8 +17,9 @@ Shapes: W [O, I] (O outputs, I inputs), X [N, I] (N calibration rows), H [I, I].
   group's first column is reached, with `kernels.quantization`'s round-to-nearest rules, so the
   result is an ordinary `QuantizedWeight` (same codes, scales and zero points layout);
 - act-order (`act_order=True`): columns are visited by decreasing H_ii; with groups, each
-  group's scale is fixed up front from the original weights ("static groups"), so the groups
-  stay contiguous input ranges as the checkpoint format stores them.
+  group's scale is fixed up front from the original weights ("static groups", also available
+  in natural order), so the groups stay contiguous input ranges as the checkpoint format stores
+  them.
 
 Computed in float64 (a few hundred MiB at most for a 4096-input layer on CPU) so that the blocked
 and the column-by-column forms round every column the same way.
@@ -55,6 +56,9 @@ class GptqSettings:
     """Columns per lazy-batch block (rounded up to whole groups)."""
     act_order: bool = False
     """Visit columns by decreasing Hessian diagonal (static groups)."""
+    static_groups: bool = False
+    """Fix every group's scale up front from the original weights (always under act-order;
+    llm-compressor's and gptqmodel's option of that name)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.percdamp <= 1.0:
@@ -142,7 +146,7 @@ def gptq_quantize(
     order = torch.arange(columns)
     if settings.act_order:
         order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-    static = settings.act_order or scheme.group_size is None
+    static = settings.act_order or settings.static_groups or scheme.group_size is None
     # per-group parameters fixed up front (per channel, or static groups under act-order)
     fixed = [_group_params(w[:, g * group : (g + 1) * group], scheme) for g in range(groups)]
     params: list[QParams | None] = list(fixed) if static else [None] * groups

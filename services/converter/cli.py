@@ -19,6 +19,7 @@ from checkpoints.native_format import PPO_MODELS
 from checkpoints.registry import DEFAULT_INT4_GROUP, GGUF_TYPES, QUANTIZE_CHOICES
 from checkpoints.units import DTYPES
 from services.converter import modellink_flags
+from services.converter.calibration_flags import add_calibration_flags, calibration_options
 from services.converter.job import (
     FORMATS,
     LOAD_FORMATS,
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --quantize: keep the token embedding and output head in --dtype instead of "
         "int8 codes with one scale per row",
     )
+    add_calibration_flags(p)
     modellink_flags.add_flags(parser)
     return parser
 
@@ -298,6 +300,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
         lora_target_modules=tuple(args.lora_target_modules or ()),
         ppo_model=args.ppo_model,
+        **calibration_options(args),
     )
 
 

@@ -19,9 +19,11 @@ import torch
 from checkpoints.lora import LoraAdapter, open_adapter
 from checkpoints.megatron_lora import MegatronLoraAdapter
 from checkpoints.native_format import NativeSource
+from checkpoints.quantized_format import QuantizedSink
 from checkpoints.registry import GGUF_QUANTIZED, SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
+    PRE,
     Sink,
     Source,
     check_unit,
@@ -30,8 +32,11 @@ from checkpoints.units import (
     unit_label,
     units,
 )
+from kernels.gptq import GptqSettings
 from models.config import ModelConfig
+from models.gptq_calibration import GptqCalibrator, check_calibratable
 from models.parallel_plan import CONVERT_FLAGS, check_model_split
+from services.converter.calibration import calibration_tokens
 from services.converter.malloc import fix_mmap_threshold
 from services.converter.options import (
     FORMATS,
@@ -104,6 +109,7 @@ def sink_options(options: ConvertOptions) -> SinkOptions:
         group_size=options.group_size,
         quantize_affine=options.quantize_affine,
         keep_embedding=options.keep_embedding,
+        quantize_method=options.quantize_method,
     )
 
 
@@ -153,6 +159,8 @@ def open_checked_source(options: ConvertOptions) -> Source:
         )
     if options.tokenizer_model is not None:
         carry_tokenizer_model(options.tokenizer_model, source)
+    if options.quantize_method == "gptq":
+        check_calibratable(source.config)
     target = get_format(options.save_format)
     if target.check_target is not None:
         target.check_target(source, sink_options(options))
@@ -243,6 +251,18 @@ def convert(
     )
     if adapter is not None and options.lora_target_modules:
         check_lora_targets(options.lora_target_modules, adapter)
+    # GPTQ's calibration windows, read and checked before any weight is
+    tokens = (
+        calibration_tokens(
+            options.calibration_data,
+            options.calibration_samples,
+            options.calibration_seq_len,
+            config,
+        )
+        if options.calibration_data is not None
+        else None
+    )
+    calibrator: GptqCalibrator | None = None
     all_units = units(config)
     names = expected_names_cached(config)
     total = sum(len(names[u]) for u in all_units)
@@ -293,9 +313,14 @@ def convert(
                 first = next(iter(tensors.values()))
                 dtype = DTYPES[options.dtype] if options.dtype else first.dtype
                 sink = open_sink(options, tmp, source, dtype)
+                if tokens is not None:
+                    calibrator = _calibrator(options, config, tokens, sink)
             tensors = {n: t.to(dtype) for n, t in tensors.items()}
             report.stage("reshard" if reshards else "save", unit)
-            sink.write_unit(unit, tensors)
+            if calibrator is not None:
+                _write_calibrated(calibrator, sink, unit, tensors)
+            else:
+                sink.write_unit(unit, tensors)
             num_parameters += sum(t.numel() for t in tensors.values())
             report.done(unit, tensors)
             del tensors  # before the next read, so two units never overlap here
@@ -332,6 +357,31 @@ def convert(
         discard(staging)
         raise
     return ConvertReport(options.save_dir, files, num_parameters, total, verify_report, skipped)
+
+
+def _calibrator(
+    options: ConvertOptions, config: ModelConfig, tokens: torch.Tensor, sink: Sink
+) -> GptqCalibrator:
+    """The GPTQ calibrator of a quantized output, rounding under the sink's schemes."""
+    assert isinstance(sink, QuantizedSink)  # options pair GPTQ with --quantize only
+    settings = GptqSettings(percdamp=options.gptq_damp, act_order=options.gptq_act_order)
+    return GptqCalibrator(
+        config, tokens, sink.scheme.weights, settings, embedding=sink.scheme.embedding
+    )
+
+
+def _write_calibrated(
+    calibrator: GptqCalibrator, sink: Sink, unit: object, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Carries the calibration states through `unit` and writes it with GPTQ's layer codes."""
+    assert isinstance(sink, QuantizedSink)
+    if isinstance(unit, int):
+        rounded = calibrator.quantize_layer(unit, tensors, sink.layer_weights(unit))
+        sink.write_unit(unit, tensors, rounded)
+        return
+    if unit == PRE:
+        calibrator.embed(tensors)
+    sink.write_unit(unit, tensors)  # type: ignore[arg-type]
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

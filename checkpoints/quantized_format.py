@@ -134,8 +134,8 @@ class Scheme:
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where} is not a Meshline quantization scheme ({exc}); expected {FORMAT} with "
-                f"method {'|'.join(METHODS)}, bits 8|4, group_size, symmetric, dtype one of {list(_DTYPES)} and embedding "
-                "null or {bits, group_size, symmetric}"
+                f"method {'|'.join(METHODS)}, bits 8|4, group_size, symmetric, dtype one of "
+                f"{list(_DTYPES)} and embedding null or {{bits, group_size, symmetric}}"
             ) from exc
 
 
@@ -306,7 +306,7 @@ class QuantizedSink:
             if scheme is None:
                 self._writer.write(name, tensor.to(self.scheme.dtype))
                 continue
-            q = rounded.get(name) or quantize_weight(tensor, scheme)
+            q = rounded[name] if name in rounded else quantize_weight(tensor, scheme)
             codes = pack_int4(q.codes) if scheme.bits == 4 else q.codes
             self._writer.write(specs[0].name, codes)
             self._writer.write(f"{name}.scale", q.scale.float())

@@ -26,6 +26,7 @@ from checkpoints.units import (
     PRE,
     Sink,
     Source,
+    Unit,
     check_unit,
     expected_names_cached,
     expected_shapes_cached,
@@ -371,7 +372,7 @@ def _calibrator(
 
 
 def _write_calibrated(
-    calibrator: GptqCalibrator, sink: Sink, unit: object, tensors: dict[str, torch.Tensor]
+    calibrator: GptqCalibrator, sink: Sink, unit: Unit, tensors: dict[str, torch.Tensor]
 ) -> None:
     """Carries the calibration states through `unit` and writes it with GPTQ's layer codes."""
     assert isinstance(sink, QuantizedSink)
@@ -381,7 +382,7 @@ def _write_calibrated(
         return
     if unit == PRE:
         calibrator.embed(tensors)
-    sink.write_unit(unit, tensors)  # type: ignore[arg-type]
+    sink.write_unit(unit, tensors)
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

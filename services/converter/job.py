@@ -19,21 +19,27 @@ import torch
 from checkpoints.lora import LoraAdapter, open_adapter
 from checkpoints.megatron_lora import MegatronLoraAdapter
 from checkpoints.native_format import NativeSource
+from checkpoints.quantized_format import QuantizedSink
 from checkpoints.registry import GGUF_QUANTIZED, SinkOptions, get_format
 from checkpoints.units import (
     DTYPES,
+    PRE,
     Sink,
     Source,
+    Unit,
     check_unit,
     expected_names_cached,
     expected_shapes_cached,
     unit_label,
     units,
 )
+from kernels.gptq import GptqSettings
 from models.config import ModelConfig
+from models.gptq_calibration import GptqCalibrator, check_calibratable
 from models.parallel_plan import CONVERT_FLAGS, check_model_split
 from models.registry import get_config
 from models.tokenizer import build_tokenizer
+from services.converter.calibration import calibration_tokens
 from services.converter.malloc import fix_mmap_threshold
 from services.converter.options import (
     FORMATS,
@@ -107,6 +113,7 @@ def sink_options(options: ConvertOptions) -> SinkOptions:
         group_size=options.group_size,
         quantize_affine=options.quantize_affine,
         keep_embedding=options.keep_embedding,
+        quantize_method=options.quantize_method,
     )
 
 
@@ -154,6 +161,8 @@ def open_checked_source(options: ConvertOptions) -> Source:
         )
     if options.tokenizer_model is not None:
         carry_tokenizer_model(options.tokenizer_model, source)
+    if options.quantize_method == "gptq":
+        check_calibratable(source.config)
     target = get_format(options.save_format)
     if target.check_target is not None:
         target.check_target(source, sink_options(options))
@@ -236,6 +245,17 @@ def convert(
     source = open_checked_source(options)
     config = source.config
     adapter = _checked_adapter(options, config)
+    # GPTQ's calibration windows, read and checked before any weight is
+    tokens = (
+        calibration_tokens(
+            options.calibration_data,
+            options.calibration_samples,
+            options.calibration_seq_len,
+            config,
+        )
+        if options.calibration_data is not None
+        else None
+    )
     names = expected_names_cached(config)
     total = sum(len(names[unit]) for unit in units(config))
     report = _Reporter(on_progress, total, config.num_layers)
@@ -250,7 +270,7 @@ def convert(
         verify, skipped = _verify_choice(options, config)
         reference = ModelAssembler(config) if verify else None
         sink, num_parameters, dtype = _copy_units(
-            options, source, adapter, reference, report, tmp, cancel
+            options, source, adapter, reference, report, tmp, cancel, tokens
         )
         report.stage("save", None)
         files = sink.finish()
@@ -310,10 +330,13 @@ def _copy_units(
     report: _Reporter,
     tmp: Path,
     cancel: threading.Event | None,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[Sink, int, torch.dtype]:
-    """Every unit read, checked, LoRA-merged, kept for the parity check and written, one at a
-    time; returns the sink (to finish), the parameters written and their dtype."""
+    """Every unit read, checked, LoRA-merged, kept for the parity check and written (with
+    `tokens`, GPTQ's calibration windows, its layers' codes chosen by GPTQ), one at a time;
+    returns the sink (to finish), the parameters written and their dtype."""
     config = source.config
+    calibrator: GptqCalibrator | None = None
     reshards = (
         get_format(options.save_format).model_parallel
         or get_format(options.load_format).model_parallel
@@ -336,9 +359,14 @@ def _copy_units(
                 first = next(iter(tensors.values()))
                 dtype = DTYPES[options.dtype] if options.dtype else first.dtype
                 sink = open_sink(options, tmp, source, dtype)
+                if tokens is not None:
+                    calibrator = _calibrator(options, config, tokens, sink)
             tensors = {n: t.to(dtype) for n, t in tensors.items()}
             report.stage("reshard" if reshards else "save", unit)
-            sink.write_unit(unit, tensors)
+            if calibrator is not None:
+                _write_calibrated(calibrator, sink, unit, tensors)
+            else:
+                sink.write_unit(unit, tensors)
             num_parameters += sum(t.numel() for t in tensors.values())
             report.done(unit, tensors)
             del tensors  # before the next read, so two units never overlap here
@@ -364,6 +392,31 @@ def _check_parity(
     if not verify_report.passed:
         raise VerificationFailed(verify_report)
     return verify_report
+
+
+def _calibrator(
+    options: ConvertOptions, config: ModelConfig, tokens: torch.Tensor, sink: Sink
+) -> GptqCalibrator:
+    """The GPTQ calibrator of a quantized output, rounding under the sink's schemes."""
+    assert isinstance(sink, QuantizedSink)  # options pair GPTQ with --quantize only
+    settings = GptqSettings(percdamp=options.gptq_damp, act_order=options.gptq_act_order)
+    return GptqCalibrator(
+        config, tokens, sink.scheme.weights, settings, embedding=sink.scheme.embedding
+    )
+
+
+def _write_calibrated(
+    calibrator: GptqCalibrator, sink: Sink, unit: Unit, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Carries the calibration states through `unit` and writes it with GPTQ's layer codes."""
+    assert isinstance(sink, QuantizedSink)
+    if isinstance(unit, int):
+        rounded = calibrator.quantize_layer(unit, tensors, sink.layer_weights(unit))
+        sink.write_unit(unit, tensors, rounded)
+        return
+    if unit == PRE:
+        calibrator.embed(tensors)
+    sink.write_unit(unit, tensors)
 
 
 def _open_output(options: ConvertOptions, directory: Path) -> Source:

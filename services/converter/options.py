@@ -11,11 +11,13 @@ from checkpoints.native_format import PPO_MODELS
 from checkpoints.registry import (
     GGUF_TYPES,
     QUANTIZE_CHOICES,
+    QUANTIZE_METHODS,
     READ_FORMATS,
     WRITE_FORMATS,
     get_format,
 )
 from checkpoints.units import DTYPES
+from kernels.gptq import DEFAULT_PERCDAMP
 from services.converter.verify import VerifyReport
 
 FORMATS = WRITE_FORMATS
@@ -26,6 +28,17 @@ LOAD_FORMATS = READ_FORMATS
 FSDP state dicts of HF models are read only."""
 STAGES = ("load", "merge_lora", "reshard", "save", "verify")
 """Progress stages, in order."""
+DEFAULT_CALIBRATION_SAMPLES = 64
+"""--calibration-samples when none is given."""
+DEFAULT_CALIBRATION_SEQ_LEN = 512
+"""--calibration-seq-len when none is given."""
+MAX_CALIBRATION_SAMPLES = 4096
+"""Largest --calibration-samples."""
+MAX_CALIBRATION_SEQ_LEN = 32768
+"""Largest --calibration-seq-len (the model's context bounds it further)."""
+MAX_CALIBRATION_TOKENS = 1 << 20
+"""Largest samples × length: the calibration hidden states (tokens × hidden × 4 bytes, twice
+while a layer runs) stay in memory, 8 GiB for a 4096-wide model at this bound."""
 
 
 class VerificationFailed(Exception):
@@ -120,6 +133,22 @@ class ConvertOptions:
     keep_embedding: bool = False
     """--keep-embedding: with --quantize, keep the token embedding and output head in --dtype
     instead of int8 codes with one scale per row."""
+    quantize_method: str = "rtn"
+    """--quantize-method: how the layers' codes are chosen, "rtn" (round to nearest) or "gptq"
+    (calibrated on --calibration-data, layer by layer; kernels/gptq.py)."""
+    calibration_data: Path | None = None
+    """--calibration-data: the token shard GPTQ calibrates on, a Megatron indexed dataset prefix
+    (PREFIX.bin / PREFIX.idx, as `meshline preprocess` writes) tokenized for this model."""
+    calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
+    """--calibration-samples: windows of --calibration-seq-len tokens GPTQ runs through the model
+    (spread evenly over the shard)."""
+    calibration_seq_len: int = DEFAULT_CALIBRATION_SEQ_LEN
+    """--calibration-seq-len: tokens per calibration window (at most the model's context)."""
+    gptq_act_order: bool = False
+    """--gptq-act-order: GPTQ rounds columns by decreasing input energy (groups' scales fixed
+    from the original weights)."""
+    gptq_damp: float = DEFAULT_PERCDAMP
+    """--gptq-damp: dampening added to the Hessian's diagonal, as a fraction of its mean."""
     tokenizer_model: Path | None = None
     """--tokenizer-model (Megatron convert.py): a SentencePiece `tokenizer.model` whose vocabulary
     must fit the model's embedding; carried into the output when the source carries no tokenizer,
@@ -200,6 +229,7 @@ class ConvertOptions:
             )
         if self.keep_embedding and self.quantize is None:
             raise ValueError("--keep-embedding needs --quantize")
+        self._check_calibration()
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError(f"--verify-tolerance must be > 0, got {self.verify_tolerance}")
         if self.make_vocab_size_divisible_by < 1:
@@ -210,6 +240,53 @@ class ConvertOptions:
                 f"--save-dir {self.save_dir} lies inside --load-dir {self.load_dir}; write the "
                 "output elsewhere (it would be read as part of the source)"
             )
+
+    def _check_calibration(self) -> None:
+        """--quantize-method and the calibration flags (bounds before any file is opened)."""
+        if self.quantize_method not in QUANTIZE_METHODS:
+            raise ValueError(
+                f"--quantize-method {self.quantize_method!r}: expected one of "
+                f"{list(QUANTIZE_METHODS)}"
+            )
+        gptq = self.quantize_method == "gptq"
+        if gptq and self.quantize is None:
+            raise ValueError("--quantize-method gptq needs --quantize int8|int4")
+        if gptq and self.calibration_data is None:
+            raise ValueError(
+                "--quantize-method gptq needs --calibration-data PREFIX (a Megatron token shard, "
+                "PREFIX.bin/.idx, tokenized for this model)"
+            )
+        defaults = ConvertOptions.__dataclass_fields__
+        for flag, name in (
+            ("--calibration-data", "calibration_data"),
+            ("--calibration-samples", "calibration_samples"),
+            ("--calibration-seq-len", "calibration_seq_len"),
+            ("--gptq-act-order", "gptq_act_order"),
+            ("--gptq-damp", "gptq_damp"),
+        ):
+            if not gptq and getattr(self, name) != defaults[name].default:
+                raise ValueError(f"{flag} needs --quantize-method gptq")
+        if self.calibration_data is not None:
+            self.calibration_data = Path(self.calibration_data)
+        if not 1 <= self.calibration_samples <= MAX_CALIBRATION_SAMPLES:
+            raise ValueError(
+                f"--calibration-samples must be in [1, {MAX_CALIBRATION_SAMPLES}], got "
+                f"{self.calibration_samples}"
+            )
+        if not 2 <= self.calibration_seq_len <= MAX_CALIBRATION_SEQ_LEN:
+            raise ValueError(
+                f"--calibration-seq-len must be in [2, {MAX_CALIBRATION_SEQ_LEN}], got "
+                f"{self.calibration_seq_len}"
+            )
+        tokens = self.calibration_samples * self.calibration_seq_len
+        if tokens > MAX_CALIBRATION_TOKENS:
+            raise ValueError(
+                f"--calibration-samples {self.calibration_samples} × --calibration-seq-len "
+                f"{self.calibration_seq_len} = {tokens} tokens; at most {MAX_CALIBRATION_TOKENS} "
+                "(their hidden states are held in memory)"
+            )
+        if not 0.0 < self.gptq_damp <= 1.0:
+            raise ValueError(f"--gptq-damp must be in (0, 1], got {self.gptq_damp}")
 
 
 @dataclass

@@ -22,6 +22,7 @@ Megatron shard in the work directory.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import inspect
 import math
@@ -35,6 +36,7 @@ import torch
 
 from engine.loading import load_checkpoint
 from services.converter.job import ConvertOptions, convert
+from tokendata.indexed import IndexedDatasetWriter
 
 SCHEMES = [
     ("int8", None, False, False),
@@ -80,10 +82,6 @@ def stdlib_text() -> str:
 
 def calibration_shard(work: Path, tokenizer) -> Path:
     """A Megatron token shard of `CALIBRATION_MODULES`' sources (one document each)."""
-    import importlib
-
-    from tokendata.indexed import IndexedDatasetWriter
-
     prefix = work / "calibration_text_document"
     if not Path(f"{prefix}.idx").exists():
         writer = IndexedDatasetWriter(prefix)

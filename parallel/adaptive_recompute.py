@@ -76,6 +76,10 @@ class AdaptiveRecompute:
         self.activations: dict[int, int] = {int(k): 0 for k in layers}
         self.static = 0
         self.plan: RecomputePlan | None = None
+        self.measured_peak: int | None = None
+        """The first step's measured peak under the chosen plan (bytes; on CPU the process's
+        lifetime peak resident set, which the OS does not reset between steps)."""
+        self._checking = False
         self._handles = [h for key, layer in layers.items() for h in self._hook(int(key), layer)]
 
     def _hook(self, layer_id: int, layer: nn.Module) -> list[Any]:
@@ -99,12 +103,20 @@ class AdaptiveRecompute:
         return [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
     def before_step(self) -> None:
-        """Record the static memory (call before a step's first forward while profiling)."""
+        """Record the static memory (call before a step's first forward while profiling); before
+        the first step under the plan, start a new peak window to measure that step."""
         if self.plan is None:
             self.static = max(self.static, device.memory_stats().allocated)
+        elif self.measured_peak is None:
+            device.current().reset_peak_memory_stats()
+            self._checking = True
 
     def after_step(self, step: int, log_fn: Callable[[str], None] | None = None) -> None:
-        """After the last profiling step: choose, apply and log the plan."""
+        """After the last profiling step: choose, apply and log the plan; after the next one,
+        check the plan against that step's measured peak."""
+        if self.plan is not None and self._checking:
+            self._check_measured(log_fn)
+            return
         if self.plan is not None or step < self.profiling_steps:
             return
         for handle in self._handles:
@@ -120,6 +132,27 @@ class AdaptiveRecompute:
         )
         if self.plan.predicted_peak > self.budget:
             log.warning("%s — over budget even with every layer recomputed", message)
+        else:
+            log.info("%s", message)
+        if log_fn is not None:
+            log_fn(message)
+
+    def _check_measured(self, log_fn: Callable[[str], None] | None) -> None:
+        """The plan's step measured: its peak beside the prediction, a warning over budget."""
+        assert self.plan is not None
+        self._checking = False
+        self.measured_peak = device.memory_stats().peak
+        message = (
+            f"adaptive recompute: measured peak {self.measured_peak / 2**20:.1f} MiB in the "
+            f"first step with layers {self.plan.layers or 'none'} recomputed (predicted "
+            f"{self.plan.predicted_peak / 2**20:.1f} MiB, budget {self.budget / 2**20:.0f} MiB)"
+        )
+        if self.measured_peak > self.budget:
+            log.warning(
+                "%s — over --auto-recompute-device-size: raise it, or recompute more (e.g. "
+                "--recompute-granularity full)",
+                message,
+            )
         else:
             log.info("%s", message)
         if log_fn is not None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
 
+import pytest
+from torch import nn
+
+from kernels.device import MemoryStats
+from parallel import adaptive_recompute
 from parallel.adaptive_recompute import choose_layers
 from services.trainer.arguments import parse_args
 from tests.parallel.parity import BASE
@@ -49,5 +54,49 @@ def test_tight_budget_recomputes_every_layer_and_keeps_the_losses():
     )
     plan = trainer.auto_recompute.plan
     assert plan is not None and plan.layers == [0, 1, 2, 3]
+    # Step 6 ran under the plan in its own peak window (on CPU: the lifetime peak RSS).
+    assert trainer.auto_recompute.measured_peak is not None
+    assert trainer.auto_recompute.measured_peak > 1 * MB
     assert all(trainer.auto_recompute.activations[i] > 0 for i in range(4))
     assert losses == pytest.approx(plain, rel=1e-6)
+
+
+class _FakeDevice:
+    """kernels.device as the plan check reads it: a peak that a reset starts anew."""
+
+    def __init__(self, allocated: int, step_peak: int) -> None:
+        self.allocated, self.step_peak, self.resets, self.peak = allocated, step_peak, 0, 0
+
+    def current(self) -> _FakeDevice:
+        return self
+
+    def reset_peak_memory_stats(self) -> None:
+        self.resets += 1
+        self.peak = self.step_peak
+
+    def memory_stats(self) -> MemoryStats:
+        return MemoryStats("cuda", self.allocated, self.peak, 0)
+
+
+@pytest.mark.parametrize(("step_peak", "over"), [(40 * MB, False), (90 * MB, True)])
+def test_the_chosen_plan_is_checked_against_the_measured_peak(monkeypatch, caplog, step_peak, over):
+    """The first step under the plan runs in a fresh peak window; its measured peak is logged
+    beside the prediction and warned about when it exceeds --auto-recompute-device-size."""
+    fake = _FakeDevice(allocated=10 * MB, step_peak=step_peak)
+    monkeypatch.setattr(adaptive_recompute, "device", fake)
+    layers = nn.ModuleDict({"0": nn.Linear(4, 4), "1": nn.Linear(4, 4)})
+    auto = adaptive_recompute.AdaptiveRecompute(layers, budget_mb=64, profiling_steps=5)
+    seen: list[str] = []
+    for step in range(1, 6):
+        auto.before_step()
+        auto.after_step(step, seen.append)
+    assert auto.plan is not None and auto.measured_peak is None and fake.resets == 0
+    with caplog.at_level(logging.INFO, logger=adaptive_recompute.__name__):
+        auto.before_step()
+        auto.after_step(6, seen.append)
+    assert fake.resets == 1 and auto.measured_peak == step_peak
+    assert f"measured peak {step_peak / MB:.1f} MiB" in seen[-1]
+    assert ("over --auto-recompute-device-size" in caplog.text) is over
+    auto.before_step()  # later steps are not measured again
+    auto.after_step(7, seen.append)
+    assert fake.resets == 1 and len(seen) == 2

@@ -239,6 +239,8 @@ class OptimSection:
     """Warmup curve: linear (Megatron's) or log, lr x log(step + 1) / log(warmup) (DeepSpeed's default)."""
     lr_schedule_lag: int = 0
     """Steps the schedule runs behind the optimizer: step k uses iteration k - lag's rate (DeepSpeed: 1)."""
+    lr_warmup_lag: int = 0
+    """Steps the warmup alone runs behind, the decay keeping its place (DeepSpeed's WarmupCosineLR: 1)."""
     lr_warmup_fraction: float | None = None
     """Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
     lr_decay_iters: int | None = None
@@ -263,6 +265,10 @@ class OptimSection:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if not 0 <= self.lr_warmup_lag <= MAX_SCHEDULE_LAG:
+            raise ValueError(
+                f"--lr-warmup-lag must be in [0, {MAX_SCHEDULE_LAG}], got {self.lr_warmup_lag}"
+            )
         if not 0 <= self.lr_schedule_lag <= MAX_SCHEDULE_LAG:
             raise ValueError(
                 f"--lr-schedule-lag must be in [0, {MAX_SCHEDULE_LAG}], got {self.lr_schedule_lag}"

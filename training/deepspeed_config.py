@@ -445,13 +445,14 @@ def _optimizer_defaults(ctx: _Ctx, p: str, params: dict[str, Any], name: str) ->
 
 
 _SCHEDULER_USE = (
-    "use WarmupLR or WarmupDecayLR (log or linear warmup), WarmupCosineLR with warmup_type "
-    "linear, or --lr-warmup-iters N --lr-decay-style linear/cosine"
+    "use WarmupLR, WarmupDecayLR or WarmupCosineLR (log or linear warmup), or "
+    "--lr-warmup-iters N --lr-decay-style linear/cosine"
 )
 _SCHEDULE_STYLES = {"warmuplr": "constant", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 """DeepSpeed's scheduler types -> --lr-decay-style."""
 _LAG_WHY = "DeepSpeed's scheduler steps after the optimizer"
-"""Why WarmupLR/WarmupDecayLR set --lr-schedule-lag 1 (docs/training.md)."""
+"""Why WarmupLR/WarmupDecayLR set --lr-schedule-lag 1, WarmupCosineLR --lr-warmup-lag 1
+(docs/training.md)."""
 
 
 def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
@@ -473,32 +474,24 @@ def _scheduler(ctx: _Ctx, path: str, value: Any) -> None:
         return
     # DeepSpeed warms up logarithmically unless warmup_type is linear.
     warmup_type = _choice(f"{p}.warmup_type", params.get("warmup_type", "log"), ("log", "linear"))
-    if style == "cosine" and warmup_type == "log" and "warmup_type" not in params:
-        ctx.refuse(
-            f"{path}.type",
-            kind,
-            "WarmupCosineLR's default warmup is logarithmic and its decay starts one step "
-            'earlier than Meshline\'s cosine: add "warmup_type": "linear" to params',
-        )
-    elif style == "cosine":
-        ctx.set(f"{path}.type", kind, "lr_decay_style", style)
-    else:
-        _warmup_schedule(ctx, f"{path}.type", kind, style)
-        if "warmup_type" not in params:
-            note = "DeepSpeed's default warmup_type"
-            ctx.set(f"{p}.warmup_type", "(absent)", "lr_warmup_style", "log", note)
+    _warmup_schedule(ctx, f"{path}.type", kind, style)
+    if "warmup_type" not in params:
+        note = "DeepSpeed's default warmup_type"
+        ctx.set(f"{p}.warmup_type", "(absent)", "lr_warmup_style", "log", note)
     for key, val in params.items():
         _scheduler_param(ctx, f"{p}.{key}", key, val, kind, style, warmup_type)
     _scheduler_defaults(ctx, p, params, style)
 
 
 def _warmup_schedule(ctx: _Ctx, at: str, kind: str, style: str) -> None:
-    """WarmupLR/WarmupDecayLR's type row: the decay style, one step behind the optimizer."""
+    """The scheduler's type row: the decay style, one step behind the optimizer (WarmupCosineLR:
+    its warmup only, since its decay counts from the warmup's last iteration)."""
+    lag = "lr_warmup_lag" if style == "cosine" else "lr_schedule_lag"
     ctx.claim(at, "lr_decay_style", style)
-    ctx.claim(at, "lr_schedule_lag", 1)
-    ctx.out.fields.update(lr_decay_style=style, lr_schedule_lag=1)
-    text = f"--lr-decay-style {style} --lr-schedule-lag 1 ({_LAG_WHY})"
-    ctx.out.rows.append(Row(at, kind, "applied", text, ("lr_decay_style", "lr_schedule_lag")))
+    ctx.claim(at, lag, 1)
+    ctx.out.fields.update({"lr_decay_style": style, lag: 1})
+    text = f"--lr-decay-style {style} --{lag.replace('_', '-')} 1 ({_LAG_WHY})"
+    ctx.out.rows.append(Row(at, kind, "applied", text, ("lr_decay_style", lag)))
 
 
 def _scheduler_param(
@@ -506,13 +499,8 @@ def _scheduler_param(
 ) -> None:
     """The row of one `scheduler.params` key of scheduler `kind` (decay `style`)."""
     cosine = style == "cosine"
-    if key == "warmup_type" and not cosine:
+    if key == "warmup_type":
         ctx.set(at, val, "lr_warmup_style", warmup_type)
-    elif key == "warmup_type":
-        if warmup_type == "linear":
-            ctx.same(at, val, "linear warmup, as Meshline's")
-        else:
-            ctx.refuse(at, val, 'Meshline\'s cosine warms up linearly here: set "linear"')
     elif key == "warmup_num_steps":
         if _is_auto(val):
             ctx.auto(at, "lr_warmup_iters")

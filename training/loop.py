@@ -283,6 +283,7 @@ class Trainer(TrainerState):
             decay_style=config.optim.lr_decay_style,
             warmup_style=config.optim.lr_warmup_style,
             lag=config.optim.lr_schedule_lag,
+            warmup_lag=config.optim.lr_warmup_lag,
         )
         self.scaler = build_loss_scaler(config.precision)
         self.batches = MicroBatchCalculator(

@@ -64,8 +64,10 @@ def lr_at(
     init_lr: float = 0.0,
     warmup_style: str = "linear",
     lag: int = 0,
+    warmup_lag: int = 0,
 ) -> float:
-    """The learning rate after `step` completed optimizer steps, the schedule `lag` steps behind."""
+    """The learning rate after `step` completed optimizer steps, the schedule `lag` steps behind
+    and its warmup `warmup_lag` more (the decay keeping its place)."""
     if decay_style not in LR_SCHEDULES:
         raise ValueError(
             f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(LR_SCHEDULES)}"
@@ -73,6 +75,7 @@ def lr_at(
     check_warmup(warmup_steps, warmup_style, lag)
     step = max(step - lag, 0)  # before the schedule starts: its first rate
     if warmup_steps > 0 and step <= warmup_steps:
+        step = max(step - warmup_lag, 0)
         if warmup_style == "linear":  # Megatron's exact arithmetic
             return init_lr + (max_lr - init_lr) * step / warmup_steps
         return init_lr + (max_lr - init_lr) * warmup_fraction(step, warmup_steps, warmup_style)
@@ -112,6 +115,7 @@ class LRScheduler:
         decay_style: str,
         warmup_style: str = "linear",
         lag: int = 0,
+        warmup_lag: int = 0,
     ) -> None:
         check_warmup(warmup_steps, warmup_style, lag)
         if warmup_steps > decay_steps and decay_style != "constant":
@@ -126,7 +130,7 @@ class LRScheduler:
             decay_steps,
             decay_style,
         )
-        self.warmup_style, self.lag = warmup_style, lag
+        self.warmup_style, self.lag, self.warmup_lag = warmup_style, lag, warmup_lag
         self.num_steps = 0
         self._apply()
 
@@ -141,6 +145,7 @@ class LRScheduler:
             decay_style=self.decay_style,
             warmup_style=self.warmup_style,
             lag=self.lag,
+            warmup_lag=self.warmup_lag,
         )
 
     def _apply(self) -> None:
@@ -164,6 +169,7 @@ class LRScheduler:
             "decay_style": self.decay_style,
             "warmup_style": self.warmup_style,
             "lag": self.lag,
+            "warmup_lag": self.warmup_lag,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -173,13 +179,17 @@ class LRScheduler:
         changes them would jump the rate mid-run: refused (checkpoints from before these
         settings were saved with the defaults, linear and 0).
         """
-        saved = (str(state.get("warmup_style", "linear")), int(state.get("lag", 0)))
-        if saved != (self.warmup_style, self.lag):
+        saved = (
+            str(state.get("warmup_style", "linear")),
+            int(state.get("lag", 0)),
+            int(state.get("warmup_lag", 0)),
+        )
+        if saved != (self.warmup_style, self.lag, self.warmup_lag):
             raise ValueError(
                 f"the checkpoint's schedule ran with --lr-warmup-style {saved[0]} "
-                f"--lr-schedule-lag {saved[1]}, this run has --lr-warmup-style "
-                f"{self.warmup_style} --lr-schedule-lag {self.lag}; resume with the "
-                "checkpoint's values"
+                f"--lr-schedule-lag {saved[1]} --lr-warmup-lag {saved[2]}, this run has "
+                f"--lr-warmup-style {self.warmup_style} --lr-schedule-lag {self.lag} "
+                f"--lr-warmup-lag {self.warmup_lag}; resume with the checkpoint's values"
             )
         self.num_steps = int(state["num_steps"])
         self._apply()

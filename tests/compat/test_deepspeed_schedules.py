@@ -1,6 +1,6 @@
 """DeepSpeed's scheduler blocks, mapped by `--deepspeed_config`, give DeepSpeed's own per-step
 learning rates exactly: Meshline's `LRScheduler` built from the mapped fields against DeepSpeed's
-WarmupLR/WarmupDecayLR classes (the installed deepspeed), each stepping a dummy torch optimizer
+WarmupLR/WarmupDecayLR/WarmupCosineLR classes (the installed deepspeed), each stepping a dummy torch optimizer
 the way its engine does (DeepSpeed: `optimizer.step()` then `scheduler.step()`; Meshline: the
 rate set before the step, `scheduler.step()` after)."""
 
@@ -50,13 +50,18 @@ def _deepspeed_rates(kind: str, params: dict[str, Any]) -> list[float]:
 
 def _meshline_rates(kind: str, params: dict[str, Any], tmp_path: Path) -> list[float]:
     ds: dict[str, Any] = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}}
-    if "warmup_max_lr" not in params:  # HF Trainer's "auto": without a scheduler default,
-        ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}  # --lr's would win
+    if "warmup_max_lr" not in params and kind != "WarmupCosineLR":  # HF Trainer's "auto":
+        # without a scheduler default, --lr's would win
+        ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
     ds["scheduler"] = {"type": kind, "params": params}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     config = parse_args([*BASE, "--deepspeed_config", str(path)], read_files=True)
-    assert config.optim.lr_schedule_lag == 1
+    # WarmupCosineLR's decay counts from its warmup's last iteration: only its warmup lags.
+    cosine = kind == "WarmupCosineLR"
+    assert (config.optim.lr_warmup_lag, config.optim.lr_schedule_lag) == (
+        (1, 0) if cosine else (0, 1)
+    )
     optimizer = _optimizer()
     scheduler = LRScheduler(  # as training/loop.py builds it
         optimizer,
@@ -67,6 +72,7 @@ def _meshline_rates(kind: str, params: dict[str, Any], tmp_path: Path) -> list[f
         decay_style=config.optim.lr_decay_style,
         warmup_style=config.optim.lr_warmup_style,
         lag=config.optim.lr_schedule_lag,
+        warmup_lag=config.optim.lr_warmup_lag,
     )
     rates = []
     for _ in range(STEPS):
@@ -103,6 +109,15 @@ CASES = {
         {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 10,
          "total_num_steps": 25, "warmup_type": "linear"},
     ),
+    "WarmupCosineLR-log": (
+        "WarmupCosineLR",
+        {"warmup_num_steps": 6, "total_num_steps": 24},
+    ),
+    "WarmupCosineLR-linear (to cos_min_ratio)": (
+        "WarmupCosineLR",
+        {"warmup_num_steps": 5, "total_num_steps": 20, "warmup_type": "linear",
+         "cos_min_ratio": 0.1},
+    ),
 }  # fmt: skip
 
 
@@ -113,7 +128,7 @@ def test_mapped_schedule_gives_deepspeeds_rates(case, tmp_path):
     ours = _meshline_rates(kind, params, tmp_path)
     assert theirs[:2] == [0.0, 0.0]  # DeepSpeed's first two steps: iteration -1, then 0
     peak = params.get("warmup_max_lr", 1e-3 if kind == "WarmupDecayLR" else LR)
-    if "warmup_num_steps" in params:  # the warmup reaches the peak within the run
+    if "warmup_num_steps" in params and kind != "WarmupCosineLR":  # the peak within the run
         assert max(theirs) == pytest.approx(peak)
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-12)
 

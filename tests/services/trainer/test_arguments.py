@@ -78,6 +78,7 @@ NON_DEFAULT = {
     "lr_warmup_iters": None,  # exclusive with --lr-warmup-fraction: checked separately
     "lr_warmup_style": ("--lr-warmup-style", "log"),
     "lr_schedule_lag": ("--lr-schedule-lag", "1"),
+    "lr_warmup_lag": ("--lr-warmup-lag", "1"),
     "lr_warmup_fraction": ("--lr-warmup-fraction", "0.1"),
     "lr_decay_iters": ("--lr-decay-iters", "50"),
     "weight_decay": ("--weight-decay", "0.1"),

@@ -122,6 +122,18 @@ def names_by_unit(config: ModelConfig, names: Iterable[str], where: Path) -> dic
     return by_unit
 
 
+def unit_from_hf(hf: Tensors, unit: Unit, config: ModelConfig, where: Path) -> Tensors:
+    """One unit's HF-named tensors as Meshline's (a tied head dropped); an error naming `where`
+    when they do not fit `config`."""
+    try:
+        tensors = from_hf(hf, config)
+    except (RuntimeError, KeyError) as exc:
+        raise ValueError(f"{where}: {unit!r} tensors do not fit the model config ({exc})") from exc
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
 def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed `.pt` file, memory-mapped, through the allow-list (clear errors otherwise)."""
     state = load_weights_only(
@@ -427,16 +439,7 @@ class DeepSpeedSource:
 
     def read_unit(self, unit: Unit) -> Tensors:
         """The unit's consolidated fp32 tensors, mapped from HF to Meshline names."""
-        hf = self._assemble(self._by_unit[unit])
-        try:
-            tensors = from_hf(hf, self.config)
-        except (RuntimeError, KeyError) as exc:
-            raise ValueError(
-                f"{self.tag_dir}: {unit!r} tensors do not fit the model config ({exc})"
-            ) from exc
-        if self.config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
-        return tensors
+        return unit_from_hf(self._assemble(self._by_unit[unit]), unit, self.config, self.tag_dir)
 
     def full_state_dict(self) -> Tensors:
         """Every parameter under its saved (HF) name, in fp32: zero_to_fp32's result (the whole

@@ -29,12 +29,17 @@ from typing import Any
 import torch
 
 from checkpoints.bounds import check_declared_size
-from checkpoints.deepspeed_format import load_file, names_by_unit, read_config, safe_globals
+from checkpoints.deepspeed_format import (
+    load_file,
+    names_by_unit,
+    read_config,
+    safe_globals,
+    unit_from_hf,
+)
 from checkpoints.hf_format import tokenizer_files
 from checkpoints.torch_files import load_weights_only
 from checkpoints.units import Tensors, Unit
 from models.config import ModelConfig
-from models.hf_adapters import from_hf
 
 TAG_FILE = "latest_universal"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -134,15 +139,7 @@ class UniversalSource:
 
     def read_unit(self, unit: Unit) -> Tensors:
         """The unit's fp32 tensors, mapped from HF to Meshline names."""
-        try:
-            tensors = from_hf(self._assemble(self._by_unit[unit]), self.config)
-        except (RuntimeError, KeyError) as exc:
-            raise ValueError(
-                f"{self.tag_dir}: {unit!r} tensors do not fit the model config ({exc})"
-            ) from exc
-        if self.config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
-        return tensors
+        return unit_from_hf(self._assemble(self._by_unit[unit]), unit, self.config, self.tag_dir)
 
     def full_state_dict(self) -> Tensors:
         """Every parameter (and buffer) under its saved (HF) name, in fp32."""

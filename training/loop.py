@@ -37,7 +37,7 @@ from training.batching import MicroBatchCalculator, MicroBatchStream, stack_samp
 from training.checkpoint import PathGuard
 from training.config import TrainingConfig
 from training.loss_scaler import build_loss_scaler
-from training.lr_schedule import LRScheduler
+from training.lr_schedule import scheduler_for
 from training.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -274,16 +274,8 @@ class Trainer(TrainerState):
             offload=config.parallel_config().optimizer_offload(),
             param_swap=self.param_swap,
         )
-        self.scheduler = LRScheduler(
-            self.optimizer,
-            max_lr=config.optim.lr,
-            min_lr=config.optim.min_lr,
-            warmup_steps=config.lr_warmup_iters(),
-            decay_steps=config.lr_decay_iters(),
-            decay_style=config.optim.lr_decay_style,
-            warmup_style=config.optim.lr_warmup_style,
-            lag=config.optim.lr_schedule_lag,
-            warmup_lag=config.optim.lr_warmup_lag,
+        self.scheduler = scheduler_for(
+            self.optimizer, config.optim, config.lr_warmup_iters(), config.lr_decay_iters()
         )
         self.scaler = build_loss_scaler(config.precision)
         self.batches = MicroBatchCalculator(

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # config_sections imports this module's bounds
+    from training.config_sections import OptimSection
 
 # decay_ratio in [0, 1] -> coefficient in [0, 1] applied to (max_lr - min_lr).
 DECAY_COEFFICIENTS: dict[str, Callable[[float], float]] = {
@@ -193,3 +196,21 @@ class LRScheduler:
             )
         self.num_steps = int(state["num_steps"])
         self._apply()
+
+
+def scheduler_for(
+    optimizer: HasParamGroups, optim: OptimSection, warmup_steps: int, decay_steps: int
+) -> LRScheduler:
+    """The schedule the --lr* flags of `optim` describe over `warmup_steps` and `decay_steps`
+    (the run's resolved --lr-warmup-iters and --lr-decay-iters)."""
+    return LRScheduler(
+        optimizer,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_style=optim.lr_decay_style,
+        warmup_style=optim.lr_warmup_style,
+        lag=optim.lr_schedule_lag,
+        warmup_lag=optim.lr_warmup_lag,
+    )

@@ -17,7 +17,7 @@ import torch
 
 from services.trainer.arguments import parse_args
 from training import deepspeed_config
-from training.lr_schedule import LRScheduler
+from training.lr_schedule import scheduler_for
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -63,16 +63,8 @@ def _meshline_rates(kind: str, params: dict[str, Any], tmp_path: Path) -> list[f
         (1, 0) if cosine else (0, 1)
     )
     optimizer = _optimizer()
-    scheduler = LRScheduler(  # as training/loop.py builds it
-        optimizer,
-        max_lr=config.optim.lr,
-        min_lr=config.optim.min_lr,
-        warmup_steps=config.lr_warmup_iters(),
-        decay_steps=config.lr_decay_iters(),
-        decay_style=config.optim.lr_decay_style,
-        warmup_style=config.optim.lr_warmup_style,
-        lag=config.optim.lr_schedule_lag,
-        warmup_lag=config.optim.lr_warmup_lag,
+    scheduler = scheduler_for(  # as training/loop.py builds it
+        optimizer, config.optim, config.lr_warmup_iters(), config.lr_decay_iters()
     )
     rates = []
     for _ in range(STEPS):

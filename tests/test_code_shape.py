@@ -14,24 +14,13 @@ import io
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_layering import FIRST_PARTY as LAYERING_FIRST_PARTY
+from tests.test_layering import ROOT
+
 MAX_FUNCTION_LINES = 80
 SKIPPED_TOPS = frozenset({"tests", "meshline", "build"})
 """Top-level folders not scanned (tests, the generated gRPC stubs, build outputs)."""
-FIRST_PARTY = frozenset(
-    {
-        "kernels",
-        "models",
-        "tokendata",
-        "checkpoints",
-        "parallel",
-        "engine",
-        "training",
-        "services",
-        "meshline",
-        "meshline_client",
-    }
-)
+FIRST_PARTY = frozenset({*LAYERING_FIRST_PARTY, "meshline"})
 
 
 def _sources() -> list[Path]:
